@@ -1,0 +1,70 @@
+"""fulmen: a source-to-source compiler for PyTorch programs.
+
+    import fulmen
+    model = fulmen.jit(model)          # or torch.compile(model, backend="fulmen")
+    out = model(x)                     # traced, compiled and cached on the first call
+    print(fulmen.last_traces(model)[-1])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+# `torch` in this namespace is the submodule fulmen.torch (importing a subpackage binds its name here),
+# so PyTorch is imported under another name.
+import torch as _pytorch
+
+from fulmen.core import dtypes  # noqa: F401
+from fulmen import prims  # noqa: F401
+from fulmen import torch as ltorch  # noqa: F401
+from fulmen.executors import torchex as _torchex  # noqa: F401  (registers the torch executor)
+from fulmen.executors.base import Executor
+from fulmen.frontend.jit import JittedFunction, get_stats
+from fulmen.frontend.module import JittedModule
+
+__version__ = "0.1.0"
+__all__ = ["jit", "last_traces", "last_backward_traces", "last_prologue_traces", "compile_stats", "cache_hits",
+           "cache_misses"]
+
+
+def jit(fn: Callable | _pytorch.nn.Module, executors: Sequence[Executor | str] | None = None, **options) -> Any:
+    """Compile a function or an ``nn.Module``.
+
+    ``executors`` lists executors (objects or registered names) in priority order; the torch executor is
+    always added last. A module comes back as a wrapper module sharing the original's parameters::
+
+        model = fulmen.jit(nn.Linear(4, 4))
+        y = model(x)
+    """
+    if isinstance(fn, JittedModule | JittedFunction):
+        return fn
+    if isinstance(fn, _pytorch.nn.Module):
+        return JittedModule(fn, executors, **options)
+    return JittedFunction(fn, executors, **options)
+
+
+def compile_stats(fn) -> Any:
+    """Counters, per-phase times and traces of a jitted function or module."""
+    return get_stats(fn)
+
+
+def last_traces(fn) -> list:
+    """The traces of the last compilation, computation trace first, execution trace last."""
+    return get_stats(fn).last_traces
+
+
+def last_backward_traces(fn) -> list:
+    return get_stats(fn).last_backward_traces
+
+
+def last_prologue_traces(fn) -> list:
+    return get_stats(fn).last_prologue_traces
+
+
+def cache_hits(fn) -> int:
+    return get_stats(fn).cache_hits
+
+
+def cache_misses(fn) -> int:
+    return get_stats(fn).cache_misses

@@ -1,0 +1,1 @@
+"""Core data structures: dtypes, devices, proxies, symbols, traces and code generation."""

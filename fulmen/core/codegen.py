@@ -1,0 +1,106 @@
+"""Turn an execution trace into a Python function: print it, ``exec`` it once, keep the callable.
+
+The generated source is registered with ``linecache`` so a failing operation shows its trace line in
+the traceback.
+"""
+
+from __future__ import annotations
+
+import linecache
+import math
+from collections.abc import Callable
+from itertools import count
+from typing import Any
+
+import torch
+
+from fulmen.core import devices, dtypes
+from fulmen.core.codeutils import Printer, sanitize_name
+from fulmen.core.symbol import Symbol
+from fulmen.core.trace import Trace
+
+_counter = count()
+_ROOTS = {"torch": torch}
+
+
+def _resolve(qualified: str) -> Any:
+    parts = qualified.split(".")
+    obj = _ROOTS.get(parts[0])
+    for p in parts[1:]:
+        if obj is None:
+            return None
+        obj = getattr(obj, p, None)
+    return obj
+
+
+class _ExecPrinter:
+    """Gives each executable symbol a printed name that resolves, in the generated module, to its impl."""
+
+    def __init__(self, ctx: dict[str, Any]):
+        self.ctx = ctx
+        self.names: dict[int, str] = {}
+
+    def name_for(self, sym: Symbol) -> str:
+        name = self.names.get(id(sym))
+        if name is not None:
+            return name
+        qualified = sym.qualified_name
+        if sym.impl is None:
+            raise RuntimeError(f"{qualified} has no implementation; claim the trace with executors before "
+                               "generating code")
+        if sym.module and sym.module.split(".")[0] == "torch" and _resolve(qualified) is sym.impl:
+            name = qualified
+        elif sym.module == "torchex":
+            from fulmen.executors.torchex import torchex_namespace
+
+            self.ctx["torchex"] = torchex_namespace
+            name = qualified
+        else:
+            base = sanitize_name(sym.name)
+            name, i = base, 0
+            while name in self.ctx and self.ctx[name] is not sym.impl:
+                i += 1
+                name = f"{base}_{i}"
+            self.ctx[name] = sym.impl
+        self.names[id(sym)] = name
+        return name
+
+
+def python_source(trace: Trace, ctx: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+    """Source of an execution trace and the globals it needs (torch, implementations, constants)."""
+    ctx = ctx if ctx is not None else {}
+    ctx.update({"torch": torch, "devices": devices, "dtypes": dtypes, "inf": math.inf, "nan": math.nan})
+    ctx.update(trace.constants)
+    printer = Printer(ctx)
+    names = _ExecPrinter(ctx)
+    lines: list[str] = []
+    if trace.provenance:
+        lines.append(f"# Constructed by {trace.provenance}")
+    lines.append(f"def {trace.fn_name}({', '.join(trace.signature_names())}):")
+    body: list[str] = []
+    for a in trace.args:
+        if hasattr(a, "type_string"):
+            body.append(f'# {a.name}: "{a.type_string()}"')
+    for bsym in trace.bound_symbols:
+        if bsym.sym.id == "del":
+            body.append("del " + ", ".join(p.name for p in bsym.flat_args))
+            continue
+        if bsym.sym.id == "comment":
+            body.append(f"# {bsym.args[0]}")
+            continue
+        body.extend(bsym.python_lines(printer, name=names.name_for(bsym.sym), unused=trace.unused_outputs))
+    body.append(f"return {printer(trace.output)}")
+    lines.extend("  " + ln for ln in body)
+    return "\n".join(lines) + "\n", ctx
+
+
+def compile_trace(trace: Trace) -> tuple[Callable, str]:
+    """The callable for an execution trace, and its source."""
+    source, ctx = python_source(trace)
+    filename = f"<fulmen {trace.fn_name}_{next(_counter)}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    code = compile(source, filename, "exec")
+    exec(code, ctx)
+    fn = ctx[trace.fn_name]
+    fn.__fulmen_source__ = source
+    return fn, source

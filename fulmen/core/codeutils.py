@@ -1,0 +1,111 @@
+"""Printing values as Python source, for traces and generated code."""
+
+from __future__ import annotations
+
+import keyword
+from numbers import Number
+from typing import Any
+
+import torch
+
+from fulmen.core import dtypes
+from fulmen.core.devices import Device
+from fulmen.core.proxies import Proxy, TensorProxy
+
+#: Names generated code relies on; a user argument with one of these names is renamed.
+RESERVED_NAMES = frozenset(
+    {"torch", "ltorch", "prims", "dtypes", "devices", "inf", "nan", "Tensor", "fulmen", "operator", "math"}
+    | set(dir(__builtins__) if isinstance(__builtins__, dict) is False else __builtins__)
+)
+
+
+def sanitize_name(name: str) -> str:
+    """A legal identifier that shadows neither keywords, builtins nor the modules traces use."""
+    if not name.isidentifier():
+        name = "".join(c if c.isalnum() or c == "_" else "_" for c in name) or "_"
+        if name[0].isdigit():
+            name = "_" + name
+    if keyword.iskeyword(name) or name in RESERVED_NAMES:
+        name = name + "_"
+    return name
+
+
+class Printer:
+    """Prints arguments of bound symbols; values without a literal form become named constants in ``ctx``."""
+
+    def __init__(self, ctx: dict[str, Any] | None = None):
+        self.ctx = ctx if ctx is not None else {}
+        self._const_ids: dict[int, str] = {}
+
+    def constant(self, value: Any, hint: str = "_const") -> str:
+        name = self._const_ids.get(id(value))
+        if name is None:
+            name = f"{hint}_{len(self._const_ids)}"
+            self._const_ids[id(value)] = name
+            self.ctx[name] = value
+        return name
+
+    def __call__(self, x: Any) -> str:
+        if isinstance(x, Proxy):
+            return x.name
+        if x is None or isinstance(x, (bool, str)):
+            return repr(x)
+        if isinstance(x, Number):
+            if isinstance(x, float):
+                if x != x:
+                    return "nan"
+                if x in (float("inf"), float("-inf")):
+                    return "inf" if x > 0 else "-inf"
+            return repr(x)
+        if isinstance(x, tuple):
+            if hasattr(x, "_fields"):
+                return self.constant(x, "_tuple")
+            inner = ", ".join(self(v) for v in x)
+            return f"({inner},)" if len(x) == 1 else f"({inner})"
+        if isinstance(x, list):
+            return "[" + ", ".join(self(v) for v in x) + "]"
+        if isinstance(x, dict):
+            return "{" + ", ".join(f"{self(k)}: {self(v)}" for k, v in x.items()) + "}"
+        if isinstance(x, torch.dtype):
+            return str(x)
+        if isinstance(x, Device):
+            return f'torch.device("{x}")'
+        if isinstance(x, torch.device):
+            return f'torch.device("{x}")'
+        if isinstance(x, slice):
+            return f"slice({self(x.start)}, {self(x.stop)}, {self(x.step)})"
+        if x is Ellipsis:
+            return "..."
+        if isinstance(x, torch.memory_format):
+            return str(x)
+        if isinstance(x, torch.layout):
+            return str(x)
+        return self.constant(x, "_" + type(x).__name__.lower())
+
+
+def type_comment(p: Any) -> str:
+    if isinstance(p, TensorProxy):
+        return f'{p.name}: "{p.type_string()}"'
+    return ""
+
+
+def outputs_of(x: Any) -> list[Proxy]:
+    """Every proxy in a (nested) output structure, in order."""
+    out: list[Proxy] = []
+
+    def visit(v):
+        if isinstance(v, Proxy):
+            out.append(v)
+        elif isinstance(v, (tuple, list)):
+            for e in v:
+                visit(e)
+        elif isinstance(v, dict):
+            for e in v.values():
+                visit(e)
+
+    visit(x)
+    return out
+
+
+def dtype_name(d: torch.dtype) -> str:
+    return dtypes.short_name(d)

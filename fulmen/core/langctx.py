@@ -1,0 +1,26 @@
+"""The language context: what methods, operators and torch callables mean on a proxy.
+
+``core`` cannot import the torch language (imports point down the layers), so the torch language
+fills these tables when it is imported and ``TensorProxy`` looks names up here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+#: ``Tensor`` method name -> function taking the proxy first (``"add"`` -> ``ltorch.add``).
+methods: dict[str, Callable] = {}
+#: ``Tensor`` property name -> function of the proxy (``"T"``, ``"mT"``, ``"real"``).
+properties: dict[str, Callable] = {}
+#: torch callable (``torch.add``, ``torch.Tensor.add``, ``F.relu``) -> the torch-language function.
+torch_functions: dict[Any, Callable] = {}
+#: Called with a torch callable that has no torch-language function; returns a callable that records it opaquely.
+fallback: list[Callable] = []
+
+
+def method(name: str) -> Callable:
+    fn = methods.get(name)
+    if fn is None:
+        raise AttributeError(f"'TensorProxy' has no method {name!r} (no torch-language rule for Tensor.{name})")
+    return fn

@@ -1,0 +1,297 @@
+"""Proxies stand for values while a program is traced.
+
+``TensorProxy`` is deliberately *not* a ``torch.Tensor`` subclass: torch calls reach fulmen through
+``__torch_function__``, methods and operators through the language context, and nothing can silently
+read tensor data. Shapes are concrete; the prologue guards them.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from fulmen.core import dtypes, langctx
+from fulmen.core.devices import Device, to_device
+
+
+class DataDependentError(RuntimeError):
+    """Raised when a traced program needs a tensor's *value* in Python (``bool(t)``, ``t.item()``)."""
+
+
+def _user_location() -> str:
+    """The first stack frame outside fulmen and torch: the user's line that needed a value."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if "/fulmen/" not in filename.replace("\\", "/") and "/torch/" not in filename.replace("\\", "/") \
+                and not filename.startswith("<fulmen"):
+            import linecache
+
+            line = linecache.getline(filename, frame.f_lineno).strip()
+            return f'File "{filename}", line {frame.f_lineno}' + (f": {line}" if line else "")
+        frame = frame.f_back
+    return "<unknown location>"
+
+
+def _data_dependent(what: str, proxy: TensorProxy):
+    raise DataDependentError(
+        f"{what} needs the value of tensor {proxy.name} ({proxy.type_string()}), which is not known while fulmen "
+        f"traces the program.\n  at {_user_location()}\n"
+        "fulmen.jit compiles the whole function into one trace, so Python control flow that depends on tensor values "
+        "cannot be traced. Either move that logic out of the compiled function, express it with tensor operations "
+        "(torch.where, masking), or use torch.compile(model, backend=\"fulmen\"), which splits the program there "
+        "and compiles the parts around it."
+    )
+
+
+class Proxy:
+    """Base class of everything that stands for a value in a trace; it has a unique ``name``."""
+
+    __slots__ = ("name", "__weakref__")
+
+    def __init__(self, name: str | None = None, prefix: str = "t"):
+        if name is None:
+            from fulmen.core.trace import get_tracectx
+
+            trc = get_tracectx()
+            name = trc.make_name(prefix) if trc is not None else f"_{prefix}{id(self):x}"
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+
+def _binop(name: str, reflected: bool = False):
+    if reflected:
+        def fn(self, other):
+            return langctx.method(name)(other, self)
+    else:
+        def fn(self, other):
+            return langctx.method(name)(self, other)
+    fn.__name__ = name
+    return fn
+
+
+def _unop(name: str):
+    def fn(self):
+        return langctx.method(name)(self)
+    fn.__name__ = name
+    return fn
+
+
+class TensorProxy(Proxy):
+    """Stands for a ``torch.Tensor`` while tracing: name, shape, dtype, device and requires_grad.
+
+    ``TensorProxy(like=t)`` copies the metadata of ``t``; any keyword given overrides it::
+
+        out = TensorProxy(like=a, dtype=torch.float32)
+    """
+
+    __slots__ = ("shape", "dtype", "device", "requires_grad", "_latest", "_view_of", "_views", "_origin")
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        like: TensorProxy | torch.Tensor | None = None,
+        shape: tuple[int, ...] | torch.Size | None = None,
+        dtype: torch.dtype | None = None,
+        device: Device | str | torch.device | None = None,
+        requires_grad: bool | None = None,
+        prefix: str = "t",
+    ):
+        super().__init__(name, prefix)
+        if like is not None:
+            shape = like.shape if shape is None else shape
+            dtype = like.dtype if dtype is None else dtype
+            device = like.device if device is None else device
+            requires_grad = like.requires_grad if requires_grad is None else requires_grad
+        if shape is None or dtype is None or device is None:
+            raise TypeError("TensorProxy needs shape, dtype and device (or like=) to be known")
+        self.shape = shape if type(shape) is torch.Size else torch.Size(shape)
+        self.dtype = dtypes.to_torch_dtype(dtype)
+        self.device = to_device(device)
+        self.requires_grad = bool(requires_grad) if requires_grad is not None else False
+        self._latest = None  # set when an in-place op replaces this value (see fulmen.torch.inplace)
+        self._view_of = None  # (base proxy, fn(base) -> this view) for views made by view ops
+        self._views = None
+        self._origin = None
+
+    # ---- metadata, as on torch.Tensor ----
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    ndimension = dim
+
+    def size(self, dim: int | None = None):
+        if dim is None:
+            return self.shape
+        from fulmen.core.utils import canonicalize_dim
+
+        return self.shape[canonicalize_dim(len(self.shape), dim)]
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    nelement = numel
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype, device="meta").element_size()
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.device.type == "cpu"
+
+    @property
+    def is_meta(self) -> bool:
+        return False
+
+    @property
+    def is_floating_point_(self) -> bool:
+        return dtypes.is_float_dtype(self.dtype)
+
+    def is_floating_point(self) -> bool:
+        return dtypes.is_float_dtype(self.dtype)
+
+    def is_complex(self) -> bool:
+        return dtypes.is_complex_dtype(self.dtype)
+
+    def get_device(self) -> int:
+        return -1 if self.device.index is None else self.device.index
+
+    @property
+    def layout(self):
+        return torch.strided
+
+    @property
+    def is_sparse(self) -> bool:
+        return False
+
+    @property
+    def is_quantized(self) -> bool:
+        return False
+
+    @property
+    def is_nested(self) -> bool:
+        return False
+
+    @property
+    def grad(self):
+        return None
+
+    @property
+    def grad_fn(self):
+        return None
+
+    @property
+    def is_leaf(self) -> bool:
+        return True
+
+    def type_string(self) -> str:
+        dims = ", ".join(str(s) for s in self.shape)
+        return f"{self.device} {dtypes.short_name(self.dtype)}[{dims}]"
+
+    def __repr__(self) -> str:
+        return f"<TensorProxy(name={self.name}, shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})>"
+
+    # ---- values fulmen cannot know while tracing ----
+    def __bool__(self):
+        _data_dependent("bool(tensor) (an `if`, `while`, `and`/`or` or `assert` on a tensor)", self)
+
+    def item(self):
+        _data_dependent("Tensor.item()", self)
+
+    def tolist(self):
+        _data_dependent("Tensor.tolist()", self)
+
+    def numpy(self, *args, **kwargs):
+        _data_dependent("Tensor.numpy()", self)
+
+    def __float__(self):
+        _data_dependent("float(tensor)", self)
+
+    def __int__(self):
+        _data_dependent("int(tensor)", self)
+
+    def __index__(self):
+        _data_dependent("using a tensor as a Python index", self)
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    def __iter__(self):
+        if not self.shape:
+            raise TypeError("iteration over a 0-d tensor")
+        return iter(langctx.method("unbind")(self, 0))
+
+    __hash__ = object.__hash__
+
+    # ---- the torch language ----
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        fn = langctx.torch_functions.get(func)
+        if fn is None:
+            fn = langctx.fallback[0](func)
+        return fn(*args, **(kwargs or {}))
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        prop = langctx.properties.get(name)
+        if prop is not None:
+            return prop(self)
+        fn = langctx.methods.get(name)
+        if fn is not None:
+            return lambda *args, **kwargs: fn(self, *args, **kwargs)
+        fallback = langctx.fallback[0] if langctx.fallback else None
+        tensor_attr = getattr(torch.Tensor, name, None)
+        if fallback is not None and callable(tensor_attr):
+            record = fallback(tensor_attr)
+            return lambda *args, **kwargs: record(self, *args, **kwargs)
+        raise AttributeError(f"'TensorProxy' (standing for a torch.Tensor) has no attribute {name!r}")
+
+    def __setitem__(self, key, value):
+        langctx.method("__setitem__")(self, key, value)
+
+    __getitem__ = _binop("__getitem__")
+    __add__, __radd__, __iadd__ = _binop("add"), _binop("add", True), _binop("add_")
+    __sub__, __rsub__, __isub__ = _binop("sub"), _binop("sub", True), _binop("sub_")
+    __mul__, __rmul__, __imul__ = _binop("mul"), _binop("mul", True), _binop("mul_")
+    __truediv__, __rtruediv__, __itruediv__ = _binop("true_divide"), _binop("true_divide", True), _binop("div_")
+    __floordiv__, __rfloordiv__ = _binop("floor_divide"), _binop("floor_divide", True)
+    __mod__, __rmod__ = _binop("remainder"), _binop("remainder", True)
+    __pow__, __rpow__, __ipow__ = _binop("pow"), _binop("pow", True), _binop("pow_")
+    __matmul__, __rmatmul__ = _binop("matmul"), _binop("matmul", True)
+    __and__, __rand__, __iand__ = _binop("bitwise_and"), _binop("bitwise_and", True), _binop("bitwise_and_")
+    __or__, __ror__, __ior__ = _binop("bitwise_or"), _binop("bitwise_or", True), _binop("bitwise_or_")
+    __xor__, __rxor__, __ixor__ = _binop("bitwise_xor"), _binop("bitwise_xor", True), _binop("bitwise_xor_")
+    __lshift__, __rshift__ = _binop("bitwise_left_shift"), _binop("bitwise_right_shift")
+    __eq__, __ne__ = _binop("eq"), _binop("ne")
+    __lt__, __le__, __gt__, __ge__ = _binop("lt"), _binop("le"), _binop("gt"), _binop("ge")
+    __neg__, __pos__, __abs__, __invert__ = _unop("neg"), _unop("positive"), _unop("abs"), _unop("bitwise_not")
+
+
+def is_proxy(x: Any) -> bool:
+    return isinstance(x, Proxy)
+
+
+def latest(p: TensorProxy) -> TensorProxy:
+    """The current value of a proxy that in-place operations may have replaced."""
+    while p._latest is not None:
+        p = p._latest
+    return p

@@ -1,0 +1,240 @@
+"""Symbols (named operations) and bound symbols (one recorded call of a symbol).
+
+Calling a symbol while a trace is being built records a ``BoundSymbol``. A composite symbol runs its
+``meta`` (its decomposition) in a fresh scope, so everything it calls is kept as its ``subsymbols``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import Any
+
+from fulmen.core.codeutils import Printer, outputs_of, type_comment
+from fulmen.core.proxies import Proxy, TensorProxy, latest
+
+
+class OpTags(Enum):
+    """Groups of operations that passes match on."""
+
+    ELEMENTWISE = auto()
+    UNARY = auto()
+    BINARY = auto()
+    REDUCTION = auto()
+    SHAPE_OP = auto()
+    INDEXING = auto()
+    MATMUL_OP = auto()
+    CREATION = auto()
+    RANDOM_OP = auto()
+    DEVICE_OP = auto()
+    SIDE_EFFECT = auto()  # never removed by dead-code elimination
+    DONT_DCE = auto()
+    FALLBACK = auto()  # an opaque torch call fulmen has no rule for
+    NON_DIFFERENTIABLE = auto()
+    IN_PLACE = auto()
+    VIEW = auto()
+
+
+class SymbolCalledOutsideTracing(RuntimeError):
+    pass
+
+
+@dataclass(eq=False)
+class Symbol:
+    """A named operation.
+
+    ``meta`` maps proxies to output proxies (for a prim: checks inputs and computes metadata; for a
+    composite: the decomposition, which is traced). ``module`` is the prefix traces print (``prims``,
+    ``ltorch``, ``torch``). An *executable* symbol has an ``impl`` that generated code calls.
+    """
+
+    name: str
+    meta: Callable | None = None
+    id: Any = None
+    is_prim: bool = False
+    tags: tuple = ()
+    module: str | None = None
+    impl: Callable | None = None
+    executor: Any = None
+    python_printer: Callable | None = None
+    is_fusion: bool = False
+    torch_fns: tuple = ()
+    _phantom: bool = False
+    post_hook: Callable | None = None  # called with the new BoundSymbol (view ops record their base here)
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.id is None:
+            self.id = self.name
+        self.tags = tuple(self.tags or ())
+
+    def __repr__(self) -> str:
+        return f"[Symbol name={self.name}]"
+
+    def __hash__(self):
+        return id(self)
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.module}.{self.name}" if self.module else self.name
+
+    def __call__(self, *args, **kwargs):
+        from fulmen.core.trace import get_tracectx
+
+        trc = get_tracectx()
+        if trc is None:
+            raise SymbolCalledOutsideTracing(
+                f"{self.qualified_name} was called outside of tracing. Symbols record operations into a trace; "
+                f"call it from a function compiled with fulmen.jit (or traced with fulmen.trace())."
+            )
+        if trc.has_mutations:
+            args, kwargs = _resolve_latest(args), {k: _resolve_latest(v) for k, v in kwargs.items()}
+        if trc.capture is not None:
+            args, kwargs = trc.capture(args), {k: trc.capture(v) for k, v in kwargs.items()}
+        if self.meta is None:
+            raise NotImplementedError(f"{self.qualified_name} has no meta function and cannot be traced")
+        if self.is_prim:
+            out = self.meta(*args, **kwargs)
+            subsymbols: tuple = ()
+        else:
+            scope: list[BoundSymbol] = []
+            trc.scopes.append(scope)
+            try:
+                out = self.meta(*args, **kwargs)
+            finally:
+                trc.scopes.pop()
+            subsymbols = tuple(scope)
+        bsym = BoundSymbol(self, args, kwargs, out, subsymbols)
+        trc.scopes[-1].append(bsym)
+        if self.post_hook is not None:
+            self.post_hook(bsym)
+        return out
+
+    def bind(self, *args, output: Any, subsymbols: Sequence[BoundSymbol] = (), **kwargs) -> BoundSymbol:
+        """A bound symbol for this symbol without running anything."""
+        return BoundSymbol(self, args, kwargs, output, tuple(subsymbols))
+
+
+def _resolve_latest(x: Any) -> Any:
+    if isinstance(x, TensorProxy):
+        return latest(x) if x._latest is not None else x
+    if isinstance(x, tuple) and not hasattr(x, "_fields"):
+        return tuple(_resolve_latest(v) for v in x)
+    if isinstance(x, list):
+        return [_resolve_latest(v) for v in x]
+    return x
+
+
+class BoundSymbol:
+    """One recorded call: symbol, arguments, output and the subsymbols its decomposition produced."""
+
+    __slots__ = ("sym", "args", "kwargs", "output", "subsymbols", "header", "_flat_args", "_flat_outs")
+
+    def __init__(self, sym: Symbol, args: tuple, kwargs: dict, output: Any, subsymbols: tuple = (), header=None):
+        self.sym = sym
+        self.args = tuple(args)
+        self.kwargs = dict(kwargs)
+        self.output = output
+        self.subsymbols = subsymbols
+        self.header = header
+        self._flat_args = None
+        self._flat_outs = None
+
+    # ---- structure ----
+    @property
+    def flat_args(self) -> list[Proxy]:
+        """Every proxy the call reads (positional and keyword), in order, with repeats."""
+        if self._flat_args is None:
+            self._flat_args = outputs_of((self.args, self.kwargs))
+        return self._flat_args
+
+    @property
+    def flat_proxy_outs(self) -> list[Proxy]:
+        if self._flat_outs is None:
+            self._flat_outs = outputs_of(self.output)
+        return self._flat_outs
+
+    def has_tag(self, tag: OpTags) -> bool:
+        return tag in self.sym.tags
+
+    def from_bsym(self, **changes) -> BoundSymbol:
+        values = dict(sym=self.sym, args=self.args, kwargs=self.kwargs, output=self.output,
+                      subsymbols=self.subsymbols, header=self.header)
+        values.update(changes)
+        return BoundSymbol(**values)
+
+    def from_bsym_swap_proxies(self, swap: dict[str, Proxy], skip_output: bool = False) -> BoundSymbol:
+        """A copy with proxies renamed through ``swap`` (keyed by proxy name), recursively in subsymbols."""
+        if not swap:
+            return self
+
+        def sub(x):
+            if isinstance(x, Proxy):
+                return swap.get(x.name, x)
+            if isinstance(x, tuple) and not hasattr(x, "_fields"):
+                return tuple(sub(v) for v in x)
+            if isinstance(x, list):
+                return [sub(v) for v in x]
+            if isinstance(x, dict):
+                return {k: sub(v) for k, v in x.items()}
+            return x
+
+        return BoundSymbol(
+            self.sym, sub(self.args), sub(self.kwargs), self.output if skip_output else sub(self.output),
+            tuple(s.from_bsym_swap_proxies(swap, skip_output) for s in self.subsymbols), self.header,
+        )
+
+    # ---- printing ----
+    def _output_lhs(self, printer: Printer, unused: set[str] | None) -> str:
+        def pr(v):
+            if isinstance(v, Proxy):
+                return "_" if unused is not None and v.name in unused else v.name
+            if isinstance(v, (tuple, list)):
+                inner = ", ".join(pr(e) for e in v)
+                return f"({inner},)" if len(v) == 1 else f"({inner})"
+            return "_"
+
+        out = self.output
+        if out is None:
+            return ""
+        if isinstance(out, Proxy):
+            return pr(out)
+        if isinstance(out, (tuple, list)) and outputs_of(out):
+            return pr(out)
+        return ""
+
+    def call_string(self, printer: Printer, unused: set[str] | None = None, name: str | None = None) -> str:
+        if self.sym.python_printer is not None:
+            return self.sym.python_printer(self, printer)
+        parts = [printer(a) for a in self.args]
+        parts += [f"{k}={printer(v)}" for k, v in self.kwargs.items()]
+        call = f"{name or self.sym.qualified_name}({', '.join(parts)})"
+        lhs = self._output_lhs(printer, unused)
+        return f"{lhs} = {call}" if lhs else call
+
+    def python_lines(self, printer: Printer | None = None, *, with_subsymbols: bool = True,
+                     unused: set[str] | None = None, name: str | None = None) -> list[str]:
+        """The call line with type comments, then the decomposition as commented, indented lines."""
+        printer = printer if printer is not None else Printer()
+        line = self.call_string(printer, unused, name)
+        comments = [type_comment(p) for p in self.flat_proxy_outs]
+        comments = [c for c in comments if c]
+        if comments:
+            line += "  # " + ", ".join(comments)
+        if self.header:
+            lines = [f"# {h}" for h in self.header.splitlines()] + [line]
+        else:
+            lines = [line]
+        if with_subsymbols:
+            sub_printer = Printer({})
+            for s in self.subsymbols:
+                for sl in s.python_lines(sub_printer):
+                    lines.append("  # " + sl if not sl.startswith("  # ") else "  " + sl)
+        return lines
+
+    def __str__(self) -> str:
+        return "\n".join(self.python_lines())
+
+    def __repr__(self) -> str:
+        return str(self)

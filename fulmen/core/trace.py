@@ -1,0 +1,202 @@
+"""Traces: an ordered list of bound symbols with inputs and an output, printed as runnable Python."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from fulmen.core.codeutils import Printer, outputs_of, sanitize_name, type_comment
+from fulmen.core.proxies import Proxy, TensorProxy
+from fulmen.core.symbol import BoundSymbol
+
+_tracectx_stack: list[Trace] = []
+
+
+def get_tracectx() -> Trace | None:
+    return _tracectx_stack[-1] if _tracectx_stack else None
+
+
+@contextlib.contextmanager
+def tracectx(trace: Trace) -> Iterator[Trace]:
+    _tracectx_stack.append(trace)
+    try:
+        yield trace
+    finally:
+        _tracectx_stack.pop()
+
+
+class Trace:
+    """A straight-line program: ``args`` (input proxies), ``bound_symbols`` and ``output``.
+
+    ``str(trace)`` is Python source; each line is one operation with its output's device, dtype and shape::
+
+        t1 = ltorch.mul(b, a)  # t1: "cpu f32[2, 2]"
+          # t0 = prims.broadcast_in_dim(b, (2, 2), (0, 1))  # t0: "cpu f32[2, 2]"
+          # t1 = prims.mul(t0, a)  # t1: "cpu f32[2, 2]"
+    """
+
+    def __init__(self, fn_name: str = "computation", *, parent: Trace | None = None):
+        self.fn_name = fn_name
+        self.args: list[Proxy] = []
+        self.kwargs: dict[str, Proxy] = {}
+        self.bound_symbols: list[BoundSymbol] = []
+        self.scopes: list[list[BoundSymbol]] = [self.bound_symbols]
+        self.output: Any = None
+        self.names: set[str] = set(parent.names) if parent is not None else set()
+        self._counters: dict[str, int] = dict(parent._counters) if parent is not None else {}
+        self.provenance: str | None = None
+        self.elapsed_ms: float | None = None
+        self.has_mutations = False
+        self.tags: set[str] = set()
+        self.constants: dict[str, Any] = {}
+        self.claims: dict[int, Any] = {}
+        self.unused_outputs: set[str] | None = None  # printed as "_" (set by del_last_used)
+        self.capture = None  # frontend hook turning real tensors met while tracing into inputs
+
+    # ---- names ----
+    def make_name(self, prefix: str = "t") -> str:
+        n = self._counters.get(prefix, 0)
+        while True:
+            name = f"{prefix}{n}"
+            n += 1
+            if name not in self.names:
+                break
+        self._counters[prefix] = n
+        self.names.add(name)
+        return name
+
+    def add_name(self, name: str) -> str:
+        """Reserve a user-chosen name (an argument name), renaming it when it is taken or reserved."""
+        name = sanitize_name(name)
+        base, i = name, 0
+        while name in self.names:
+            name = f"{base}_{i}"
+            i += 1
+        self.names.add(name)
+        return name
+
+    def derive(self, provenance: str, bound_symbols: list[BoundSymbol] | None = None) -> Trace:
+        """A new trace with the same signature, names and output; transforms build their result this way."""
+        t = Trace(self.fn_name, parent=self)
+        t.args, t.kwargs, t.output = list(self.args), dict(self.kwargs), self.output
+        t.bound_symbols = list(bound_symbols) if bound_symbols is not None else []
+        t.scopes = [t.bound_symbols]
+        t.provenance = provenance
+        t.tags = set(self.tags)
+        t.constants = dict(self.constants)
+        return t
+
+    @contextlib.contextmanager
+    def timed(self) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.elapsed_ms = (time.perf_counter() - start) * 1e3
+
+    # ---- printing ----
+    def signature_names(self) -> list[str]:
+        return [a.name for a in self.args]
+
+    def python(self, *, printer: Printer | None = None, include_decorator: bool = False,
+               del_lines: bool = True) -> str:
+        from fulmen.core.symbol import Symbol  # noqa: F401  (keeps import order explicit)
+
+        printer = printer if printer is not None else Printer()
+        lines: list[str] = []
+        if self.provenance:
+            took = f" (took {self.elapsed_ms:.0f} milliseconds)" if self.elapsed_ms is not None else ""
+            lines.append(f"# Constructed by {self.provenance}{took}")
+        lines.append("import torch")
+        lines.append("from fulmen.core import devices, dtypes")
+        if any(b.sym.module == "ltorch" for b in self.bound_symbols):
+            lines.append("import fulmen.torch as ltorch")
+        if any(b.sym.module == "prims" for b in self.bound_symbols):
+            lines.append("from fulmen import prims")
+        lines.append("")
+        if include_decorator:
+            lines.append("@torch.no_grad()")
+        sig = ", ".join(self.signature_names())
+        lines.append(f"def {self.fn_name}({sig}):")
+        body: list[str] = []
+        for a in self.args:
+            c = type_comment(a)
+            if c:
+                body.append(f"# {c}")
+        for bsym in self.bound_symbols:
+            body.extend(bsym.python_lines(printer))
+        body.append(f"return {printer(self.output)}")
+        lines.extend("  " + ln for ln in body)
+        return "\n".join(lines) + "\n"
+
+    def __str__(self) -> str:
+        return self.python()
+
+    def __repr__(self) -> str:
+        return self.python()
+
+    def _repr_pretty_(self, p, cycle):  # IPython shows the program, as the seeds do
+        p.text(self.python())
+
+
+def flat_outputs(trace: Trace) -> list[Proxy]:
+    return outputs_of(trace.output)
+
+
+class TraceCheckError(AssertionError):
+    pass
+
+
+def check_trace(trace: Trace) -> None:
+    """Verify single assignment, use after definition and that every prim's meta agrees with its outputs.
+
+    Tests call this after every transform; it raises ``TraceCheckError`` naming the offending line.
+    """
+    defined: dict[str, Proxy] = {}
+    for a in trace.args:
+        if a.name in defined:
+            raise TraceCheckError(f"input {a.name} appears twice in the signature of {trace.fn_name}")
+        defined[a.name] = a
+    deleted: set[str] = set()
+    for bsym in trace.bound_symbols:
+        for p in bsym.flat_args:
+            if p.name not in defined:
+                raise TraceCheckError(f"{p.name} is used before it is defined in:\n{bsym}")
+            if p.name in deleted:
+                raise TraceCheckError(f"{p.name} is used after it was deleted in:\n{bsym}")
+        if bsym.sym.id == "del":
+            deleted.update(p.name for p in bsym.flat_args)
+            continue
+        for p in bsym.flat_proxy_outs:
+            if p.name in defined and defined[p.name] is not p and p.name not in {a.name for a in bsym.flat_args}:
+                raise TraceCheckError(f"{p.name} is assigned twice; second time in:\n{bsym}")
+            defined[p.name] = p
+        _check_meta(bsym)
+    for p in outputs_of(trace.output):
+        if p.name not in defined:
+            raise TraceCheckError(f"output {p.name} is never defined")
+        if p.name in deleted:
+            raise TraceCheckError(f"output {p.name} is deleted before it is returned")
+
+
+def _check_meta(bsym: BoundSymbol) -> None:
+    """Re-run a prim's meta on its inputs and compare shapes, dtypes and devices with the recorded outputs."""
+    sym = bsym.sym
+    if not sym.is_prim or sym.meta is None or sym.extra.get("skip_meta_check"):
+        return
+    scratch = Trace("check")
+    with tracectx(scratch):
+        try:
+            expected = sym.meta(*bsym.args, **bsym.kwargs)
+        except Exception as e:  # a meta that now rejects its own recorded inputs is a broken trace
+            raise TraceCheckError(f"meta of {sym.qualified_name} rejects its recorded inputs ({e}) in:\n{bsym}") from e
+    got, want = outputs_of(bsym.output), outputs_of(expected)
+    if len(got) != len(want):
+        raise TraceCheckError(f"{sym.qualified_name} records {len(got)} outputs but its meta gives {len(want)}:\n{bsym}")
+    for g, w in zip(got, want):
+        if isinstance(g, TensorProxy) and isinstance(w, TensorProxy):
+            if (tuple(g.shape), g.dtype, g.device) != (tuple(w.shape), w.dtype, w.device):
+                raise TraceCheckError(
+                    f"{g.name} is recorded as {g.type_string()} but the meta of {sym.qualified_name} gives "
+                    f"{w.type_string()}:\n{bsym}"
+                )

@@ -1,0 +1,1 @@
+"""Entry points: ``fulmen.jit`` (tracing, caching, the module wrapper) and the torch.compile backend."""

@@ -1,0 +1,143 @@
+"""Running a user function on proxies to get its computation trace."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fulmen import prims
+from fulmen.core.codeutils import sanitize_name
+from fulmen.core.proxies import Proxy, TensorProxy, latest
+from fulmen.core.trace import Trace, tracectx
+
+
+@dataclass
+class InputSpec:
+    """How the flat tensor inputs of a trace are found in a call's arguments."""
+
+    tensor_proxies: list[TensorProxy] = field(default_factory=list)
+    captured: list[torch.Tensor] = field(default_factory=list)  # closure/global tensors, passed after the args
+
+
+def _arg_names(fn: Callable, args: tuple, kwargs: dict) -> list[str]:
+    try:
+        sig = inspect.signature(fn)
+        bound = sig.bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return [f"t_{i}" for i in range(len(args))] + list(kwargs)
+    names = []
+    for name, param in sig.parameters.items():
+        if name not in bound.arguments:
+            continue
+        if param.kind is inspect.Parameter.VAR_POSITIONAL:
+            names += [f"{name}_{i}" for i in range(len(bound.arguments[name]))]
+        elif param.kind is not inspect.Parameter.VAR_KEYWORD:
+            names.append(name)
+    return names
+
+
+def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], originals: list[torch.Tensor]) -> Any:
+    """Replace every tensor in ``value`` (tuples, lists, dicts) by a named TensorProxy input."""
+    if isinstance(value, torch.Tensor):
+        p = TensorProxy(trace.add_name(name), shape=value.shape, dtype=value.dtype, device=value.device,
+                        requires_grad=value.requires_grad)
+        if value.requires_grad and value.is_leaf:
+            p._origin = "input-leaf"
+        flat.append(p)
+        originals.append(value)
+        return p
+    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+        return type(value)(proxify(trace, v, f"{name}_{i}", flat, originals) for i, v in enumerate(value))
+    if isinstance(value, tuple):  # namedtuple
+        return type(value)(*(proxify(trace, v, f"{name}_{f}", flat, originals) for f, v in zip(value._fields, value)))
+    if isinstance(value, dict):
+        return {k: proxify(trace, v, f"{name}_{k}", flat, originals) for k, v in value.items()}
+    return value
+
+
+class _Capture:
+    """Turns real tensors that reach a symbol while tracing (closures, globals) into extra trace inputs."""
+
+    def __init__(self, trace: Trace, spec: InputSpec):
+        self.trace, self.spec = trace, spec
+        self.by_id: dict[int, TensorProxy] = {}
+
+    def __call__(self, x):
+        if isinstance(x, torch.Tensor):
+            p = self.by_id.get(id(x))
+            if p is None:
+                p = TensorProxy(self.trace.add_name("captured"), shape=x.shape, dtype=x.dtype, device=x.device,
+                                requires_grad=x.requires_grad)
+                self.by_id[id(x)] = p
+                self.spec.captured.append(x)
+                self.spec.tensor_proxies.append(p)
+                self.trace.args.append(p)
+            return p
+        if type(x) in (tuple, list):
+            if any(isinstance(v, torch.Tensor) for v in x):
+                return type(x)(self(v) for v in x)
+        return x
+
+
+def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[str] | None = None,
+                  fn_name: str = "computation",
+                  state: list[tuple[str, torch.Tensor]] | None = None) -> tuple[Trace, InputSpec]:
+    """Trace ``fn(*args, **kwargs)``: tensors become proxies, every torch call becomes a bound symbol.
+
+    ``state`` (a module's parameters and buffers, by name) becomes the first inputs; ``fn`` then receives
+    the list of their proxies as its first argument.
+    """
+    trace = Trace(fn_name)
+    spec = InputSpec()
+    originals: list[torch.Tensor] = []
+    names = arg_names or _arg_names(fn, args, kwargs)
+    proxy_args = []
+    if state is not None:
+        proxy_args.append([proxify(trace, t, name, spec.tensor_proxies, originals) for name, t in state])
+    for i, a in enumerate(args):
+        proxy_args.append(proxify(trace, a, names[i] if i < len(names) else f"t_{i}", spec.tensor_proxies, originals))
+    proxy_kwargs = {k: proxify(trace, v, sanitize_name(k), spec.tensor_proxies, originals) for k, v in kwargs.items()}
+    trace.args = list(spec.tensor_proxies)
+    trace.capture = _Capture(trace, spec)
+    with tracectx(trace):
+        result = fn(*proxy_args, **proxy_kwargs)
+        result = trace.capture(result) if isinstance(result, torch.Tensor) else result
+        result = _resolve_outputs(result)
+        _write_back_mutated_inputs(trace)
+    trace.capture = None
+    trace.output = result
+    trace.provenance = None
+    return trace, spec
+
+
+def _resolve_outputs(x):
+    if isinstance(x, TensorProxy):
+        return latest(x)
+    if isinstance(x, (tuple, list)) and not hasattr(x, "_fields"):
+        return type(x)(_resolve_outputs(v) for v in x)
+    if isinstance(x, tuple):
+        return type(x)(*(_resolve_outputs(v) for v in x))
+    if isinstance(x, dict):
+        return type(x)((k, _resolve_outputs(v)) for k, v in x.items())
+    if isinstance(x, torch.Tensor):
+        raise TypeError("the function returned a tensor it did not compute from its inputs; fulmen.jit expects "
+                        "returned tensors to come from the traced computation")
+    return x
+
+
+def _write_back_mutated_inputs(trace: Trace) -> None:
+    """Inputs changed in place get their new value copied into the caller's tensor, as eager would."""
+    if not trace.has_mutations:
+        return
+    for p in trace.args:
+        new = latest(p)
+        if new is not p:
+            prims.copy_(new, p)
+
+
+def is_proxy_output(x: Any) -> bool:
+    return isinstance(x, Proxy)

@@ -1,0 +1,145 @@
+"""Primitives that create tensors, convert dtypes, move devices, draw random numbers and copy."""
+
+from __future__ import annotations
+
+from numbers import Number
+
+import torch
+
+from fulmen.core import dtypes
+from fulmen.core.devices import Device, to_device, to_torch_device
+from fulmen.core.proxies import TensorProxy
+from fulmen.core.symbol import OpTags
+from fulmen.core.utils import check
+from fulmen.prims.base import PrimIDs, check_valid_shape, make_prim
+
+
+def _convert_element_type_meta(a, dtype):
+    check(isinstance(dtype, torch.dtype), lambda: f"convert_element_type expects a torch.dtype, got {dtype!r}",
+          TypeError)
+    check(isinstance(a, TensorProxy), lambda: f"convert_element_type expects a tensor, got {type(a).__name__}",
+          TypeError)
+    keeps_grad = a.requires_grad and dtypes.is_inexact_dtype(dtype)
+    return TensorProxy(like=a, dtype=dtype, requires_grad=keeps_grad)
+
+
+def _torch_convert(a, dtype):
+    return a.to(dtype)
+
+
+convert_element_type = make_prim(
+    PrimIDs.CONVERT_ELEMENT_TYPE, "convert_element_type", meta=_convert_element_type_meta,
+    torch_impl=_torch_convert, tags=(OpTags.ELEMENTWISE, OpTags.UNARY),
+    doc="Convert to another dtype with torch's casting rules.",
+)
+
+
+def _device_put_meta(a, device):
+    return TensorProxy(like=a, device=to_device(device))
+
+
+def _torch_device_put(a, device):
+    return a.to(to_torch_device(device))
+
+
+device_put = make_prim(PrimIDs.DEVICE_PUT, "device_put", meta=_device_put_meta, torch_impl=_torch_device_put,
+                       tags=(OpTags.DEVICE_OP,), doc="Copy to another device.")
+
+
+def _creation_meta(op):
+    def meta(shape, *args, device, dtype, **kwargs):
+        check_valid_shape(shape, f"prims.{op}")
+        check(isinstance(dtype, torch.dtype), lambda: f"prims.{op} needs a torch.dtype, got {dtype!r}", TypeError)
+        return TensorProxy(shape=tuple(shape), device=to_device(device), dtype=dtype)
+
+    return meta
+
+
+def _torch_full(shape, fill_value, *, device: Device, dtype):
+    return torch.full(tuple(shape), fill_value, device=to_torch_device(device), dtype=dtype)
+
+
+def _full_meta(shape, fill_value, *, device, dtype):
+    check(isinstance(fill_value, Number), lambda: f"prims.full expects a number fill value, got {fill_value!r}",
+          TypeError)
+    return _creation_meta("full")(shape, device=device, dtype=dtype)
+
+
+full = make_prim(PrimIDs.FULL, "full", meta=_full_meta, torch_impl=_torch_full, tags=(OpTags.CREATION,),
+                 doc="A tensor of the given shape filled with one value.")
+
+
+def _iota_meta(length, *, start, step, device, dtype):
+    check(isinstance(length, int) and length >= 0, lambda: f"prims.iota expects a non-negative length, got {length}",
+          RuntimeError)
+    return TensorProxy(shape=(length,), device=to_device(device), dtype=dtype)
+
+
+def _torch_iota(length, *, start, step, device, dtype):
+    return torch.arange(start, start + step * length, step, device=to_torch_device(device), dtype=dtype)[:length]
+
+
+iota = make_prim(PrimIDs.IOTA, "iota", meta=_iota_meta, torch_impl=_torch_iota, tags=(OpTags.CREATION,),
+                 doc="start, start + step, ... (length values).")
+
+
+def _torch_empty(shape, *, device, dtype):
+    return torch.empty(tuple(shape), device=to_torch_device(device), dtype=dtype)
+
+
+empty = make_prim(PrimIDs.EMPTY, "empty", meta=_creation_meta("empty"), torch_impl=_torch_empty,
+                  tags=(OpTags.CREATION,), doc="An uninitialized tensor.")
+
+
+def _torch_uniform(shape, minval, maxval, *, device, dtype):
+    return torch.empty(tuple(shape), device=to_torch_device(device), dtype=dtype).uniform_(minval, maxval)
+
+
+uniform = make_prim(PrimIDs.UNIFORM, "uniform", meta=_creation_meta("uniform"), torch_impl=_torch_uniform,
+                    tags=(OpTags.CREATION, OpTags.RANDOM_OP),
+                    doc="Uniform samples in [minval, maxval) from torch's default generator (as torch.rand).")
+
+
+def _torch_normal(shape, mean, std, *, device, dtype):
+    return torch.empty(tuple(shape), device=to_torch_device(device), dtype=dtype).normal_(mean, std)
+
+
+normal = make_prim(PrimIDs.NORMAL, "normal", meta=_creation_meta("normal"), torch_impl=_torch_normal,
+                   tags=(OpTags.CREATION, OpTags.RANDOM_OP),
+                   doc="Normal samples from torch's default generator (as torch.randn).")
+
+
+def _bernoulli_meta(shape, p, *, device, dtype):
+    return _creation_meta("bernoulli")(shape, device=device, dtype=dtype)
+
+
+def _torch_bernoulli(shape, p, *, device, dtype):
+    # Same generator calls as torch.nn.functional.dropout, so seeded runs match eager bit for bit.
+    return torch.empty(tuple(shape), device=to_torch_device(device), dtype=dtype).bernoulli_(p)
+
+
+bernoulli = make_prim(PrimIDs.BERNOULLI, "bernoulli", meta=_bernoulli_meta, torch_impl=_torch_bernoulli,
+                      tags=(OpTags.CREATION, OpTags.RANDOM_OP), doc="1 with probability p, else 0.")
+
+
+def _torch_randint(shape, low, high, *, device, dtype):
+    return torch.randint(low, high, tuple(shape), device=to_torch_device(device), dtype=dtype)
+
+
+randint = make_prim(PrimIDs.RANDINT, "randint", meta=_creation_meta("randint"), torch_impl=_torch_randint,
+                    tags=(OpTags.CREATION, OpTags.RANDOM_OP), doc="Integers uniform in [low, high).")
+
+
+def _copy_meta(src, dst):
+    check(isinstance(dst, TensorProxy), lambda: "prims.copy_ writes into a tensor", TypeError)
+    return TensorProxy(like=dst)
+
+
+def _torch_copy(src, dst):
+    with torch.no_grad():
+        return dst.copy_(src)
+
+
+copy_ = make_prim(PrimIDs.COPY_, "copy_", meta=_copy_meta, torch_impl=_torch_copy,
+                  tags=(OpTags.SIDE_EFFECT, OpTags.NON_DIFFERENTIABLE),
+                  doc="Write src into the caller's tensor dst (how in-place updates of inputs leave a trace).")

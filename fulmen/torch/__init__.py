@@ -1,0 +1,11 @@
+"""The torch language: one symbol per torch callable, with torch's semantics, decomposed into clang and prims.
+
+Import as ``import fulmen.torch as ltorch``. Each symbol's id is the torch name users know
+(``ltorch.cross_entropy.id == "torch.nn.functional.cross_entropy"``).
+"""
+
+from fulmen.core.dtypes import to_torch_dtype  # noqa: F401
+from fulmen.torch import fallback  # noqa: F401  (installs the fallback for ops without rules)
+from fulmen.torch.elementwise import *  # noqa: F401,F403
+from fulmen.torch.elementwise import abs, pow, round  # noqa: F401
+from fulmen.torch.registry import symbols_by_id, torchsymbol  # noqa: F401

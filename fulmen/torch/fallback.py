@@ -1,0 +1,120 @@
+"""Opaque symbols for torch callables that have no torch-language rule.
+
+The op is recorded as one symbol whose metadata comes from running it on fake tensors; the torch
+executor calls the original callable, and autodiff differentiates it with PyTorch's own autograd. The
+trace marks it, and ``fulmen.examine`` lists such ops. In-place Tensor methods (``x.foo_()``) run on a
+copy and the result replaces ``x`` (see ``fulmen.torch.inplace``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from fulmen.core import langctx
+from fulmen.core.devices import to_torch_device
+from fulmen.core.proxies import DataDependentError, TensorProxy, _user_location
+from fulmen.core.symbol import OpTags, Symbol
+from fulmen.torch.registry import torch_id
+
+_opaque: dict[Any, Symbol] = {}
+
+
+def _to_fake(mode, x):
+    if isinstance(x, TensorProxy):
+        t = torch.empty(tuple(x.shape), dtype=x.dtype, device=to_torch_device(x.device))
+        return t.requires_grad_(x.requires_grad) if x.dtype.is_floating_point or x.dtype.is_complex else t
+    return x
+
+
+def _fake_meta(func: Callable, name: str) -> Callable:
+    def meta(*args, **kwargs):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        try:
+            with mode:
+                fargs, fkwargs = tree_map(lambda x: _to_fake(mode, x), (args, kwargs))
+                out = func(*fargs, **fkwargs)
+        except (torch._subclasses.fake_tensor.DynamicOutputShapeException,
+                torch._subclasses.fake_tensor.DataDependentOutputException) as e:
+            raise DataDependentError(
+                f"{name} returns a tensor whose shape depends on tensor values, which fulmen.jit cannot trace.\n"
+                f"  at {_user_location()}\nUse torch.compile(model, backend=\"fulmen\") to run it eagerly between "
+                "compiled parts, or move it out of the compiled function."
+            ) from e
+
+        def to_proxy(x):
+            if isinstance(x, torch.Tensor):
+                return TensorProxy(shape=tuple(x.shape), dtype=x.dtype, device=x.device,
+                                   requires_grad=x.requires_grad)
+            return x
+
+        return tree_map(to_proxy, out)
+
+    return meta
+
+
+def opaque_symbol(func: Callable) -> Symbol:
+    """The (cached) opaque symbol for a torch callable."""
+    sym = _opaque.get(func)
+    if sym is None:
+        full = torch_id(func)
+        module, _, name = full.rpartition(".")
+        sym = Symbol(name=name, meta=_fake_meta(func, full), id=f"fallback:{full}", is_prim=True,
+                     tags=(OpTags.FALLBACK,), module=module or None, torch_fns=(func,))
+        sym.extra["torch_impl"] = func
+        sym.extra["skip_meta_check"] = False
+        _opaque[func] = sym
+    return sym
+
+
+def _is_inplace_method(func: Callable) -> bool:
+    name = getattr(func, "__name__", "")
+    return name.endswith("_") and not name.endswith("__") and getattr(torch.Tensor, name, None) is func
+
+
+def record(func: Callable) -> Callable:
+    """What ``TensorProxy.__torch_function__`` calls for a torch callable without a rule."""
+    if _is_inplace_method(func):
+        out_of_place = _out_of_place(func)
+
+        def inplace(self, *args, **kwargs):
+            from fulmen.torch.inplace import mutate
+
+            result = opaque_symbol(out_of_place)(self, *args, **kwargs)
+            return mutate(self, result)
+
+        return inplace
+    return opaque_symbol(func)
+
+
+_out_of_place_cache: dict = {}
+
+
+def _out_of_place(func: Callable) -> Callable:
+    fn = _out_of_place_cache.get(func)
+    if fn is None:
+        def fn(self, *args, **kwargs):
+            return func(self.clone(), *args, **kwargs)
+
+        fn.__name__ = func.__name__.rstrip("_") + "_out_of_place"
+        fn.__qualname__ = fn.__name__
+        fn.__module__ = "fulmen.torch.fallback"
+        _out_of_place_cache[func] = fn
+    return fn
+
+
+def fallback_ops(trace) -> list[str]:
+    """Names of the opaque (fallback) ops in a trace."""
+    names = []
+    for bsym in trace.bound_symbols:
+        if OpTags.FALLBACK in bsym.sym.tags:
+            names.append(bsym.sym.qualified_name)
+    return names
+
+
+langctx.fallback.append(record)

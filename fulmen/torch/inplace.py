@@ -1,0 +1,85 @@
+"""In-place operations made functional.
+
+``a.add_(b)`` records ``t = ltorch.add(a, b)`` and makes ``t`` the current value of ``a``: later uses of
+the Python object ``a`` read ``t`` (see ``proxies.latest``). Views made by view ops remember their base
+and how they were made, so updating a view updates its base (and the base's other views), as in eager.
+When the jitted function returns, inputs whose value changed are written back with ``prims.copy_``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from fulmen import clang, prims
+from fulmen.core.proxies import TensorProxy, latest
+from fulmen.core.trace import get_tracectx
+from fulmen.core.utils import check
+
+
+def scatter_into(base: TensorProxy, select: Callable[[TensorProxy], TensorProxy], values) -> TensorProxy:
+    """A copy of ``base`` whose elements that ``select(base)`` picks are replaced by ``values``.
+
+    ``select`` may be any composition of view and indexing ops: it is applied to a tensor of element
+    numbers to learn which elements of ``base`` it picks, then those are written with one ``index_put``.
+    """
+    numbers = prims.iota(base.numel(), start=0, step=1, device=base.device, dtype=torch.int64)
+    numbers = clang.reshape(numbers, base.shape)
+    picked = select(numbers)
+    picked = latest(picked)
+    if not isinstance(values, TensorProxy):
+        values = clang.full(picked.shape, values, device=base.device, dtype=base.dtype)
+    values = clang.maybe_convert_to_dtype(values, base.dtype)
+    if values.device != base.device:
+        values = prims.device_put(values, base.device)
+    values = clang.expand_to(values, picked.shape)
+    flat = clang.reshape(base, (base.numel(),))
+    flat = prims.index_put(flat, [clang.reshape(picked, (picked.numel(),))],
+                           clang.reshape(values, (values.numel(),)), False)
+    return clang.reshape(flat, base.shape)
+
+
+def mutate(target: TensorProxy, new_value, *, _from_view: TensorProxy | None = None) -> TensorProxy:
+    """Make ``new_value`` (cast and broadcast to ``target``) the current value of ``target``; returns target."""
+    trc = get_tracectx()
+    check(trc is not None, lambda: "in-place operations can only be traced", RuntimeError)
+    trc.has_mutations = True
+    current = latest(target)
+    if isinstance(new_value, TensorProxy):
+        check(clang.broadcast_shapes(current.shape, new_value.shape) == tuple(current.shape),
+              lambda: f"output with shape {list(current.shape)} doesn't match the broadcast shape "
+              f"{list(clang.broadcast_shapes(current.shape, new_value.shape))}")
+        new = clang.maybe_convert_to_dtype(new_value, current.dtype)
+        new = clang.expand_to(new, current.shape)
+    else:
+        new = clang.full(current.shape, new_value, device=current.device, dtype=current.dtype)
+    if torch.is_grad_enabled() and current.requires_grad and getattr(current, "_origin", None) == "input-leaf":
+        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
+    if new is current:  # nothing was computed (x.add_(0) folded away): the value is unchanged
+        return target
+    current._latest = new
+    new._view_of, new._views = current._view_of, current._views
+    if current._view_of is not None:
+        base, remake = current._view_of
+        base_now = latest(base)
+        mutate(base, scatter_into(base_now, remake, new), _from_view=current)
+    if current._views:
+        for view in current._views:
+            if view is _from_view or latest(view) is new:
+                continue
+            base_view, remake = view._view_of
+            refreshed = remake(new)
+            view_now = latest(view)
+            if view_now is not refreshed:
+                view_now._latest = refreshed
+                refreshed._view_of, refreshed._views = view._view_of, view._views
+    return target
+
+
+def setitem(a: TensorProxy, key, value) -> None:
+    """``a[key] = value``: basic and advanced indexing, scalars and broadcastable tensors."""
+    from fulmen.core import langctx
+
+    getitem = langctx.method("__getitem__")
+    mutate(a, scatter_into(latest(a), lambda base: getitem(base, key), value))

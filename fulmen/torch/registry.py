@@ -1,0 +1,109 @@
+"""``torchsymbol``: how a torch callable becomes a symbol of the torch language."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from fulmen.core import langctx
+from fulmen.core.proxies import TensorProxy
+from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
+
+#: Every torch-language symbol by id (``"torch.add"``, ``"torch.nn.functional.relu"``, ``"torch.Tensor.view"``).
+symbols_by_id: dict[str, Symbol] = {}
+_NAMESPACES = (
+    (torch, "torch"),
+    (torch.nn.functional, "torch.nn.functional"),
+    (torch.Tensor, "torch.Tensor"),
+    (torch.linalg, "torch.linalg"),
+    (torch.special, "torch.special"),
+    (torch.fft, "torch.fft"),
+)
+
+
+def torch_id(fn: Callable) -> str:
+    """The dotted name users know a torch callable by (``torch.nn.functional.cross_entropy``)."""
+    name = getattr(fn, "__name__", None)
+    for ns, prefix in _NAMESPACES:
+        if name is not None and getattr(ns, name, None) is fn:
+            return f"{prefix}.{name}"
+    for ns, prefix in _NAMESPACES:
+        for attr, value in vars(ns).items() if hasattr(ns, "__dict__") else ():
+            if value is fn:
+                return f"{prefix}.{attr}"
+    qual = getattr(fn, "__qualname__", None) or repr(fn)
+    module = getattr(fn, "__module__", None)
+    return f"{module}.{qual}" if module else qual
+
+
+def _record_view(bsym: BoundSymbol) -> None:
+    """Remember that the output is a view of the first argument, so in-place updates reach the base."""
+    base = bsym.args[0] if bsym.args else None
+    if not isinstance(base, TensorProxy):
+        return
+    sym, rest, kwargs = bsym.sym, bsym.args[1:], bsym.kwargs
+    outs = bsym.output if isinstance(bsym.output, (tuple, list)) else (bsym.output,)
+    for i, out in enumerate(outs):
+        if not isinstance(out, TensorProxy) or out is base:
+            continue
+        if isinstance(bsym.output, (tuple, list)):
+            def remake(new_base, _i=i):
+                return sym(new_base, *rest, **kwargs)[_i]
+        else:
+            def remake(new_base):
+                return sym(new_base, *rest, **kwargs)
+        out._view_of = (base, remake)
+        if base._views is None:
+            base._views = []
+        base._views.append(out)
+
+
+def torchsymbol(
+    *torch_fns: Callable,
+    id: str | None = None,
+    method_name: str | Sequence[str] | None = None,
+    property_name: str | None = None,
+    tags: Sequence[OpTags] = (),
+    is_view: bool = False,
+    torch_executable: bool = True,
+) -> Callable[[Callable], Symbol]:
+    """Make ``fn`` (a decomposition into clang/prims) the torch-language symbol for ``torch_fns``.
+
+    The symbol's id is the first torch callable's dotted name unless ``id`` is given. Calls of any of
+    ``torch_fns`` on proxies, and the ``Tensor`` methods named by ``method_name``, come here. With
+    ``torch_executable`` the torch executor runs the whole symbol as one call of ``torch_fns[0]``.
+    """
+
+    def decorator(fn: Callable) -> Symbol:
+        sym_id = id or (torch_id(torch_fns[0]) if torch_fns else f"ltorch.{fn.__name__}")
+        sym = Symbol(name=fn.__name__, meta=fn, id=sym_id, is_prim=False, tags=tuple(tags), module="ltorch",
+                     torch_fns=tuple(torch_fns), post_hook=_record_view if is_view else None)
+        sym.__doc__ = fn.__doc__
+        sym.extra["torch_executable"] = torch_executable and bool(torch_fns)
+        if is_view:
+            sym.tags = sym.tags + (OpTags.VIEW,)
+        symbols_by_id[sym_id] = sym
+        for tfn in torch_fns:
+            langctx.torch_functions[tfn] = sym
+        names = [method_name] if isinstance(method_name, str) else list(method_name or ())
+        for name in names:
+            langctx.methods[name] = sym
+        if property_name:
+            langctx.properties[property_name] = sym
+        return sym
+
+    return decorator
+
+
+def register_function(torch_fns: Sequence[Callable], fn: Callable, *, method_names: Sequence[str] = ()) -> None:
+    """Route torch callables to a plain function (not a symbol): in-place variants and Python-level helpers."""
+    for tfn in torch_fns:
+        langctx.torch_functions[tfn] = fn
+    for name in method_names:
+        langctx.methods[name] = fn
+
+
+def tensor_methods(*names: str) -> tuple:
+    """``torch.Tensor`` attributes by name, skipping ones this torch build lacks."""
+    return tuple(getattr(torch.Tensor, n) for n in names if hasattr(torch.Tensor, n))

@@ -1,0 +1,119 @@
+"""Cleanup passes: dead-code elimination, common-subexpression elimination, and ``del`` after last use."""
+
+from __future__ import annotations
+
+from fulmen.core.codeutils import outputs_of
+from fulmen.core.proxies import Proxy
+from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
+from fulmen.core.trace import Trace
+
+DEL = Symbol(name="del", id="del", is_prim=True, module=None,
+             python_printer=lambda bsym, printer: "del " + ", ".join(p.name for p in bsym.flat_args))
+
+
+def _keeps(bsym: BoundSymbol) -> bool:
+    tags = bsym.sym.tags
+    return OpTags.SIDE_EFFECT in tags or OpTags.DONT_DCE in tags
+
+
+def dce(trace: Trace, *, provenance: str = "Dead Code Elimination") -> Trace:
+    """Drop bound symbols none of whose outputs are needed (side effects are always kept)."""
+    needed = {p.name for p in outputs_of(trace.output)}
+    kept: list[BoundSymbol] = []
+    for bsym in reversed(trace.bound_symbols):
+        outs = bsym.flat_proxy_outs
+        if _keeps(bsym) or any(p.name in needed for p in outs) or (not outs and bsym.sym.id != "del"):
+            kept.append(bsym)
+            needed.update(p.name for p in bsym.flat_args)
+    kept.reverse()
+    return trace.derive(provenance, kept)
+
+
+def _cse_key(bsym: BoundSymbol):
+    if bsym.sym.tags and (OpTags.RANDOM_OP in bsym.sym.tags or _keeps(bsym)):
+        return None
+
+    def freeze(x):
+        if isinstance(x, Proxy):
+            return ("p", x.name)
+        if isinstance(x, (list, tuple)):
+            return (type(x).__name__, tuple(freeze(v) for v in x))
+        if isinstance(x, dict):
+            return ("d", tuple((k, freeze(v)) for k, v in x.items()))
+        try:
+            hash(x)
+        except TypeError:
+            return ("id", id(x))
+        return (type(x).__name__, x)
+
+    return (id(bsym.sym), freeze(bsym.args), freeze(bsym.kwargs))
+
+
+def cse(trace: Trace, *, provenance: str = "Common Subexpression Elimination") -> Trace:
+    """Reuse the result of an identical earlier call (same symbol, same arguments); random ops are never merged."""
+    seen: dict = {}
+    swap: dict[str, Proxy] = {}
+    out: list[BoundSymbol] = []
+    for bsym in trace.bound_symbols:
+        if swap:
+            bsym = bsym.from_bsym_swap_proxies(swap, skip_output=True)
+        key = _cse_key(bsym)
+        earlier = seen.get(key) if key is not None else None
+        if earlier is not None:
+            for old, new in zip(bsym.flat_proxy_outs, earlier.flat_proxy_outs):
+                swap[old.name] = new
+            continue
+        if key is not None:
+            seen[key] = bsym
+        out.append(bsym)
+    new = trace.derive(provenance, out)
+    if swap:
+        def sub(x):
+            if isinstance(x, Proxy):
+                return swap.get(x.name, x)
+            if isinstance(x, (tuple, list)):
+                return type(x)(sub(v) for v in x)
+            if isinstance(x, dict):
+                return {k: sub(v) for k, v in x.items()}
+            return x
+
+        new.output = sub(new.output)
+    return new
+
+
+def del_last_used(trace: Trace, *, provenance: str = "Delete Last Used") -> Trace:
+    """Insert ``del`` right after each value's last use so memory is released as early as in eager."""
+    returned = {p.name for p in outputs_of(trace.output)}
+    last_use: dict[str, int] = {}
+    for i, bsym in enumerate(trace.bound_symbols):
+        for p in bsym.flat_args:
+            last_use[p.name] = i
+    for a in trace.args:
+        last_use.setdefault(a.name, -1)
+    to_delete: dict[int, list[Proxy]] = {}
+    seen: set[str] = set()
+    proxies: dict[str, Proxy] = {a.name: a for a in trace.args}
+    unused: set[str] = set()
+    for i, bsym in enumerate(trace.bound_symbols):
+        for p in bsym.flat_proxy_outs:
+            proxies.setdefault(p.name, p)
+            if p.name not in last_use and p.name not in returned:
+                unused.add(p.name)
+    for name, i in last_use.items():
+        if name in returned or name in seen:
+            continue
+        seen.add(name)
+        to_delete.setdefault(i, []).append(proxies.get(name))
+    out: list[BoundSymbol] = []
+    if -1 in to_delete:
+        dels = [p for p in to_delete[-1] if p is not None]
+        if dels:
+            out.append(BoundSymbol(DEL, tuple(dels), {}, None))
+    for i, bsym in enumerate(trace.bound_symbols):
+        out.append(bsym)
+        dels = [p for p in to_delete.get(i, []) if p is not None]
+        if dels:
+            out.append(BoundSymbol(DEL, tuple(dels), {}, None))
+    new = trace.derive(provenance, out)
+    new.unused_outputs = unused
+    return new
