@@ -24,6 +24,33 @@ from fulmen.frontend.jit import JittedFunction, get_stats
 from fulmen.frontend.module import JittedModule
 
 __version__ = "0.1.0"
+
+# Public names that live in higher layers are imported on first use: `import fulmen` stays cheap and
+# the layers below never import the frontend.
+_LAZY = {
+    "grad": "fulmen.transforms.autodiff:grad",
+    "value_and_grad": "fulmen.transforms.autodiff:value_and_grad",
+    "vjp": "fulmen.transforms.autodiff:vjp",
+    "trace": "fulmen.api:trace",
+    "compile": "fulmen.api:compile",
+    "examine": "fulmen.api:examine",
+    "extend": "fulmen.extend",
+    "executors": "fulmen.executors",
+    "tests": "fulmen.tests",
+}
+
+
+def __getattr__(name: str):
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'fulmen' has no attribute {name!r}")
+    import importlib
+
+    module_name, _, attr = target.partition(":")
+    module = importlib.import_module(module_name)
+    value = getattr(module, attr) if attr else module
+    globals()[name] = value
+    return value
 __all__ = ["jit", "last_traces", "last_backward_traces", "last_prologue_traces", "compile_stats", "cache_hits",
            "cache_misses"]
 

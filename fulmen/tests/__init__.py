@@ -1,0 +1,1 @@
+"""Test support shipped with fulmen: the OpInfo database (``fulmen.tests.opinfos``)."""

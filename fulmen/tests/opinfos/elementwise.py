@@ -1,0 +1,1 @@
+"""OpInfos: elementwise (being written)."""

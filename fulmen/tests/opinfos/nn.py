@@ -1,0 +1,1 @@
+"""OpInfos: nn (being written)."""

@@ -1,0 +1,1 @@
+"""OpInfos: reductions (being written)."""

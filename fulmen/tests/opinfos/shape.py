@@ -1,0 +1,1 @@
+"""OpInfos: shape (being written)."""

@@ -1,0 +1,1 @@
+"""Torch language: attention (being written)."""

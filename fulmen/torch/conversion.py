@@ -1,0 +1,1 @@
+"""Torch language: conversion (being written)."""

@@ -1,0 +1,1 @@
+"""Torch language: creation (being written)."""

@@ -1,0 +1,1 @@
+"""Torch language: indexing (being written)."""

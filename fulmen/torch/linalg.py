@@ -1,0 +1,1 @@
+"""Torch language: linalg (being written)."""

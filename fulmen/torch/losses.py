@@ -1,0 +1,1 @@
+"""Torch language: losses (being written)."""

@@ -1,0 +1,1 @@
+"""Torch language: nn (being written)."""

@@ -1,0 +1,1 @@
+"""Torch language: reductions (being written)."""

@@ -1,0 +1,1 @@
+"""Torch language: shape (being written)."""
