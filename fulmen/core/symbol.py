@@ -92,6 +92,9 @@ class Symbol:
             args, kwargs = _resolve_latest(args), {k: _resolve_latest(v) for k, v in kwargs.items()}
         if trc.capture is not None:
             args, kwargs = trc.capture(args), {k: trc.capture(v) for k, v in kwargs.items()}
+        if trc.autocast and len(trc.scopes) == 1:  # eager autocast casts at the outermost call only
+            for policy in trc.autocast:
+                args, kwargs = policy.cast(self.id, args, kwargs)
         if self.meta is None:
             raise NotImplementedError(f"{self.qualified_name} has no meta function and cannot be traced")
         if self.is_prim:

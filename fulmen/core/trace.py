@@ -54,6 +54,7 @@ class Trace:
         self.claims: dict[int, Any] = {}
         self.unused_outputs: set[str] | None = None  # printed as "_" (set by del_last_used)
         self.capture = None  # frontend hook turning real tensors met while tracing into inputs
+        self.autocast: list = []  # autocast policies applied to outermost calls (fulmen.transforms.autocast)
 
     # ---- names ----
     def make_name(self, prefix: str = "t") -> str:
@@ -113,6 +114,8 @@ class Trace:
             lines.append("import fulmen.torch as ltorch")
         if any(b.sym.module == "prims" for b in self.bound_symbols):
             lines.append("from fulmen import prims")
+        if any(b.sym.module == "torchex" for b in self.bound_symbols):
+            lines.append("from fulmen.executors.torchex import torchex_namespace as torchex")
         lines.append("")
         if include_decorator:
             lines.append("@torch.no_grad()")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fulmen.core.proxies import Proxy, TensorProxy
-from fulmen.core.symbol import BoundSymbol, Symbol
+from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 from fulmen.core.trace import Trace, tracectx
 
 
@@ -285,8 +285,9 @@ def claim_symbols(trace: Trace, executors: Sequence[Executor], *, provenance: st
                         visit(p, depth + 1)
                 return
             exec_sym = ex.execution_symbol(bsym)
-            out.append(BoundSymbol(exec_sym, bsym.args, bsym.kwargs, bsym.output,
-                                   (bsym,) if exec_sym is not bsym.sym else bsym.subsymbols))
+            # the claimed symbol is kept as a comment, unless it is an opaque op (it would print the same line)
+            shown = bsym.subsymbols if exec_sym is bsym.sym or OpTags.FALLBACK in bsym.sym.tags else (bsym,)
+            out.append(BoundSymbol(exec_sym, bsym.args, bsym.kwargs, bsym.output, shown))
             return
         if bsym.subsymbols:
             for s in bsym.subsymbols:

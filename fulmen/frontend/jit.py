@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -16,6 +17,7 @@ from fulmen.executors.base import Executor, resolve_executors
 from fulmen.frontend.cache import args_key, global_state_key
 from fulmen.frontend.compile import CompiledProgram, compile_inference
 from fulmen.frontend.tracing import InputSpec, trace_program
+from fulmen.transforms.autocast import current_policies
 
 log = logging.getLogger("fulmen")
 
@@ -51,12 +53,16 @@ class JittedFunction:
     """A function compiled by ``fulmen.jit``; call it like the original."""
 
     def __init__(self, fn: Callable, executors: Sequence[Executor | str] | None = None, *,
-                 cache: str = "shapes", disable_torch_autograd: bool = False, **options):
+                 add_torch_executor: bool = True, disable_torch_autograd: bool = False, **options):
         if not callable(fn):
             raise TypeError(f"fulmen.jit expects a function or an nn.Module, but got {type(fn).__name__}")
+        if options:
+            raise TypeError(f"fulmen.jit got unexpected keyword argument(s) {sorted(options)}; it accepts executors=, "
+                            "add_torch_executor= and disable_torch_autograd=")
         self.fn = fn
-        self.executors = resolve_executors(executors)
-        self.options = options
+        # add_torch_executor=False keeps exactly the executors given (the seeds' fulmen.compile form);
+        # a symbol none of them can run then fails with "Could not find executor for bound symbol ...".
+        self.executors = resolve_executors(executors, add_always=add_torch_executor)
         self.disable_torch_autograd = disable_torch_autograd
         self._cache: dict[Any, CacheEntry] = {}
         self._stats = CompileStats()
@@ -95,6 +101,7 @@ class JittedFunction:
                             getattr(self.fn, "__name__", self.fn), len(self._cache) + 1,
                             stats.last_recompile_reason)
         start = time.perf_counter()
+        autocast_devices = [p.device_type for p in current_policies()]
         trace, spec = self._trace(args, kwargs)
         traced = time.perf_counter()
         if self._needs_grad(spec.tensor_proxies):
@@ -103,6 +110,8 @@ class JittedFunction:
             program = compile_training(trace, self.executors)
         else:
             program = compile_inference(trace, self.executors)
+        if autocast_devices:
+            program.run = _without_autocast(program.run, autocast_devices)
         done = time.perf_counter()
         entry = CacheEntry(program=program, spec=spec, computation_trace=trace,
                            prologue=_prologue_trace(trace, key))
@@ -115,6 +124,18 @@ class JittedFunction:
         stats.last_backward_traces = list(program.backward_traces)
         stats.last_prologue_traces = [entry.prologue] if entry.prologue is not None else []
         return entry
+
+
+def _without_autocast(run: Callable, device_types: list[str]) -> Callable:
+    """The trace already holds autocast's casts; running it under autocast again would cast twice."""
+
+    def run_without_autocast(flat):
+        with contextlib.ExitStack() as stack:
+            for device_type in device_types:
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+            return run(flat)
+
+    return run_without_autocast
 
 
 def _describe_key_change(old, new) -> str:

@@ -13,6 +13,7 @@ from fulmen import prims
 from fulmen.core.codeutils import sanitize_name
 from fulmen.core.proxies import Proxy, TensorProxy, latest
 from fulmen.core.trace import Trace, tracectx
+from fulmen.transforms.autocast import current_policies
 
 
 @dataclass
@@ -103,12 +104,14 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     proxy_kwargs = {k: proxify(trace, v, sanitize_name(k), spec.tensor_proxies, originals) for k, v in kwargs.items()}
     trace.args = list(spec.tensor_proxies)
     trace.capture = _Capture(trace, spec)
+    trace.autocast = current_policies()
     with tracectx(trace):
         result = fn(*proxy_args, **proxy_kwargs)
         result = trace.capture(result) if isinstance(result, torch.Tensor) else result
         result = _resolve_outputs(result)
         _write_back_mutated_inputs(trace)
     trace.capture = None
+    trace.autocast = []
     trace.output = result
     trace.provenance = None
     return trace, spec

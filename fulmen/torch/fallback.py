@@ -36,7 +36,8 @@ def _fake_meta(func: Callable, name: str) -> Callable:
 
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         try:
-            with mode:
+            # autocast casts are explicit in the trace and generated code runs without autocast
+            with mode, torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
                 fargs, fkwargs = tree_map(lambda x: _to_fake(mode, x), (args, kwargs))
                 out = func(*fargs, **fkwargs)
         except (torch._subclasses.fake_tensor.DynamicOutputShapeException,

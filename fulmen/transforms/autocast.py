@@ -1,0 +1,105 @@
+"""Autocast: trace under ``torch.autocast`` with the casts eager would apply, made explicit in the trace.
+
+Eager autocast casts the inputs of listed operators at dispatch (to the autocast dtype, to float32, or to
+the widest input type) and runs what those operators call internally without casting again. fulmen
+applies the same policy to calls made by user code (the outermost calls in the trace); decompositions run
+uncasted beneath them, and generated code runs with autocast disabled, so every dtype in the trace is what
+actually runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fulmen.core.proxies import TensorProxy
+
+# ids of torch-language symbols by policy; lists follow PyTorch's autocast op reference (CUDA and CPU)
+LOWER_PRECISION = {
+    "torch.matmul", "torch.mm", "torch.bmm", "torch.mv", "torch.addmm", "torch.addmv", "torch.addbmm",
+    "torch.baddbmm", "torch.nn.functional.linear", "torch.nn.functional.conv1d", "torch.nn.functional.conv2d",
+    "torch.nn.functional.conv3d", "torch.nn.functional.conv_transpose1d", "torch.nn.functional.conv_transpose2d",
+    "torch.nn.functional.conv_transpose3d", "torch.nn.functional.scaled_dot_product_attention", "torch.einsum",
+    "torch.nn.functional.prelu", "torch.chain_matmul", "torch.linalg.multi_dot", "torch.tensordot",
+}
+FLOAT32_CUDA = {
+    "torch.acos", "torch.asin", "torch.cosh", "torch.erfinv", "torch.exp", "torch.expm1", "torch.log",
+    "torch.log10", "torch.log2", "torch.log1p", "torch.reciprocal", "torch.rsqrt", "torch.sinh", "torch.tan",
+    "torch.pow", "torch.nn.functional.softplus", "torch.nn.functional.layer_norm", "torch.nn.functional.group_norm",
+    "torch.norm", "torch.nn.functional.nll_loss", "torch.nn.functional.cross_entropy", "torch.softmax",
+    "torch.log_softmax", "torch.nn.functional.softmax", "torch.nn.functional.log_softmax", "torch.cumsum",
+    "torch.cumprod", "torch.sum", "torch.prod", "torch.logsumexp", "torch.nn.functional.mse_loss",
+    "torch.nn.functional.l1_loss", "torch.nn.functional.smooth_l1_loss", "torch.nn.functional.huber_loss",
+    "torch.nn.functional.binary_cross_entropy_with_logits", "torch.nn.functional.kl_div",
+    "torch.nn.functional.cosine_similarity", "torch.nn.functional.normalize",
+}
+FLOAT32_CPU = {
+    "torch.prod", "torch.nn.functional.binary_cross_entropy", "torch.nn.functional.mse_loss",
+    "torch.nn.functional.nll_loss", "torch.nn.functional.cross_entropy", "torch.nn.functional.smooth_l1_loss",
+    "torch.nn.functional.l1_loss", "torch.nn.functional.huber_loss", "torch.nn.functional.kl_div",
+    "torch.nn.functional.binary_cross_entropy_with_logits",
+}
+PROMOTE = {
+    "torch.cat", "torch.stack", "torch.addcdiv", "torch.addcmul", "torch.atan2", "torch.dot", "torch.index_put",
+    "torch.scatter_add", "torch.nn.functional.bilinear",
+}
+
+
+class AutocastPolicy:
+    """The casts for one autocast state: the device type it applies to and the lower-precision dtype."""
+
+    def __init__(self, device_type: str, dtype: torch.dtype):
+        self.device_type = device_type
+        self.dtype = dtype
+        self.float32 = FLOAT32_CUDA if device_type == "cuda" else FLOAT32_CPU
+
+    def target(self, sym_id: Any, args: tuple, kwargs: dict) -> torch.dtype | None:
+        if not isinstance(sym_id, str):
+            return None
+        # opaque (fallback) ops and Tensor-method spellings share the policy of the torch function
+        sym_id = sym_id.removeprefix("fallback:").replace("torch.Tensor.", "torch.")
+        if sym_id in LOWER_PRECISION:
+            return self.dtype
+        if sym_id in self.float32:
+            return torch.float32
+        if sym_id in PROMOTE:
+            floats = [a.dtype for a in _tensors((args, kwargs)) if a.dtype.is_floating_point]
+            if len(set(floats)) > 1:
+                widest = floats[0]
+                for d in floats[1:]:
+                    widest = torch.promote_types(widest, d)
+                return widest
+        return None
+
+    def cast(self, sym_id: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        dtype = self.target(sym_id, args, kwargs)
+        if dtype is None:
+            return args, kwargs
+        from fulmen import clang
+
+        def conv(x: Any) -> Any:
+            if isinstance(x, TensorProxy):
+                if x.dtype.is_floating_point and x.dtype != dtype and x.device.type == self.device_type:
+                    return clang.maybe_convert_to_dtype(x, dtype)
+                return x
+            if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+                return type(x)(conv(v) for v in x)
+            return x
+
+        return conv(args), {k: conv(v) for k, v in kwargs.items()}
+
+
+def _tensors(x: Any) -> list[TensorProxy]:
+    from fulmen.core.codeutils import outputs_of
+
+    return [p for p in outputs_of(x) if isinstance(p, TensorProxy)]
+
+
+def current_policies() -> list[AutocastPolicy]:
+    """The autocast states enabled right now (CPU and/or CUDA)."""
+    policies = []
+    for device_type in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device_type):
+            policies.append(AutocastPolicy(device_type, torch.get_autocast_dtype(device_type)))
+    return policies
