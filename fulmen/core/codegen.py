@@ -75,7 +75,10 @@ def python_source(trace: Trace, ctx: dict[str, Any] | None = None) -> tuple[str,
     names = _ExecPrinter(ctx)
     lines: list[str] = []
     if trace.provenance:
-        lines.append(f"# Constructed by {trace.provenance}")
+        took = f" (took {trace.elapsed_ms:.0f} milliseconds)" if trace.elapsed_ms is not None else ""
+        lines.append(f"# Constructed by {trace.provenance}{took}")
+    lines.append("import torch")
+    lines.append("")
     lines.append(f"def {trace.fn_name}({', '.join(trace.signature_names())}):")
     body: list[str] = []
     for a in trace.args:

@@ -20,7 +20,13 @@ fallback: list[Callable] = []
 
 
 def method(name: str) -> Callable:
+    """The torch-language function for ``Tensor.<name>``; without one, the opaque fallback for it."""
     fn = methods.get(name)
-    if fn is None:
-        raise AttributeError(f"'TensorProxy' has no method {name!r} (no torch-language rule for Tensor.{name})")
-    return fn
+    if fn is not None:
+        return fn
+    import torch
+
+    tensor_attr = getattr(torch.Tensor, name, None)
+    if tensor_attr is not None and fallback:
+        return fallback[0](tensor_attr)
+    raise AttributeError(f"'TensorProxy' has no method {name!r} (no torch-language rule for Tensor.{name})")

@@ -99,10 +99,16 @@ class Trace:
     def signature_names(self) -> list[str]:
         return [a.name for a in self.args]
 
-    def python(self, *, printer: Printer | None = None, include_decorator: bool = False,
-               del_lines: bool = True) -> str:
-        from fulmen.core.symbol import Symbol  # noqa: F401  (keeps import order explicit)
+    def is_execution_trace(self) -> bool:
+        """True when every operation has an implementation (the trace is claimed and can be compiled)."""
+        return bool(self.bound_symbols) and all(
+            b.sym.impl is not None or b.sym.id in ("del", "comment") for b in self.bound_symbols)
 
+    def python(self, *, printer: Printer | None = None, include_decorator: bool = False) -> str:
+        if self.is_execution_trace() and printer is None:
+            from fulmen.core.codegen import python_source  # an execution trace prints as the code that runs
+
+            return python_source(self)[0]
         printer = printer if printer is not None else Printer()
         lines: list[str] = []
         if self.provenance:

@@ -24,6 +24,10 @@ _NAMESPACES = (
 
 def torch_id(fn: Callable) -> str:
     """The dotted name users know a torch callable by (``torch.nn.functional.cross_entropy``)."""
+    if isinstance(fn, torch._ops.OpOverload):  # aten and torch.library custom ops
+        return f"torch.ops.{fn.namespace}.{fn._opname}.{fn._overloadname}"
+    if isinstance(fn, torch._ops.OpOverloadPacket):
+        return f"torch.ops.{fn._qualified_op_name.replace('::', '.')}"
     name = getattr(fn, "__name__", None)
     for ns, prefix in _NAMESPACES:
         if name is not None and getattr(ns, name, None) is fn:
