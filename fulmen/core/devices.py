@@ -18,27 +18,27 @@ class DeviceType(Enum):
 _BY_STRING = {d.value: d for d in DeviceType}
 
 
-class Device:
-    """An immutable, hashable device; ``str(Device("cuda"))`` is ``"cuda:0"`` as in trace comments."""
+class Device(str):
+    """An immutable device: ``Device("cuda")`` is ``"cuda:0"``, with ``devicetype``, ``type`` and ``index``.
 
-    __slots__ = ("devicetype", "index", "_str", "_torch")
+    It is a ``str`` so that user code passing ``tensor.device`` to a torch factory while tracing
+    (``torch.arange(n, device=x.device)``) works: torch accepts device strings everywhere.
+    """
 
-    def __init__(self, spec: str | torch.device | Device = "cpu", index: int | None = None):
-        if isinstance(spec, Device):
-            devicetype, index = spec.devicetype, spec.index
-        else:
-            tdev = torch.device(spec) if index is None else torch.device(spec, index)
-            if tdev.type not in _BY_STRING:
-                raise ValueError(f"Unsupported device type {tdev.type!r}; fulmen supports {sorted(_BY_STRING)}")
-            devicetype = _BY_STRING[tdev.type]
-            index = tdev.index
-            if devicetype is DeviceType.CUDA and index is None:
-                index = torch.cuda.current_device() if torch.cuda.is_available() else 0
-        object.__setattr__(self, "devicetype", devicetype)
-        object.__setattr__(self, "index", index)
+    def __new__(cls, spec: str | torch.device | Device = "cpu", index: int | None = None):
+        if isinstance(spec, Device) and index is None:
+            return spec
+        tdev = torch.device(str(spec)) if index is None else torch.device(str(spec), index)
+        if tdev.type not in _BY_STRING:
+            raise ValueError(f"Unsupported device type {tdev.type!r}; fulmen supports {sorted(_BY_STRING)}")
+        devicetype = _BY_STRING[tdev.type]
+        index = tdev.index
+        if devicetype is DeviceType.CUDA and index is None:
+            index = torch.cuda.current_device() if torch.cuda.is_available() else 0
         text = devicetype.value if devicetype in (DeviceType.CPU, DeviceType.META) else f"{devicetype.value}:{index}"
-        object.__setattr__(self, "_str", text)
-        object.__setattr__(self, "_torch", torch.device(text))
+        obj = super().__new__(cls, text)
+        obj.__dict__.update(devicetype=devicetype, index=index, _torch=torch.device(text))
+        return obj
 
     def __setattr__(self, name, value):
         raise AttributeError("Device is immutable")
@@ -48,23 +48,28 @@ class Device:
         return self.devicetype.value
 
     def __str__(self) -> str:
-        return self._str
+        return str.__str__(self)
 
     def __repr__(self) -> str:
-        return f'devices.Device("{self._str}")'
+        return f'devices.Device("{str.__str__(self)}")'
 
     def __eq__(self, other) -> bool:
-        if isinstance(other, Device):
-            return self._str == other._str
-        if isinstance(other, (str, torch.device)):
+        if isinstance(other, torch.device):
+            return self._torch == other
+        if isinstance(other, str):
+            if str.__eq__(self, other):
+                return True
             try:
-                return self._str == Device(other)._str
+                return str.__eq__(self, str(to_device(other)))
             except (RuntimeError, ValueError):
                 return False
         return NotImplemented
 
-    def __hash__(self) -> int:
-        return hash(self._str)
+    def __ne__(self, other) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    __hash__ = str.__hash__
 
 
 cpu = Device("cpu")

@@ -29,10 +29,12 @@ def _reduction_meta(op, *, output_dtype=None):
     return meta
 
 
-def _torch_reduce(fn):
+def _torch_reduce(fn, keeps_dtype: bool = False):
     def impl(a, dims, **kwargs):
         if not dims:  # torch reads an empty dim list as "all dims"; the prim reads it as "none"
             return a.clone()
+        if keeps_dtype:  # torch.sum widens integers to int64; the prim keeps the input dtype
+            kwargs["dtype"] = a.dtype
         return fn(a, dim=tuple(dims), **kwargs)
 
     return impl
@@ -41,11 +43,11 @@ def _torch_reduce(fn):
 def _torch_prod(a, dims):
     out = a
     for d in sorted(dims, reverse=True):
-        out = torch.prod(out, d)
+        out = torch.prod(out, d, dtype=a.dtype)
     return out if dims else a.clone()
 
 
-sum = make_prim(PrimIDs.SUM, "sum", meta=_reduction_meta("sum"), torch_impl=_torch_reduce(torch.sum),
+sum = make_prim(PrimIDs.SUM, "sum", meta=_reduction_meta("sum"), torch_impl=_torch_reduce(torch.sum, True),
                 tags=_REDUCTION, doc="Sum over dims (in the input's dtype; clang upcasts first).")
 prod = make_prim(PrimIDs.PROD, "prod", meta=_reduction_meta("prod"), torch_impl=_torch_prod, tags=_REDUCTION,
                  doc="Product over dims.")
@@ -108,9 +110,11 @@ def _scan_meta(a, dim):
     return TensorProxy(like=a)
 
 
-cumsum = make_prim(PrimIDs.CUMSUM, "cumsum", meta=_scan_meta, torch_impl=lambda a, dim: torch.cumsum(a, dim),
+cumsum = make_prim(PrimIDs.CUMSUM, "cumsum", meta=_scan_meta,
+                   torch_impl=lambda a, dim: torch.cumsum(a, dim, dtype=a.dtype),
                    tags=(OpTags.REDUCTION,), doc="Running sum along dim.")
-cumprod = make_prim(PrimIDs.CUMPROD, "cumprod", meta=_scan_meta, torch_impl=lambda a, dim: torch.cumprod(a, dim),
+cumprod = make_prim(PrimIDs.CUMPROD, "cumprod", meta=_scan_meta,
+                    torch_impl=lambda a, dim: torch.cumprod(a, dim, dtype=a.dtype),
                     tags=(OpTags.REDUCTION,), doc="Running product along dim.")
 
 

@@ -2,7 +2,7 @@
 
 Import as ``import fulmen.torch as ltorch``. Each symbol's id is the torch name users know
 (``ltorch.cross_entropy.id == "torch.nn.functional.cross_entropy"``). Files by kind:
-elementwise, reductions, linalg, shape, indexing, creation, conversion, nn, losses, attention.
+elementwise, reductions, linalg, shape, indexing, creation, conversion, nn, nn_conv, losses, attention.
 """
 
 from fulmen.core.dtypes import to_torch_dtype  # noqa: F401
@@ -16,6 +16,7 @@ from fulmen.torch.indexing import *  # noqa: F401,F403
 from fulmen.torch.creation import *  # noqa: F401,F403
 from fulmen.torch.conversion import *  # noqa: F401,F403
 from fulmen.torch.nn import *  # noqa: F401,F403
+from fulmen.torch.nn_conv import *  # noqa: F401,F403
 from fulmen.torch.losses import *  # noqa: F401,F403
 from fulmen.torch.attention import *  # noqa: F401,F403
 from fulmen.torch.registry import symbols_by_id, torchsymbol  # noqa: F401
