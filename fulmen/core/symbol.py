@@ -233,7 +233,7 @@ class BoundSymbol:
             sub_printer = Printer({})
             for s in self.subsymbols:
                 for sl in s.python_lines(sub_printer):
-                    lines.append("  # " + sl if not sl.startswith("  # ") else "  " + sl)
+                    lines.append("  " + sl if sl.startswith(" ") else "  # " + sl)
         return lines
 
     def __str__(self) -> str:

@@ -201,7 +201,8 @@ def _check_meta(bsym: BoundSymbol) -> None:
             raise TraceCheckError(f"meta of {sym.qualified_name} rejects its recorded inputs ({e}) in:\n{bsym}") from e
     got, want = outputs_of(bsym.output), outputs_of(expected)
     if len(got) != len(want):
-        raise TraceCheckError(f"{sym.qualified_name} records {len(got)} outputs but its meta gives {len(want)}:\n{bsym}")
+        raise TraceCheckError(f"{sym.qualified_name} records {len(got)} outputs but its meta gives "
+                              f"{len(want)}:\n{bsym}")
     for g, w in zip(got, want):
         if isinstance(g, TensorProxy) and isinstance(w, TensorProxy):
             if (tuple(g.shape), g.dtype, g.device) != (tuple(w.shape), w.dtype, w.device):

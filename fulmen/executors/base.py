@@ -77,8 +77,12 @@ class OperatorExecutor(Executor):
             raise ValueError(f"executor {self.name!r} already has an operator named {name!r}; choose another name")
         if not callable(fn):
             raise TypeError(f"register_operator({name!r}): fn must be callable, got {type(fn).__name__}")
+        from fulmen.executors import checked_implementation  # the first call checks fn's outputs against the meta
+
         sym = Symbol(name=name, meta=meta if meta is not None else like, id=name, is_prim=meta is not None,
-                     tags=tuple(tags), module=module, impl=fn, executor=self)
+                     tags=tuple(tags or ()), module=module, executor=self,
+                     impl=checked_implementation(fn, executor=self.name, symbol=name,
+                                                 meta=meta if meta is not None else like))
         if like is not None:
             sym.extra["like"] = like
         self.opmap[name] = sym
@@ -252,6 +256,11 @@ def _check_transform_output(ex: Executor, bsym: BoundSymbol, result: Any) -> Non
                                 f"returned {g.type_string()} where the meta promises {w.type_string()}")
 
 
+class _Unclaimed(Exception):
+    def __init__(self, bsym: BoundSymbol):
+        self.bsym = bsym
+
+
 def claim_symbols(trace: Trace, executors: Sequence[Executor], *, provenance: str = "Transform for execution",
                   _depth: int = 0) -> Trace:
     """Give each bound symbol to the first executor that accepts it, decomposing what nobody takes."""
@@ -272,6 +281,12 @@ def claim_symbols(trace: Trace, executors: Sequence[Executor], *, provenance: st
                     return
                 continue
             if not ex.can_execute(bsym):
+                if bsym.subsymbols and isinstance(ex, OperatorExecutor) and _runs_decomposition(ex, bsym):
+                    # an earlier executor that can run every piece of the decomposition takes precedence over
+                    # a later one that runs the whole symbol (seed 002: ltorch.add runs as add_numpy)
+                    for s in bsym.subsymbols:
+                        visit(s, depth)
+                    return
                 continue
             info = ex.implmap.get(bsym.sym.id) if isinstance(ex, OperatorExecutor) else None
             if info is not None and info.execution_transform is not None:
@@ -293,14 +308,26 @@ def claim_symbols(trace: Trace, executors: Sequence[Executor], *, provenance: st
             for s in bsym.subsymbols:
                 visit(s, depth)
             return
-        raise RuntimeError(f"Could not find executor for bound symbol {bsym}")
+        if {p.name for p in bsym.flat_proxy_outs} <= {p.name for p in bsym.flat_args}:
+            return  # an identity (x.reshape(x.shape), +x): its decomposition is empty, nothing to run
+        raise _Unclaimed(bsym)
 
     for bsym in trace.bound_symbols:
-        visit(bsym, _depth)
+        try:
+            visit(bsym, _depth)
+        except _Unclaimed as e:  # name the operation the user wrote; its decomposition shows the prims
+            tried = ", ".join(repr(ex.name) for ex in executors) or "none"
+            raise RuntimeError(f"Could not find executor for bound symbol {bsym}\n(executors tried: {tried}; "
+                               f"none of them runs {e.bsym.sym.qualified_name})") from None
     new.bound_symbols[:] = out
     for ex in fusion_executors:
         new = ex.fusion_pass(new)
     return new
+
+
+def _runs_decomposition(ex: OperatorExecutor, bsym: BoundSymbol) -> bool:
+    """True when ``ex`` can run every operation of ``bsym``'s decomposition (recursively)."""
+    return all(ex.can_execute(s) or (bool(s.subsymbols) and _runs_decomposition(ex, s)) for s in bsym.subsymbols)
 
 
 def _run_execution_transform(trace: Trace, ex: Executor, bsym: BoundSymbol, transform: Callable) -> list[BoundSymbol]:
@@ -310,7 +337,8 @@ def _run_execution_transform(trace: Trace, ex: Executor, bsym: BoundSymbol, tran
             result = transform(*bsym.args, **bsym.kwargs)
         except Exception as e:
             raise ExecutorError(f"the execution transform of executor {ex.name!r} for {bsym.sym.qualified_name} "
-                                f"raised {type(e).__name__}: {e}\n  while transforming: {bsym.python_lines()[0]}") from e
+                                f"raised {type(e).__name__}: {e}\n  while transforming: "
+                                f"{bsym.python_lines()[0]}") from e
     trace.names.update(scratch.names)
     _check_transform_output(ex, bsym, result)
     produced = _swap_outputs(scratch.bound_symbols, result, bsym.output)
