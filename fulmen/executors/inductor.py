@@ -13,6 +13,7 @@ so do side effects and opaque ops.
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import logging
 import threading
@@ -50,6 +51,23 @@ def _compile_pool() -> ThreadPoolExecutor:
         if _pool is None:
             _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fulmen-inductor")
         return _pool
+
+
+_shutting_down = False
+
+
+@atexit.register
+def _stop_compiling() -> None:
+    """At interpreter exit, drop queued compilations instead of starting new ones."""
+    global _shutting_down
+    _shutting_down = True
+    if _pool is not None:
+        _pool.shutdown(wait=False, cancel_futures=True)
+
+
+def pending_compilations() -> int:
+    """Region compilations queued or running (0 once every region seen so far is compiled or failed)."""
+    return sum(1 for r in ex.regions for f in r.pending.values() if f is not None and not f.done())
 
 
 def wait_for_compilations(timeout: float | None = None) -> None:
@@ -107,6 +125,8 @@ class FusedRegion:
             self.pending[key] = _compile_pool().submit(self._compile, key, example)
 
     def _compile(self, key: tuple, example: list[torch.Tensor]) -> None:
+        if _shutting_down:
+            return
         start = time.perf_counter()
         try:
             fn = _inductor_compile(self.eager, example)

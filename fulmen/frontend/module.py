@@ -18,7 +18,7 @@ from fulmen.core.codeutils import sanitize_name
 from fulmen.executors.base import Executor
 from fulmen.frontend.cache import args_key, global_state_key
 from fulmen.frontend.jit import JittedFunction
-from fulmen.frontend.tracing import trace_program
+from fulmen.frontend.tracing import _arg_names, trace_program
 
 
 class _ModuleState:
@@ -99,7 +99,8 @@ class _ModuleProgram(JittedFunction):
             with state.swapped(state_proxies):
                 return module(*a, **k)
 
-        return trace_program(forward, args, kwargs, state=named, fn_name="computation")
+        names = _arg_names(module.forward, args, kwargs)
+        return trace_program(forward, args, kwargs, state=named, fn_name="computation", arg_names=names)
 
 
 class JittedModule(nn.Module):

@@ -1,0 +1,619 @@
+"""The ``fulmen`` command: ``fulmen bench``, ``fulmen examine`` and ``fulmen demo``.
+
+    fulmen demo                                     # the README's main job: a GPT traced, compared, timed
+    fulmen bench --model gpt-small --mode train --backends eager,torch.compile,fulmen
+    fulmen examine --model llama-tiny               # what fulmen made of a model
+    fulmen examine mypackage.models:make_example    # make_example() -> (fn_or_module, args[, kwargs])
+
+Exit codes: 0 success, 1 a run failed (demo/examine), 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+import torch
+
+from fulmen.bench.models import CONFIGS, build
+from fulmen.bench.runner import BACKENDS, DTYPES, MODES, BenchConfig, BenchRow, add_speedups, run_benchmark
+
+DEFAULT_BACKENDS = "eager,fulmen"
+
+# ---------------------------------------------------------------------------------------------------------------
+# Progress display and the results table
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class ProgressDisplay:
+    """Status lines on stderr: rewritten in place on a terminal, one line per phase otherwise."""
+
+    def __init__(self, stream: TextIO | None = None, *, enabled: bool = True):
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = enabled
+        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self._last_phase: str | None = None
+
+    def run(self, label: str) -> Callable[[str, int | None, int | None], None]:
+        self._last_phase = None
+
+        def update(phase: str, done: int | None = None, total: int | None = None) -> None:
+            if not self.enabled:
+                return
+            if self.tty:
+                counts = f" {done}/{total} steps" if done is not None and total else ""
+                self.stream.write(f"\r\033[K[{label}] {phase}...{counts}")
+                self.stream.flush()
+            elif phase != self._last_phase:
+                counts = f" ({total} steps)" if total and done == 0 else ""
+                self.stream.write(f"[{label}] {phase}{counts}...\n")
+                self.stream.flush()
+            self._last_phase = phase
+
+        return update
+
+    def finish(self, label: str, row: BenchRow) -> None:
+        if not self.enabled:
+            return
+        if row.error:
+            text = f"[{label}] failed: {row.error}"
+        else:
+            text = f"[{label}] done: {row.median_ms:.2f} ms/step, first result {row.first_result_s:.2f} s"
+        self.stream.write(("\r\033[K" if self.tty else "") + text + "\n")
+        self.stream.flush()
+
+
+def _fmt(value: Any, spec: str) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and value == float("inf"):
+        return "inf"
+    return format(value, spec)
+
+
+def _fmt_mb(mb: float | None) -> str:
+    return _fmt(mb, ".1f" if mb is None or mb >= 10 else ".3f")
+
+
+def format_table(rows: Sequence[BenchRow]) -> str:
+    """An aligned text table of benchmark rows (numbers right-aligned; errors in the last column)."""
+    headers = ["model", "mode", "backend", "median ms", "x eager", "first result s", "compiled s", "peak MB",
+               "max diff", "error"]
+    numeric = {3, 4, 5, 6, 7, 8}
+    body = []
+    for r in rows:
+        body.append([r.model, r.mode, r.backend, _fmt(r.median_ms, ".2f"), _fmt(r.speedup, ".2f"),
+                     _fmt(r.first_result_s, ".3f"), _fmt(r.compiled_s, ".3f"), _fmt_mb(r.peak_mb),
+                     _fmt(r.max_diff, ".1e"), r.error or ""])
+    if not any(r.error for r in rows):
+        headers, body = headers[:-1], [b[:-1] for b in body]
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(headers)]
+
+    def line(cells):
+        out = [c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        return "  ".join(out).rstrip()
+
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([line(headers), sep, *(line(b) for b in body)])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Argument parsing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but errors raise instead of exiting, so ``main`` can return 2 from within a test."""
+
+    def error(self, message: str):
+        raise _UsageError(self, message)
+
+
+class _UsageError(Exception):
+    def __init__(self, parser: argparse.ArgumentParser, message: str):
+        super().__init__(message)
+        self.parser = parser
+
+
+def _csv(choices: Sequence[str], what: str) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what}")
+        bad = [t for t in items if t not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(map(repr, bad))}; choose from "
+                                             f"{', '.join(choices)}")
+        return list(dict.fromkeys(items))
+
+    parse.__name__ = what  # argparse names the type in its messages
+    return parse
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="fulmen", description="fulmen: a source-to-source compiler for PyTorch programs.")
+    sub = parser.add_subparsers(dest="command", metavar="{bench,examine,demo}", parser_class=_Parser)
+
+    models = list(CONFIGS)
+    bench = sub.add_parser("bench", help="time built-in models under eager, torch.compile and fulmen",
+                           description="Benchmark built-in models. Timings are medians of --steps steps after "
+                                       "warm-up; first-result and compile times are wall times of the first call "
+                                       "(use --isolate for a fresh process per measurement).")
+    bench.add_argument("--model", type=_csv(models, "model"), default=["gpt-small", "llama-small", "mlp"],
+                       help=f"comma-separated models (default: gpt-small,llama-small,mlp; all: {','.join(models)})")
+    bench.add_argument("--mode", choices=[*MODES, "both"], default="both",
+                       help="inference (forward, no grad), train (forward, backward, AdamW step) or both")
+    bench.add_argument("--backends", type=_csv(list(BACKENDS), "backend"), default=DEFAULT_BACKENDS.split(","),
+                       help=f"comma-separated backends (default: {DEFAULT_BACKENDS}; available: "
+                            f"{','.join(BACKENDS)}); torch.compile takes tens of seconds per model on a CPU")
+    bench.add_argument("--steps", type=_positive, default=20, help="timed steps (default 20)")
+    bench.add_argument("--warmup", type=_non_negative, default=3, help="untimed steps after the first (default 3)")
+    bench.add_argument("--batch-size", type=_positive, default=2, help="batch size (default 2)")
+    _add_device_args(bench)
+    bench.add_argument("--json", metavar="PATH|-", help="also write results as JSON to PATH ('-': stdout, and the "
+                                                        "table goes to stderr)")
+    bench.add_argument("--isolate", action="store_true",
+                       help="run each measurement in a fresh Python process with empty Inductor caches, for "
+                            "honest first-call and compile times")
+    bench.add_argument("--warm-cache", action="store_true", help="with --isolate, keep the usual Inductor cache")
+    bench.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
+    bench.add_argument("--quiet", action="store_true", help="no progress display")
+    bench.add_argument("--verbose", action="store_true", help="print tracebacks of failing measurements")
+
+    examine = sub.add_parser("examine", help="trace a model or function with fulmen and summarize the trace",
+                             description="Trace with fulmen.jit and summarize: ops by kind, the executor of each, "
+                                         "fallback (opaque) ops, trace and compile times. TARGET is "
+                                         "MODULE:FUNCTION, where FUNCTION() returns (fn_or_module, args) or "
+                                         "(fn_or_module, args, kwargs); MODULE is a dotted name or a .py path.")
+    examine.add_argument("target", nargs="?", metavar="MODULE:FUNCTION")
+    examine.add_argument("--model", choices=models, help="a built-in model instead of TARGET")
+    examine.add_argument("--mode", choices=MODES, default="inference")
+    examine.add_argument("--batch-size", type=_positive, default=2)
+    _add_device_args(examine)
+    examine.add_argument("--executors", help="comma-separated executor names for fulmen.jit, in priority order "
+                                             "(default: fulmen's default executors)")
+    examine.add_argument("--trace", action="store_true", help="also print the whole execution trace")
+
+    demo = sub.add_parser("demo", help="the main job: trace a built-in GPT, summarize, compare with eager, time",
+                          description="Build a small GPT, compile it with fulmen.jit, print a summary of its trace, "
+                                      "compare fulmen's output with eager PyTorch's and time both.")
+    demo.add_argument("--model", choices=models, default="gpt-small")
+    demo.add_argument("--batch-size", type=_positive, default=2)
+    demo.add_argument("--calls", type=_positive, default=10, help="timed calls per backend (default 10)")
+    demo.add_argument("--lines", type=_non_negative, default=12, help="execution-trace lines to show (default 12)")
+    _add_device_args(demo)
+    parser.subcommands = {"bench": bench, "examine": examine, "demo": demo}
+    return parser
+
+
+def _add_device_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
+
+
+def _check_device(parser: argparse.ArgumentParser, device: str) -> None:
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise _UsageError(parser, f"argument --device: unknown device {device!r}; use cpu or cuda") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise _UsageError(parser, f"argument --device: fulmen bench runs on cpu or cuda, not {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise _UsageError(parser, "argument --device: CUDA was requested but torch.cuda.is_available() is False")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fulmen bench
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    modes = list(MODES) if args.mode == "both" else [args.mode]
+    if args.threads:
+        torch.set_num_threads(args.threads)  # for the environment line; each measurement sets it too
+    progress = ProgressDisplay(enabled=not args.quiet)
+    busy = _busy_warning()
+    if busy:
+        print(busy, file=sys.stderr)
+    rows: list[BenchRow] = []
+    for model in args.model:
+        for mode in modes:
+            for backend in args.backends:
+                label = f"{model} {mode} {backend}"
+                config = BenchConfig(model=model, mode=mode, backend=backend, steps=args.steps, warmup=args.warmup,
+                                     batch_size=args.batch_size, device=args.device, dtype=args.dtype,
+                                     isolate=args.isolate, warm_cache=args.warm_cache, threads=args.threads)
+                row = run_benchmark(config, progress.run(label), verbose=args.verbose)
+                progress.finish(label, row)
+                rows.append(row)
+    add_speedups(rows)
+
+    table_stream = sys.stderr if args.json == "-" else sys.stdout
+    print(format_table(rows), file=table_stream)
+    note = ("first-result times from a fresh process per measurement" if args.isolate else
+            "first-result times measured in one process (caches may be warm; --isolate for fresh processes)")
+    print(f"\n{_environment_line(args.device)}; {note}.", file=table_stream)
+    if args.json:
+        payload = {"environment": _environment(args), "rows": [r.to_dict() for r in rows]}
+        text = json.dumps(payload, indent=2, allow_nan=False)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    return 0
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+
+
+def _busy_warning() -> str | None:
+    load, cores = _load_average(), os.cpu_count() or 1
+    if load is not None and load > 0.75 * cores:
+        return (f"warning: the machine is busy (1-minute load average {load:.1f} on {cores} cores); CPU timings "
+                "will be noisy, and multi-threaded eager kernels suffer most")
+    return None
+
+
+def _environment(args: argparse.Namespace) -> dict:
+    import fulmen
+
+    env = {"fulmen": fulmen.__version__, "torch": torch.__version__, "python": sys.version.split()[0],
+           "device": args.device, "dtype": args.dtype, "cpu_threads": torch.get_num_threads(),
+           "isolate": bool(args.isolate), "batch_size": args.batch_size, "steps": args.steps,
+           "warmup": args.warmup, "cpu_count": os.cpu_count(), "load_average_1min": _load_average()}
+    if args.device.startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name()
+    return env
+
+
+def _environment_line(device: str) -> str:
+    where = torch.cuda.get_device_name() if device.startswith("cuda") else f"CPU, {torch.get_num_threads()} threads"
+    return f"torch {torch.__version__}, {where}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fulmen examine / fulmen demo: trace summaries
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _flat_outputs(x: Any) -> list:
+    from fulmen.core.codeutils import outputs_of
+
+    return [o for o in outputs_of(x) if hasattr(o, "name")]
+
+
+def _exec_index(trace) -> dict[str, Any]:
+    """Output name -> the execution-trace bound symbol that produces it (values inside a fused region map to
+    the region)."""
+    index: dict[str, Any] = {}
+    for bsym in trace.bound_symbols:
+        for o in _flat_outputs(bsym.output):
+            index[o.name] = bsym
+    for bsym in trace.bound_symbols:
+        for sub in bsym.subsymbols:
+            for o in _flat_outputs(sub.output):
+                index.setdefault(o.name, bsym)
+    return index
+
+
+def _how_run(bsym, index: dict[str, Any]) -> str:
+    """Which executor runs a computation-trace op, and whether it ran as one call, decomposed or fused."""
+    outs = _flat_outputs(bsym.output)
+    if not outs:
+        return "-"
+    exec_bsym = index.get(outs[0].name)
+    if exec_bsym is None:
+        return "removed"
+    ex = exec_bsym.sym.executor
+    name = getattr(ex, "name", None) or "?"
+    from fulmen.executors.base import FusionExecutor
+
+    if isinstance(ex, FusionExecutor):
+        return f"{name} (fused)"
+    direct = exec_bsym.sym is bsym.sym or exec_bsym.sym.id.endswith(bsym.sym.id) or any(
+        s is bsym for s in exec_bsym.subsymbols)
+    return name if direct else f"{name} (decomposed)"
+
+
+def summarize(jitted: Any, *, name: str, out=None) -> dict:
+    """Facts about the last compilation of a jitted function or module, as a dict and printed to ``out``."""
+    import fulmen
+    from fulmen.core.symbol import OpTags
+
+    out = out if out is not None else sys.stdout
+    stats = fulmen.compile_stats(jitted)
+    traces = fulmen.last_traces(jitted)
+    comp, final = traces[0], traces[-1]
+    ops = [b for b in comp.bound_symbols if b.sym.id not in ("del", "comment", "return")]
+    index = _exec_index(final)
+    by_kind: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    kinds = collections.Counter()
+    fallbacks = collections.Counter()
+    for b in ops:
+        kinds[b.sym.qualified_name] += 1
+        by_kind[b.sym.qualified_name][_how_run(b, index)] += 1
+        if OpTags.FALLBACK in b.sym.tags:
+            fallbacks[b.sym.qualified_name] += 1
+    exec_ops = [b for b in final.bound_symbols if b.sym.id not in ("del", "comment", "return")]
+    executors = collections.Counter(getattr(b.sym.executor, "name", None) or "?" for b in exec_ops)
+    phases = ", ".join(f"{k} {v:.1f}" for k, v in stats.phase_times_ms.items())
+
+    p = lambda *a: print(*a, file=out)  # noqa: E731
+    p(f"{name}: {len(ops)} ops in the computation trace ({len(kinds)} kinds), {len(exec_ops)} calls in the "
+      "execution trace")
+    p(f"  traced in {stats.last_trace_time_ms:.1f} ms; trace + transforms + codegen {stats.last_compile_time_ms:.1f} "
+      f"ms ({phases} ms)")
+    p("  executors: " + ", ".join(f"{k} {v}" for k, v in executors.most_common()))
+    backward = fulmen.last_backward_traces(jitted)
+    backward_executors: collections.Counter = collections.Counter()
+    if backward:
+        backward_ops = [b for b in backward[-1].bound_symbols if b.sym.id not in ("del", "comment", "return")]
+        backward_executors.update(getattr(b.sym.executor, "name", None) or "?" for b in backward_ops)
+        p(f"  backward trace: {len(backward_ops)} calls; executors: "
+          + ", ".join(f"{k} {v}" for k, v in backward_executors.most_common()))
+    p("  ops by kind (count, run by):")
+    width = max((len(k) for k in kinds), default=0)
+    for kind, count in kinds.most_common():
+        how = ", ".join(f"{h}" if c == count else f"{h} x{c}" for h, c in by_kind[kind].most_common())
+        p(f"    {kind.ljust(width)}  {count:4d}  {how}")
+    if fallbacks:
+        p(f"  fallback (opaque) ops, run by torch without a fulmen rule: {sum(fallbacks.values())}")
+        for kind, count in fallbacks.most_common():
+            p(f"    {kind} x{count}")
+    else:
+        p("  fallback (opaque) ops: none")
+    return {"ops": len(ops), "kinds": dict(kinds), "executors": dict(executors), "fallbacks": dict(fallbacks),
+            "trace_ms": stats.last_trace_time_ms, "compile_ms": stats.last_compile_time_ms,
+            "execution_calls": len(exec_ops), "backward_executors": dict(backward_executors)}
+
+
+def _load_target(target: str) -> tuple[Any, tuple, dict]:
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"expected MODULE:FUNCTION, got {target!r}")
+    if module_name.endswith(".py") or os.sep in module_name:
+        spec = importlib.util.spec_from_file_location("_fulmen_examine_target", module_name)
+        if spec is None or spec.loader is None:
+            raise ValueError(f"cannot load {module_name!r} as a Python file")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(module_name)
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ValueError(f"{module_name!r} has no callable named {attr!r}")
+    made = factory()
+    if not isinstance(made, tuple) or len(made) not in (2, 3) or not callable(made[0]):
+        raise ValueError(f"{target}() must return (fn_or_module, args) or (fn_or_module, args, kwargs)")
+    fn, fn_args = made[0], tuple(made[1])
+    kwargs = dict(made[2]) if len(made) == 3 else {}
+    return fn, fn_args, kwargs
+
+
+def _finish_background_compilation(jitted: Any, call: Callable[[], Any], start: float, *,
+                                   limit_s: float = 300.0) -> float | None:
+    """Keep calling until no region of ``jitted`` is still compiling in the background; the seconds since
+    ``start`` when that happened, or None when nothing was compiling."""
+    from fulmen.bench.runner import BACKENDS
+
+    pending = BACKENDS["fulmen"].pending
+    if pending(jitted) == 0:
+        return None
+    print(f"   ({pending(jitted)} fused regions compiling in the background; calling until they are ready)")
+    while pending(jitted):
+        if time.perf_counter() - start > limit_s:
+            print(f"   (still compiling after {limit_s:.0f} s; continuing without waiting)")
+            return None
+        call()
+        time.sleep(0.05)
+    return time.perf_counter() - start
+
+
+def _resolve_executor_names(text: str) -> list:
+    """Executors by name; a name not yet registered is looked for as the module ``fulmen.executors.<name>``."""
+    from fulmen.executors.base import get_all_executors, get_executor
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    result = []
+    for n in names:
+        if n not in {e.name for e in get_all_executors()}:
+            try:
+                importlib.import_module(f"fulmen.executors.{n}")
+            except ImportError:
+                pass
+        result.append(get_executor(n))  # raises ValueError naming the registered executors
+    return result
+
+
+def cmd_examine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import fulmen
+
+    if (args.target is None) == (args.model is None):
+        raise _UsageError(parser, "give either MODULE:FUNCTION or --model NAME (exactly one)")
+    train = args.mode == "train"
+    if args.model is not None:
+        model, make_inputs = build(args.model, device=args.device, dtype=DTYPES[args.dtype])
+        model.train(train)
+        fn, fn_args, kwargs, name = model, make_inputs(args.batch_size, targets=train), {}, args.model
+    else:
+        try:
+            fn, fn_args, kwargs = _load_target(args.target)
+        except (ImportError, ValueError, OSError) as e:
+            raise _UsageError(parser, f"cannot load {args.target}: {e}") from None
+        name = args.target
+    executors = None
+    if args.executors:
+        try:
+            executors = _resolve_executor_names(args.executors)
+        except ValueError as e:
+            raise _UsageError(parser, f"argument --executors: {e}") from None
+    jitted = fulmen.jit(fn, executors=executors)
+    start = time.perf_counter()
+    try:
+        with torch.set_grad_enabled(train):
+            result = jitted(*fn_args, **kwargs)
+            if train:
+                loss = result[1] if isinstance(result, tuple) else result
+                loss.backward()
+    except Exception as e:
+        print(f"fulmen examine: tracing {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(f"{name}: first call took {time.perf_counter() - start:.2f} s")
+    if not train:
+        with torch.no_grad():
+            done = _finish_background_compilation(jitted, lambda: jitted(*fn_args, **kwargs), start)
+        if done is not None:
+            print(f"{name}: fully compiled {done:.2f} s after the first call started")
+    summarize(jitted, name=name)
+    if args.trace:
+        print()
+        print(fulmen.last_traces(jitted)[-1])
+    return 0
+
+
+def _trace_body(text: str) -> list[str]:
+    """The lines of a printed trace from its ``def`` on, without comments (argument types, decompositions)."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("def ")), 0)
+    body = lines[start + 1:]
+    skip = 0
+    while skip < len(body) and body[skip].startswith("  # "):
+        skip += 1
+    # Decompositions print as comments indented under their op; the excerpt keeps the ops themselves.
+    return lines[start:start + 1] + [ln for ln in body[skip:] if not ln.lstrip().startswith("#")]
+
+
+def _median_call_ms(fns: Sequence[Callable[[], Any]], calls: int, device: torch.device) -> list[float]:
+    """Median ms per call of each function; calls alternate between them so that load from other processes on
+    the machine affects every function alike."""
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(calls):
+        for fn, bucket in zip(fns, times):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            bucket.append(time.perf_counter() - t0)
+    return [statistics.median(b) * 1e3 for b in times]
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import fulmen
+
+    device = torch.device(args.device)
+    model, make_inputs = build(args.model, device=device, dtype=DTYPES[args.dtype])
+    model.eval()
+    (idx,) = make_inputs(args.batch_size)
+    n_params = sum(p.numel() for p in model.parameters())
+    cfg = CONFIGS[args.model]
+    print(f"== {args.model}: {n_params / 1e6:.2f} M parameters, {type(model).__name__}, {cfg}")
+    what = "token ids" if idx.dtype == torch.long else "a batch"
+    print(f"   input: {what} {tuple(idx.shape)} on {device}, {args.dtype}, inference (torch.no_grad)\n")
+
+    jitted = fulmen.jit(model)
+    with torch.no_grad():
+        start = time.perf_counter()
+        try:
+            got = jitted(idx)
+        except Exception as e:
+            print(f"fulmen.jit failed on {args.model}: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
+        first_s = time.perf_counter() - start
+        print(f"== fulmen.jit(model): first call (trace, transforms, codegen, run) took {first_s:.2f} s")
+        done = _finish_background_compilation(jitted, lambda: jitted(idx), start)
+        if done is not None:
+            print(f"   fully compiled {done:.2f} s after the first call started")
+        summarize(jitted, name=args.model)
+        final = fulmen.last_traces(jitted)[-1]
+        shown = _trace_body(str(final))
+        print(f"\n== execution trace, first {min(args.lines, len(shown))} of {len(shown)} lines, decompositions "
+              "left out (print(fulmen.last_traces(model)[-1]) shows all):")
+        for ln in shown[:args.lines]:
+            print("   " + (ln if len(ln) <= 150 else ln[:147] + "..."))
+
+        expected = model(idx)
+        diff = (got.float() - expected.float()).abs().max().item()
+        tol = 1e-4 if DTYPES[args.dtype] == torch.float32 else 5e-2
+        verdict = "OK" if diff <= tol else "MISMATCH"
+        print(f"\n== fulmen vs eager: max abs difference of the outputs {diff:.2e} (tolerance {tol:.0e}): {verdict}")
+
+        warm = 2
+        for _ in range(warm):
+            model(idx), jitted(idx)
+        eager_ms, fulmen_ms = _median_call_ms([lambda: model(idx), lambda: jitted(idx)], args.calls, device)
+    print(f"== median time per call over {args.calls} calls: eager {eager_ms:.2f} ms, fulmen {fulmen_ms:.2f} ms "
+          f"({eager_ms / fulmen_ms:.2f}x eager)")
+    return 0 if verdict == "OK" else 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``fulmen`` console script; returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 2
+        sub = parser.subcommands[args.command]
+        _check_device(sub, args.device)
+        if args.command == "bench":
+            if args.warm_cache and not args.isolate:
+                raise _UsageError(sub, "--warm-cache only applies with --isolate")
+            return cmd_bench(args)
+        if args.command == "examine":
+            return cmd_examine(args, sub)
+        return cmd_demo(args)
+    except _UsageError as e:
+        e.parser.print_usage(sys.stderr)
+        print(f"{e.parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
+        return e.code if isinstance(e.code, int) else 0
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,389 @@
+"""Benchmark one built-in model under one backend: step time, first-call time, compile time, peak memory.
+
+``run_benchmark(BenchConfig(model="gpt-small", mode="train", backend="fulmen"))`` returns a ``BenchRow``.
+What each number means:
+
+- ``median_ms``: median wall time of ``steps`` timed steps after warm-up (``time.perf_counter``, with
+  ``torch.cuda.synchronize()`` around each step on CUDA). A step is one forward under ``torch.no_grad()``
+  (inference) or forward + ``loss.backward()`` + ``AdamW.step()`` (train).
+- ``first_result_s``: wall time of the very first step, compilation included, from a fresh wrapper. Without
+  isolation the process may already hold warm caches (``torch.compile`` keeps Inductor's in-memory and
+  on-disk caches across models even after ``torch._dynamo.reset()``; CPU kernels and allocators are warm).
+  ``isolate=True`` runs the measurement in a fresh Python subprocess with empty Inductor/Triton cache
+  directories (unless ``warm_cache=True``), which is the honest "first time ever" number.
+- ``compiled_s``: wall time from the first call until the backend reports that nothing is left to compile.
+  Backends that compile synchronously (eager, ``torch.compile``, fulmen today) report the first-call time;
+  a backend that compiles in the background implements ``Backend.pending`` and the runner keeps stepping
+  (those steps count as warm-up) until it reports zero, so steady-state timing starts fully compiled.
+- ``peak_mb``: see ``fulmen.bench.memory`` (CUDA: max allocated; CPU: profiler-based, method in the row).
+- ``max_diff``: max abs difference between this backend's first result (logits, or the loss in train mode)
+  and eager PyTorch's on a fresh copy of the model; it catches a fast but wrong backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fulmen.bench import memory
+from fulmen.bench.models import CONFIGS, build
+
+MODES = ("inference", "train")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+#: How long the runner keeps stepping while a background-compiling backend still reports pending work.
+MAX_BACKGROUND_WAIT_S = 600.0
+
+Progress = Callable[[str, "int | None", "int | None"], None]
+
+
+def _no_progress(phase: str, done: int | None = None, total: int | None = None) -> None:
+    pass
+
+
+@dataclass
+class BenchConfig:
+    model: str
+    mode: str = "inference"
+    backend: str = "eager"
+    steps: int = 20
+    warmup: int = 3
+    batch_size: int = 2
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    isolate: bool = False
+    warm_cache: bool = False
+    threads: int | None = None  # torch.set_num_threads for the measurement (None: leave as is)
+
+    def validate(self) -> None:
+        if self.model not in CONFIGS:
+            raise ValueError(f"unknown model {self.model!r}; available: {', '.join(CONFIGS)}")
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; use one of {', '.join(MODES)}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; available: {', '.join(BACKENDS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; use one of {', '.join(DTYPES)}")
+        if self.steps < 1 or self.warmup < 0 or self.batch_size < 1:
+            raise ValueError(f"steps and batch size must be positive and warmup non-negative, got steps={self.steps}, "
+                             f"warmup={self.warmup}, batch_size={self.batch_size}")
+
+
+@dataclass
+class BenchRow:
+    model: str
+    mode: str
+    backend: str
+    device: str
+    dtype: str
+    batch_size: int
+    steps: int
+    median_ms: float | None = None
+    min_ms: float | None = None
+    speedup: float | None = None  # eager median / this median, filled in by ``add_speedups``
+    first_result_s: float | None = None
+    compiled_s: float | None = None
+    peak_mb: float | None = None
+    state_mb: float | None = None
+    peak_method: str | None = None
+    max_diff: float | None = None
+    isolated: bool = False
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---- backends ----
+
+class Backend:
+    """How a backend wraps a model. ``pending`` says how many compilations are still running in the background."""
+
+    name = "eager"
+
+    def prepare(self) -> None:
+        """Called before wrapping, to start from a fresh state where the backend keeps global caches."""
+
+    def wrap(self, model: torch.nn.Module) -> Callable:
+        return model
+
+    def pending(self, wrapped: Callable) -> int:
+        return 0
+
+
+class TorchCompileBackend(Backend):
+    name = "torch.compile"
+
+    def prepare(self) -> None:
+        import torch._dynamo
+
+        torch._dynamo.reset()
+
+    def wrap(self, model):
+        return torch.compile(model)
+
+
+class FulmenBackend(Backend):
+    """``fulmen.jit(model, executors=...)``; ``imports`` are modules that register the executors named."""
+
+    def __init__(self, executors: list[str] | None = None, name: str = "fulmen", imports: tuple[str, ...] = ()):
+        self.executors = executors
+        self.name = name
+        self.imports = imports
+
+    def wrap(self, model):
+        import importlib
+
+        import fulmen
+
+        for module in self.imports:
+            importlib.import_module(module)
+        return fulmen.jit(model, executors=self.executors)
+
+    def pending(self, wrapped) -> int:
+        """Compilations still running in the background.
+
+        ``compile_stats(...).pending_compilations`` wins when fulmen provides it. Otherwise this counts the
+        Inductor region compilations that have been started and not finished, across the process: the
+        execution traces in ``compile_stats`` do not always hold the regions that actually run (a training
+        backward specialized to the cotangents present is compiled at its first call), so a per-program
+        count from them would report "done" too early. Regions that were never called are not compiling
+        and are not counted.
+        """
+        import fulmen
+
+        try:
+            explicit = getattr(fulmen.compile_stats(wrapped), "pending_compilations", None)
+        except TypeError:
+            return 0
+        if explicit is not None:
+            return int(explicit)
+        return background_compilations_in_flight()
+
+
+def background_compilations_in_flight() -> int:
+    inductor = sys.modules.get("fulmen.executors.inductor")
+    executor = getattr(inductor, "ex", None)
+    count = 0
+    for region in getattr(executor, "regions", ()):
+        for future in getattr(region, "pending", {}).values():
+            if future is not None and not future.done():
+                count += 1
+    return count
+
+
+BACKENDS: dict[str, Backend] = {
+    "eager": Backend(),
+    "torch.compile": TorchCompileBackend(),
+    "fulmen": FulmenBackend(),
+    "fulmen-torch": FulmenBackend(executors=["torch"], name="fulmen-torch"),
+    "fulmen-inductor": FulmenBackend(executors=["inductor"], name="fulmen-inductor",
+                                     imports=("fulmen.executors.inductor",)),
+}
+
+
+# ---- one measurement ----
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _make_step(fn: Callable, mode: str, inputs: tuple, optimizer) -> Callable[[], torch.Tensor]:
+    if mode == "inference":
+        def step():
+            with torch.no_grad():
+                return fn(*inputs)
+    else:
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            _, loss = fn(*inputs)
+            loss.backward()
+            optimizer.step()
+            return loss.detach()
+    return step
+
+
+def _setup(config: BenchConfig):
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    device = torch.device(config.device)
+    model, make_inputs = build(config.model, device=device, dtype=DTYPES[config.dtype], seed=config.seed)
+    train = config.mode == "train"
+    model.train(train)
+    inputs = make_inputs(config.batch_size, targets=train)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4) if train else None
+    return device, model, inputs, optimizer
+
+
+def _short_error(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    first = text[0].rstrip(":") if text else ""
+    msg = f"{type(e).__name__}: {first}" if first else type(e).__name__
+    return msg if len(msg) <= 160 else msg[:157] + "..."
+
+
+def _measure(config: BenchConfig, row: BenchRow, progress: Progress) -> None:
+    backend = BACKENDS[config.backend]
+    device, model, inputs, optimizer = _setup(config)
+    backend.prepare()
+    wrapped = backend.wrap(model)
+    step = _make_step(wrapped, config.mode, inputs, optimizer)
+
+    progress("compiling" if config.backend != "eager" else "first call", None, None)
+    _sync(device)
+    start = time.perf_counter()
+    first = step()
+    _sync(device)
+    now = time.perf_counter()
+    row.first_result_s = now - start
+    first = first.detach().float().clone()
+
+    pending = backend.pending(wrapped)
+    compiled_at = now if pending == 0 else None
+    done_warmup = 0
+    while done_warmup < config.warmup or compiled_at is None:
+        if compiled_at is None:
+            progress(f"compiling in background, {pending} left", None, None)
+        else:
+            progress("warming up", done_warmup, config.warmup)
+        step()
+        _sync(device)
+        done_warmup += 1
+        if compiled_at is None:
+            pending = backend.pending(wrapped)
+            if pending == 0:
+                compiled_at = time.perf_counter()
+        if compiled_at is None and time.perf_counter() - start > MAX_BACKGROUND_WAIT_S:
+            raise TimeoutError(f"{config.backend} still compiling after {MAX_BACKGROUND_WAIT_S:.0f} s")
+    row.compiled_s = compiled_at - start
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for i in range(config.steps):
+        progress("timing", i, config.steps)
+        _sync(device)
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    row.median_ms = statistics.median(times) * 1e3
+    row.min_ms = min(times) * 1e3
+
+    progress("measuring memory", None, None)
+    row.state_mb = memory.tensor_bytes(memory.state_tensors(model, optimizer, inputs)) / 2**20
+    if device.type == "cuda":
+        row.peak_mb = torch.cuda.max_memory_allocated(device) / 2**20
+        row.peak_method = memory.CUDA_METHOD
+    else:
+        row.peak_mb = row.state_mb + memory.cpu_step_peak_bytes(step) / 2**20
+        row.peak_method = memory.CPU_METHOD
+
+    progress("checking against eager", None, None)
+    del wrapped, step, optimizer
+    _, ref_model, ref_inputs, ref_optimizer = _setup(config)
+    expected = _make_step(ref_model, config.mode, ref_inputs, ref_optimizer)().detach().float()
+    if first.shape != expected.shape:
+        row.error = f"result shape {tuple(first.shape)} differs from eager's {tuple(expected.shape)}"
+        return
+    diff = (first - expected).abs().max().item() if first.numel() else 0.0
+    if math.isfinite(diff):
+        row.max_diff = diff
+    else:
+        row.error = "result differs from eager's by a non-finite amount (NaN or inf)"
+
+
+def run_benchmark(config: BenchConfig, progress: Progress = _no_progress, *, verbose: bool = False) -> BenchRow:
+    """Measure one (model, mode, backend); failures are recorded in ``row.error``, never raised."""
+    config.validate()
+    if config.isolate:
+        return _run_isolated(config, progress)
+    row = BenchRow(model=config.model, mode=config.mode, backend=config.backend, device=config.device,
+                   dtype=config.dtype, batch_size=config.batch_size, steps=config.steps)
+    try:
+        _measure(config, row, progress)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # a failing backend must not stop the other measurements
+        row.error = _short_error(e)
+        if verbose:
+            traceback.print_exc(file=sys.stderr)
+    return row
+
+
+def add_speedups(rows: list[BenchRow]) -> None:
+    """Fill ``speedup`` = eager median / row median for every row whose (model, mode) has an eager row."""
+    eager = {(r.model, r.mode): r.median_ms for r in rows if r.backend == "eager" and r.median_ms}
+    for r in rows:
+        base = eager.get((r.model, r.mode))
+        r.speedup = base / r.median_ms if base and r.median_ms else None
+
+
+# ---- isolation: one fresh subprocess per measurement ----
+
+_ROW_MARKER = "FULMEN_BENCH_ROW "
+
+
+def _run_isolated(config: BenchConfig, progress: Progress) -> BenchRow:
+    child = dataclasses.replace(config, isolate=False)
+    env = dict(os.environ)
+    with tempfile.TemporaryDirectory(prefix="fulmen-bench-") as cache_dir:
+        if not config.warm_cache:
+            env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, "inductor")
+            env["TRITON_CACHE_DIR"] = os.path.join(cache_dir, "triton")
+            env["FULMEN_CACHE_DIR"] = os.path.join(cache_dir, "fulmen")
+        progress("starting a fresh process", None, None)
+        out_path = os.path.join(cache_dir, "row.txt")
+        with open(out_path, "w") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "fulmen.bench.runner",
+                                     json.dumps(dataclasses.asdict(child))],
+                                    stdout=out, stderr=subprocess.PIPE, text=True, env=env)
+            tail: list[str] = []
+            assert proc.stderr is not None
+            for line in proc.stderr:  # the child reports progress as "@phase<TAB>done<TAB>total" lines
+                parts = line.rstrip("\n").split("\t")
+                if len(parts) == 3 and parts[0].startswith("@"):
+                    progress(parts[0][1:], int(parts[1]) if parts[1] else None, int(parts[2]) if parts[2] else None)
+                elif line.strip():
+                    tail = (tail + [line.rstrip()])[-20:]
+            code = proc.wait()
+        with open(out_path) as f:
+            row_json = next((line[len(_ROW_MARKER):] for line in f if line.startswith(_ROW_MARKER)), None)
+    if row_json is None:
+        detail = next((t for t in reversed(tail) if t.strip()), "")
+        return BenchRow(model=config.model, mode=config.mode, backend=config.backend, device=config.device,
+                        dtype=config.dtype, batch_size=config.batch_size, steps=config.steps, isolated=True,
+                        error=f"benchmark subprocess exited with code {code}: {detail}"[:200])
+    row = BenchRow(**json.loads(row_json))
+    row.isolated = True
+    return row
+
+
+def _child_main(argv: list[str]) -> int:
+    config = BenchConfig(**json.loads(argv[0]))
+
+    def report(phase, done=None, total=None):
+        print(f"@{phase}\t{'' if done is None else done}\t{'' if total is None else total}", file=sys.stderr,
+              flush=True)
+
+    row = run_benchmark(config, report, verbose=True)
+    print(_ROW_MARKER + json.dumps(row.to_dict()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv[1:]))
