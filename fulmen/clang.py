@@ -309,9 +309,9 @@ def cat(tensors: Sequence[TensorProxy], dim: int) -> TensorProxy:
 
 def stack(tensors: Sequence[TensorProxy], dim: int) -> TensorProxy:
     check(len(tensors) > 0, lambda: "stack expects a non-empty TensorList", RuntimeError)
-    for t in tensors:
+    for i, t in enumerate(tensors):
         check(t.shape == tensors[0].shape, lambda: f"stack expects each tensor to be equal size, but got "
-              f"{list(tensors[0].shape)} at entry 0 and {list(t.shape)} at entry {list(tensors).index(t)}")
+              f"{list(tensors[0].shape)} at entry 0 and {list(t.shape)} at entry {i}")
     dim = canonicalize_dim(tensors[0].ndim + 1, dim)
     return cat([unsqueeze(t, dim) for t in tensors], dim)
 

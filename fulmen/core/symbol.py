@@ -98,7 +98,11 @@ class Symbol:
         if self.meta is None:
             raise NotImplementedError(f"{self.qualified_name} has no meta function and cannot be traced")
         if self.is_prim:
-            out = self.meta(*args, **kwargs)
+            trc.scopes.append([])  # a prim's meta records nothing; the extra scope marks "inside a meta"
+            try:
+                out = self.meta(*args, **kwargs)
+            finally:
+                trc.scopes.pop()
             subsymbols: tuple = ()
         else:
             scope: list[BoundSymbol] = []

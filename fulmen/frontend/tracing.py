@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from fulmen import prims
+from fulmen.core import langctx
 from fulmen.core.codeutils import sanitize_name
 from fulmen.core.proxies import Proxy, TensorProxy, latest
-from fulmen.core.trace import Trace, tracectx
+from fulmen.core.trace import Trace, get_tracectx, tracectx
 from fulmen.transforms.autocast import current_policies
 
 
@@ -79,9 +82,51 @@ class _Capture:
                 self.trace.args.append(p)
             return p
         if type(x) in (tuple, list):
-            if any(isinstance(v, torch.Tensor) for v in x):
-                return type(x)(self(v) for v in x)
+            return type(x)(self(v) for v in x)
         return x
+
+
+def _has_proxy(x: Any) -> bool:
+    if isinstance(x, Proxy):
+        return True
+    if isinstance(x, (tuple, list)):
+        return any(_has_proxy(v) for v in x)
+    if isinstance(x, dict):
+        return any(_has_proxy(v) for v in x.values())
+    return False
+
+
+_INTERNAL = tuple(f"/fulmen/{d}" for d in ("core/", "torch/", "prims/", "clang.py", "transforms/", "executors/",
+                                             "frontend/"))
+
+
+def _called_by_fulmen() -> bool:
+    """Whether the torch call being intercepted comes from fulmen's own code rather than the user's."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename.replace("\\", "/")
+        if "/torch/" not in filename:
+            return any(part in filename for part in _INTERNAL)
+        frame = frame.f_back
+    return False
+
+
+class _UserTorchCalls(TorchFunctionMode):
+    """Routes torch calls that have no proxy argument (``torch.rand(3)``, ``torch.arange(n)``) made by user
+    code to the torch language, so they run on every call instead of being computed once while tracing."""
+
+    def __init__(self, trace: Trace):
+        super().__init__()
+        self.trace = trace
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        trc = get_tracectx()
+        if trc is self.trace and len(trc.scopes) == 1:  # user code, not a meta or a decomposition
+            fn = langctx.torch_functions.get(func)
+            if fn is not None and not _has_proxy((args, kwargs)) and not _called_by_fulmen():
+                return fn(*args, **kwargs)
+        return func(*args, **kwargs)
 
 
 def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[str] | None = None,
@@ -105,7 +150,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     trace.args = list(spec.tensor_proxies)
     trace.capture = _Capture(trace, spec)
     trace.autocast = current_policies()
-    with tracectx(trace):
+    with tracectx(trace), _UserTorchCalls(trace):
         result = fn(*proxy_args, **proxy_kwargs)
         result = trace.capture(result) if isinstance(result, torch.Tensor) else result
         result = _resolve_outputs(result)
@@ -136,10 +181,14 @@ def _write_back_mutated_inputs(trace: Trace) -> None:
     """Inputs changed in place get their new value copied into the caller's tensor, as eager would."""
     if not trace.has_mutations:
         return
-    for p in trace.args:
-        new = latest(p)
-        if new is not p:
+    changed = [(latest(p), p) for p in trace.args if latest(p) is not p]
+    # symbols read the latest value of a mutated proxy; copy_ must name the caller's tensor itself
+    trace.has_mutations = False
+    try:
+        for new, p in changed:
             prims.copy_(new, p)
+    finally:
+        trace.has_mutations = True
 
 
 def is_proxy_output(x: Any) -> bool:

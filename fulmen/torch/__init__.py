@@ -7,16 +7,16 @@ elementwise, reductions, linalg, shape, indexing, creation, conversion, nn, nn_c
 
 from fulmen.core.dtypes import to_torch_dtype  # noqa: F401
 from fulmen.torch import fallback  # noqa: F401  (installs the fallback for ops without rules)
+from fulmen.torch.attention import *  # noqa: F401,F403
+from fulmen.torch.conversion import *  # noqa: F401,F403
+from fulmen.torch.creation import *  # noqa: F401,F403
 from fulmen.torch.elementwise import *  # noqa: F401,F403
 from fulmen.torch.elementwise import abs, pow, round  # noqa: F401
-from fulmen.torch.reductions import *  # noqa: F401,F403
-from fulmen.torch.linalg import *  # noqa: F401,F403
-from fulmen.torch.shape import *  # noqa: F401,F403
 from fulmen.torch.indexing import *  # noqa: F401,F403
-from fulmen.torch.creation import *  # noqa: F401,F403
-from fulmen.torch.conversion import *  # noqa: F401,F403
+from fulmen.torch.linalg import *  # noqa: F401,F403
+from fulmen.torch.losses import *  # noqa: F401,F403
 from fulmen.torch.nn import *  # noqa: F401,F403
 from fulmen.torch.nn_conv import *  # noqa: F401,F403
-from fulmen.torch.losses import *  # noqa: F401,F403
-from fulmen.torch.attention import *  # noqa: F401,F403
+from fulmen.torch.reductions import *  # noqa: F401,F403
 from fulmen.torch.registry import symbols_by_id, torchsymbol  # noqa: F401
+from fulmen.torch.shape import *  # noqa: F401,F403

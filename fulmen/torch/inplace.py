@@ -54,7 +54,8 @@ def mutate(target: TensorProxy, new_value, *, _from_view: TensorProxy | None = N
         new = clang.expand_to(new, current.shape)
     else:
         new = clang.full(current.shape, new_value, device=current.device, dtype=current.dtype)
-    if torch.is_grad_enabled() and current.requires_grad and getattr(current, "_origin", None) == "input-leaf":
+    # torch's check concerns the tensor written through (x.detach().zero_() on a leaf is allowed)
+    if _from_view is None and torch.is_grad_enabled() and current.requires_grad and current._origin == "input-leaf":
         raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
     if new is current:  # nothing was computed (x.add_(0) folded away): the value is unchanged
         return target
@@ -65,7 +66,8 @@ def mutate(target: TensorProxy, new_value, *, _from_view: TensorProxy | None = N
         base_now = latest(base)
         mutate(base, scatter_into(base_now, remake, new), _from_view=current)
     if current._views:
-        for view in current._views:
+        views = list(current._views)  # remake() below registers each refreshed value as a view of `new` too
+        for view in views:
             if view is _from_view or latest(view) is new:
                 continue
             base_view, remake = view._view_of
@@ -74,6 +76,7 @@ def mutate(target: TensorProxy, new_value, *, _from_view: TensorProxy | None = N
             if view_now is not refreshed:
                 view_now._latest = refreshed
                 refreshed._view_of, refreshed._views = view._view_of, view._views
+        current._views[:] = views  # the original view proxies keep standing for their refreshed values
     return target
 
 

@@ -1,1 +1,842 @@
-"""Torch language: shape (being written)."""
+"""Torch language: views, reshaping, joining and splitting.
+
+View ops (``view``, ``reshape``, ``permute``, ``select``, ``split`` ...) are declared with ``view_symbol``:
+besides computing their result they decide, as eager PyTorch would, whether the result *aliases* its input,
+so that an in-place update of the result reaches the input (``fulmen.torch.inplace``). Proxies carry no
+strides, so fulmen keeps the strides eager would give each view here (inputs are taken to be contiguous) and
+asks PyTorch itself, on a storage-less ``meta`` tensor with those strides, what the op does: a view, a copy
+(``reshape`` / ``contiguous`` / ``flatten`` of a non-contiguous tensor), or an error (``view`` of a tensor
+whose strides do not allow it). That costs a few microseconds per view op while tracing. Inputs of the
+program are taken to be contiguous, and so are results of non-view ops (eager's elementwise ops keep a
+transposed input's layout): there fulmen may allow a ``view`` eager rejects, or alias where eager copies.
+
+Copies (``clone``, ``cat``, ``flip``, ``roll``, ``repeat`` ...) never return their input proxy: a value the
+caller may later update in place must not be the input itself. Padding, flipping, rolling, repeating and
+triangles are at the end of this file; indexing (``a[key]``, gather, scatter) is in ``indexing.py``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from fulmen import clang, prims
+from fulmen.clang import TypePromotion, maybe_convert_to_dtype
+from fulmen.core import langctx
+from fulmen.core.proxies import TensorProxy
+from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
+from fulmen.core.utils import canonicalize_dim, check, contiguous_strides, prod
+from fulmen.torch.elementwise import inplace_variant
+from fulmen.torch.registry import _record_view, torchsymbol
+
+__all__ = [
+    "view", "reshape", "view_as", "reshape_as", "permute", "transpose", "swapaxes", "swapdims", "t", "T", "mT",
+    "adjoint", "squeeze", "unsqueeze", "expand", "expand_as", "broadcast_to", "broadcast_tensors", "cat",
+    "concatenate", "stack", "hstack", "vstack", "split", "split_with_sizes", "chunk", "unbind", "tensor_split",
+    "flatten", "unflatten", "narrow", "select", "movedim", "diagonal", "unfold", "contiguous", "clone", "detach",
+    "pad", "flip", "fliplr", "flipud", "roll", "repeat", "repeat_interleave", "tile", "tril", "triu", "diag",
+    "strides_of", "view_symbol", "sizes_arg", "fresh",
+]
+
+_SHAPE = (OpTags.SHAPE_OP,)
+
+# ---------------------------------------------------------------------------------------------------------
+# strides and aliasing of views
+
+#: id(proxy) -> (weak reference to it, the strides eager gives it); proxies not listed are contiguous.
+_strides: dict[int, tuple[weakref.ref, tuple[int, ...]]] = {}
+#: Strides of views, keyed by the function that remakes the view from its base: a view keeps its layout when
+#: an in-place update gives it a new value (``fulmen.torch.inplace`` passes the same function on).
+_view_strides: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def strides_of(p: TensorProxy) -> tuple[int, ...]:
+    """The strides eager PyTorch gives the tensor ``p`` stands for (inputs are taken to be contiguous)."""
+    if p._view_of is not None:
+        strides = _view_strides.get(p._view_of[1])
+        if strides is not None:
+            return strides
+    entry = _strides.get(id(p))
+    if entry is not None and entry[0]() is p:
+        return entry[1]
+    return contiguous_strides(p.shape)
+
+
+def _set_strides(p: TensorProxy, strides: tuple[int, ...]) -> None:
+    if p._view_of is not None:
+        _view_strides[p._view_of[1]] = tuple(strides)
+        return
+    if tuple(strides) == contiguous_strides(p.shape):
+        _strides.pop(id(p), None)
+        return
+    key = id(p)
+    _strides[key] = (weakref.ref(p, lambda _, key=key: _strides.pop(key, None)), tuple(strides))
+
+
+def _to_meta(x):
+    if isinstance(x, TensorProxy):
+        return torch.empty_strided(tuple(x.shape), strides_of(x), dtype=x.dtype, device="meta")
+    if type(x) in (tuple, list):
+        return type(x)(_to_meta(v) for v in x)
+    return x
+
+
+def _on_meta(fn, args, kwargs):
+    """Run ``fn`` on meta tensors laid out as eager would lay out the proxies: (meta output, meta input 0)."""
+    margs = [_to_meta(a) for a in args]
+    return fn(*margs, **{k: _to_meta(v) for k, v in kwargs.items()}), margs[0]
+
+
+def _view_hook(bsym: BoundSymbol) -> None:
+    """After a view op is recorded: link its outputs to the input when eager would alias them, keep strides."""
+    base = bsym.args[0] if bsym.args else None
+    if not isinstance(base, TensorProxy):
+        return
+    sym = bsym.sym
+    fn = sym.extra.get("meta_fn") or sym.torch_fns[0]
+    try:
+        out, mbase = _on_meta(fn, bsym.args, bsym.kwargs)
+    except Exception:  # eager layout unknown (e.g. an argument meta tensors cannot take): assume a plain view
+        _record_view(bsym)
+        return
+    outs = bsym.output if isinstance(bsym.output, (tuple, list)) else (bsym.output,)
+    mouts = out if isinstance(out, (tuple, list)) else (out,)
+    pairs = [(p, m) for p, m in zip(outs, mouts) if isinstance(p, TensorProxy) and isinstance(m, torch.Tensor)]
+    if sym.extra.get("always_alias") or any(m is mbase or m._base is mbase for _, m in pairs):
+        _record_view(bsym)
+    for p, m in pairs:
+        if p is not base:
+            _set_strides(p, m.stride())
+
+
+def check_viewable(fn, a: TensorProxy, *args, **kwargs) -> None:
+    """Raise eager's error when ``a``'s strides do not allow the view (``x.t().view(-1)``)."""
+    if strides_of(a) != contiguous_strides(a.shape):
+        _on_meta(fn, (a, *args), kwargs)
+
+
+def view_symbol(*torch_fns, meta_fn=None, always_alias: bool = False, **kwargs):
+    """``torchsymbol(..., is_view=True)`` whose outputs alias the input exactly when eager's do."""
+
+    def decorator(fn) -> Symbol:
+        sym = torchsymbol(*torch_fns, is_view=True, **kwargs)(fn)
+        sym.post_hook = _view_hook
+        if meta_fn is not None:
+            sym.extra["meta_fn"] = meta_fn
+        sym.extra["always_alias"] = always_alias
+        return sym
+
+    return decorator
+
+
+# ---------------------------------------------------------------------------------------------------------
+# argument helpers
+
+
+def sizes_arg(op: str, args: Sequence, keyword=None, *, name: str = "size") -> tuple[int, ...]:
+    """``f(2, 3)``, ``f((2, 3))``, ``f([2, 3])``, ``f(torch.Size(...))`` or ``f(size=...)`` -> ``(2, 3)``."""
+    if keyword is not None:
+        check(not args, lambda: f"{op}() got multiple values for argument '{name}'", TypeError)
+        args = (keyword,)
+    if len(args) == 1 and isinstance(args[0], (tuple, list)):
+        args = tuple(args[0])
+    for s in args:
+        check(isinstance(s, int) and not isinstance(s, bool),
+              lambda: f"{op}(): argument '{name}' must be tuple of ints, but found element of type "
+              f"{type(s).__name__} ({s!r})", TypeError)
+    return tuple(args)
+
+
+def fresh(out: TensorProxy, *inputs: TensorProxy) -> TensorProxy:
+    """``out``, or a copy of it when it is one of ``inputs`` (ops that copy must not return their input)."""
+    return clone(out) if any(out is i for i in inputs) else out
+
+
+def _check_tensor(a, op: str) -> None:
+    check(isinstance(a, TensorProxy), lambda: f"{op}(): argument 'input' must be Tensor, not {type(a).__name__}",
+          TypeError)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# reshaping
+
+
+@view_symbol(torch.Tensor.view, method_name="view", tags=_SHAPE)
+def view(a, *shape, size=None, dtype=None):
+    """``Tensor.view(*shape)``: same elements, new shape; errors when the strides do not allow it, as eager."""
+    if dtype is not None or (len(shape) == 1 and isinstance(shape[0], torch.dtype)):
+        raise NotImplementedError("Tensor.view(dtype) (reinterpreting the bytes as another dtype) is not supported "
+                                  "by fulmen.jit; use Tensor.to(dtype) to convert values instead")
+    shape = clang.infer_shape(sizes_arg("view", shape, size), a.numel())
+    check_viewable(torch.Tensor.view, a, shape)
+    return clang.reshape(a, shape)
+
+
+@view_symbol(torch.Tensor.reshape, torch.reshape, id="torch.reshape", method_name="reshape", tags=_SHAPE)
+def reshape(a, *shape_args, shape=None):
+    """``torch.reshape``: a view when the strides allow it, otherwise a copy (decided as eager decides)."""
+    _check_tensor(a, "reshape")
+    return clang.reshape(a, clang.infer_shape(sizes_arg("reshape", shape_args, shape, name="shape"), a.numel()))
+
+
+@view_symbol(torch.Tensor.view_as, method_name="view_as", tags=_SHAPE)
+def view_as(a, other):
+    check_viewable(torch.Tensor.view, a, tuple(other.shape))
+    return clang.reshape(a, clang.infer_shape(other.shape, a.numel()))
+
+
+@view_symbol(torch.Tensor.reshape_as, method_name="reshape_as", tags=_SHAPE)
+def reshape_as(a, other):
+    return clang.reshape(a, clang.infer_shape(other.shape, a.numel()))
+
+
+@view_symbol(torch.Tensor.flatten, torch.flatten, id="torch.flatten", method_name="flatten", tags=_SHAPE)
+def flatten(a, start_dim: int = 0, end_dim: int = -1):
+    _check_tensor(a, "flatten")
+    if a.ndim == 0:
+        canonicalize_dim(0, start_dim), canonicalize_dim(0, end_dim)
+        return clang.reshape(a, (1,))
+    s, e = canonicalize_dim(a.ndim, start_dim), canonicalize_dim(a.ndim, end_dim)
+    check(s <= e, lambda: "flatten() has invalid args: start_dim cannot come after end_dim")
+    if s == e:
+        return a
+    return clang.reshape(a, tuple(a.shape[:s]) + (prod(a.shape[s:e + 1]),) + tuple(a.shape[e + 1:]))
+
+
+@view_symbol(torch.Tensor.unflatten, torch.unflatten, id="torch.unflatten", method_name="unflatten", tags=_SHAPE)
+def unflatten(a, dim: int, sizes):
+    dim = canonicalize_dim(a.ndim, dim)
+    sizes = sizes_arg("unflatten", (sizes,), name="sizes")
+    check(len(sizes) > 0, lambda: "unflatten: sizes must be non-empty", RuntimeError)
+    n = a.shape[dim]
+    known = prod(s for s in sizes if s != -1)
+    inferred = [i for i, s in enumerate(sizes) if s == -1]
+    ok = len(inferred) <= 1 and (known == n if not inferred else known != 0 and n % known == 0)
+    check(ok, lambda: f"unflatten: Provided sizes {list(sizes)} don't multiply up to the size of dim {dim} ({n}) in "
+          "the input tensor", RuntimeError)
+    sizes = tuple(n // known if s == -1 else s for s in sizes)
+    return clang.reshape(a, tuple(a.shape[:dim]) + sizes + tuple(a.shape[dim + 1:]))
+
+
+@view_symbol(torch.Tensor.squeeze, torch.squeeze, id="torch.squeeze", method_name="squeeze", tags=_SHAPE)
+def squeeze(a, dim=None):
+    """``torch.squeeze``: drop length-1 dims (all, one, or a tuple); a named dim that is not 1 stays."""
+    if dim is None:
+        return clang.squeeze(a)
+    dims = tuple(dim) if isinstance(dim, (tuple, list)) else (dim,)
+    canonical = [canonicalize_dim(a.ndim, d) for d in dims]
+    check(len(set(canonical)) == len(canonical),
+          lambda: f"dim {canonical[0]} appears multiple times in the list of dims", RuntimeError)
+    return clang.squeeze(a, canonical)
+
+
+@view_symbol(torch.Tensor.unsqueeze, torch.unsqueeze, id="torch.unsqueeze", method_name="unsqueeze", tags=_SHAPE)
+def unsqueeze(a, dim: int):
+    return clang.unsqueeze(a, dim)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# permuting
+
+
+@view_symbol(torch.Tensor.permute, torch.permute, id="torch.permute", method_name="permute", tags=_SHAPE)
+def permute(a, *dims_args, dims=None):
+    dims = sizes_arg("permute", dims_args, dims, name="dims")
+    return clang.permute(a, dims)
+
+
+@view_symbol(torch.Tensor.transpose, torch.transpose, id="torch.transpose", method_name="transpose", tags=_SHAPE)
+def transpose(a, dim0: int, dim1: int):
+    return clang.transpose(a, dim0, dim1)
+
+
+@view_symbol(torch.Tensor.swapaxes, torch.swapaxes, id="torch.swapaxes", method_name="swapaxes", tags=_SHAPE)
+def swapaxes(a, axis0: int, axis1: int):
+    return clang.transpose(a, axis0, axis1)
+
+
+@view_symbol(torch.Tensor.swapdims, torch.swapdims, id="torch.swapdims", method_name="swapdims", tags=_SHAPE)
+def swapdims(a, dim0: int, dim1: int):
+    return clang.transpose(a, dim0, dim1)
+
+
+@view_symbol(torch.Tensor.t, torch.t, id="torch.t", method_name="t", tags=_SHAPE)
+def t(a):
+    check(a.ndim <= 2, lambda: f"t() expects a tensor with <= 2 dimensions, but self is {a.ndim}D", RuntimeError)
+    return clang.transpose(a, 0, 1) if a.ndim == 2 else a
+
+
+@view_symbol(id="torch.Tensor.T", property_name="T", meta_fn=lambda x: x.permute(tuple(range(x.ndim - 1, -1, -1))),
+             tags=_SHAPE)
+def T(a):
+    """``Tensor.T``: all dims reversed (torch deprecates it for other than 2-D tensors, but allows it)."""
+    return clang.permute(a, tuple(range(a.ndim - 1, -1, -1)))
+
+
+@view_symbol(id="torch.Tensor.mT", property_name="mT", meta_fn=lambda x: x.mT, tags=_SHAPE)
+def mT(a):
+    """``Tensor.mT``: the last two dims swapped."""
+    check(a.ndim >= 2, lambda: f"tensor.mT is only supported on matrices or batches of matrices. Got {a.ndim}-D "
+          "tensor.", RuntimeError)
+    return clang.transpose(a, -2, -1)
+
+
+@view_symbol(torch.Tensor.adjoint, torch.adjoint, id="torch.adjoint", method_name="adjoint", tags=_SHAPE)
+def adjoint(a):
+    """``torch.adjoint``: the conjugate transpose of the last two dims (real tensors only here)."""
+    check(a.ndim >= 2, lambda: f"tensor.adjoint() is only supported on matrices or batches of matrices. Got "
+          f"{a.ndim}-D tensor.", RuntimeError)
+    check(not a.dtype.is_complex, lambda: "fulmen's torch.adjoint supports real tensors only (complex conjugation "
+          "is not a view fulmen can express)", NotImplementedError)
+    return clang.transpose(a, -2, -1)
+
+
+@view_symbol(torch.Tensor.movedim, torch.movedim, torch.moveaxis, torch.Tensor.moveaxis, id="torch.movedim",
+             method_name=("movedim", "moveaxis"), tags=_SHAPE)
+def movedim(a, source, destination):
+    src = (source,) if isinstance(source, int) else tuple(source)
+    dst = (destination,) if isinstance(destination, int) else tuple(destination)
+    check(len(src) == len(dst), lambda: f"movedim: Invalid source or destination dims: source ({list(src)} dims) "
+          f"should contain the same number of dims as destination ({list(dst)} dims)", RuntimeError)
+    rank = max(a.ndim, 1)
+    src = tuple(canonicalize_dim(a.ndim, d) for d in src)
+    dst = tuple(canonicalize_dim(a.ndim, d) for d in dst)
+    check(len(set(src)) == len(src), lambda: f"movedim: repeated dim in `source` ({list(source)})", RuntimeError)
+    check(len(set(dst)) == len(dst), lambda: f"movedim: repeated dim in `destination` ({list(destination)})",
+          RuntimeError)
+    if a.ndim == 0:
+        return a
+    order = [-1] * rank
+    for s, d in zip(src, dst):
+        order[d] = s
+    rest = iter(i for i in range(rank) if i not in src)
+    order = [o if o != -1 else next(rest) for o in order]
+    return clang.permute(a, order)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# broadcasting
+
+
+def _expanded_shape(a, sizes: Sequence[int], op: str) -> tuple[int, ...]:
+    check(len(sizes) >= a.ndim, lambda: f"{op}: the number of sizes provided ({len(sizes)}) must be greater or equal "
+          f"to the number of dimensions in the tensor ({a.ndim})", RuntimeError)
+    offset = len(sizes) - a.ndim
+    out = []
+    for i, s in enumerate(sizes):
+        if i < offset:
+            check(s >= 0, lambda: f"The expanded size of the tensor ({s}) isn't allowed in a leading, non-existing "
+                  f"dimension {i}", RuntimeError)
+            out.append(s)
+            continue
+        have = a.shape[i - offset]
+        s = have if s == -1 else s
+        check(have == 1 or have == s, lambda: f"The expanded size of the tensor ({s}) must match the existing size "
+              f"({have}) at non-singleton dimension {i}.  Target sizes: {list(sizes)}.  Tensor sizes: "
+              f"{list(a.shape)}", RuntimeError)
+        check(s >= 0, lambda: f"Trying to create tensor with negative dimension {s}: {list(sizes)}", RuntimeError)
+        out.append(s)
+    return tuple(out)
+
+
+@view_symbol(torch.Tensor.expand, method_name="expand", tags=_SHAPE)
+def expand(a, *sizes, size=None, implicit: bool = False):
+    """``Tensor.expand``: length-1 dims repeat without copying; ``-1`` keeps a dim."""
+    return clang.expand_to(a, _expanded_shape(a, sizes_arg("expand", sizes, size), "expand"))
+
+
+@view_symbol(torch.Tensor.expand_as, method_name="expand_as", tags=_SHAPE)
+def expand_as(a, other):
+    return clang.expand_to(a, _expanded_shape(a, tuple(other.shape), "expand_as"))
+
+
+@view_symbol(torch.Tensor.broadcast_to, torch.broadcast_to, id="torch.broadcast_to", method_name="broadcast_to",
+             tags=_SHAPE)
+def broadcast_to(a, size):
+    return clang.expand_to(a, _expanded_shape(a, sizes_arg("broadcast_to", (size,)), "broadcast_to"))
+
+
+@torchsymbol(torch.broadcast_tensors, tags=_SHAPE)
+def broadcast_tensors(*tensors):
+    """``torch.broadcast_tensors``: each tensor expanded to the common shape (not tracked as views)."""
+    if len(tensors) == 1 and isinstance(tensors[0], (tuple, list)):
+        tensors = tuple(tensors[0])
+    shape = clang.broadcast_shapes(*(t.shape for t in tensors))
+    return tuple(clang.expand_to(t, shape) for t in tensors)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# joining
+
+
+def _tensor_list(tensors, op: str) -> list:
+    check(isinstance(tensors, (tuple, list)), lambda: f"{op}(): argument 'tensors' must be tuple of Tensors, not "
+          f"{type(tensors).__name__}", TypeError)
+    for i, x in enumerate(tensors):
+        check(isinstance(x, TensorProxy), lambda: f"{op}(): expected Tensor as element {i} in argument 0, but got "
+              f"{type(x).__name__}", TypeError)
+    return list(tensors)
+
+
+def _cat(tensors: Sequence[TensorProxy], dim: int, op: str = "cat") -> TensorProxy:
+    tensors = _tensor_list(tensors, op)
+    check(len(tensors) > 0, lambda: f"torch.{op}(): expected a non-empty list of Tensors", ValueError)
+    for i, x in enumerate(tensors):
+        check(x.ndim > 0, lambda: f"zero-dimensional tensor (at position {i}) cannot be concatenated", RuntimeError)
+    dtype = clang.result_dtype(*tensors)
+    # torch still skips 1-D empty tensors whatever the others' shapes (legacy behaviour); they do count for dtype
+    kept = [x for x in tensors if tuple(x.shape) != (0,)]
+    if not kept:
+        return fresh(clang.maybe_convert_to_dtype(tensors[0], dtype), *tensors)
+    dim = canonicalize_dim(kept[0].ndim, dim)
+    for x in kept:
+        check(x.device == kept[0].device, lambda: f"Expected all tensors to be on the same device, but found at least "
+              f"two devices, {kept[0].device} and {x.device}!", RuntimeError)
+        check(x.ndim == kept[0].ndim, lambda: f"Tensors must have same number of dimensions: got {kept[0].ndim} and "
+              f"{x.ndim}", RuntimeError)
+    kept = [clang.maybe_convert_to_dtype(x, dtype) for x in kept]
+    out = kept[0] if len(kept) == 1 else prims.cat(kept, dim)
+    return fresh(out, *tensors)
+
+
+@torchsymbol(torch.cat, torch.concat, tags=_SHAPE)
+def cat(tensors, dim: int = 0):
+    """``torch.cat``: tensors joined along ``dim``, with type promotion; a new tensor."""
+    return _cat(tensors, dim)
+
+
+@torchsymbol(torch.concatenate, tags=_SHAPE)
+def concatenate(tensors, axis: int = 0, dim: int | None = None):
+    return _cat(tensors, axis if dim is None else dim, "concatenate")
+
+
+@torchsymbol(torch.stack, tags=_SHAPE)
+def stack(tensors, dim: int = 0):
+    """``torch.stack``: tensors of one shape joined along a new dim."""
+    tensors = _tensor_list(tensors, "stack")
+    check(len(tensors) > 0, lambda: "stack expects a non-empty TensorList", RuntimeError)
+    for i, x in enumerate(tensors):
+        check(x.shape == tensors[0].shape, lambda: f"stack expects each tensor to be equal size, but got "
+              f"{list(tensors[0].shape)} at entry 0 and {list(x.shape)} at entry {i}", RuntimeError)
+    dim = canonicalize_dim(tensors[0].ndim + 1, dim)
+    return _cat([clang.unsqueeze(x, dim) for x in tensors], dim, "stack")
+
+
+def _atleast(a: TensorProxy, ndim: int) -> TensorProxy:
+    if a.ndim >= ndim:
+        return a
+    return clang.reshape(a, (1,) * (ndim - a.ndim) + tuple(a.shape))
+
+
+@torchsymbol(torch.hstack, tags=_SHAPE)
+def hstack(tensors):
+    """``torch.hstack``: 1-D tensors joined end to end, others along dim 1."""
+    tensors = [_atleast(x, 1) for x in _tensor_list(tensors, "hstack")]
+    check(len(tensors) > 0, lambda: "hstack expects a non-empty TensorList", RuntimeError)
+    return _cat(tensors, 0 if tensors[0].ndim == 1 else 1, "hstack")
+
+
+@torchsymbol(torch.vstack, torch.row_stack, tags=_SHAPE)
+def vstack(tensors):
+    """``torch.vstack``: tensors made at least 2-D and joined along dim 0."""
+    tensors = [_atleast(x, 2) for x in _tensor_list(tensors, "vstack")]
+    check(len(tensors) > 0, lambda: "vstack expects a non-empty TensorList", RuntimeError)
+    return _cat(tensors, 0, "vstack")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# splitting (outputs are views of the input)
+
+
+def _split_sizes(a, sizes: Sequence[int], dim: int) -> tuple[TensorProxy, ...]:
+    outs, start = [], 0
+    for s in sizes:
+        outs.append(clang.slice_in_dim(a, start, start + s, 1, dim))
+        start += s
+    return tuple(outs)
+
+
+def _check_splittable(a, op: str) -> None:
+    check(a.ndim > 0, lambda: f"{op} expects at least a 1-dimensional tensor", RuntimeError)
+
+
+@view_symbol(torch.Tensor.split, torch.split, id="torch.split", method_name="split", tags=_SHAPE)
+def split(a, split_size_or_sections, dim: int = 0):
+    """``torch.split``: pieces of ``split_size`` (the last may be smaller) or of the listed sizes."""
+    _check_splittable(a, "split")
+    dim = canonicalize_dim(a.ndim, dim)
+    n = a.shape[dim]
+    if isinstance(split_size_or_sections, int):
+        size = split_size_or_sections
+        check(size >= 0, lambda: f"split expects split_size be non-negative, but got split_size={size}", RuntimeError)
+        check(size > 0 or n == 0, lambda: f"split_size can only be 0 if dimension size is 0, but got dimension size "
+              f"of {n}", RuntimeError)
+        pieces = max(-(-n // size), 1) if size else 1
+        sizes = [size] * (pieces - 1) + [n - size * (pieces - 1)]
+        return _split_sizes(a, sizes, dim)
+    return _split_with_sizes(a, split_size_or_sections, dim)
+
+
+def _split_with_sizes(a, split_sizes, dim):
+    sizes = list(split_sizes)
+    n = a.shape[dim]
+    check(all(isinstance(s, int) and s >= 0 for s in sizes), lambda: f"split_with_sizes expects split_sizes have "
+          f"only non-negative entries, but got split_sizes={sizes}", RuntimeError)
+    check(sum(sizes) == n, lambda: f"split_with_sizes expects split_sizes to sum exactly to {n} (input tensor's size "
+          f"at dimension {dim}), but got split_sizes={sizes}", RuntimeError)
+    return _split_sizes(a, sizes, dim)
+
+
+@view_symbol(torch.Tensor.split_with_sizes, torch.split_with_sizes, id="torch.split_with_sizes",
+             method_name="split_with_sizes", tags=_SHAPE)
+def split_with_sizes(a, split_sizes, dim: int = 0):
+    _check_splittable(a, "split_with_sizes")
+    return _split_with_sizes(a, split_sizes, canonicalize_dim(a.ndim, dim))
+
+
+@view_symbol(torch.Tensor.chunk, torch.chunk, id="torch.chunk", method_name="chunk", tags=_SHAPE)
+def chunk(a, chunks: int, dim: int = 0):
+    """``torch.chunk``: at most ``chunks`` pieces of ``ceil(n / chunks)`` elements."""
+    check(chunks > 0, lambda: f"chunk expects `chunks` to be greater than 0, got: {chunks}", RuntimeError)
+    _check_splittable(a, "chunk")
+    dim = canonicalize_dim(a.ndim, dim)
+    n = a.shape[dim]
+    size = -(-n // chunks)
+    if n == 0:
+        return _split_sizes(a, [0] * chunks, dim)
+    pieces = -(-n // size)
+    return _split_sizes(a, [size] * (pieces - 1) + [n - size * (pieces - 1)], dim)
+
+
+@view_symbol(torch.Tensor.tensor_split, torch.tensor_split, id="torch.tensor_split", method_name="tensor_split",
+             tags=_SHAPE)
+def tensor_split(a, indices_or_sections, dim: int = 0):
+    """``torch.tensor_split``: ``n`` nearly equal pieces, or pieces between the given indices."""
+    check(a.ndim > 0, lambda: f"tensor_split expected at least a 1-dimensional tensor, but got a tensor with "
+          f"{a.ndim} dims", RuntimeError)
+    check(not isinstance(indices_or_sections, TensorProxy), lambda: "tensor_split with a tensor of indices depends "
+          "on tensor values; pass a Python int or list of ints", NotImplementedError)
+    dim = canonicalize_dim(a.ndim, dim)
+    n = a.shape[dim]
+    if isinstance(indices_or_sections, int):
+        sections = indices_or_sections
+        check(sections > 0, lambda: f"number of sections must be larger than 0, got {sections}", RuntimeError)
+        small, extra = divmod(n, sections)
+        return _split_sizes(a, [small + 1] * extra + [small] * (sections - extra), dim)
+    outs, start = [], 0
+    for b in list(indices_or_sections) + [n]:
+        b = min(max(b + n if b < 0 else b, 0), n)
+        outs.append(clang.slice_in_dim(a, start, max(b, start), 1, dim))  # a piece ends where the next begins
+        start = b
+    return tuple(outs)
+
+
+@view_symbol(torch.Tensor.unbind, torch.unbind, id="torch.unbind", method_name="unbind", tags=_SHAPE)
+def unbind(a, dim: int = 0):
+    """``torch.unbind``: the slices along ``dim``, each without that dim."""
+    check(a.ndim > 0, lambda: "Dimension specified as 0 but tensor has no dimensions", IndexError)
+    dim = canonicalize_dim(a.ndim, dim)
+    return tuple(clang.squeeze(clang.slice_in_dim(a, i, i + 1, 1, dim), (dim,)) for i in range(a.shape[dim]))
+
+
+@view_symbol(torch.Tensor.narrow, torch.narrow, id="torch.narrow", method_name="narrow", tags=_SHAPE)
+def narrow(a, dim: int, start: int, length: int):
+    check(a.ndim > 0, lambda: "narrow() cannot be applied to a 0-dim tensor.", RuntimeError)
+    check(not isinstance(start, TensorProxy), lambda: "narrow() with a tensor start depends on its value; pass an "
+          "int", NotImplementedError)
+    check(length >= 0, lambda: "narrow(): length must be non-negative.", RuntimeError)
+    dim = canonicalize_dim(a.ndim, dim)
+    n = a.shape[dim]
+    check(-n <= start <= n, lambda: f"start out of range (expected to be in range of [{-n}, {n}], but got {start})",
+          IndexError)
+    start = start + n if start < 0 else start
+    check(start <= n - length, lambda: f"start ({start}) + length ({length}) exceeds dimension size ({n}).",
+          RuntimeError)
+    return clang.slice_in_dim(a, start, start + length, 1, dim)
+
+
+@view_symbol(torch.Tensor.select, torch.select, id="torch.select", method_name="select", tags=_SHAPE)
+def select(a, dim: int, index: int):
+    check(a.ndim > 0, lambda: "select() cannot be applied to a 0-dim tensor.", IndexError)
+    dim = canonicalize_dim(a.ndim, dim)
+    n = a.shape[dim]
+    check(-n <= index < n, lambda: f"select(): index {index} out of range for tensor of size {list(a.shape)} at "
+          f"dimension {dim}", IndexError)
+    index = index + n if index < 0 else index
+    return clang.squeeze(clang.slice_in_dim(a, index, index + 1, 1, dim), (dim,))
+
+
+@view_symbol(torch.Tensor.diagonal, torch.diagonal, id="torch.diagonal", method_name="diagonal", tags=_SHAPE)
+def diagonal(a, offset: int = 0, dim1: int = 0, dim2: int = 1):
+    """``torch.diagonal``: elements ``(i, i + offset)`` of the ``dim1``/``dim2`` planes, as a new last dim."""
+    d1, d2 = canonicalize_dim(a.ndim, dim1), canonicalize_dim(a.ndim, dim2)
+    check(d1 != d2, lambda: f"diagonal dimensions cannot be identical {dim1}, {dim2}", RuntimeError)
+    return diagonal_of(a, offset, d1, d2)
+
+
+def diagonal_of(a: TensorProxy, offset: int, d1: int, d2: int) -> TensorProxy:
+    """The diagonal as a strided slice of the flattened ``(m, n)`` plane (step ``n + 1``)."""
+    batch = [i for i in range(a.ndim) if i not in (d1, d2)]
+    m, n = a.shape[d1], a.shape[d2]
+    length = max(0, min(m, n - offset)) if offset >= 0 else max(0, min(m + offset, n))
+    x = clang.permute(a, batch + [d1, d2])
+    x = clang.reshape(x, tuple(a.shape[i] for i in batch) + (m * n,))
+    if length == 0:
+        return clang.slice_in_dim(x, 0, 0, 1, x.ndim - 1)
+    start = offset if offset >= 0 else -offset * n
+    return clang.slice_in_dim(x, start, start + (length - 1) * (n + 1) + 1, n + 1, x.ndim - 1)
+
+
+@view_symbol(torch.Tensor.unfold, method_name="unfold", tags=_SHAPE)
+def unfold(a, dimension: int, size: int, step: int):
+    """``Tensor.unfold``: windows of ``size`` every ``step`` along ``dimension``, as a new last dim."""
+    return prims.unfold(a, dimension, size, step)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# memory: contiguous, clone, detach
+
+_FORMAT_ORDER = {
+    torch.channels_last: (4, (3, 0, 2, 1), "channels_last"),
+    torch.channels_last_3d: (5, (4, 0, 3, 2, 1), "channels_last_3d"),
+}
+
+
+def _stride_order(a, memory_format, op: str):
+    if memory_format is torch.contiguous_format:
+        return tuple(range(a.ndim - 1, -1, -1))
+    check(memory_format is not torch.preserve_format,
+          lambda: f"preserve memory format is unsupported by the {op} operator", RuntimeError)
+    rank, order, name = _FORMAT_ORDER[memory_format]
+    check(a.ndim == rank, lambda: f"required rank {rank} tensor to use {name} format", RuntimeError)
+    return order
+
+
+@view_symbol(torch.Tensor.contiguous, method_name="contiguous", tags=_SHAPE)
+def contiguous(a, memory_format=torch.contiguous_format):
+    """``Tensor.contiguous``: ``a`` itself when already laid out so, else a dense copy (``prims.stride_order``)."""
+    return prims.stride_order(a, _stride_order(a, memory_format, "contiguous"))
+
+
+@torchsymbol(torch.clone, torch.Tensor.clone, method_name="clone", tags=_SHAPE)
+def clone(a, *, memory_format=torch.preserve_format):
+    """``torch.clone``: a new tensor with ``a``'s values.
+
+    prims has no copy primitive; ``prims.flip`` over no dims is the identity on values and always allocates.
+    """
+    if memory_format not in (torch.preserve_format, torch.contiguous_format):
+        return prims.stride_order(prims.flip(a, ()), _stride_order(a, memory_format, "clone"))
+    return prims.flip(a, ())
+
+
+@view_symbol(torch.Tensor.detach, torch.detach, method_name="detach", always_alias=True,
+             tags=_SHAPE + (OpTags.NON_DIFFERENTIABLE,))
+def detach(a):
+    """``Tensor.detach``: the same values, sharing ``a``'s memory, with no gradient flowing back to ``a``.
+
+    Its symbol id is ``torch.Tensor.detach``; autodiff must stop gradients there rather than differentiate the
+    decomposition (an identity reshape, so that the result is a distinct value that requires no grad).
+    """
+    out = prims.reshape(a, tuple(a.shape))
+    out.requires_grad = False
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# padding, flipping, rolling, repeating, triangles (copies)
+
+
+def _int_op(a, b, prim, kind=TypePromotion.DEFAULT):
+    return clang.elementwise_binary(a, b, prim, kind)
+
+
+_NON_CONSTANT_PAD_HELP = (
+    "Supported combinations for non-constant padding:\n  - 2D or 3D input: padding size = 2 (pads last dimension)\n"
+    "  - 3D or 4D input: padding size = 4 (pads last 2 dimensions)\n"
+    "  - 4D or 5D input: padding size = 6 (pads last 3 dimensions)")
+
+
+@torchsymbol(torch.nn.functional.pad, tags=_SHAPE)
+def pad(a, pad, mode: str = "constant", value=None):
+    """``F.pad``: constant (negative pads crop), reflect, replicate and circular padding of the last dims."""
+    pads = sizes_arg("pad", (pad,), name="pad")
+    check(len(pads) % 2 == 0, lambda: "Padding length must be divisible by 2", RuntimeError)
+    k = len(pads) // 2
+    check(k <= a.ndim, lambda: f"Padding length should be less than or equal to two times the input dimension but "
+          f"got padding length {len(pads)} and input of dimension {a.ndim}", RuntimeError)
+    config = {a.ndim - 1 - i: (pads[2 * i], pads[2 * i + 1]) for i in range(k)}
+    if mode == "constant":
+        for d, (lo, hi) in config.items():
+            n = a.shape[d]
+            check(n + lo + hi >= 0, lambda: f"The input size {n}, plus negative padding {lo} and {hi} resulted in a "
+                  f"negative output size, which is invalid. Check dimension {d} of your input.", RuntimeError)
+        fill = maybe_convert_to_dtype(0 if value is None else value, a.dtype)
+        return prims.pad(a, fill, [(*config.get(d, (0, 0)), 0) for d in range(a.ndim)])
+    check(mode in ("reflect", "replicate", "circular"), lambda: f"Unrecognised padding mode {mode}",
+          NotImplementedError)
+    check(value is None, lambda: f'Padding mode "{mode}" doesn\'t take in value argument', RuntimeError)
+    check(1 <= k <= 3 and a.ndim in (k + 1, k + 2), lambda: f"Padding size {len(pads)} is not supported for "
+          f"{a.ndim}D input tensor.\n{_NON_CONSTANT_PAD_HELP}", NotImplementedError)
+    out = a
+    for d, (lo, hi) in sorted(config.items()):
+        n = a.shape[d]
+        if mode == "reflect":
+            check(lo < n and hi < n, lambda: f"Argument #4: Padding size should be less than the corresponding input "
+                  f"dimension, but got: padding ({lo}, {hi}) at dimension {d} of input {list(a.shape)}", RuntimeError)
+        elif mode == "circular":
+            check(lo <= n and hi <= n, lambda: "Padding value causes wrapping around more than once.", RuntimeError)
+        else:
+            check(n > 0 or lo + hi <= 0, lambda: f"padding of a dimension of size 0 (dimension {d}) is not possible "
+                  "with replicate padding", RuntimeError)
+        index = prims.iota(n + lo + hi, start=-lo, step=1, device=a.device, dtype=torch.int64)
+        if mode == "reflect":  # -1 -> 1, n -> n - 2: fold at 0 and at n - 1
+            folded = clang.elementwise_unary(index, prims.abs)
+            index = _int_op(n - 1, clang.elementwise_unary(_int_op(n - 1, folded, prims.sub), prims.abs), prims.sub)
+        elif mode == "replicate":
+            index = _int_op(_int_op(index, 0, prims.maximum), n - 1, prims.minimum)
+        else:
+            index = _int_op(index, n, prims.remainder)
+        out = prims.take(out, index, d)
+    return fresh(out, a)
+
+
+@torchsymbol(torch.Tensor.flip, torch.flip, id="torch.flip", method_name="flip", tags=_SHAPE)
+def flip(a, *dims_args, dims=None):
+    """``torch.flip``: elements in reverse order along ``dims``; a new tensor."""
+    dims = sizes_arg("flip", dims_args, dims, name="dims")
+    canonical = [canonicalize_dim(a.ndim, d) for d in dims]
+    check(len(set(canonical)) == len(canonical),
+          lambda: f"dim {canonical[0]} appears multiple times in the list of dims", RuntimeError)
+    return prims.flip(a, tuple(sorted(canonical)))
+
+
+@torchsymbol(torch.fliplr, torch.Tensor.fliplr, method_name="fliplr", tags=_SHAPE)
+def fliplr(a):
+    check(a.ndim >= 2, lambda: "Input must be >= 2-d.", RuntimeError)
+    return prims.flip(a, (1,))
+
+
+@torchsymbol(torch.flipud, torch.Tensor.flipud, method_name="flipud", tags=_SHAPE)
+def flipud(a):
+    check(a.ndim >= 1, lambda: "Input must be >= 1-d.", RuntimeError)
+    return prims.flip(a, (0,))
+
+
+def _roll_dim(x: TensorProxy, shift: int, dim: int) -> TensorProxy:
+    n = x.shape[dim]
+    shift = shift % n if n else 0
+    if shift == 0:
+        return x
+    tail = clang.slice_in_dim(x, n - shift, n, 1, dim)
+    return prims.cat([tail, clang.slice_in_dim(x, 0, n - shift, 1, dim)], dim)
+
+
+@torchsymbol(torch.Tensor.roll, torch.roll, id="torch.roll", method_name="roll", tags=_SHAPE)
+def roll(a, shifts, dims=None):
+    """``torch.roll``: elements shifted cyclically along ``dims`` (over the flattened tensor without dims)."""
+    shifts = (shifts,) if isinstance(shifts, int) else tuple(shifts)
+    dims = () if dims is None else ((dims,) if isinstance(dims, int) else tuple(dims))
+    if not dims:
+        check(len(shifts) == 1, lambda: f"shifts and dimensions must align. shifts: {len(shifts)}, dims:0",
+              RuntimeError)
+        n = a.numel()
+        if n == 0 or shifts[0] % n == 0:
+            return clone(a)
+        return clang.reshape(_roll_dim(clang.reshape(a, (n,)), shifts[0], 0), a.shape)
+    check(len(shifts) == len(dims), lambda: f"shifts and dimensions must align. shifts: {len(shifts)}, "
+          f"dims:{len(dims)}", RuntimeError)
+    out = a
+    for s, d in zip(shifts, dims):
+        d = canonicalize_dim(a.ndim, d)
+        out = _roll_dim(out, s, d) if a.ndim else out
+    return fresh(out, a)
+
+
+@torchsymbol(torch.Tensor.repeat, method_name="repeat", tags=_SHAPE)
+def repeat(a, *sizes, repeats=None):
+    """``Tensor.repeat``: the whole tensor tiled ``sizes[i]`` times along dim ``i`` (new leading dims allowed)."""
+    sizes = sizes_arg("repeat", sizes, repeats, name="repeats")
+    check(len(sizes) >= a.ndim, lambda: "Number of dimensions of repeat dims can not be smaller than number of "
+          "dimensions of tensor", RuntimeError)
+    check(all(s >= 0 for s in sizes), lambda: f"Trying to create tensor with negative dimension "
+          f"{min(sizes)}: {list(sizes)}", RuntimeError)
+    shape = (1,) * (len(sizes) - a.ndim) + tuple(a.shape)
+    # (s0, s1) -> (r0, s0, r1, s1) by broadcasting, then merge each pair
+    interleaved = [x for pair in zip(sizes, shape) for x in pair]
+    x = prims.broadcast_in_dim(clang.reshape(a, shape), interleaved, tuple(range(1, 2 * len(shape), 2)))
+    return fresh(clang.reshape(x, tuple(r * s for r, s in zip(sizes, shape))), a)
+
+
+@torchsymbol(torch.Tensor.tile, torch.tile, id="torch.tile", method_name="tile", tags=_SHAPE)
+def tile(a, *dims_args, dims=None):
+    """``torch.tile``: ``repeat`` with missing leading repeat counts taken as 1."""
+    dims = sizes_arg("tile", dims_args, dims, name="dims")
+    return repeat(a, (1,) * (a.ndim - len(dims)) + dims)
+
+
+@torchsymbol(torch.repeat_interleave, torch.Tensor.repeat_interleave, method_name="repeat_interleave", tags=_SHAPE)
+def repeat_interleave(a, repeats=None, dim=None, *, output_size=None):
+    """``torch.repeat_interleave`` with an int ``repeats``: each element repeated in place.
+
+    A tensor of repeats gives an output whose length depends on its values; that form is recorded as an opaque
+    torch call (traceable only with ``output_size``).
+    """
+    if repeats is None or isinstance(repeats, TensorProxy):
+        return langctx.fallback[0](torch.repeat_interleave)(a, repeats, dim, output_size=output_size)
+    check(repeats >= 0, lambda: "Repeats must be non-negative", RuntimeError)
+    if dim is None:
+        a, dim = clang.reshape(a, (a.numel(),)), 0
+    dim = canonicalize_dim(a.ndim, dim)
+    if a.ndim == 0:
+        a = clang.reshape(a, (1,))
+    x = clang.unsqueeze(a, dim + 1)
+    shape = list(x.shape)
+    shape[dim + 1] = repeats
+    x = clang.expand_to(x, shape)
+    merged = tuple(a.shape[:dim]) + (a.shape[dim] * repeats,) + tuple(a.shape[dim + 1:])
+    return fresh(clang.reshape(x, merged), a)
+
+
+def _triangle(a, diagonal: int, lower: bool, op: str):
+    check(a.ndim >= 2, lambda: f"{op}: input tensor must have at least 2 dimensions", RuntimeError)
+    m, n = a.shape[-2], a.shape[-1]
+    rows = clang.reshape(prims.iota(m, start=0, step=1, device=a.device, dtype=torch.int64), (m, 1))
+    cols = clang.reshape(prims.iota(n, start=0, step=1, device=a.device, dtype=torch.int64), (1, n))
+    keep = _int_op(_int_op(cols, rows, prims.sub), diagonal, prims.le if lower else prims.ge,
+                   TypePromotion.ALWAYS_BOOL)
+    return clang.where(keep, a, maybe_convert_to_dtype(0, a.dtype))
+
+
+@torchsymbol(torch.tril, torch.Tensor.tril, method_name="tril", tags=_SHAPE)
+def tril(a, diagonal: int = 0):
+    """``torch.tril``: elements on and below the ``diagonal``-th diagonal, zeros elsewhere."""
+    return _triangle(a, diagonal, True, "tril")
+
+
+@torchsymbol(torch.triu, torch.Tensor.triu, method_name="triu", tags=_SHAPE)
+def triu(a, diagonal: int = 0):
+    """``torch.triu``: elements on and above the ``diagonal``-th diagonal, zeros elsewhere."""
+    return _triangle(a, diagonal, False, "triu")
+
+
+@torchsymbol(torch.diag, torch.Tensor.diag, method_name="diag", tags=_SHAPE)
+def diag(a, diagonal: int = 0):
+    """``torch.diag``: a 1-D tensor placed on a diagonal of a square matrix, or a matrix's diagonal (a copy)."""
+    check(a.ndim in (1, 2), lambda: f"diag(): Supports 1D or 2D tensors. Got {a.ndim}D", RuntimeError)
+    if a.ndim == 2:
+        return fresh(diagonal_of(a, diagonal, 0, 1), a)
+    n = a.shape[0]
+    size = n + abs(diagonal)
+    zero = maybe_convert_to_dtype(0, a.dtype)
+    # each value followed by `size` zeros, laid row-major into the matrix from the diagonal's first position
+    rows = prims.pad(clang.reshape(a, (n, 1)), zero, [(0, 0, 0), (0, size, 0)])
+    flat = clang.reshape(rows, (n * (size + 1),))
+    start = max(-diagonal, 0) * size + max(diagonal, 0)
+    flat = prims.pad(flat, zero, [(start, size * size - start - n * (size + 1), 0)])
+    return clang.reshape(flat, (size, size))
+
+
+inplace_variant(tril, "tril")
+inplace_variant(triu, "triu")

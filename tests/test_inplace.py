@@ -1,0 +1,255 @@
+"""In-place semantics: results *and* the caller's tensors end exactly as in eager PyTorch.
+
+fulmen traces in-place ops functionally (``fulmen.torch.inplace``): a view remembers its base, an update of a
+view is scattered into the base, the base's other views see it, and inputs whose value changed are copied
+back into the caller's tensors at the end. Each program runs eagerly on one copy of the inputs and compiled
+(twice: the compiling call and a cached call) and decomposed to prims on others; everything must agree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fulmen
+from fulmen.testing import assert_close, run_decomposed
+
+
+def _copies(args):
+    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def check(fn, *args):
+    """``fn(*args)`` compiled, cached and decomposed vs eager: outputs and every tensor argument afterwards."""
+    eager_args = _copies(args)
+    expected = fn(*eager_args)
+    jfn = fulmen.jit(fn)
+    for run in (jfn, jfn, lambda *a: run_decomposed(fn, *a)):
+        run_args = _copies(args)
+        assert_close(run(*run_args), expected)
+        assert_close(run_args, eager_args)
+    return jfn
+
+
+# ---------------------------------------------------------------------------------------------------------
+# views of inputs
+
+
+def test_update_of_a_view_reaches_the_input():
+    def f(a):
+        x = a[0]
+        x.mul_(2)
+        return x
+
+    check(f, torch.randn(3, 4))
+
+
+def test_views_of_views_and_sibling_views_see_updates():
+    def f(a):
+        row = a[1:]
+        cell = row[0]
+        col = a[:, 1]
+        cell.fill_(3.0)  # reaches row, a and col
+        a.t()[2].zero_()  # through a transposed view
+        return a.clone(), row, col
+
+    check(f, torch.randn(3, 4))
+
+
+def test_update_of_the_base_is_seen_by_existing_views():
+    def f(a):
+        y = a[0]
+        z = y[1:]
+        w = a.view(-1)
+        a.add_(10)
+        return y, z, w
+
+    check(f, torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("make_view", [
+    lambda a: a.view(2, 6), lambda a: a.reshape(-1), lambda a: a.transpose(0, 1), lambda a: a.permute(1, 0),
+    lambda a: a.narrow(1, 1, 2), lambda a: a.select(0, -1), lambda a: a.split(2, 1)[1], lambda a: a.unbind(1)[2],
+    lambda a: a.chunk(2)[0], lambda a: a.diagonal(), lambda a: a.unsqueeze(0).squeeze(0), lambda a: a.flatten(),
+    lambda a: a.unflatten(1, (2, 2)), lambda a: a.T, lambda a: a.mT, lambda a: a[..., ::2], lambda a: a.movedim(0, 1),
+    lambda a: a.detach(), lambda a: a.contiguous(), lambda a: a.expand(1, 3, 4)[0], lambda a: a.unfold(1, 2, 2),
+], ids=["view", "reshape", "transpose", "permute", "narrow", "select", "split", "unbind", "chunk", "diagonal",
+        "unsqueeze", "flatten", "unflatten", "T", "mT", "slice", "movedim", "detach", "contiguous", "expand", "unfold"])
+def test_every_view_op_propagates_updates(make_view):
+    def f(a):
+        v = make_view(a)
+        v.mul_(-2)
+        return v
+
+    check(f, torch.randn(3, 4))
+
+
+def test_copies_do_not_propagate_updates():
+    def f(a):
+        for copy in (a.clone(), a.t().contiguous(), a.t().reshape(-1), a[[0, 2]], a.flip(0), a.repeat(1, 1),
+                     torch.cat([a]), a.to(torch.float32, copy=True), a.roll(0)):
+            copy.zero_()
+        return a
+
+    check(f, torch.randn(3, 4))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# __setitem__
+
+
+def test_setitem_basic_slices_and_broadcast_values():
+    def f(a, b):
+        a[:, 1:3] = b
+        a[0] = 7.0
+        a[..., -1] = b[:, 0]
+        a[None, 1, ::2] = torch.tensor(0.5)
+        return a
+
+    check(f, torch.randn(3, 4), torch.randn(3, 2))
+
+
+def test_setitem_advanced_indices():
+    def f(a, idx, v):
+        a[idx] = v
+        a[[0, 2], 1] = -1.0
+        a[idx, idx] = torch.arange(2.0)
+        return a
+
+    check(f, torch.randn(4, 4), torch.tensor([3, 1]), torch.randn(4))
+
+
+def test_setitem_with_boolean_masks():
+    def f(a):
+        a[a < 0] = 0.0
+        a[:, torch.tensor([True, False, True, False])] = torch.tensor([2.5])
+        return a
+
+    check(f, torch.randn(3, 4))
+
+
+def test_setitem_converts_the_value_dtype():
+    def f(a, v):
+        a[1] = v  # float64 values into an int64 tensor: truncated, as in eager
+        return a
+
+    check(f, torch.zeros(3, 2, dtype=torch.int64), torch.tensor([1.7, -2.9], dtype=torch.float64))
+
+
+def test_setitem_on_a_view_of_an_input():
+    def f(a):
+        v = a.view(2, 8)
+        v[:, ::2] += 1
+        v.T[0] -= 5
+        return v
+
+    check(f, torch.randn(4, 4))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# in-place ops
+
+
+def test_chained_in_place_ops_and_returning_the_mutated_input():
+    def f(a):
+        a.mul_(2).add_(1).clamp_(max=3)
+        return a
+
+    check(f, torch.randn(5))
+
+
+def test_indexed_in_place_ops():
+    def f(a, b, idx):
+        a.index_put_((idx,), b[0], accumulate=True)
+        a.index_add_(1, idx, b.t()[:3, :2], alpha=2)
+        a.scatter_(0, idx.view(1, 2).expand(2, 2), b[:, :2])
+        a[1:].scatter_add_(1, torch.tensor([[0, 0, 1]]), b[:1, 1:])
+        return a
+
+    check(f, torch.randn(3, 4), torch.randn(2, 4), torch.tensor([2, 0]))
+
+
+def test_copy_fill_zero():
+    def f(a, b, s):
+        a[0].copy_(b)  # broadcast, float64 -> float32
+        a[1].fill_(s)  # a 0-d tensor value
+        a[2:].zero_()
+        a.t()[0].fill_(9)
+        return a
+
+    check(f, torch.randn(4, 3), torch.randn(3, dtype=torch.float64), torch.tensor(4.5))
+
+
+def test_in_place_on_a_non_contiguous_input():
+    def f(a):
+        a.add_(1)
+        a[0, 0] = 0.0
+
+    x = torch.randn(3, 4).t()
+    eager = x.clone().t().contiguous().t()  # same layout as x
+    f(eager)
+    fulmen.jit(f)(x)
+    assert_close(x, eager)
+    assert x.stride() == (1, 4)
+
+
+def test_unchanged_inputs_are_not_written():
+    def f(a, b):
+        b.add_(1)
+        return a * 2
+
+    jfn = check(f, torch.randn(3), torch.randn(3))
+    copies = [b for b in fulmen.last_traces(jfn)[0].bound_symbols if b.sym.name == "copy_"]
+    assert [c.args[1].name for c in copies] == ["b"]
+
+
+def test_in_place_on_an_input_that_requires_grad_raises_like_eager():
+    def f(w):
+        w.add_(1)
+        return w
+
+    w = torch.randn(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="a leaf Variable that requires grad is being used in an in-place"):
+        f(w.clone().detach().requires_grad_(True))
+    with pytest.raises(RuntimeError, match="a leaf Variable that requires grad is being used in an in-place"):
+        fulmen.jit(f)(w)
+    with torch.no_grad():  # allowed without grad, as in eager
+        expected = f(w.detach().clone().requires_grad_(True))
+        assert_close(fulmen.jit(f)(w), expected)
+        assert_close(w.detach(), expected)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# modules
+
+
+class RunningMean(nn.Module):
+    """A buffer updated in place in forward, as BatchNorm's running statistics are."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(4))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.mean.mul_(0.9).add_(x.mean(0), alpha=0.1)
+        self.steps += 1
+        self.mean[0] = self.steps.float()
+        return self.proj(x - self.mean)
+
+
+def test_module_buffer_updated_in_forward_is_written_back():
+    torch.manual_seed(0)
+    eager = RunningMean()
+    compiled_module = RunningMean()
+    compiled_module.load_state_dict(eager.state_dict())
+    jitted = fulmen.jit(compiled_module)
+    with torch.no_grad():
+        for step in range(3):
+            x = torch.randn(5, 4)
+            assert_close(jitted(x), eager(x))
+            assert_close(compiled_module.mean, eager.mean)
+            assert compiled_module.steps.item() == eager.steps.item() == step + 1
+    assert fulmen.cache_hits(jitted) == 2
