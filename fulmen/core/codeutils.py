@@ -58,6 +58,8 @@ class Printer:
                     return "inf" if x > 0 else "-inf"
             return repr(x)
         if isinstance(x, tuple):
+            if type(x).__module__ == "torch.return_types":  # structseqs such as torch.return_types.max
+                return f"torch.return_types.{type(x).__name__}(({''.join(self(v) + ', ' for v in x)}))"
             if hasattr(x, "_fields"):
                 return self.constant(x, "_tuple")
             inner = ", ".join(self(v) for v in x)

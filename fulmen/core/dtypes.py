@@ -97,7 +97,8 @@ def corresponding_real_dtype(d: torch.dtype) -> torch.dtype:
 
 
 def corresponding_complex_dtype(d: torch.dtype) -> torch.dtype:
-    return {torch.float16: torch.complex32, torch.float32: torch.complex64, torch.float64: torch.complex128}.get(d, d)
+    return {torch.float16: torch.complex32, torch.bfloat16: torch.complex64, torch.float32: torch.complex64,
+            torch.float64: torch.complex128}.get(d, d)
 
 
 def python_type_dtype(x: bool | int | float | complex) -> torch.dtype:

@@ -227,6 +227,8 @@ class BoundSymbol:
         line = self.call_string(printer, unused, name)
         comments = [type_comment(p) for p in self.flat_proxy_outs]
         comments = [c for c in comments if c]
+        if OpTags.FALLBACK in self.sym.tags:
+            comments.append("fallback: no fulmen rule, runs as one torch call")
         if comments:
             line += "  # " + ", ".join(comments)
         if self.header:

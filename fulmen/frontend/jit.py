@@ -103,6 +103,12 @@ class JittedFunction:
         start = time.perf_counter()
         autocast_devices = [p.device_type for p in current_policies()]
         trace, spec = self._trace(args, kwargs)
+        # executors may rewrite the computation trace before autodiff (fused_linear_ce replaces linear followed by
+        # cross_entropy with one symbol whose gradient is computed chunk by chunk)
+        for ex in self.executors:
+            transform = getattr(ex, "transform_trace", None)
+            if transform is not None:
+                trace = transform(trace)
         traced = time.perf_counter()
         if self._needs_grad(spec.tensor_proxies):
             from fulmen.frontend.training import compile_training

@@ -24,8 +24,9 @@ def _unary_meta_factory(name: str, *, output: str = "same", supports: str | None
               TypeError)
         if supports == "float" and not dtypes.is_inexact_dtype(a.dtype):
             raise TypeError(f"prims.{name} expects a floating point or complex tensor, but got {a.dtype}")
-        if supports == "exact" and not dtypes.is_exact_dtype(a.dtype):
-            raise TypeError(f"prims.{name} expects an integer or boolean tensor, but got {a.dtype}")
+        if supports == "exact" and not dtypes.is_exact_dtype(a.dtype):  # torch: "not implemented for 'Float'"
+            raise NotImplementedError(f"prims.{name} is not implemented for {a.dtype}: it expects an integer or "
+                                      "boolean tensor")
         if output == "bool":
             return TensorProxy(like=a, dtype=torch.bool, requires_grad=False)
         if output == "real":
@@ -94,8 +95,9 @@ def _binary_meta_factory(name: str, *, output: str = "same", supports: str | Non
               TypeError)
         shape, device = same_shape_device(name, a, b)
         dtype = same_dtype(name, a, b)
-        if supports == "exact" and not dtypes.is_exact_dtype(dtype):
-            raise TypeError(f"prims.{name} expects integer or boolean tensors, but got {dtype}")
+        if supports == "exact" and not dtypes.is_exact_dtype(dtype):  # torch: "not implemented for 'Float'"
+            raise NotImplementedError(f"prims.{name} is not implemented for {dtype}: it expects integer or boolean "
+                                      "tensors")
         if supports == "not_complex" and dtypes.is_complex_dtype(dtype):
             raise TypeError(f"prims.{name} does not support complex tensors")
         out_dtype = torch.bool if output == "bool" else dtype

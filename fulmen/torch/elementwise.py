@@ -131,7 +131,7 @@ inplace_variant(logical_not, "logical_not")
 
 @torchsymbol(torch.positive, torch.Tensor.positive, method_name="positive", tags=_EW)
 def positive(a):
-    check(a.dtype is not torch.bool, lambda: "The `+` operator, on a bool tensor is not supported.", TypeError)
+    check(a.dtype is not torch.bool, lambda: "The `+` operator, on a bool tensor is not supported.", RuntimeError)
     return a
 
 
@@ -174,7 +174,7 @@ def add(a, b, *, alpha: Number | None = None):
     if alpha is not None and alpha != 1:
         check(not (isinstance(alpha, float) and dtypes.is_exact_dtype(clang.result_dtype(a, b))),
               lambda: "For integral input tensors, argument alpha must not be a floating point number.", RuntimeError)
-        b = mul(b, alpha)
+        b = b * alpha if isinstance(b, Number) else mul(b, alpha)
     return elementwise_binary(a, b, prims.add)
 
 
@@ -185,13 +185,13 @@ def sub(a, b, *, alpha: Number | None = None):
           torch.bool), lambda: "Subtraction, the `-` operator, with two bool tensors is not supported. Use the `^` or "
           "`logical_xor()` operator instead.", RuntimeError)
     if alpha is not None and alpha != 1:
-        b = mul(b, alpha)
+        b = b * alpha if isinstance(b, Number) else mul(b, alpha)
     return elementwise_binary(a, b, prims.sub)
 
 
 @torchsymbol(torch.rsub, method_name="rsub", tags=_EW)
 def rsub(a, b, *, alpha: Number | None = None):
-    return sub(b, a, alpha=alpha)
+    return sub(b, a) if alpha is None else sub(b, a, alpha=alpha)
 
 
 @torchsymbol(*_binary_torch_fns("mul"), torch.multiply, method_name=("mul", "multiply"), tags=_EW)
@@ -215,7 +215,7 @@ def div(a, b, *, rounding_mode: str | None = None):
         return trunc(true_divide(a, b))
     if rounding_mode == "floor":
         return floor_divide(a, b)
-    raise ValueError(f"div expected rounding_mode to be one of None, 'trunc', or 'floor' but found '{rounding_mode}'")
+    raise RuntimeError(f"div expected rounding_mode to be one of None, 'trunc', or 'floor' but found '{rounding_mode}'")
 
 
 @torchsymbol(*_binary_torch_fns("floor_divide"), method_name="floor_divide", tags=_EW)
@@ -351,11 +351,13 @@ def where(condition, input=None, other=None):
 def clamp(a, min=None, max=None):
     check(min is not None or max is not None, lambda: "torch.clamp: At least one of 'min' or 'max' must not be None",
           RuntimeError)
+    # maximum/minimum propagate NaN from the input, as torch.clamp does; called at the clang level because
+    # torch.maximum rejects the Python numbers clamp accepts
     out = a
     if min is not None:
-        out = maximum(out, min)  # maximum propagates NaN from the input, as torch.clamp does
+        out = elementwise_binary(out, min, prims.maximum, TypePromotion.NO_OPMATH)
     if max is not None:
-        out = minimum(out, max)
+        out = elementwise_binary(out, max, prims.minimum, TypePromotion.NO_OPMATH)
     return out
 
 
@@ -375,7 +377,11 @@ for _name, _sym in (("clamp", clamp), ("clip", clamp), ("clamp_min", clamp_min),
 
 @torchsymbol(torch.lerp, torch.Tensor.lerp, method_name="lerp", tags=_EW)
 def lerp(start, end, weight):
-    return add(start, mul(weight, sub(end, start)))
+    computation, result = clang.elementwise_type_promotion(start, end, weight)
+    start, end = maybe_convert_to_dtype(start, computation), maybe_convert_to_dtype(end, computation)
+    weight = maybe_convert_to_dtype(weight, computation)
+    out = add(start, mul(weight, sub(end, start)))  # one rounding at the end, as torch's kernel
+    return maybe_convert_to_dtype(out, result)
 
 
 @torchsymbol(torch.addcmul, torch.Tensor.addcmul, method_name="addcmul", tags=_EW)
@@ -401,6 +407,8 @@ for _name, _sym in (("lerp", lerp), ("addcmul", addcmul), ("addcdiv", addcdiv)):
 def xlogy(a, b):
     if isinstance(a, Number):
         a = clang.full((), a, device=b.device, dtype=clang.result_dtype(a, b))
+    if isinstance(b, Number):
+        b = clang.full((), b, device=a.device, dtype=clang.result_dtype(a, b))
     return clang.where(eq(a, 0), 0.0, mul(a, log(b)))
 
 
@@ -439,6 +447,13 @@ inplace_variant(masked_fill, "masked_fill")
 
 @torchsymbol(torch.isclose, torch.Tensor.isclose, method_name="isclose", tags=_EW)
 def isclose(a, b, rtol: float = 1e-05, atol: float = 1e-08, equal_nan: bool = False):
+    if rtol == 0 and atol == 0:
+        return eq(a, b)
+    # torch compares bools as numbers of the default dtype (so a tolerance of 1 accepts True vs False)
+    if a.dtype is torch.bool:
+        a = maybe_convert_to_dtype(a, torch.get_default_dtype())
+    if isinstance(b, TensorProxy) and b.dtype is torch.bool:
+        b = maybe_convert_to_dtype(b, torch.get_default_dtype())
     close = le(abs(sub(a, b)), add(atol, mul(rtol, abs(b))))
     close = logical_or(eq(a, b), close)
     if equal_nan and dtypes.is_inexact_dtype(a.dtype):

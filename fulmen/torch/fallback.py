@@ -47,6 +47,13 @@ def _fake_meta(func: Callable, name: str) -> Callable:
                 f"  at {_user_location()}\nUse torch.compile(model, backend=\"fulmen\") to run it eagerly between "
                 "compiled parts, or move it out of the compiled function."
             ) from e
+        except RuntimeError:
+            # Some meta kernels are stricter than the real ones (grouped_mm's demands bf16; the CPU kernel takes
+            # float32, and Hugging Face MoE models call it so): learn the output metadata from one real call on
+            # zero-filled tensors, and re-raise the fake-tensor error if that fails too.
+            out = _run_on_zeros(func, args, kwargs)
+            if out is None:
+                raise
 
         def to_proxy(x):
             if isinstance(x, torch.Tensor):
@@ -54,9 +61,30 @@ def _fake_meta(func: Callable, name: str) -> Callable:
                                    requires_grad=x.requires_grad)
             return x
 
+        if type(out).__module__ == "torch.return_types":  # keep .values / .indices, as eager does
+            return type(out)(tuple(to_proxy(x) for x in out))
         return tree_map(to_proxy, out)
 
     return meta
+
+
+def _run_on_zeros(func: Callable, args, kwargs):
+    def zeros(x):
+        if isinstance(x, TensorProxy):
+            return torch.zeros(tuple(x.shape), dtype=x.dtype, device=to_torch_device(x.device))
+        return x
+
+    try:
+        with torch.no_grad(), torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            zargs, zkwargs = tree_map(zeros, (args, kwargs))
+            out = func(*zargs, **zkwargs)
+    except Exception:
+        return None
+    # requires_grad as autograd would set it: any floating-point input that requires grad
+    needs_grad = any(isinstance(x, TensorProxy) and x.requires_grad for x in torch.utils._pytree.tree_leaves(
+        (args, kwargs)))
+    return tree_map(lambda t: t.requires_grad_(needs_grad) if isinstance(t, torch.Tensor) and needs_grad and (
+        t.dtype.is_floating_point or t.dtype.is_complex) else t, out)
 
 
 def opaque_symbol(func: Callable) -> Symbol:
@@ -80,6 +108,10 @@ def _is_inplace_method(func: Callable) -> bool:
 
 def record(func: Callable) -> Callable:
     """What ``TensorProxy.__torch_function__`` calls for a torch callable without a rule."""
+    from fulmen.torch import custom_ops
+
+    if custom_ops.is_custom_op(func):  # torch.library custom ops: named symbols with their own autograd
+        return custom_ops.record(func)
     if _is_inplace_method(func):
         out_of_place = _out_of_place(func)
 
