@@ -62,6 +62,7 @@ class Symbol:
     torch_fns: tuple = ()
     _phantom: bool = False
     post_hook: Callable | None = None  # called with the new BoundSymbol (view ops record their base here)
+    normalize: Callable | None = None  # (args, kwargs) -> (args, kwargs) before recording, so calls stay valid
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -95,6 +96,8 @@ class Symbol:
         if trc.autocast and len(trc.scopes) == 1:  # eager autocast casts at the outermost call only
             for policy in trc.autocast:
                 args, kwargs = policy.cast(self.id, args, kwargs)
+        if self.normalize is not None:
+            args, kwargs = self.normalize(args, kwargs)
         if self.meta is None:
             raise NotImplementedError(f"{self.qualified_name} has no meta function and cannot be traced")
         if self.is_prim:

@@ -253,12 +253,31 @@ def atan2(a, b):
     return elementwise_binary(a, b, prims.atan2, TypePromotion.INT_TO_FLOAT)
 
 
-@torchsymbol(*_binary_torch_fns("maximum"), method_name="maximum", tags=_EW)
+def _numbers_as_tensors(args, kwargs, first_only: bool = False):
+    """Numbers become 0-d tensors of the result dtype where the torch function takes tensors only (decompositions
+    call ``maximum(x, 0.5)`` or ``le(0.5, x)``); the result is unchanged and the recorded call stays valid."""
+    if len(args) != 2 or kwargs or not any(isinstance(x, TensorProxy) for x in args):
+        return args, kwargs
+    a, b = args
+    ref = a if isinstance(a, TensorProxy) else b
+    dtype = clang.result_dtype(a, b)
+    if isinstance(a, Number):
+        a = clang.full((), a, device=ref.device, dtype=dtype)
+    if isinstance(b, Number) and not first_only:
+        b = clang.full((), b, device=ref.device, dtype=dtype)
+    return (a, b), kwargs
+
+
+def _first_number_as_tensor(args, kwargs):
+    return _numbers_as_tensors(args, kwargs, first_only=True)
+
+
+@torchsymbol(*_binary_torch_fns("maximum"), method_name="maximum", tags=_EW, normalize=_numbers_as_tensors)
 def maximum(a, b):
     return elementwise_binary(a, b, prims.maximum, TypePromotion.NO_OPMATH)
 
 
-@torchsymbol(*_binary_torch_fns("minimum"), method_name="minimum", tags=_EW)
+@torchsymbol(*_binary_torch_fns("minimum"), method_name="minimum", tags=_EW, normalize=_numbers_as_tensors)
 def minimum(a, b):
     return elementwise_binary(a, b, prims.minimum, TypePromotion.NO_OPMATH)
 
@@ -280,7 +299,7 @@ def _comparison(name, prim, aliases=()):
         return elementwise_binary(a, b, prim, TypePromotion.ALWAYS_BOOL)
 
     fn.__name__ = name
-    sym = torchsymbol(*fns, method_name=(name, *aliases), tags=_EW)(fn)
+    sym = torchsymbol(*fns, method_name=(name, *aliases), tags=_EW, normalize=_first_number_as_tensor)(fn)
     inplace_variant(sym, name)
     return sym
 

@@ -71,6 +71,7 @@ def torchsymbol(
     tags: Sequence[OpTags] = (),
     is_view: bool = False,
     torch_executable: bool = True,
+    normalize: Callable | None = None,
 ) -> Callable[[Callable], Symbol]:
     """Make ``fn`` (a decomposition into clang/prims) the torch-language symbol for ``torch_fns``.
 
@@ -82,7 +83,7 @@ def torchsymbol(
     def decorator(fn: Callable) -> Symbol:
         sym_id = id or (torch_id(torch_fns[0]) if torch_fns else f"ltorch.{fn.__name__}")
         sym = Symbol(name=fn.__name__, meta=fn, id=sym_id, is_prim=False, tags=tuple(tags), module="ltorch",
-                     torch_fns=tuple(torch_fns), post_hook=_record_view if is_view else None)
+                     torch_fns=tuple(torch_fns), post_hook=_record_view if is_view else None, normalize=normalize)
         sym.__doc__ = fn.__doc__
         sym.extra["torch_executable"] = torch_executable and bool(torch_fns)
         if is_view:

@@ -9,9 +9,14 @@ them. Example (seed 002)::
                                                     requires_grad=False))
 """
 
-from fulmen.tests.opinfos.base import DecorateInfo, OpInfo, SampleInput, make_tensor  # noqa: F401
+from fulmen.tests.opinfos.base import (  # noqa: F401
+    DecorateInfo,
+    OpInfo,
+    SampleInput,
+    all_opinfos,  # noqa: F401,E402
+    make_tensor,
+)
 from fulmen.tests.opinfos.elementwise import *  # noqa: F401,F403
+from fulmen.tests.opinfos.nn import *  # noqa: F401,F403
 from fulmen.tests.opinfos.reductions import *  # noqa: F401,F403
 from fulmen.tests.opinfos.shape import *  # noqa: F401,F403
-from fulmen.tests.opinfos.nn import *  # noqa: F401,F403
-from fulmen.tests.opinfos.base import all_opinfos  # noqa: F401,E402
