@@ -15,9 +15,9 @@ from typing import Any
 # so PyTorch is imported under another name.
 import torch as _pytorch
 
-from fulmen.core import dtypes  # noqa: F401
 from fulmen import prims  # noqa: F401
 from fulmen import torch as ltorch  # noqa: F401
+from fulmen.core import dtypes  # noqa: F401
 from fulmen.executors import torchex as _torchex  # noqa: F401  (registers the torch executor)
 from fulmen.executors.base import Executor
 from fulmen.frontend.jit import JittedFunction, get_stats

@@ -317,5 +317,6 @@ def stack(tensors: Sequence[TensorProxy], dim: int) -> TensorProxy:
 
 
 def matrix_transpose(a: TensorProxy) -> TensorProxy:
-    check(a.ndim >= 2, lambda: f"tensor.mT is only supported on matrices or batches of matrices. Got {a.ndim}-D tensor.")
+    check(a.ndim >= 2,
+          lambda: f"tensor.mT is only supported on matrices or batches of matrices. Got {a.ndim}-D tensor.")
     return transpose(a, -2, -1)

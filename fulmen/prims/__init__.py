@@ -5,15 +5,44 @@ Every other operation decomposes into these. ``PrimIDs`` names them; ``all_prims
 
 from fulmen.prims.base import PrimIDs, all_prims, make_prim, prim_by_id  # noqa: F401
 from fulmen.prims.data import (  # noqa: F401
-    bernoulli, convert_element_type, copy_, device_put, empty, full, iota, normal, randint, uniform,
+    bernoulli,
+    convert_element_type,
+    copy_,
+    device_put,
+    empty,
+    full,
+    iota,
+    normal,
+    randint,
+    uniform,
 )
 from fulmen.prims.elementwise import *  # noqa: F401,F403
 from fulmen.prims.elementwise import abs, pow, round  # noqa: F401  (names that shadow builtins)
 from fulmen.prims.indexing import index_add, index_put, scatter, scatter_add, take, take_along_axis  # noqa: F401
 from fulmen.prims.linalg import convolution, linear, matmul  # noqa: F401
 from fulmen.prims.reductions import (  # noqa: F401
-    amax, amin, argmax, argmin, cumprod, cumsum, prod, sort, sum, topk, var, var_mean,
+    amax,
+    amin,
+    argmax,
+    argmin,
+    cumprod,
+    cumsum,
+    prod,
+    sort,
+    sum,
+    topk,
+    var,
+    var_mean,
 )
 from fulmen.prims.shape import (  # noqa: F401
-    broadcast_in_dim, cat, flip, pad, reshape, slice_prim, squeeze, stride_order, transpose, unfold,
+    broadcast_in_dim,
+    cat,
+    flip,
+    pad,
+    reshape,
+    slice_prim,
+    squeeze,
+    stride_order,
+    transpose,
+    unfold,
 )

@@ -191,7 +191,7 @@ def _torch_stride_order(a, order):
 
 stride_order = make_prim(PrimIDs.STRIDE_ORDER, "stride_order", meta=_stride_order_meta,
                          torch_impl=_torch_stride_order, tags=_SHAPE,
-                         doc="Same values laid out densely with the given stride order (contiguous() is (n-1, ..., 0)).")
+                         doc="Same values laid out densely in the given stride order (contiguous() is (n-1, ..., 0)).")
 
 
 def normalize_permutation(perm: Sequence[int], ndim: int) -> tuple[int, ...]:
