@@ -1,0 +1,204 @@
+"""Training: a forward and a backward trace, connected to PyTorch autograd by one ``torch.autograd.Function``.
+
+``compile_training(trace, executors)`` differentiates the computation trace (``transforms.split``), runs the
+execution pipeline on the forward and the backward, and returns a ``CompiledProgram`` whose ``run`` calls
+``FulmenFunction.apply``. ``loss.backward()`` then reaches the backward trace; PyTorch does the rest as in
+eager: ``.grad`` accumulation, hooks, ``retain_graph``, inputs that do not require grad.
+
+Saved tensors: inputs and outputs of the function go through ``ctx.save_for_backward`` (no reference cycle
+through outputs, and PyTorch's check that they were not modified in place); the other saved tensors are
+held in a list on ``ctx`` that the backward empties, so each is freed right after its last use in the
+backward -- unless the graph is retained. Outputs that get no gradient reach the backward as ``None``; a
+backward trace is built for each combination of present cotangents that occurs (usually one).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from fulmen.core.proxies import TensorProxy
+from fulmen.core.trace import Trace
+from fulmen.executors.base import Executor
+from fulmen.frontend.compile import CompiledProgram, compile_inference, execution_pipeline
+from fulmen.transforms.split import ForwardBackward, split_forward_backward
+
+
+def _keep_graph() -> bool:
+    try:
+        return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+    except Exception:  # a private API: when it is missing, keep everything (correct, frees later)
+        return True
+
+
+class _Runtime:
+    """What the autograd function needs at run time (one per compiled program)."""
+
+    def __init__(self, fb: ForwardBackward, executors: Sequence[Executor], forward, backward, timings):
+        self.fb = fb
+        self.executors = executors
+        self.forward = forward
+        self.n_outputs = len(fb.outputs)
+        self.differentiable = list(fb.differentiable)
+        self.non_differentiable = [i for i in range(self.n_outputs) if i not in set(fb.differentiable)]
+        names = {a.name for a in fb.forward.args} | {o.name for o in fb.outputs}
+        self.ctx_saved = [i for i, p in enumerate(fb.saved) if p.name in names]  # via save_for_backward
+        self.list_saved = [i for i, p in enumerate(fb.saved) if p.name not in names]
+        self.n_saved = len(fb.saved)
+        self.n_inputs = len(fb.forward.args)
+        everything = (True,) * len(self.differentiable)
+        self.backwards = {everything: backward}
+        self.timings = timings
+
+    def backward_for(self, present: tuple[bool, ...]):
+        fn = self.backwards.get(present)
+        if fn is None:
+            try:
+                trace = self.fb.backward_trace(present)
+                fn, _ = execution_pipeline(trace, self.executors, {})
+            except RuntimeError:  # the saved values do not cover this backward: give the absent outputs zeros
+                fn = self._with_zeros(present)
+            self.backwards[present] = fn
+        return fn
+
+    def _with_zeros(self, present):
+        full = self.backwards[(True,) * len(self.differentiable)]
+        outs = [self.fb.outputs[i] for i in self.differentiable]
+
+        def backward(saved, cts):
+            it = iter(cts)
+            filled = [next(it) if p else torch.zeros(tuple(o.shape), dtype=o.dtype, device=str(o.device))
+                      for p, o in zip(present, outs)]
+            return full(saved, filled)
+
+        return backward
+
+
+_DOUBLE_BACKWARD = (
+    "fulmen: differentiating the gradients of a fulmen-compiled function (double backward, create_graph=True) is "
+    "not supported: its backward is a compiled trace, not a graph autograd can differentiate again. Compute "
+    "higher-order gradients with the eager function, or call fulmen.jit on a function that computes the first "
+    "gradients itself (fulmen.grad).")
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """With ``create_graph=True`` the gradients get this node: differentiating them raises a clear error."""
+
+    @staticmethod
+    def forward(ctx, anchor, *grads):
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(_DOUBLE_BACKWARD)
+
+
+_anchor = torch.zeros((), requires_grad=True)  # makes the error node part of the graph whatever the inputs
+
+
+class FulmenFunction(torch.autograd.Function):
+    """Runs a compiled forward; its backward runs the compiled backward trace."""
+
+    @staticmethod
+    def forward(ctx, runtime: _Runtime, *inputs):
+        results = runtime.forward(*inputs)
+        n = runtime.n_outputs
+        outs = results[:n]
+        ctx.runtime = runtime
+        ctx.save_for_backward(*[results[n + i] for i in runtime.ctx_saved])
+        ctx.fulmen_saved = [results[n + i] for i in runtime.list_saved]
+        if runtime.non_differentiable:
+            ctx.mark_non_differentiable(*[outs[i] for i in runtime.non_differentiable])
+        ctx.set_materialize_grads(False)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        runtime: _Runtime = ctx.runtime
+        listed = ctx.fulmen_saved
+        if listed is None:
+            raise RuntimeError(
+                "Trying to backward through the graph a second time (or directly access saved tensors after they "
+                "have already been freed). Saved intermediate values of the graph are freed when you call "
+                ".backward() or autograd.grad(). Specify retain_graph=True if you need to backward through the "
+                "graph a second time or if you need to access saved tensors after calling backward.")
+        from_ctx = ctx.saved_tensors
+        saved: list[Any] = [None] * runtime.n_saved
+        for i, t in zip(runtime.ctx_saved, from_ctx):
+            saved[i] = t
+        for i, t in zip(runtime.list_saved, listed):
+            saved[i] = t
+        if not _keep_graph():
+            ctx.fulmen_saved = None
+            listed.clear()
+        del listed, from_ctx
+        cts = [grads[i] for i in runtime.differentiable]
+        present = tuple(c is not None for c in cts)
+        if not any(present):
+            return (None,) * (1 + runtime.n_inputs)
+        create_graph = torch.is_grad_enabled()
+        with torch.no_grad():
+            input_grads = runtime.backward_for(present)(saved, [c for c in cts if c is not None])
+        if create_graph:
+            given = [g for g in input_grads if g is not None]
+            wrapped = iter(_NoDoubleBackward.apply(_anchor, *given)) if given else iter(())
+            input_grads = [next(wrapped) if g is not None else None for g in input_grads]
+        return (None, *input_grads)
+
+
+def _output_builder(trace: Trace, fb: ForwardBackward):
+    """``build(function outputs, inputs)``: the program's output structure. An input returned unchanged that
+    takes no gradient is returned itself, as eager returns it (not the view autograd.Function would make)."""
+    differentiable = {fb.outputs[i].name for i in fb.differentiable}
+    inputs = {a.name: i for i, a in enumerate(trace.args)}
+    index = {p.name: i for i, p in enumerate(fb.outputs)}
+
+    def slot(x):
+        if not isinstance(x, TensorProxy):
+            return (None, None, x)
+        if x.name in inputs and x.name not in differentiable:
+            return (None, inputs[x.name], None)
+        return (index[x.name], None, None)
+
+    if isinstance(trace.output, TensorProxy) and slot(trace.output)[0] is not None:
+        return lambda outs, flat: outs[0]
+    leaves, spec = tree_flatten(trace.output)
+    slots = [slot(x) for x in leaves]
+
+    def build(outs, flat):
+        return tree_unflatten([outs[i] if i is not None else (flat[j] if j is not None else v)
+                               for i, j, v in slots], spec)
+
+    return build
+
+
+def compile_training(trace: Trace, executors: Sequence[Executor]) -> CompiledProgram:
+    """Differentiate ``trace`` with respect to its inputs that require grad and compile forward and backward."""
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    fb = split_forward_backward(trace, executors)
+    timings["autodiff"] = (time.perf_counter() - start) * 1e3
+    if fb is None:  # no output depends on an input that requires grad: nothing to differentiate
+        program = compile_inference(trace, executors)
+        program.timings_ms = {**timings, **program.timings_ms}
+        return program
+    fb.forward.elapsed_ms = timings["autodiff"]
+    forward, traces = execution_pipeline(fb.forward, executors, timings, [trace])
+    backward_timings: dict[str, float] = {}
+    backward_trace = fb.backward_trace()
+    backward, backward_traces = execution_pipeline(backward_trace, executors, backward_timings)
+    timings.update({f"backward_{k}": v for k, v in backward_timings.items()})
+    runtime = _Runtime(fb, executors, forward, backward, timings)
+    build = _output_builder(trace, fb)
+    apply = FulmenFunction.apply
+
+    def run(flat: list) -> Any:
+        return build(apply(runtime, *flat), flat)
+
+    return CompiledProgram(forward=forward, traces=traces, backward=backward, backward_traces=backward_traces,
+                           num_saved=len(fb.saved), output_spec=build, timings_ms=timings,
+                           extra={"runtime": runtime, "split": fb}, run=run)

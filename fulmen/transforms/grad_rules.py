@@ -1,0 +1,437 @@
+"""fulmen's own gradient rules for heavy torch operations, and the executable torch symbols backwards use.
+
+Differentiating ``softmax`` or ``layer_norm`` through their decompositions works, but the forward then runs
+several operations where eager runs one, and saves intermediates eager does not. The rules here make the
+forward one torch call (whole, or the aten op that also returns what the backward needs, such as
+``native_layer_norm``'s mean and rstd) and the backward the aten backward kernel eager itself uses. They are
+written as grad transforms (``get_grad`` / ``put_grad``), keyed by torch symbol id, and may decline a call
+(``NotImplemented``) they do not cover; the decomposition is then differentiated instead.
+
+Executable symbols made here print as the torch callable they run (``torch.ops.aten.gelu_backward(...)``).
+``autograd_vjp(fn)`` is the backward of opaque ops: it recomputes ``fn`` under autograd and calls
+``torch.autograd.grad``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+import fulmen.torch as ltorch
+from fulmen import clang, prims
+from fulmen.core import dtypes
+from fulmen.core.devices import to_device
+from fulmen.core.proxies import TensorProxy
+from fulmen.core.symbol import OpTags, Symbol
+from fulmen.transforms.linearize import RuleArgs, builtin_rule, get_grad, needs_grad, put_grad, put_grads
+
+_aten = torch.ops.aten
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def executable_symbol(name: str, impl: Callable, meta: Callable, *, module: str | None = "torch.ops.aten",
+                      tags=()) -> Symbol:
+    """A symbol the torch executor runs with ``impl``; traces print it as ``module.name(...)``."""
+    from fulmen.executors.torchex import ex as torch_ex
+
+    return Symbol(name=name, meta=meta, id=f"autodiff:{module}.{name}" if module else f"autodiff:{name}",
+                  is_prim=True, module=module, impl=impl, executor=torch_ex, tags=tuple(tags))
+
+
+def _aten_symbol(name: str, meta: Callable, *, tags=()) -> Symbol:
+    return executable_symbol(name, getattr(_aten, name), meta, tags=tags)
+
+
+def _like(x: TensorProxy, **changes) -> TensorProxy:
+    return TensorProxy(like=x, requires_grad=False, **changes)
+
+
+def _stats_dtype(x: TensorProxy, *, always_opmath: bool = False) -> torch.dtype:
+    """The dtype aten normalization kernels give their statistics (float32 for half types, on CUDA always)."""
+    if x.dtype in _HALF and (always_opmath or x.device.type != "cpu"):
+        return torch.float32
+    return x.dtype
+
+
+def _stats_shape(x: TensorProxy, normalized_shape) -> tuple[int, ...]:
+    k = x.ndim - len(normalized_shape)
+    return tuple(x.shape[:k]) + (1,) * len(normalized_shape)
+
+
+def _masked(mask, *likes):
+    return tuple(_like(t) if m and t is not None else None for m, t in zip(mask, likes))
+
+
+# ---- normalization ----
+
+native_layer_norm = _aten_symbol("native_layer_norm", lambda a, shape, w, b, eps: (
+    _like(a), _like(a, shape=_stats_shape(a, shape), dtype=_stats_dtype(a)),
+    _like(a, shape=_stats_shape(a, shape), dtype=_stats_dtype(a))))
+native_layer_norm_backward = _aten_symbol(
+    "native_layer_norm_backward", lambda g, a, shape, mean, rstd, w, b, mask: _masked(mask, a, w, b))
+fused_rms_norm = executable_symbol("_fused_rms_norm", _aten._fused_rms_norm, lambda a, shape, w, eps: (
+    _like(a), _like(a, shape=_stats_shape(a, shape), dtype=_stats_dtype(a, always_opmath=True))))
+
+# ---- softmax, losses ----
+
+softmax = _aten_symbol("_softmax", lambda a, dim, half_to_float: _like(a, dtype=torch.float32 if half_to_float
+                                                                        else a.dtype))
+softmax_backward = _aten_symbol("_softmax_backward_data", lambda g, out, dim, dtype: _like(g, dtype=dtype))
+log_softmax = _aten_symbol("_log_softmax", lambda a, dim, half_to_float: _like(a, dtype=torch.float32 if
+                                                                                half_to_float else a.dtype))
+log_softmax_backward = _aten_symbol("_log_softmax_backward_data", lambda g, out, dim, dtype: _like(g, dtype=dtype))
+_REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
+nll_loss_forward = _aten_symbol("nll_loss_forward", lambda a, target, w, reduction, ignore_index: (
+    _like(a, shape=(a.shape[0],) if reduction == 0 and a.ndim == 2 else ()), _like(a, shape=())))
+nll_loss_backward = _aten_symbol("nll_loss_backward", lambda g, a, target, w, reduction, ignore_index, total: _like(a))
+
+# ---- pointwise activations (elementwise: the backward may recompute them instead of saving) ----
+
+_EW = (OpTags.ELEMENTWISE,)
+gelu = _aten_symbol("gelu", lambda a, approximate="none": _like(a), tags=_EW)
+gelu_backward = _aten_symbol("gelu_backward", lambda g, a, approximate="none": _like(a))
+silu = _aten_symbol("silu", lambda a: _like(a), tags=_EW)
+silu_backward = _aten_symbol("silu_backward", lambda g, a: _like(a))
+polygamma = _aten_symbol("polygamma", lambda n, a: _like(a), tags=_EW)
+relu = _aten_symbol("relu", lambda a: _like(a), tags=_EW)
+threshold_backward = _aten_symbol("threshold_backward", lambda g, out, threshold: _like(g))
+elu = _aten_symbol("elu", lambda a, alpha=1.0, scale=1.0, input_scale=1.0: _like(a), tags=_EW)
+elu_backward = _aten_symbol("elu_backward", lambda g, alpha, scale, input_scale, is_result, a: _like(a))
+
+# ---- embedding, attention, convolution, unfold ----
+
+embedding = _aten_symbol("embedding", lambda w, idx, padding_idx=-1, scale=False, sparse=False: _like(
+    w, shape=tuple(idx.shape) + (w.shape[-1],)))
+embedding_dense_backward = _aten_symbol("embedding_dense_backward", lambda g, idx, n, padding_idx, scale: _like(
+    g, shape=(n, g.shape[-1])))
+
+
+def _flash_meta(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    lse_dtype = torch.float64 if q.dtype is torch.float64 else torch.float32
+    return _like(q, shape=tuple(q.shape[:-1]) + (v.shape[-1],)), _like(q, shape=tuple(q.shape[:-1]), dtype=lse_dtype)
+
+
+flash_attention_cpu = _aten_symbol("_scaled_dot_product_flash_attention_for_cpu", _flash_meta)
+flash_attention_cpu_backward = _aten_symbol(
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+    lambda g, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask=None, scale=None: (_like(q), _like(k), _like(v)))
+convolution_backward = _aten_symbol(
+    "convolution_backward",
+    lambda g, a, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask: (
+        _like(a) if mask[0] else None, _like(w) if mask[1] else None,
+        _like(g, shape=tuple(bias_sizes)) if mask[2] and bias_sizes is not None else None))
+unfold_backward = _aten_symbol("unfold_backward", lambda g, sizes, dim, size, step: _like(g, shape=tuple(sizes)))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# PyTorch's autograd as a backward: opaque ops, and prims whose exact VJP is intricate
+
+_RANDOM_NAME_PARTS = ("dropout", "rrelu", "bernoulli", "rand", "normal", "multinomial", "poisson", "gumbel")
+
+
+def is_random_op(fn: Callable) -> bool:
+    """Whether an opaque op draws random numbers (judged by its name: fallback ops carry no such tag)."""
+    name = getattr(fn, "__name__", "") or ""
+    return any(part in name for part in _RANDOM_NAME_PARTS)
+
+
+def _rng_state_meta(device: str) -> TensorProxy:
+    n = (torch.cuda.get_rng_state(to_device(device).index) if device.startswith("cuda") else torch.get_rng_state())
+    return TensorProxy(shape=(n.numel(),), dtype=torch.uint8, device="cpu")
+
+
+def _rng_state_impl(device: str) -> torch.Tensor:
+    if device.startswith("cuda"):
+        return torch.cuda.get_rng_state(torch.device(device).index)
+    return torch.get_rng_state()
+
+
+rng_state = executable_symbol("rng_state", _rng_state_impl, _rng_state_meta, module=None, tags=(OpTags.RANDOM_OP,))
+
+
+@contextlib.contextmanager
+def _replaying_rng(state: torch.Tensor | None, device: torch.device | None):
+    if state is None:
+        yield
+        return
+    cuda = device is not None and device.type == "cuda"
+    with torch.random.fork_rng(devices=[device.index or 0] if cuda else []):
+        if cuda:
+            torch.cuda.set_rng_state(state, device.index or 0)
+        else:
+            torch.set_rng_state(state)
+        yield
+
+
+_vjp_symbols: dict = {}
+
+
+def _autograd_vjp_meta(args, kwargs, cotangents, which, state):
+    tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, TensorProxy)]
+    return tuple(_like(tensors[i]) for i in which)
+
+
+def autograd_vjp(fn: Callable) -> Symbol:
+    """The backward symbol of ``fn`` computed by PyTorch: ``vjp(args, kwargs, cotangents, which, rng_state)``
+    returns the gradients of the ``which``-th tensor arguments (counting tensors only)."""
+    sym = _vjp_symbols.get(fn)
+    if sym is not None:
+        return sym
+
+    def impl(args, kwargs, cotangents, which, state):
+        flat, spec = tree_flatten((args, kwargs))
+        positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+        inputs = []
+        for j in which:
+            t = flat[positions[j]].detach().requires_grad_()
+            flat[positions[j]] = t
+            inputs.append(t)
+        args, kwargs = tree_unflatten(flat, spec)
+        device = inputs[0].device if inputs else None
+        with torch.enable_grad(), _replaying_rng(state, device):
+            out = fn(*args, **kwargs)
+        outs, cts = [], []
+        out_tensors = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        for o, c in zip(out_tensors, cotangents):
+            if c is not None and o.requires_grad:
+                outs.append(o)
+                cts.append(c)
+        grads = torch.autograd.grad(outs, inputs, cts, allow_unused=True) if outs else (None,) * len(inputs)
+        return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs))
+
+    base = getattr(fn, "__name__", None) or "op"
+    sym = executable_symbol(f"{base}_autograd_vjp", impl, _autograd_vjp_meta, module=None)
+    sym.extra["skip_meta_check"] = True
+    _vjp_symbols[fn] = sym
+    return sym
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the rules
+
+def _convert(x, dtype):
+    return clang.maybe_convert_to_dtype(x, dtype) if dtype is not None else x
+
+
+@builtin_rule("torch.nn.functional.linear")
+def _linear_rule(p: RuleArgs):
+    from fulmen.transforms.autodiff import linear_vjp
+
+    a, w, bias = p[0], p[1], p[2]
+    if not all(isinstance(t, TensorProxy) and t.dtype == a.dtype for t in (a, w)) or (
+            bias is not None and (not isinstance(bias, TensorProxy) or bias.dtype != a.dtype)):
+        return NotImplemented
+    out = prims.linear(a, w, bias)
+    put_grads((a, w, bias), linear_vjp(a, w, bias, get_grad(out)))
+    return out
+
+
+@builtin_rule("torch.matmul")
+def _matmul_rule(p: RuleArgs):
+    from fulmen.transforms.autodiff import matmul_vjp
+
+    a, b = p[0], p[1]
+    if not (isinstance(a, TensorProxy) and isinstance(b, TensorProxy) and a.dtype == b.dtype):
+        return NotImplemented
+    out = prims.matmul(a, b)
+    put_grads((a, b), matmul_vjp(a, b, get_grad(out)))
+    return out
+
+
+def _pieces_rule(p: RuleArgs, *, stacked: bool = False):
+    """split, chunk, tensor_split and unbind: the pieces cover the input along ``dim``, so its gradient is the
+    pieces' cotangents concatenated (stacked for unbind), zeros for pieces that got none -- one ``cat``, as
+    eager does, instead of a padded sum per piece."""
+    a, dim = p[0], p.get("dim", 0)
+    if not isinstance(a, TensorProxy) or not isinstance(dim, int) or a.ndim == 0:
+        return NotImplemented
+    pieces = p.bsym.sym(*p.bsym.args, **p.bsym.kwargs)
+    grads = [get_grad(x) for x in pieces]
+    put_grad(a, clang.stack(grads, dim) if stacked else clang.cat(grads, dim))
+    return pieces
+
+
+builtin_rule("torch.split", "torch.chunk", "torch.split_with_sizes", "torch.tensor_split")(_pieces_rule)
+builtin_rule("torch.unbind")(lambda p: _pieces_rule(p, stacked=True))
+
+
+def _normalized(shape) -> tuple[int, ...]:
+    return (shape,) if isinstance(shape, int) else tuple(shape)
+
+
+@builtin_rule("torch.nn.functional.layer_norm")
+def _layer_norm_rule(p: RuleArgs):
+    a, shape, w, b, eps = p[0], _normalized(p[1]), p[2], p[3], p.get("eps", 1e-5)
+    if any(t is not None and t.dtype != a.dtype for t in (w, b)):
+        return NotImplemented
+    out, mean, rstd = native_layer_norm(a, shape, w, b, eps)
+    mask = [needs_grad(a), w is not None and needs_grad(w), b is not None and needs_grad(b)]
+    put_grads((a, w, b), native_layer_norm_backward(get_grad(out), a, shape, mean, rstd, w, b, mask))
+    return out
+
+
+@builtin_rule("torch.nn.functional.rms_norm")
+def _rms_norm_rule(p: RuleArgs):
+    """The fused aten forward (it returns rstd); the backward is its formula (aten has no CPU backward kernel):
+    with x^ = x * rstd, grad_x = rstd * (g*w - x^ * mean(g*w * x^)) and grad_w = sum(g * x^)."""
+    from fulmen.transforms.autodiff import sum_to
+
+    a, shape, w, eps = p[0], _normalized(p[1]), p[2], p.get("eps")
+    if (w is not None and w.dtype != a.dtype) or not dtypes.is_float_dtype(a.dtype) or not shape:
+        return NotImplemented
+    out, rstd = fused_rms_norm(a, shape, w, eps)
+    g = get_grad(out)
+    dims = tuple(range(a.ndim - len(shape), a.ndim))
+    compute = rstd.dtype
+    x, g = _convert(a, compute), _convert(g, compute)
+    x_hat = ltorch.mul(x, rstd)
+    gw = _convert(sum_to(ltorch.mul(g, x_hat), w.shape), w.dtype) if w is not None and needs_grad(w) else None
+    g_hat = ltorch.mul(g, _convert(w, compute)) if w is not None else g
+    mean = ltorch.true_divide(prims.sum(ltorch.mul(g_hat, x_hat), dims), _numel(shape))
+    mean = clang.reshape(mean, _stats_shape(a, shape))
+    ga = ltorch.mul(rstd, ltorch.sub(g_hat, ltorch.mul(x_hat, mean)))
+    put_grads((a, w), (_convert(ga, a.dtype), gw))
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _softmax_like(p: RuleArgs, forward: Symbol, backward: Symbol):
+    a, dim, dtype = p[0], p.get("dim"), p.get("dtype")
+    if dim is None or not isinstance(a, TensorProxy) or not dtypes.is_float_dtype(dtype or a.dtype):
+        return NotImplemented
+    x = _convert(a, dtype)
+    out = forward(x, dim, False)
+    gx = backward(get_grad(out), out, dim, x.dtype)
+    put_grad(a, _convert(gx, a.dtype) if x is not a else gx)
+    return out
+
+
+builtin_rule("torch.softmax", "torch.nn.functional.softmax", "torch.Tensor.softmax")(
+    lambda p: _softmax_like(p, softmax, softmax_backward))
+builtin_rule("torch.log_softmax", "torch.nn.functional.log_softmax", "torch.Tensor.log_softmax")(
+    lambda p: _softmax_like(p, log_softmax, log_softmax_backward))
+
+
+@builtin_rule("torch.nn.functional.cross_entropy")
+def _cross_entropy_rule(p: RuleArgs):
+    """log_softmax + nll_loss, saving the log-probabilities once (as eager does), with their aten backwards."""
+    a, target, weight = p[0], p[1], p.get("weight")
+    reduction = p.get("reduction", "mean")
+    if (p.get("size_average") is not None or p.get("reduce") is not None or p.get("label_smoothing", 0.0)
+            or reduction not in _REDUCTIONS or a.ndim not in (1, 2) or not isinstance(target, TensorProxy)
+            or not dtypes.is_integer_dtype(target.dtype) or target.dtype is torch.bool or needs_grad(weight)
+            or not dtypes.is_float_dtype(a.dtype)):
+        return NotImplemented
+    dim, red, ignore = (0 if a.ndim == 1 else 1), _REDUCTIONS[reduction], p.get("ignore_index", -100)
+    logp = log_softmax(a, dim, False)
+    loss, total = nll_loss_forward(logp, target, weight, red, ignore)
+    g_logp = nll_loss_backward(get_grad(loss), logp, target, weight, red, ignore, total)
+    put_grad(a, log_softmax_backward(g_logp, logp, dim, a.dtype))
+    return loss
+
+
+@builtin_rule("torch.nn.functional.embedding")
+def _embedding_rule(p: RuleArgs):
+    idx, w = p[0], p[1]
+    padding_idx, scale = p.get("padding_idx"), bool(p.get("scale_grad_by_freq", False))
+    if p.get("max_norm") is not None or p.get("sparse") or not isinstance(idx, TensorProxy) or w.ndim != 2:
+        return NotImplemented
+    padding_idx = -1 if padding_idx is None else (padding_idx + w.shape[0] if padding_idx < 0 else padding_idx)
+    out = embedding(w, idx, padding_idx, scale, False)
+    put_grad(w, embedding_dense_backward(get_grad(out), idx, w.shape[0], padding_idx, scale))
+    return out
+
+
+@builtin_rule("torch.nn.functional.gelu")
+def _gelu_rule(p: RuleArgs):
+    a, approximate = p[0], p.get("approximate", "none")
+    out = gelu(a, approximate=approximate)
+    put_grad(a, gelu_backward(get_grad(out), a, approximate=approximate))
+    return out
+
+
+@builtin_rule("torch.nn.functional.relu", "torch.relu")
+def _relu_rule(p: RuleArgs):
+    """Saves the output (which the next layer usually saves anyway), as eager does, not a boolean mask whose
+    computation would split the forward's one relu into two operations."""
+    a = p[0]
+    if not isinstance(a, TensorProxy) or not dtypes.is_float_dtype(a.dtype):
+        return NotImplemented
+    out = relu(a)
+    put_grad(a, threshold_backward(get_grad(out), out, 0))
+    return out
+
+
+@builtin_rule("torch.nn.functional.silu")
+def _silu_rule(p: RuleArgs):
+    a = p[0]
+    out = silu(a)
+    put_grad(a, silu_backward(get_grad(out), a))
+    return out
+
+
+_SELU_ALPHA, _SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
+
+
+def _elu_family(p: RuleArgs, alpha: float, scale: float, input_scale: float):
+    """elu, selu and celu are one aten kernel; its backward is exact where the decomposition's ``where`` is not
+    (0 * inf at infinite inputs)."""
+    a = p[0]
+    if not isinstance(a, TensorProxy) or not dtypes.is_float_dtype(a.dtype):
+        return NotImplemented
+    out = elu(a, alpha, scale, input_scale)
+    put_grad(a, elu_backward(get_grad(out), alpha, scale, input_scale, False, a))
+    return out
+
+
+builtin_rule("torch.nn.functional.elu")(lambda p: _elu_family(p, p.get("alpha", 1.0), 1.0, 1.0))
+builtin_rule("torch.nn.functional.selu")(lambda p: _elu_family(p, _SELU_ALPHA, _SELU_SCALE, 1.0))
+builtin_rule("torch.nn.functional.celu")(
+    lambda p: _elu_family(p, p.get("alpha", 1.0), 1.0, 1.0 / p.get("alpha", 1.0)) if p.get("alpha", 1.0) != 0
+    else NotImplemented)
+
+
+@builtin_rule("torch.nn.functional.dropout")
+def _dropout_rule(p: RuleArgs):
+    """Eager's CPU dropout: a bernoulli(1 - p) mask in the input's dtype, scaled by 1 / (1 - p), multiplied in;
+    the scaled mask is what the backward needs."""
+    a, prob, training = p[0], p.get("p", 0.5), p.get("training", True)
+    if not training or prob == 0 or prob >= 1 or a.numel() == 0 or not dtypes.is_float_dtype(a.dtype):
+        return NotImplemented
+    noise = prims.bernoulli(tuple(a.shape), 1 - prob, device=a.device, dtype=a.dtype)
+    scaled = ltorch.true_divide(noise, 1 - prob)
+    out = ltorch.mul(a, scaled)
+    put_grad(a, ltorch.mul(get_grad(out), scaled))
+    return out
+
+
+def _sdpa_supported(p: RuleArgs) -> bool:
+    q, k, v, mask = p[0], p[1], p[2], p.get("attn_mask")
+    if not all(isinstance(t, TensorProxy) and t.ndim == 4 and t.dtype == q.dtype for t in (q, k, v)):
+        return False
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        return False
+    if p.get("dropout_p", 0.0) != 0.0 or (k.shape[1] != q.shape[1] and not p.get("enable_gqa", False)):
+        return False
+    return mask is None or (isinstance(mask, TensorProxy) and mask.dtype == q.dtype and not needs_grad(mask))
+
+
+@builtin_rule("torch.nn.functional.scaled_dot_product_attention", checker=_sdpa_supported)
+def _sdpa_rule(p: RuleArgs):
+    """CPU flash attention, as eager picks it: the output and log-sum-exp are what the backward needs."""
+    q, k, v = p[0], p[1], p[2]
+    mask, causal, scale = p.get("attn_mask"), bool(p.get("is_causal", False)), p.get("scale")
+    out, lse = flash_attention_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    gq, gk, gv = flash_attention_cpu_backward(get_grad(out), q, k, v, out, lse, 0.0, causal, attn_mask=mask,
+                                              scale=scale)
+    put_grads((q, k, v), (gq, gk, gv))
+    return out

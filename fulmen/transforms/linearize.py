@@ -1,0 +1,465 @@
+"""Linearization: how each forward symbol is differentiated, before any backward is written.
+
+``linearize`` walks forward bound symbols and returns a ``Joint``:
+
+- a tree of ``Node``: each forward symbol, which the forward trace may run whole (``ltorch.gelu`` as one
+  call) or by its ``parts`` when the backward needs a value only the parts compute (an intermediate of a
+  decomposition, the statistics a rule saves);
+- a list of ``Unit`` in forward order: what the backward walk (``autodiff.backward_pass``) calls with
+  the cotangents of a unit's outputs to get ``(value, gradient)`` pairs.
+
+A symbol is differentiated by the first of: an executor's grad transform, one registered with
+``register_grad`` (both seed-001 style, ``get_grad`` / ``put_grad``), a registered augmented forward and
+backward (seed 000), fulmen's own rules (``grad_rules.py``), the VJP table for prims (``autodiff.vjp_rules``),
+PyTorch's autograd for opaque (fallback) ops, and otherwise its decomposition.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from fulmen import clang
+from fulmen.core import dtypes
+from fulmen.core.codeutils import outputs_of
+from fulmen.core.proxies import Proxy, TensorProxy
+from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
+from fulmen.core.trace import get_tracectx
+from fulmen.core.utils import check
+from fulmen.prims import PrimIDs
+
+
+class NotDifferentiableError(NotImplementedError):
+    """A symbol on the path from an input that requires grad to an output cannot be differentiated."""
+
+
+def is_differentiable_dtype(dtype: torch.dtype) -> bool:
+    return dtypes.is_float_dtype(dtype) or dtypes.is_complex_dtype(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# registries of rules for symbols above prims
+
+#: Torch-language symbols that stop gradients (besides those tagged ``OpTags.NON_DIFFERENTIABLE``).
+NON_DIFFERENTIABLE_IDS = {"torch.Tensor.detach", "torch.detach"}
+
+_grad_transforms: dict[Any, Callable] = {}  # register_grad: seed-001 style, called with the symbol's arguments
+_builtin_rules: dict[Any, tuple[Callable, Callable | None]] = {}  # grad_rules.py: called with RuleArgs
+_augmented_forward: dict[Any, Callable] = {}  # seed 000: (primal, saved) = fwd(*args, **kwargs)
+_backward: dict[Any, Callable] = {}  # seed 000: grads = bwd(*saved, *cotangents)
+
+
+def _sym_id(sym_or_id) -> Any:
+    return sym_or_id.id if isinstance(sym_or_id, Symbol) else sym_or_id
+
+
+def register_grad(sym_or_id: Symbol | str, fn: Callable | None = None):
+    """Give a symbol a grad transform (``None`` removes it). ``fn(*args, **kwargs)`` computes the forward,
+    reads the output's cotangent with ``get_grad`` and hands inputs theirs with ``put_grad`` / ``put_grads``::
+
+        @register_grad("torch.mul")
+        def mymul_grad(a, b):
+            out = a * b
+            g = get_grad(out)
+            put_grads((a, b), (g * b, g * a))
+            return out
+    """
+    if fn is None:
+        if isinstance(sym_or_id, (Symbol, str)) and _sym_id(sym_or_id) in _grad_transforms:
+            return _grad_transforms.pop(_sym_id(sym_or_id))
+        return lambda f: register_grad(sym_or_id, f)
+    _grad_transforms[_sym_id(sym_or_id)] = fn
+    return fn
+
+
+def register_augmented_forward(sym_id: Symbol | str) -> Callable:
+    """Decorator (seed 000): ``fwd(*args, **kwargs) -> (primal, saved_for_backward)`` replaces the symbol's
+    forward when it is differentiated; ``saved_for_backward`` goes to the matching ``register_backward``."""
+    def decorator(fn: Callable) -> Callable:
+        _augmented_forward[_sym_id(sym_id)] = fn
+        return fn
+    return decorator
+
+
+def register_backward(sym_id: Symbol | str) -> Callable:
+    """Decorator (seed 000): ``bwd(*saved_for_backward, *output_cotangents)`` returns one gradient per parameter
+    of the augmented forward, in its signature's order (``None`` for non-tensor or non-differentiable ones)."""
+    def decorator(fn: Callable) -> Callable:
+        _backward[_sym_id(sym_id)] = fn
+        return fn
+    return decorator
+
+
+def builtin_rule(*sym_ids: str, checker: Callable | None = None) -> Callable:
+    """fulmen's own grad transforms (``grad_rules.py``): keyed by symbol id, called with ``RuleArgs``; a rule
+    may return ``NotImplemented`` (or ``checker`` may refuse) to fall back to the decomposition."""
+    def decorator(fn: Callable) -> Callable:
+        for sid in sym_ids:
+            _builtin_rules[sid] = (fn, checker)
+        return fn
+    return decorator
+
+
+# ---------------------------------------------------------------------------------------------------------
+# get_grad / put_grad: markers recorded while a grad transform runs
+
+_linearizers: list[_Linearizer] = []
+
+GET_GRAD = Symbol(name="get_grad", meta=lambda p: TensorProxy(like=p, requires_grad=False), id="autodiff.get_grad",
+                  is_prim=True, module="autodiff")
+PUT_GRAD = Symbol(name="put_grad", meta=lambda x, g: None, id="autodiff.put_grad", is_prim=True, module="autodiff")
+
+
+def _check_in_transform(what: str) -> None:
+    check(_linearizers and get_tracectx() is not None,
+          lambda: f"{what} can only be called inside a grad transform (a function given to register_grad or an "
+          "executor's grad_transform=, run while fulmen differentiates a program)", RuntimeError)
+
+
+def get_grad(x: TensorProxy) -> TensorProxy:
+    """Inside a grad transform: the cotangent of the forward value ``x`` (zeros when it receives none)."""
+    _check_in_transform("get_grad")
+    check(isinstance(x, TensorProxy), lambda: f"get_grad expects a tensor proxy, got {type(x).__name__}", TypeError)
+    return GET_GRAD(x)
+
+
+def put_grad(x: TensorProxy, g: TensorProxy | None) -> None:
+    """Inside a grad transform: add ``g`` to the gradient of ``x`` (``None`` adds nothing)."""
+    _check_in_transform("put_grad")
+    if g is not None and isinstance(x, TensorProxy):
+        PUT_GRAD(x, g)
+
+
+def put_grads(xs: Sequence, gs: Sequence) -> None:
+    """``put_grad`` for each pair of ``xs`` and ``gs``."""
+    check(len(xs) == len(gs), lambda: f"put_grads got {len(xs)} values and {len(gs)} gradients", ValueError)
+    for x, g in zip(xs, gs):
+        put_grad(x, g)
+
+
+def needs_grad(x: Any) -> bool:
+    """Inside a grad transform: whether a gradient for ``x`` is wanted (it depends on an input being
+    differentiated). Rules use it for the ``output_mask`` of aten backward ops."""
+    return isinstance(x, TensorProxy) and bool(_linearizers) and x.name in _linearizers[-1].active
+
+
+class RuleArgs:
+    """A call's arguments bound to its symbol's signature (defaults applied), for fulmen's own rules::
+
+        a, eps = p[0], p.get("eps", 1e-5)
+    """
+
+    def __init__(self, bsym: BoundSymbol):
+        self.bsym = bsym
+        self.named: dict[str, Any] = bind_arguments(bsym.sym.extra.get("like") or bsym.sym.meta, bsym)
+        self.values = list(self.named.values())
+
+    def __getitem__(self, i: int) -> Any:
+        return self.values[i] if i < len(self.values) else None
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.named.get(name, default)
+
+
+@functools.lru_cache(maxsize=None)
+def _signature(fn) -> inspect.Signature | None:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+
+
+def bind_arguments(fn: Callable | None, bsym: BoundSymbol) -> dict[str, Any]:
+    """``{parameter: value}`` for the call recorded in ``bsym`` bound to ``fn``'s signature."""
+    sig = _signature(fn) if fn is not None else None
+    if sig is not None:
+        try:
+            bound = sig.bind(*bsym.args, **bsym.kwargs)
+            bound.apply_defaults()
+            return dict(bound.arguments)
+        except TypeError:
+            pass
+    return {f"_{i}": v for i, v in enumerate(bsym.args)} | dict(bsym.kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# nodes and units
+
+@dataclass(eq=False)
+class Node:
+    """A forward bound symbol that the forward may run whole, or by ``parts`` (``None`` for a leaf)."""
+
+    bsym: BoundSymbol
+    parts: list[Node] | None = None
+    _internal: set[str] | None = None
+
+    def leaves(self) -> list[BoundSymbol]:
+        """The finest-grained symbols of this node (what rematerialization reasons about)."""
+        if self.parts is None:
+            return [self.bsym]
+        return [b for p in self.parts for b in p.leaves()]
+
+    def internal(self) -> set[str]:
+        """Values computed by the parts but not returned by the whole symbol."""
+        if self._internal is None:
+            produced = {p.name for b in self.leaves() for p in b.flat_proxy_outs}
+            self._internal = produced - {p.name for p in self.bsym.flat_proxy_outs}
+        return self._internal
+
+
+@dataclass(eq=False)
+class Unit:
+    """One step of the backward walk: ``backward(cotangents of outputs) -> [(value, gradient), ...]``."""
+
+    outputs: list[TensorProxy]
+    backward: Callable[[list], list[tuple[TensorProxy, Any]]]
+    name: str = ""
+
+
+@dataclass
+class Joint:
+    """A linearized forward: its decomposition tree, its units in forward order and the active value names."""
+
+    nodes: list[Node]
+    units: list[Unit]
+    active: set[str]
+    executors: Sequence = field(default_factory=tuple)
+
+
+def zeros_like(p: TensorProxy) -> TensorProxy:
+    return clang.full(tuple(p.shape), 0, device=p.device, dtype=p.dtype)
+
+
+def _is_identity(bsym: BoundSymbol) -> bool:
+    """A symbol that returned its inputs and computed nothing: cotangents flow through by name."""
+    arg_names = {p.name for p in bsym.flat_args}
+    return all(p.name in arg_names for p in bsym.flat_proxy_outs)
+
+
+def _stops_gradient(sym: Symbol, non_differentiable_prims) -> bool:
+    return sym.id in non_differentiable_prims or OpTags.NON_DIFFERENTIABLE in sym.tags or (
+        isinstance(sym.id, str) and sym.id in NON_DIFFERENTIABLE_IDS)
+
+
+class _Linearizer:
+    def __init__(self, active: set[str], executors: Sequence):
+        from fulmen.transforms.autodiff import NON_DIFFERENTIABLE, vjp_rules
+
+        self.vjp_rules, self.non_differentiable = vjp_rules, NON_DIFFERENTIABLE
+        self.active = set(active)
+        self.executors = list(executors or ())
+        self.units: list[Unit] = []
+
+    def is_active(self, x) -> bool:
+        return isinstance(x, TensorProxy) and x.name in self.active
+
+    def activate(self, bsym: BoundSymbol) -> None:
+        for p in bsym.flat_proxy_outs:
+            if isinstance(p, TensorProxy) and is_differentiable_dtype(p.dtype):
+                self.active.add(p.name)
+
+    def visit(self, bsym: BoundSymbol) -> Node:
+        sym = bsym.sym
+        if not any(self.is_active(p) for p in bsym.flat_args) or _stops_gradient(sym, self.non_differentiable) \
+                or _is_identity(bsym):
+            return Node(bsym)
+        node = self._by_transform(bsym)
+        if node is not None:
+            return node
+        if sym.is_prim and isinstance(sym.id, PrimIDs):
+            rule = self.vjp_rules.get(sym.id)
+            if rule is None:
+                raise NotDifferentiableError(f"prims.{sym.name} has no VJP rule (see fulmen.transforms.autodiff)")
+            self.units.append(Unit(bsym.flat_proxy_outs, functools.partial(_prim_backward, bsym, rule), sym.name))
+            self.activate(bsym)
+            return Node(bsym)
+        if OpTags.FALLBACK in sym.tags:
+            return self._by_torch_autograd(bsym, sym.extra["torch_impl"])
+        if bsym.subsymbols:
+            n_units, active = len(self.units), set(self.active)
+            try:
+                return Node(bsym, [self.visit(s) for s in bsym.subsymbols])
+            except NotDifferentiableError:
+                if not sym.extra.get("torch_executable"):
+                    raise
+                del self.units[n_units:]
+                self.active = active
+        if sym.extra.get("torch_executable") and sym.torch_fns:
+            return self._by_torch_autograd(bsym, sym.torch_fns[0])
+        raise NotDifferentiableError(
+            f"fulmen cannot differentiate {sym.qualified_name}: it has no grad rule and no decomposition. Give it "
+            f"one with fulmen.transforms.autodiff.register_grad({sym.id!r}, fn), register_augmented_forward / "
+            f"register_backward, an executor's grad_transform=, or register_operator(like=...).\n  in: "
+            f"{bsym.python_lines(with_subsymbols=False)[0]}")
+
+    # ---- rules that run their own forward ----
+    def _find_transform(self, bsym: BoundSymbol) -> tuple[Callable, str] | None:
+        sym = bsym.sym
+        for ex in self.executors:
+            fn = ex.get_grad_transform(sym)
+            if fn is None:
+                continue
+            checker = getattr(getattr(ex, "implmap", {}).get(sym.id), "checker", None)
+            if checker is None or checker(*bsym.args, **bsym.kwargs):
+                return fn, "args"
+        if sym.id in _grad_transforms:
+            return _grad_transforms[sym.id], "args"
+        if sym.id in _augmented_forward or sym.id in _backward:
+            check(sym.id in _augmented_forward and sym.id in _backward,
+                  lambda: f"{sym.id!r} has a registered augmented forward or backward but not both; register both "
+                  "with register_augmented_forward and register_backward", RuntimeError)
+            return _augmented_forward[sym.id], "augmented"
+        rule = _builtin_rules.get(sym.id)
+        if rule is not None and (rule[1] is None or rule[1](RuleArgs(bsym))):
+            return rule[0], "builtin"
+        return None
+
+    def _by_transform(self, bsym: BoundSymbol) -> Node | None:
+        found = self._find_transform(bsym)
+        if found is None:
+            return None
+        fn, style = found
+        trc = get_tracectx()
+        scope: list[BoundSymbol] = []
+        trc.scopes.append(scope)
+        _linearizers.append(self)
+        try:
+            result = fn(RuleArgs(bsym)) if style == "builtin" else fn(*bsym.args, **bsym.kwargs)
+        finally:
+            _linearizers.pop()
+            trc.scopes.pop()
+        if result is NotImplemented:
+            return None
+        saved = None
+        if style == "augmented":
+            check(isinstance(result, tuple) and len(result) == 2,
+                  lambda: f"the augmented forward of {bsym.sym.id!r} must return (primal, saved_for_backward)",
+                  TypeError)
+            result, saved = result
+        got, want = outputs_of(result), bsym.flat_proxy_outs
+        check(len(got) == len(want), lambda: f"the grad rule of {bsym.sym.qualified_name} returned {len(got)} values "
+              f"but the symbol has {len(want)} outputs", RuntimeError)
+        arg_names = {p.name for p in bsym.flat_args}
+        if any(g.name in arg_names and g.name != w.name for g, w in zip(got, want)):
+            return None  # the rule returned an input unchanged: differentiate the decomposition instead
+        swap = {g.name: w for g, w in zip(got, want) if g.name != w.name}
+        recorded = [b.from_bsym_swap_proxies(swap) for b in scope]
+        forward, rest = _partition(recorded, want)
+        if style == "augmented":
+            backward = functools.partial(_augmented_backward, bsym, fn, _swap_values(saved, swap))
+        else:
+            backward = functools.partial(_replay_backward, rest, list(want))
+        self.units.append(Unit(list(want), backward, bsym.sym.name))
+        self.activate(bsym)
+        return Node(bsym, [Node(b) for b in forward])
+
+    def _by_torch_autograd(self, bsym: BoundSymbol, fn: Callable) -> Node:
+        from fulmen.transforms import grad_rules
+
+        leaves, _ = tree_flatten((bsym.args, bsym.kwargs))
+        which = tuple(i for i, x in enumerate(leaves) if self.is_active(x))
+        parts, state = None, None
+        if grad_rules.is_random_op(fn):
+            # The backward recomputes the op: it must draw the same random numbers, so snapshot the generator.
+            scope: list[BoundSymbol] = []
+            get_tracectx().scopes.append(scope)
+            try:
+                device = next(x.device for x in leaves if isinstance(x, TensorProxy))
+                state = grad_rules.rng_state(str(device))
+            finally:
+                get_tracectx().scopes.pop()
+            parts = [Node(scope[0]), Node(bsym)]
+        backward = functools.partial(_autograd_backward, bsym, fn, which, state)
+        self.units.append(Unit(bsym.flat_proxy_outs, backward, bsym.sym.name))
+        self.activate(bsym)
+        return Node(bsym, parts)
+
+
+def _swap_values(x, swap: dict[str, Proxy]):
+    if isinstance(x, Proxy):
+        return swap.get(x.name, x)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_swap_values(v, swap) for v in x)
+    return x
+
+
+def _partition(recorded: list[BoundSymbol], outputs: list[Proxy]) -> tuple[list[BoundSymbol], list[BoundSymbol]]:
+    """Split what a grad rule recorded into what computes ``outputs`` (its forward) and the rest (its backward)."""
+    wanted = {p.name for p in outputs}
+    in_forward: set[int] = set()
+    for i in range(len(recorded) - 1, -1, -1):
+        b = recorded[i]
+        if b.sym is not GET_GRAD and b.sym is not PUT_GRAD and any(p.name in wanted for p in b.flat_proxy_outs):
+            in_forward.add(i)
+            wanted.update(p.name for p in b.flat_args)
+    return ([b for i, b in enumerate(recorded) if i in in_forward],
+            [b for i, b in enumerate(recorded) if i not in in_forward])
+
+
+# ---- the units' backward functions (called by autodiff.backward_pass inside the backward's trace) ----
+
+def _prim_backward(bsym: BoundSymbol, rule: Callable, cts: list) -> list[tuple]:
+    grads = rule(bsym, cts[0] if len(cts) == 1 else tuple(cts))
+    pairs = []
+    for arg, g in zip(bsym.args, grads):
+        if isinstance(arg, (list, tuple)) and isinstance(g, (list, tuple)):
+            pairs += [(a, x) for a, x in zip(arg, g) if isinstance(a, TensorProxy) and x is not None]
+        elif isinstance(arg, TensorProxy) and g is not None:
+            pairs.append((arg, g))
+    return pairs
+
+
+def _replay_backward(recorded: list[BoundSymbol], outputs: list[TensorProxy], cts: list) -> list[tuple]:
+    """Emit a grad transform's backward part, its ``get_grad`` placeholders bound to the cotangents."""
+    ct_of = {o.name: c for o, c in zip(outputs, cts)}
+    swap: dict[str, Proxy] = {}
+    pairs = []
+    for b in recorded:
+        if b.sym is GET_GRAD:
+            p = b.args[0]
+            c = ct_of.get(p.name)
+            swap[b.output.name] = c if c is not None else zeros_like(p)
+            continue
+        b = b.from_bsym_swap_proxies(swap)
+        if b.sym is PUT_GRAD:
+            pairs.append((b.args[0], b.args[1]))
+        else:
+            get_tracectx().scopes[-1].append(b)
+    return pairs
+
+
+def _augmented_backward(bsym: BoundSymbol, fwd: Callable, saved: Any, cts: list) -> list[tuple]:
+    filled = [c if c is not None else zeros_like(o) for c, o in zip(cts, bsym.flat_proxy_outs)]
+    saved = saved if isinstance(saved, (tuple, list)) else (saved,)
+    grads = _backward[bsym.sym.id](*saved, *filled)
+    grads = grads if isinstance(grads, (tuple, list)) else (grads,)
+    values = list(bind_arguments(fwd, bsym).values())
+    return [(x, g) for x, g in zip(values, grads) if isinstance(x, TensorProxy) and g is not None]
+
+
+def _autograd_backward(bsym: BoundSymbol, fn: Callable, which: tuple, state, cts: list) -> list[tuple]:
+    from fulmen.transforms import grad_rules
+
+    if not which:
+        return []
+    leaves, _ = tree_flatten((bsym.args, bsym.kwargs))
+    grads = grad_rules.autograd_vjp(fn)(bsym.args, bsym.kwargs, tuple(cts), which, state)
+    return [(leaves[i], g) for i, g in zip(which, grads)]
+
+
+def linearize(bsyms: Sequence[BoundSymbol], active: set[str], executors: Sequence = ()) -> Joint:
+    """Decide how each forward symbol is differentiated. Runs inside the trace context that names new values;
+    ``active`` names the inputs whose gradients are wanted."""
+    lin = _Linearizer(active, executors)
+    _linearizers.append(lin)
+    try:
+        nodes = [lin.visit(b) for b in bsyms]
+    finally:
+        _linearizers.pop()
+    return Joint(nodes, lin.units, lin.active, executors)

@@ -1,0 +1,234 @@
+"""Rematerialization: which forward values to save for the backward and which to recompute there.
+
+The backward reads some forward values. Each can be saved (it stays alive from the forward to the backward)
+or, when it comes out of cheap operations (elementwise math, views, dtype conversions, constants), recomputed
+in the backward from other values. The choice is a minimum cut, as in AOTAutograd's partitioner:
+
+- every tensor value ``v`` is an edge ``v_in -> v_out`` whose capacity is its size in bytes (saving it costs
+  that much memory; inputs cost nothing, the caller keeps them alive anyway);
+- a cheap operation producing ``v`` from ``u`` adds ``u_out -> v_in`` (infinite): recomputing ``v`` needs ``u``;
+- values that cannot be recomputed (matrix products, reductions, random numbers, inputs) hang off the source,
+  the values the backward reads go to the sink.
+
+The cut edges are the saved values; everything on the sink side is recomputed in the backward, just before
+its first use, by the coarsest symbol that computes it (``coarsen``). Ties go to saving the later value, so
+nothing is recomputed unless that saves memory.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+from fulmen.core.proxies import Proxy, TensorProxy
+from fulmen.core.symbol import BoundSymbol, OpTags
+
+_INF = 1 << 62
+_CHEAP_TAGS = (OpTags.ELEMENTWISE, OpTags.SHAPE_OP, OpTags.VIEW)
+_NEVER_TAGS = (OpTags.RANDOM_OP, OpTags.SIDE_EFFECT, OpTags.FALLBACK, OpTags.DONT_DCE, OpTags.IN_PLACE)
+
+
+def is_recomputable(bsym: BoundSymbol) -> bool:
+    """Cheap, deterministic operations the backward may run again instead of keeping their results."""
+    tags = bsym.sym.tags
+    if any(t in tags for t in _NEVER_TAGS):
+        return False
+    if bsym.sym.name in ("full", "iota") and bsym.sym.module == "prims":
+        return True
+    return any(t in tags for t in _CHEAP_TAGS)
+
+
+def _nbytes(p: TensorProxy) -> int:
+    return p.numel() * p.dtype.itemsize
+
+
+class _FlowGraph:
+    """Edmonds-Karp max flow on a small graph; ``reachable`` gives the source side of the minimum cut."""
+
+    def __init__(self):
+        self.adj: dict = {}
+
+    def add(self, u, v, cap: int) -> None:
+        eu, ev = self.adj.setdefault(u, []), self.adj.setdefault(v, [])
+        eu.append([v, cap, len(ev)])
+        ev.append([u, 0, len(eu) - 1])
+
+    def max_flow(self, s, t) -> int:
+        total = 0
+        while True:
+            parent = {s: None}
+            queue = deque([s])
+            while queue and t not in parent:
+                u = queue.popleft()
+                for i, (v, cap, _) in enumerate(self.adj.get(u, ())):
+                    if cap > 0 and v not in parent:
+                        parent[v] = (u, i)
+                        queue.append(v)
+            if t not in parent:
+                return total
+            push, v = _INF, t
+            while parent[v] is not None:
+                u, i = parent[v]
+                push = min(push, self.adj[u][i][1])
+                v = u
+            v = t
+            while parent[v] is not None:
+                u, i = parent[v]
+                edge = self.adj[u][i]
+                edge[1] -= push
+                self.adj[v][edge[2]][1] += push
+                v = u
+            total += push
+            if total >= _INF:
+                raise RuntimeError("rematerialization: a value the backward needs can be neither saved nor recomputed")
+
+    def reachable(self, s) -> set:
+        seen, queue = {s}, deque([s])
+        while queue:
+            u = queue.popleft()
+            for v, cap, _ in self.adj.get(u, ()):
+                if cap > 0 and v not in seen:
+                    seen.add(v)
+                    queue.append(v)
+        return seen
+
+
+def choose_saved(leaves: Sequence[BoundSymbol], inputs: Iterable[Proxy], needed: Iterable[str], *,
+                 recompute: bool = True) -> tuple[list[Proxy], dict[str, BoundSymbol]]:
+    """(values to save, ``{name: producer}`` of the values to recompute) so that the backward can read ``needed``.
+
+    ``leaves`` are the forward's finest-grained bound symbols in order; ``inputs`` the forward's inputs.
+    """
+    proxies: dict[str, Proxy] = {p.name: p for p in inputs}
+    input_names = set(proxies)
+    producer: dict[str, BoundSymbol] = {}
+    for b in leaves:
+        for o in b.flat_proxy_outs:
+            producer.setdefault(o.name, b)
+            proxies.setdefault(o.name, o)
+    needed = [n for n in dict.fromkeys(needed) if n in proxies]
+    if not recompute:
+        return [proxies[n] for n in needed], {}
+
+    def cheap(name: str) -> bool:
+        b = producer.get(name)
+        return b is not None and name not in input_names and is_recomputable(b)
+
+    # only the values the backward's needs can be recomputed from matter
+    relevant: list[str] = []
+    seen: set[str] = set()
+    stack = list(needed)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        relevant.append(n)
+        if cheap(n):
+            for p in producer[n].flat_args:
+                if isinstance(p, TensorProxy):
+                    proxies.setdefault(p.name, p)  # values from outside the leaves count as inputs
+                    stack.append(p.name)
+
+    # Capacities are bytes, scaled so that among values of equal size the later one is cheaper to save: a tie
+    # between saving a value and recomputing it from an earlier one of the same size goes to saving.
+    position = {name: i for i, name in enumerate(proxies)}
+    scale = len(position) + 2
+
+    def cost(n: str, p: TensorProxy) -> int:
+        return _nbytes(p) * scale + (scale - 1 - position[n])
+
+    g = _FlowGraph()
+    source, sink = ("source",), ("sink",)
+    for n in relevant:
+        p = proxies[n]
+        if not isinstance(p, TensorProxy):
+            g.add(source, (n, "in"), _INF)
+            g.add((n, "in"), (n, "out"), 0)
+            continue
+        if cheap(n):
+            for u in producer[n].flat_args:
+                if isinstance(u, TensorProxy):
+                    g.add((u.name, "out"), (n, "in"), _INF)
+            weight = cost(n, p)
+        else:
+            g.add(source, (n, "in"), _INF)
+            weight = 0 if n in input_names or n not in producer else cost(n, p)
+        g.add((n, "in"), (n, "out"), weight)
+    for n in needed:
+        g.add((n, "out"), sink, _INF)
+    g.max_flow(source, sink)
+    side = g.reachable(source)
+
+    saved: dict[str, Proxy] = {}
+    recomputed: dict[str, BoundSymbol] = {}
+    stack, seen = list(needed), set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if (n, "in") in side:
+            saved[n] = proxies[n]
+        else:
+            recomputed[n] = producer[n]
+            stack.extend(p.name for p in producer[n].flat_args if isinstance(p, TensorProxy))
+    order = {name: i for i, name in enumerate(proxies)}
+    return sorted(saved.values(), key=lambda p: order[p.name]), recomputed
+
+
+def coarsen(nodes: Sequence, saved: Iterable[str], producers: dict[str, BoundSymbol]) -> dict[str, BoundSymbol]:
+    """Recompute with whole symbols where possible: ``ltorch.repeat_interleave`` as one call rather than the
+    three prims of its decomposition. ``nodes`` are ``linearize.Node`` (``bsym``, ``parts``, ``leaves()``).
+
+    A node replaces the producers of its outputs when all its leaves are recomputable and everything it reads
+    is saved or recomputed anyway.
+    """
+    available = set(saved) | set(producers)
+    coarse = dict(producers)
+
+    for node in nodes:
+        # Only the symbols the program itself called: a decomposition may call torch-language symbols with
+        # arguments their torch function would not take (clamp calls maximum with a Python number).
+        if node.parts is not None:
+            outs = [p.name for p in node.bsym.flat_proxy_outs]
+            if any(n in producers for n in outs) and all(a.name in available for a in node.bsym.flat_args) \
+                    and all(is_recomputable(leaf) for leaf in node.leaves()):
+                coarse.update({n: node.bsym for n in outs if n in producers})
+    return coarse
+
+
+def with_recompute(bsyms: Sequence[BoundSymbol], available: Iterable[str], producers: dict[str, BoundSymbol],
+                   also_read: Iterable[str] = (), *, strict: bool = True) -> list[BoundSymbol]:
+    """``bsyms`` with the producers of values they (and then ``also_read``) read but do not have inserted just
+    before their first use. With ``strict=False`` a value with no producer is taken to be defined earlier."""
+    have = set(available)
+    out: list[BoundSymbol] = []
+    emitted: set[int] = set()
+
+    def ensure(name: str) -> None:
+        if name in have:
+            return
+        b = producers.get(name)
+        if b is None and not strict:  # defined outside these symbols (an earlier value of the enclosing trace)
+            have.add(name)
+            return
+        if b is None:
+            raise RuntimeError(f"rematerialization: the backward reads {name}, which is neither saved nor "
+                               "recomputable")
+        if id(b) in emitted:
+            return
+        emitted.add(id(b))
+        for p in b.flat_args:
+            ensure(p.name)
+        out.append(b)
+        have.update(p.name for p in b.flat_proxy_outs)
+
+    for b in bsyms:
+        for p in b.flat_args:
+            ensure(p.name)
+        out.append(b)
+        have.update(p.name for p in b.flat_proxy_outs)
+    for name in also_read:
+        ensure(name)
+    return out
