@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
 
+import torch
+
 from fulmen.core.codeutils import Printer, outputs_of, type_comment
 from fulmen.core.proxies import Proxy, TensorProxy, latest
 
@@ -115,7 +117,7 @@ class Symbol:
             finally:
                 trc.scopes.pop()
             subsymbols = tuple(scope)
-        bsym = BoundSymbol(self, args, kwargs, out, subsymbols)
+        bsym = BoundSymbol(self, args, kwargs, out, subsymbols, no_grad=not torch.is_grad_enabled())
         trc.scopes[-1].append(bsym)
         if self.post_hook is not None:
             self.post_hook(bsym)
@@ -139,9 +141,11 @@ def _resolve_latest(x: Any) -> Any:
 class BoundSymbol:
     """One recorded call: symbol, arguments, output and the subsymbols its decomposition produced."""
 
-    __slots__ = ("sym", "args", "kwargs", "output", "subsymbols", "header", "_flat_args", "_flat_outs")
+    __slots__ = ("sym", "args", "kwargs", "output", "subsymbols", "header", "_flat_args", "_flat_outs", "no_grad")
 
-    def __init__(self, sym: Symbol, args: tuple, kwargs: dict, output: Any, subsymbols: tuple = (), header=None):
+    def __init__(self, sym: Symbol, args: tuple, kwargs: dict, output: Any, subsymbols: tuple = (), header=None,
+                 no_grad: bool = False):
+        self.no_grad = no_grad  # recorded under torch.no_grad(): autodiff does not differentiate through it
         self.sym = sym
         self.args = tuple(args)
         self.kwargs = dict(kwargs)
@@ -170,7 +174,7 @@ class BoundSymbol:
 
     def from_bsym(self, **changes) -> BoundSymbol:
         values = dict(sym=self.sym, args=self.args, kwargs=self.kwargs, output=self.output,
-                      subsymbols=self.subsymbols, header=self.header)
+                      subsymbols=self.subsymbols, header=self.header, no_grad=self.no_grad)
         values.update(changes)
         return BoundSymbol(**values)
 
@@ -192,7 +196,7 @@ class BoundSymbol:
 
         return BoundSymbol(
             self.sym, sub(self.args), sub(self.kwargs), self.output if skip_output else sub(self.output),
-            tuple(s.from_bsym_swap_proxies(swap, skip_output) for s in self.subsymbols), self.header,
+            tuple(s.from_bsym_swap_proxies(swap, skip_output) for s in self.subsymbols), self.header, self.no_grad,
         )
 
     # ---- printing ----

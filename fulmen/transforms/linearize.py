@@ -266,8 +266,8 @@ class _Linearizer:
 
     def visit(self, bsym: BoundSymbol) -> Node:
         sym = bsym.sym
-        if not any(self.is_active(p) for p in bsym.flat_args) or _stops_gradient(sym, self.non_differentiable) \
-                or _is_identity(bsym):
+        if not any(self.is_active(p) for p in bsym.flat_args) or bsym.no_grad \
+                or _stops_gradient(sym, self.non_differentiable) or _is_identity(bsym):
             return Node(bsym)
         node = self._by_transform(bsym)
         if node is not None:
