@@ -88,7 +88,10 @@ def _transformers():
 
 
 def hf_config(name: str, attn_implementation: str = "sdpa", **overrides):
-    """The tiny config of model ``name`` (``"gpt2"`` or ``"hf:gpt2"``); ``overrides`` replace its fields."""
+    """The tiny config of model ``name`` (``"gpt2"`` or ``"hf:gpt2"``); ``overrides`` replace its fields.
+
+    ``experts_implementation=`` (MoE models: "eager", "grouped_mm", "batched_mm") is passed through.
+    """
     transformers = _transformers()
     config_cls, _, fields = HF_MODELS[_short_name(name)]
     config = getattr(transformers, config_cls)(**{**fields, **overrides})

@@ -72,4 +72,18 @@ def compile_inference(trace: Trace, executors: Sequence[Executor]) -> CompiledPr
     fn, traces = execution_pipeline(trace, executors, timings)
     program = CompiledProgram(forward=fn, traces=traces, timings_ms=timings)
     program.run = lambda flat: fn(*flat)
+    if _has_custom_containers(trace.output):
+        # Generated code returns plain tuples/dicts; give the caller back e.g. a Hugging Face ModelOutput.
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+
+        spec = tree_flatten(trace.output)[1]
+        program.run = lambda flat: tree_unflatten(tree_flatten(fn(*flat))[0], spec)
     return program
+
+
+def _has_custom_containers(x) -> bool:
+    if type(x) in (tuple, list):
+        return any(_has_custom_containers(v) for v in x)
+    if type(x) is dict:
+        return any(_has_custom_containers(v) for v in x.values())
+    return isinstance(x, (tuple, list, dict))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 from collections.abc import Callable
@@ -129,6 +130,18 @@ class _UserTorchCalls(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@contextlib.contextmanager
+def _compiling():
+    """``torch.compiler.is_compiling()`` is true while fulmen traces, as under Dynamo: libraries (transformers'
+    mask and MoE code) then skip data-dependent checks and take their compile-friendly paths."""
+    saved = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = saved
+
+
 def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[str] | None = None,
                   fn_name: str = "computation",
                   state: list[tuple[str, torch.Tensor]] | None = None) -> tuple[Trace, InputSpec]:
@@ -150,7 +163,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     trace.args = list(spec.tensor_proxies)
     trace.capture = _Capture(trace, spec)
     trace.autocast = current_policies()
-    with tracectx(trace), _UserTorchCalls(trace):
+    with tracectx(trace), _UserTorchCalls(trace), _compiling():
         result = fn(*proxy_args, **proxy_kwargs)
         result = trace.capture(result) if isinstance(result, torch.Tensor) else result
         result = _resolve_outputs(result)
