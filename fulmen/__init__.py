@@ -18,6 +18,7 @@ import torch as _pytorch
 from fulmen import prims  # noqa: F401
 from fulmen import torch as ltorch  # noqa: F401
 from fulmen.core import dtypes  # noqa: F401
+from fulmen.core.proxies import DataDependentError  # noqa: F401
 from fulmen.executors import torchex as _torchex  # noqa: F401  (registers the torch executor)
 from fulmen.executors.base import Executor
 from fulmen.frontend.jit import JittedFunction, get_stats
@@ -51,8 +52,10 @@ def __getattr__(name: str):
     value = getattr(module, attr) if attr else module
     globals()[name] = value
     return value
-__all__ = ["jit", "last_traces", "last_backward_traces", "last_prologue_traces", "compile_stats", "cache_hits",
-           "cache_misses"]
+
+
+__all__ = ["jit", "grad", "value_and_grad", "vjp", "trace", "compile", "examine", "DataDependentError", "last_traces",
+           "last_backward_traces", "last_prologue_traces", "compile_stats", "cache_hits", "cache_misses"]
 
 
 def jit(fn: Callable | _pytorch.nn.Module, executors: Sequence[Executor | str] | None = None, **options) -> Any:

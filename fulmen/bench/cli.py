@@ -24,7 +24,7 @@ from typing import Any, TextIO
 
 import torch
 
-from fulmen.bench.models import CONFIGS, build
+from fulmen.bench.models import CONFIGS, build_any, model_names
 from fulmen.bench.runner import BACKENDS, DTYPES, MODES, BenchConfig, BenchRow, add_speedups, run_benchmark
 
 DEFAULT_BACKENDS = "eager,fulmen"
@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fulmen", description="fulmen: a source-to-source compiler for PyTorch programs.")
     sub = parser.add_subparsers(dest="command", metavar="{bench,examine,demo}", parser_class=_Parser)
 
-    models = list(CONFIGS)
+    models = model_names()
     bench = sub.add_parser("bench", help="time built-in models under eager, torch.compile and fulmen",
                            description="Benchmark built-in models. Timings are medians of --steps steps after "
                                        "warm-up; first-result and compile times are wall times of the first call "
@@ -466,7 +466,7 @@ def cmd_examine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         raise _UsageError(parser, "give either MODULE:FUNCTION or --model NAME (exactly one)")
     train = args.mode == "train"
     if args.model is not None:
-        model, make_inputs = build(args.model, device=args.device, dtype=DTYPES[args.dtype])
+        model, make_inputs = build_any(args.model, device=args.device, dtype=DTYPES[args.dtype])
         model.train(train)
         fn, fn_args, kwargs, name = model, make_inputs(args.batch_size, targets=train), {}, args.model
     else:
@@ -537,11 +537,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import fulmen
 
     device = torch.device(args.device)
-    model, make_inputs = build(args.model, device=device, dtype=DTYPES[args.dtype])
+    model, make_inputs = build_any(args.model, device=device, dtype=DTYPES[args.dtype])
     model.eval()
     (idx,) = make_inputs(args.batch_size)
     n_params = sum(p.numel() for p in model.parameters())
-    cfg = CONFIGS[args.model]
+    cfg = CONFIGS.get(args.model, "a Hugging Face config")
     print(f"== {args.model}: {n_params / 1e6:.2f} M parameters, {type(model).__name__}, {cfg}")
     what = "token ids" if idx.dtype == torch.long else "a batch"
     print(f"   input: {what} {tuple(idx.shape)} on {device}, {args.dtype}, inference (torch.no_grad)\n")

@@ -312,7 +312,7 @@ CONFIGS: dict[str, GPTConfig | LlamaConfig | MLPConfig] = {
 }
 
 
-def model_names() -> list[str]:
+def builtin_model_names() -> list[str]:
     return list(CONFIGS)
 
 
@@ -359,3 +359,18 @@ def build(name: str, device: str | torch.device = "cpu", dtype: torch.dtype = to
         return (idx, torch.randint(0, config.vocab_size, shape, generator=gen).to(device))
 
     return model, make_inputs
+
+
+def build_any(name: str, device="cpu", dtype=torch.float32, seed: int = 0, **overrides):
+    """``build`` for built-in names, ``fulmen.bench.hf.build_hf`` for ``hf:<model>`` names."""
+    from fulmen.bench.hf import build_hf, is_hf_model
+
+    if is_hf_model(name):
+        return build_hf(name, device=device, dtype=dtype, seed=seed, **overrides)
+    return build(name, device=device, dtype=dtype, seed=seed, **overrides)
+
+
+def model_names() -> list[str]:
+    from fulmen.bench.hf import hf_model_names
+
+    return [*CONFIGS, *hf_model_names()]

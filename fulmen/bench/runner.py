@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from fulmen.bench import memory
-from fulmen.bench.models import CONFIGS, build
+from fulmen.bench.models import build_any, model_names
 
 MODES = ("inference", "train")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -69,8 +69,8 @@ class BenchConfig:
     threads: int | None = None  # torch.set_num_threads for the measurement (None: leave as is)
 
     def validate(self) -> None:
-        if self.model not in CONFIGS:
-            raise ValueError(f"unknown model {self.model!r}; available: {', '.join(CONFIGS)}")
+        if self.model not in model_names():
+            raise ValueError(f"unknown model {self.model!r}; available: {', '.join(model_names())}")
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; use one of {', '.join(MODES)}")
         if self.backend not in BACKENDS:
@@ -221,7 +221,7 @@ def _setup(config: BenchConfig):
     if config.threads:
         torch.set_num_threads(config.threads)
     device = torch.device(config.device)
-    model, make_inputs = build(config.model, device=device, dtype=DTYPES[config.dtype], seed=config.seed)
+    model, make_inputs = build_any(config.model, device=device, dtype=DTYPES[config.dtype], seed=config.seed)
     train = config.mode == "train"
     model.train(train)
     inputs = make_inputs(config.batch_size, targets=train)

@@ -153,6 +153,14 @@ def _describe_key_change(old, new) -> str:
                  "CUDA autocast dtype"]
         changed = [n for n, a, b in zip(names, old_state, new_state) if a != b]
         return "a change of " + ", ".join(changed)
+    if len(old_args) == 4 and len(new_args) == 4 and isinstance(old_args[0], tuple) and all(
+            isinstance(v, bool) for v in old_args[0]):  # a module: (training flags, identities, state, arguments)
+        parts = ("a submodule's train/eval mode", "a parameter or buffer was replaced",
+                 "a parameter or buffer changed shape, dtype, device or requires_grad")
+        for part, a, b in zip(parts, old_args[:3], new_args[:3]):
+            if a != b:
+                return part
+        old_args, new_args = old_args[3], new_args[3]
     if len(old_args) != len(new_args):
         return f"a different number of arguments ({len(old_args)} -> {len(new_args)})"
     for i, (a, b) in enumerate(zip(old_args, new_args)):

@@ -187,7 +187,27 @@ def _resolve_outputs(x):
     if isinstance(x, torch.Tensor):
         raise TypeError("the function returned a tensor it did not compute from its inputs; fulmen.jit expects "
                         "returned tensors to come from the traced computation")
+    if _hides_proxies(x):
+        raise TypeError(
+            f"the function returned a {type(x).__name__} object that holds traced tensors inside its attributes; "
+            "fulmen.jit can return tensors in tuples, lists, dicts and pytree-registered containers only (the "
+            "object would hold placeholders instead of tensors). Return the tensors themselves, register the class "
+            "with torch.utils._pytree, or for Hugging Face models pass use_cache=False.")
     return x
+
+
+def _hides_proxies(x: Any, depth: int = 0) -> bool:
+    """Whether an opaque object keeps proxies in its attributes (a few levels deep)."""
+    if isinstance(x, Proxy):
+        return True
+    if depth > 3 or isinstance(x, (str, bytes, int, float, complex, bool, type(None), torch.Tensor, type)):
+        return False
+    if isinstance(x, (tuple, list, set)):
+        return any(_hides_proxies(v, depth + 1) for v in x)
+    if isinstance(x, dict):
+        return any(_hides_proxies(v, depth + 1) for v in x.values())
+    attrs = getattr(x, "__dict__", None)
+    return isinstance(attrs, dict) and any(_hides_proxies(v, depth + 1) for v in attrs.values())
 
 
 def _write_back_mutated_inputs(trace: Trace) -> None:

@@ -8,6 +8,7 @@ copy and the result replaces ``x`` (see ``fulmen.torch.inplace``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,8 @@ from fulmen.core.symbol import OpTags, Symbol
 from fulmen.torch.registry import torch_id
 
 _opaque: dict[Any, Symbol] = {}
+# torch logs fake-tensor failures at ERROR level before fulmen recovers from them (see _run_on_zeros)
+logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
 
 
 def _to_fake(mode, x):
