@@ -7,6 +7,7 @@ read tensor data. Shapes are concrete; the prologue guards them.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -20,13 +21,21 @@ class DataDependentError(RuntimeError):
     """Raised when a traced program needs a tensor's *value* in Python (``bool(t)``, ``t.item()``)."""
 
 
+_FULMEN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def is_library_file(filename: str) -> bool:
+    """Whether a code path belongs to fulmen's package or torch's (the user's code is everything else)."""
+    return filename.startswith((_FULMEN_DIR, _TORCH_DIR)) or filename.startswith("<fulmen")
+
+
 def _user_location() -> str:
     """The first stack frame outside fulmen and torch: the user's line that needed a value."""
     frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if "/fulmen/" not in filename.replace("\\", "/") and "/torch/" not in filename.replace("\\", "/") \
-                and not filename.startswith("<fulmen"):
+        if not is_library_file(filename):
             import linecache
 
             line = linecache.getline(filename, frame.f_lineno).strip()

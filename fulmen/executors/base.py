@@ -171,8 +171,22 @@ def deregister_executor(ex: Executor | str) -> None:
         _default_executors.remove(removed)
 
 
+#: Executors that ship with fulmen and register themselves when their module is imported.
+SHIPPED_EXECUTORS = {
+    "inductor": "fulmen.executors.inductor",
+    "sdpa": "fulmen.executors.sdpa",
+    "cross_entropy": "fulmen.executors.cross_entropy",
+    "fused_linear_ce": "fulmen.executors.fused_linear_ce",
+}
+
+
 def get_executor(name: str) -> Executor:
     ex = _executors.get(name)
+    if ex is None and name in SHIPPED_EXECUTORS:
+        import importlib
+
+        importlib.import_module(SHIPPED_EXECUTORS[name])
+        ex = _executors.get(name)
     if ex is None:
         raise ValueError(f"no executor named {name!r}; registered executors are {sorted(_executors)}")
     return ex

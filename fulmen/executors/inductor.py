@@ -132,6 +132,8 @@ class FusedRegion:
             fn = _inductor_compile(self.eager, example)
         except Exception as e:  # keep running the region with the torch executor, and say so
             self.failed = True
+            if _shutting_down:  # the interpreter is exiting: nothing will call this region again
+                return
             log.warning("fulmen: Inductor could not compile %s (%s: %s); it keeps running with the torch "
                         "executor", self.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             return

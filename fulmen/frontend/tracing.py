@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 from fulmen import prims
 from fulmen.core import langctx
 from fulmen.core.codeutils import sanitize_name
-from fulmen.core.proxies import Proxy, TensorProxy, latest
+from fulmen.core.proxies import Proxy, TensorProxy, is_library_file, latest
 from fulmen.core.trace import Trace, get_tracectx, tracectx
 from fulmen.transforms.autocast import current_policies
 
@@ -97,17 +98,19 @@ def _has_proxy(x: Any) -> bool:
     return False
 
 
-_INTERNAL = tuple(f"/fulmen/{d}" for d in ("core/", "torch/", "prims/", "clang.py", "transforms/", "executors/",
-                                             "frontend/"))
+_FULMEN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# fulmen's own layers; code elsewhere in the package (fulmen/bench models, examples) counts as user code
+_INTERNAL = tuple(os.path.join(_FULMEN_DIR, d) for d in ("core", "torch", "prims", "clang.py", "transforms",
+                                                         "executors", "frontend"))
 
 
 def _called_by_fulmen() -> bool:
     """Whether the torch call being intercepted comes from fulmen's own code rather than the user's."""
     frame = sys._getframe(2)
     while frame is not None:
-        filename = frame.f_code.co_filename.replace("\\", "/")
-        if "/torch/" not in filename:
-            return any(part in filename for part in _INTERNAL)
+        filename = frame.f_code.co_filename
+        if not is_library_file(filename) or filename.startswith(_FULMEN_DIR):
+            return filename.startswith(_INTERNAL)
         frame = frame.f_back
     return False
 
