@@ -18,9 +18,10 @@ import torch.nn.functional as F
 import fulmen
 from fulmen.core import dtypes
 from fulmen.testing import run_decomposed
-from fulmen.tests.opinfos import reductions as opinfos
+from fulmen.tests.opinfos import linalg as linalg_opinfos
+from fulmen.tests.opinfos import reductions as reduction_opinfos
 
-OPINFOS = [getattr(opinfos, name) for name in opinfos.__all__]
+OPINFOS = [getattr(module, name) for module in (reduction_opinfos, linalg_opinfos) for name in module.__all__]
 DEVICE = "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:.*degrees of freedom is <= 0:UserWarning")
 

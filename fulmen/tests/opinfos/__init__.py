@@ -17,6 +17,7 @@ from fulmen.tests.opinfos.base import (  # noqa: F401
     make_tensor,
 )
 from fulmen.tests.opinfos.elementwise import *  # noqa: F401,F403
+from fulmen.tests.opinfos.linalg import *  # noqa: F401,F403
 from fulmen.tests.opinfos.nn import *  # noqa: F401,F403
 from fulmen.tests.opinfos.reductions import *  # noqa: F401,F403
 from fulmen.tests.opinfos.shape import *  # noqa: F401,F403
