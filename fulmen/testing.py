@@ -48,6 +48,22 @@ def run_decomposed(fn: Callable, *args, **kwargs) -> Any:
         return compiled(*tensors)
 
 
+def clone_args(x: Any) -> Any:
+    """A deep copy of call arguments: tensors keep their strides, storage offset and requires_grad, so transposed,
+    gapped and expanded inputs reach the op as they were (tests run eager and fulmen on separate copies)."""
+    if isinstance(x, torch.Tensor):
+        out = torch.empty((), dtype=x.dtype, device=x.device)
+        out.set_(x.detach().untyped_storage().clone(), x.storage_offset(), x.shape, x.stride())
+        return out.requires_grad_(x.requires_grad)
+    if isinstance(x, tuple) and not hasattr(x, "_fields"):
+        return tuple(clone_args(v) for v in x)
+    if isinstance(x, list):
+        return [clone_args(v) for v in x]
+    if isinstance(x, dict):
+        return {k: clone_args(v) for k, v in x.items()}
+    return x
+
+
 def assert_close(actual: Any, expected: Any, **kwargs) -> None:
     """``torch.testing.assert_close`` over nested outputs; non-tensor leaves must be equal."""
     a_flat, a_spec = tree_flatten(actual)

@@ -24,23 +24,13 @@ import fulmen.tests.opinfos.nn_conv as conv_opinfos
 import fulmen.tests.opinfos.nn_losses as loss_opinfos
 from fulmen.core.proxies import DataDependentError
 from fulmen.core.symbol import OpTags
+from fulmen.testing import clone_args as _clone
 from fulmen.testing import run_decomposed
 from fulmen.tests.opinfos.base import OpInfo
 
 OPINFOS = [v for m in (nn_opinfos, conv_opinfos, loss_opinfos) for v in vars(m).values() if isinstance(v, OpInfo)]
 OPINFOS = list({id(o): o for o in OPINFOS}.values())
 _SEED = 1234
-
-
-def _clone(x):
-    if isinstance(x, torch.Tensor):
-        out = torch.empty((), dtype=x.dtype, device=x.device)  # same strides: transposed inputs stay transposed
-        return out.set_(x.detach().untyped_storage().clone(), x.storage_offset(), x.shape, x.stride())
-    if isinstance(x, (tuple, list)):
-        return type(x)(_clone(v) for v in x)
-    if isinstance(x, dict):
-        return {k: _clone(v) for k, v in x.items()}
-    return x
 
 
 def _run(fn, op, sample):

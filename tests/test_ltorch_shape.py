@@ -19,6 +19,7 @@ from fulmen.core.proxies import DataDependentError
 from fulmen.core.symbol import OpTags, Symbol
 from fulmen.core.trace import check_trace
 from fulmen.testing import assert_close, run_decomposed
+from fulmen.testing import clone_args as _clone
 from fulmen.tests.opinfos.base import OpInfo
 
 OPINFOS = [v for v in vars(shape_opinfos).values() if isinstance(v, OpInfo)]
@@ -33,17 +34,6 @@ def _dtypes(op):
 
 def _params():
     return [pytest.param(op, d, id=f"{op.name}-{str(d).replace('torch.', '')}") for op in OPINFOS for d in _dtypes(op)]
-
-
-def _clone(x):
-    if isinstance(x, torch.Tensor):
-        out = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
-        return out.copy_(x)
-    if isinstance(x, (tuple, list)):
-        return type(x)(_clone(v) for v in x)
-    if isinstance(x, dict):
-        return {k: _clone(v) for k, v in x.items()}
-    return x
 
 
 def _run(fn, op, sample):

@@ -31,6 +31,7 @@ from fulmen.core.proxies import DataDependentError, Proxy, TensorProxy
 from fulmen.core.trace import check_trace
 from fulmen.executors.torchex import ex as torch_executor
 from fulmen.frontend.cache import args_key
+from fulmen.testing import clone_args as _clone
 from fulmen.testing import run_decomposed
 
 try:
@@ -104,25 +105,6 @@ def _op_params(test_name):
 
 # ---------------------------------------------------------------------------------------------------------
 # running samples
-
-
-def _clone_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A copy with the same strides and storage offset (transposed, gapped and expanded layouts survive)."""
-    out = torch.empty((), dtype=t.dtype, device=t.device)
-    out.set_(t.detach().untyped_storage().clone(), t.storage_offset(), t.shape, t.stride())
-    return out.requires_grad_(t.requires_grad)
-
-
-def _clone(x):
-    if isinstance(x, torch.Tensor):
-        return _clone_tensor(x)
-    if isinstance(x, tuple) and not hasattr(x, "_fields"):
-        return tuple(_clone(v) for v in x)
-    if isinstance(x, list):
-        return [_clone(v) for v in x]
-    if isinstance(x, dict):
-        return {k: _clone(v) for k, v in x.items()}
-    return x
 
 
 def _call(fn, op, sample):
