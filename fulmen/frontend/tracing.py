@@ -137,6 +137,9 @@ class _UserTorchCalls(TorchFunctionMode):
 def _compiling():
     """``torch.compiler.is_compiling()`` is true while fulmen traces, as under Dynamo: libraries (transformers'
     mask and MoE code) then skip data-dependent checks and take their compile-friendly paths."""
+    if not hasattr(torch.compiler, "_is_compiling_flag"):  # a private flag; torch releases without it trace as-is
+        yield
+        return
     saved = torch.compiler._is_compiling_flag
     torch.compiler._is_compiling_flag = True
     try:
