@@ -20,6 +20,11 @@ import torch
 from fulmen.core import dtypes
 from fulmen.core.proxies import TensorProxy
 from fulmen.executors.base import OperatorExecutor, register_executor
+from fulmen.executors.triton_cross_entropy import (
+    TRITON_AVAILABLE,
+    triton_cross_entropy_backward,
+    triton_cross_entropy_forward,
+)
 
 CROSS_ENTROPY_ID = "torch.nn.functional.cross_entropy"
 
@@ -84,6 +89,11 @@ def logits_grad(x: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale:
 
 # ---- the kernels ----
 
+def _use_triton(logits: torch.Tensor) -> bool:
+    """The Triton kernels run float16 / bfloat16 / float32 CUDA logits; everything else takes the torch path."""
+    return TRITON_AVAILABLE and logits.is_cuda and logits.dtype in (torch.float16, torch.bfloat16, torch.float32)
+
+
 def cross_entropy_forward(logits: torch.Tensor, target: torch.Tensor, reduction: str, ignore_index: int,
                           label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
     x2, t1 = (logits.unsqueeze(0), target.reshape(1)) if logits.ndim == 1 else (logits, target)
@@ -91,10 +101,13 @@ def cross_entropy_forward(logits: torch.Tensor, target: torch.Tensor, reduction:
     n, c = x2.shape
     losses = torch.empty(n, dtype=compute, device=logits.device)
     lse = torch.empty(n, dtype=compute, device=logits.device)
-    step = chunk_rows(c)
-    for i in range(0, n, step):
-        losses[i:i + step], lse[i:i + step] = row_losses(x2[i:i + step].to(compute), t1[i:i + step], ignore_index,
-                                                         label_smoothing)
+    if _use_triton(logits):
+        losses, lse = triton_cross_entropy_forward(x2, t1, ignore_index, label_smoothing)
+    else:
+        step = chunk_rows(c)
+        for i in range(0, n, step):
+            losses[i:i + step], lse[i:i + step] = row_losses(x2[i:i + step].to(compute), t1[i:i + step],
+                                                             ignore_index, label_smoothing)
     loss = reduce_losses(losses, t1, reduction, ignore_index, logits.dtype)
     if logits.ndim == 1:
         loss, lse = (loss.reshape(()) if reduction == "none" else loss), lse.reshape(())
@@ -108,6 +121,8 @@ def cross_entropy_backward(g: torch.Tensor, logits: torch.Tensor, target: torch.
     n, c = x2.shape
     scale = row_scale(g.reshape(-1) if reduction == "none" else g, t1, reduction, ignore_index, compute)
     lse = lse.reshape(n)
+    if _use_triton(logits):
+        return triton_cross_entropy_backward(scale, x2, t1, lse, ignore_index, label_smoothing).reshape(logits.shape)
     grad = torch.empty_like(x2)
     step = chunk_rows(c)
     for i in range(0, n, step):
