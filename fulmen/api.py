@@ -67,8 +67,7 @@ class ProgramTrace(Trace):
 
 def _program_trace(computation: Trace, fn_name: str) -> ProgramTrace:
     shown = ProgramTrace(fn_name, parent=computation)
-    shown.args, shown.kwargs, shown.output = list(computation.args), dict(computation.kwargs), computation.output
-    shown.constants, shown.tags = dict(computation.constants), set(computation.tags)
+    shown.args, shown.output = list(computation.args), computation.output
     shown.bound_symbols[:] = [
         *(UNPACK_TRIVIAL.bind(p, output=None) for p in computation.args),
         *computation.bound_symbols,

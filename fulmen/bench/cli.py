@@ -26,6 +26,7 @@ import torch
 
 from fulmen.bench.models import CONFIGS, build_any, model_names
 from fulmen.bench.runner import BACKENDS, DTYPES, MODES, BenchConfig, BenchRow, add_speedups, run_benchmark
+from fulmen.core.codeutils import outputs_of
 
 DEFAULT_BACKENDS = "eager,fulmen"
 
@@ -310,29 +311,23 @@ def _environment_line(device: str) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _flat_outputs(x: Any) -> list:
-    from fulmen.core.codeutils import outputs_of
-
-    return [o for o in outputs_of(x) if hasattr(o, "name")]
-
-
 def _exec_index(trace) -> dict[str, Any]:
     """Output name -> the execution-trace bound symbol that produces it (values inside a fused region map to
     the region)."""
     index: dict[str, Any] = {}
     for bsym in trace.bound_symbols:
-        for o in _flat_outputs(bsym.output):
+        for o in outputs_of(bsym.output):
             index[o.name] = bsym
     for bsym in trace.bound_symbols:
         for sub in bsym.subsymbols:
-            for o in _flat_outputs(sub.output):
+            for o in outputs_of(sub.output):
                 index.setdefault(o.name, bsym)
     return index
 
 
 def _how_run(bsym, index: dict[str, Any]) -> str:
     """Which executor runs a computation-trace op, and whether it ran as one call, decomposed or fused."""
-    outs = _flat_outputs(bsym.output)
+    outs = outputs_of(bsym.output)
     if not outs:
         return "-"
     exec_bsym = index.get(outs[0].name)

@@ -312,10 +312,6 @@ CONFIGS: dict[str, GPTConfig | LlamaConfig | MLPConfig] = {
 }
 
 
-def builtin_model_names() -> list[str]:
-    return list(CONFIGS)
-
-
 InputsFn = Callable[..., tuple]
 
 

@@ -70,7 +70,6 @@ def python_source(trace: Trace, ctx: dict[str, Any] | None = None) -> tuple[str,
     """Source of an execution trace and the globals it needs (torch, implementations, constants)."""
     ctx = ctx if ctx is not None else {}
     ctx.update({"torch": torch, "devices": devices, "dtypes": dtypes, "inf": math.inf, "nan": math.nan})
-    ctx.update(trace.constants)
     printer = Printer(ctx)
     names = _ExecPrinter(ctx)
     lines: list[str] = []

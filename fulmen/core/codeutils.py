@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import keyword
 from numbers import Number
 from typing import Any
@@ -15,7 +16,7 @@ from fulmen.core.proxies import Proxy, TensorProxy
 #: Names generated code relies on; a user argument with one of these names is renamed.
 RESERVED_NAMES = frozenset(
     {"torch", "ltorch", "prims", "dtypes", "devices", "inf", "nan", "Tensor", "fulmen", "operator", "math"}
-    | set(dir(__builtins__) if isinstance(__builtins__, dict) is False else __builtins__)
+    | set(dir(builtins))
 )
 
 

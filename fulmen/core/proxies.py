@@ -168,10 +168,6 @@ class TensorProxy(Proxy):
     def is_meta(self) -> bool:
         return False
 
-    @property
-    def is_floating_point_(self) -> bool:
-        return dtypes.is_float_dtype(self.dtype)
-
     def is_floating_point(self) -> bool:
         return dtypes.is_float_dtype(self.dtype)
 

@@ -40,7 +40,6 @@ class Trace:
     def __init__(self, fn_name: str = "computation", *, parent: Trace | None = None):
         self.fn_name = fn_name
         self.args: list[Proxy] = []
-        self.kwargs: dict[str, Proxy] = {}
         self.bound_symbols: list[BoundSymbol] = []
         self.scopes: list[list[BoundSymbol]] = [self.bound_symbols]
         self.output: Any = None
@@ -49,8 +48,6 @@ class Trace:
         self.provenance: str | None = None
         self.elapsed_ms: float | None = None
         self.has_mutations = False
-        self.tags: set[str] = set()
-        self.constants: dict[str, Any] = {}
         self.claims: dict[int, Any] = {}
         self.unused_outputs: set[str] | None = None  # printed as "_" (set by del_last_used)
         self.capture = None  # frontend hook turning real tensors met while tracing into inputs
@@ -81,12 +78,10 @@ class Trace:
     def derive(self, provenance: str, bound_symbols: list[BoundSymbol] | None = None) -> Trace:
         """A new trace with the same signature, names and output; transforms build their result this way."""
         t = Trace(self.fn_name, parent=self)
-        t.args, t.kwargs, t.output = list(self.args), dict(self.kwargs), self.output
+        t.args, t.output = list(self.args), self.output
         t.bound_symbols = list(bound_symbols) if bound_symbols is not None else []
         t.scopes = [t.bound_symbols]
         t.provenance = provenance
-        t.tags = set(self.tags)
-        t.constants = dict(self.constants)
         return t
 
     @contextlib.contextmanager
@@ -146,10 +141,6 @@ class Trace:
 
     def _repr_pretty_(self, p, cycle):  # IPython shows the program, as the seeds do
         p.text(self.python())
-
-
-def flat_outputs(trace: Trace) -> list[Proxy]:
-    return outputs_of(trace.output)
 
 
 class TraceCheckError(AssertionError):

@@ -46,7 +46,7 @@ def _arg_names(fn: Callable, args: tuple, kwargs: dict) -> list[str]:
     return names
 
 
-def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], originals: list[torch.Tensor]) -> Any:
+def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy]) -> Any:
     """Replace every tensor in ``value`` (tuples, lists, dicts) by a named TensorProxy input."""
     if isinstance(value, torch.Tensor):
         p = TensorProxy(trace.add_name(name), shape=value.shape, dtype=value.dtype, device=value.device,
@@ -54,14 +54,13 @@ def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], origin
         if value.requires_grad and value.is_leaf:
             p._origin = "input-leaf"
         flat.append(p)
-        originals.append(value)
         return p
     if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
-        return type(value)(proxify(trace, v, f"{name}_{i}", flat, originals) for i, v in enumerate(value))
+        return type(value)(proxify(trace, v, f"{name}_{i}", flat) for i, v in enumerate(value))
     if isinstance(value, tuple):  # namedtuple
-        return type(value)(*(proxify(trace, v, f"{name}_{f}", flat, originals) for f, v in zip(value._fields, value)))
+        return type(value)(*(proxify(trace, v, f"{name}_{f}", flat) for f, v in zip(value._fields, value)))
     if isinstance(value, dict):
-        return {k: proxify(trace, v, f"{name}_{k}", flat, originals) for k, v in value.items()}
+        return {k: proxify(trace, v, f"{name}_{k}", flat) for k, v in value.items()}
     return value
 
 
@@ -158,14 +157,13 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     """
     trace = Trace(fn_name)
     spec = InputSpec()
-    originals: list[torch.Tensor] = []
     names = arg_names or _arg_names(fn, args, kwargs)
     proxy_args = []
     if state is not None:
-        proxy_args.append([proxify(trace, t, name, spec.tensor_proxies, originals) for name, t in state])
+        proxy_args.append([proxify(trace, t, name, spec.tensor_proxies) for name, t in state])
     for i, a in enumerate(args):
-        proxy_args.append(proxify(trace, a, names[i] if i < len(names) else f"t_{i}", spec.tensor_proxies, originals))
-    proxy_kwargs = {k: proxify(trace, v, sanitize_name(k), spec.tensor_proxies, originals) for k, v in kwargs.items()}
+        proxy_args.append(proxify(trace, a, names[i] if i < len(names) else f"t_{i}", spec.tensor_proxies))
+    proxy_kwargs = {k: proxify(trace, v, sanitize_name(k), spec.tensor_proxies) for k, v in kwargs.items()}
     trace.args = list(spec.tensor_proxies)
     trace.capture = _Capture(trace, spec)
     trace.autocast = current_policies()
@@ -228,7 +226,3 @@ def _write_back_mutated_inputs(trace: Trace) -> None:
             prims.copy_(new, p)
     finally:
         trace.has_mutations = True
-
-
-def is_proxy_output(x: Any) -> bool:
-    return isinstance(x, Proxy)

@@ -8,7 +8,6 @@ from numbers import Number
 
 import torch
 
-from fulmen.core import dtypes
 from fulmen.core.devices import Device
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import OpTags, Symbol
@@ -143,10 +142,3 @@ def check_valid_shape(shape: Sequence[int], op: str) -> None:
 
 def is_number(x) -> bool:
     return isinstance(x, Number) and not isinstance(x, torch.Tensor)
-
-
-DTYPE_CHECKS = {
-    "float_or_complex": (dtypes.is_inexact_dtype, "floating point or complex"),
-    "exact": (dtypes.is_exact_dtype, "integer or boolean"),
-    "not_complex": (lambda d: not dtypes.is_complex_dtype(d), "non-complex"),
-}

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from fulmen.core.proxies import TensorProxy
@@ -192,7 +190,3 @@ def _torch_stride_order(a, order):
 stride_order = make_prim(PrimIDs.STRIDE_ORDER, "stride_order", meta=_stride_order_meta,
                          torch_impl=_torch_stride_order, tags=_SHAPE,
                          doc="Same values laid out densely in the given stride order (contiguous() is (n-1, ..., 0)).")
-
-
-def normalize_permutation(perm: Sequence[int], ndim: int) -> tuple[int, ...]:
-    return tuple(canonicalize_dim(ndim, p) for p in perm)
