@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import Enum, auto
-from numbers import Number
 
 import torch
 
@@ -17,6 +16,7 @@ from fulmen import prims
 from fulmen.core import dtypes
 from fulmen.core.devices import to_device
 from fulmen.core.proxies import TensorProxy
+from fulmen.core.symbolic import INT_TYPES, NUMBER_TYPES, SYMBOLIC_NUMBERS
 from fulmen.core.utils import canonicalize_dim, check, prod
 
 
@@ -65,7 +65,7 @@ def result_dtype(*args) -> torch.dtype:
                 dim = a.dtype if dim is None else torch.promote_types(dim, a.dtype)
             else:
                 zero = a.dtype if zero is None else torch.promote_types(zero, a.dtype)
-        elif isinstance(a, Number):
+        elif isinstance(a, NUMBER_TYPES):
             d = dtypes.python_type_dtype(a)
             wrapped = d if wrapped is None else torch.promote_types(wrapped, d)
         elif a is not None:
@@ -96,7 +96,12 @@ def maybe_convert_to_dtype(a, dtype: torch.dtype):
     """Convert a tensor with a prim (no-op when it already has ``dtype``); Python numbers become that kind."""
     if isinstance(a, TensorProxy):
         return a if a.dtype == dtype else prims.convert_element_type(a, dtype)
-    if isinstance(a, Number):
+    if isinstance(a, SYMBOLIC_NUMBERS):  # int() or float() would specialize a symbolic size to its value
+        if dtypes.is_float_dtype(dtype):
+            return torch.sym_float(a)
+        if dtypes.is_integer_dtype(dtype) and isinstance(a, torch.SymInt):
+            return a
+    if isinstance(a, NUMBER_TYPES):
         if dtype is torch.bool:
             return bool(a)
         if dtypes.is_integer_dtype(dtype):
@@ -123,7 +128,7 @@ def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:
 
 
 def expand_to(a: TensorProxy, shape: Sequence[int]) -> TensorProxy:
-    if tuple(a.shape) == tuple(shape):
+    if len(a.shape) == len(shape) and tuple(a.shape) == tuple(shape):  # rank first: no guard on sizes
         return a
     offset = len(shape) - a.ndim
     return prims.broadcast_in_dim(a, list(shape), tuple(range(offset, len(shape))))
@@ -240,7 +245,7 @@ def infer_shape(shape: Sequence[int], numel: int) -> tuple[int, ...]:
     neg = [i for i, s in enumerate(shape) if s == -1]
     check(len(neg) <= 1, lambda: "only one dimension can be inferred", RuntimeError)
     for s in shape:
-        check(isinstance(s, int) and s >= -1, lambda: f"invalid shape dimension {s}", RuntimeError)
+        check(isinstance(s, INT_TYPES) and s >= -1, lambda: f"invalid shape dimension {s}", RuntimeError)
     if neg:
         known = prod(s for s in shape if s != -1)
         check(known != 0 and numel % known == 0, lambda: f"shape '{shape}' is invalid for input of size {numel}")

@@ -230,7 +230,7 @@ def test_default_dtype_change_recompiles():
 
 
 def test_repeated_recompiles_log_a_warning(caplog):
-    f = fulmen.jit(lambda a: a + 1)
+    f = fulmen.jit(lambda a: a + 1, dynamic=False)  # exact sizes: each new size recompiles
     with caplog.at_level(logging.WARNING, logger="fulmen"):
         for n in range(1, RECOMPILE_WARNING_THRESHOLD + 1):
             f(torch.randn(n))

@@ -17,6 +17,7 @@ import torch
 from fulmen.core import devices, dtypes
 from fulmen.core.codeutils import Printer, sanitize_name
 from fulmen.core.symbol import Symbol
+from fulmen.core.symbolic import SymbolBinder
 from fulmen.core.trace import Trace
 
 _counter = count()
@@ -66,8 +67,10 @@ class _ExecPrinter:
         return name
 
 
-def python_source(trace: Trace, ctx: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
-    """Source of an execution trace and the globals it needs (torch, implementations, constants)."""
+def python_source(trace: Trace, ctx: dict[str, Any] | None = None, *, comments: bool = True
+                  ) -> tuple[str, dict[str, Any]]:
+    """Source of an execution trace and the globals it needs (torch, implementations, constants). Without
+    ``comments`` the source leaves out type comments' companions: the decompositions under each call."""
     ctx = ctx if ctx is not None else {}
     ctx.update({"torch": torch, "devices": devices, "dtypes": dtypes, "inf": math.inf, "nan": math.nan})
     printer = Printer(ctx)
@@ -83,22 +86,32 @@ def python_source(trace: Trace, ctx: dict[str, Any] | None = None) -> tuple[str,
     for a in trace.args:
         if hasattr(a, "type_string"):
             body.append(f'# {a.name}: "{a.type_string()}"')
+    binder = SymbolBinder(trace.bound_symbols, trace.output)
+    body.extend(binder.lines_for(trace.args))
+    unused = trace.unused_outputs or ()
     for bsym in trace.bound_symbols:
+        if binder.needed and bsym.sym.id not in ("del", "comment"):
+            binder.check((bsym.args, bsym.kwargs), bsym.sym.qualified_name)
         if bsym.sym.id == "del":
             body.append("del " + ", ".join(p.name for p in bsym.flat_args))
             continue
         if bsym.sym.id == "comment":
             body.append(f"# {bsym.args[0]}")
             continue
-        body.extend(bsym.python_lines(printer, name=names.name_for(bsym.sym), unused=trace.unused_outputs))
+        body.extend(bsym.python_lines(printer, name=names.name_for(bsym.sym), unused=trace.unused_outputs,
+                                      with_subsymbols=comments))
+        if binder.needed:
+            body.extend(binder.lines_for([p for p in bsym.flat_proxy_outs if p.name not in unused]))
+    binder.check(trace.output, "the return statement")
     body.append(f"return {printer(trace.output)}")
     lines.extend("  " + ln for ln in body)
     return "\n".join(lines) + "\n", ctx
 
 
-def compile_trace(trace: Trace) -> tuple[Callable, str]:
-    """The callable for an execution trace, and its source."""
-    source, ctx = python_source(trace)
+def compile_trace(trace: Trace, *, comments: bool = True) -> tuple[Callable, str]:
+    """The callable for an execution trace, and its source (``comments=False``: without decompositions, for code
+    nobody reads, such as a fused region's unfused path, whose operations the outer trace already shows)."""
+    source, ctx = python_source(trace, comments=comments)
     filename = f"<fulmen {trace.fn_name}_{next(_counter)}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     code = compile(source, filename, "exec")

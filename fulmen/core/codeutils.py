@@ -12,6 +12,7 @@ import torch
 from fulmen.core import dtypes
 from fulmen.core.devices import Device
 from fulmen.core.proxies import Proxy, TensorProxy
+from fulmen.core.symbolic import SYMBOLIC_TYPES, python_expr
 
 #: Names generated code relies on; a user argument with one of these names is renamed.
 RESERVED_NAMES = frozenset(
@@ -51,6 +52,8 @@ class Printer:
             return x.name
         if x is None or isinstance(x, (bool, str)):
             return repr(x)
+        if isinstance(x, SYMBOLIC_TYPES):
+            return python_expr(x)
         if isinstance(x, Number):
             if isinstance(x, float):
                 if x != x:

@@ -103,11 +103,11 @@ def corresponding_complex_dtype(d: torch.dtype) -> torch.dtype:
 
 def python_type_dtype(x: bool | int | float | complex) -> torch.dtype:
     """The dtype torch gives a Python scalar (for type promotion these are *weak*)."""
-    if isinstance(x, bool):
+    if isinstance(x, (bool, torch.SymBool)):
         return torch.bool
-    if isinstance(x, int):
+    if isinstance(x, (int, torch.SymInt)):
         return torch.int64
-    if isinstance(x, float):
+    if isinstance(x, (float, torch.SymFloat)):
         return torch.get_default_dtype()
     if isinstance(x, complex):
         return corresponding_complex_dtype(torch.get_default_dtype())

@@ -2,7 +2,8 @@
 
 ``TensorProxy`` is deliberately *not* a ``torch.Tensor`` subclass: torch calls reach fulmen through
 ``__torch_function__``, methods and operators through the language context, and nothing can silently
-read tensor data. Shapes are concrete; the prologue guards them.
+read tensor data. Shapes are concrete ints, or ``torch.SymInt`` in a trace compiled for dynamic sizes
+(``fulmen.core.symbolic``).
 """
 
 from __future__ import annotations
@@ -303,3 +304,14 @@ def latest(p: TensorProxy) -> TensorProxy:
     while p._latest is not None:
         p = p._latest
     return p
+
+
+def has_symbolic(bsym: Any) -> bool:
+    """Whether a bound symbol reads or produces symbolic sizes (a trace compiled for dynamic shapes).
+
+    A fusion executor that compiles a region for the concrete sizes of its inputs must not claim such a symbol
+    unless the region receives the symbols' values at run time.
+    """
+    from fulmen.core.symbolic import contains_symbolic
+
+    return contains_symbolic((bsym.args, bsym.kwargs)) or contains_symbolic(bsym.output)

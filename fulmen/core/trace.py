@@ -10,6 +10,7 @@ from typing import Any
 from fulmen.core.codeutils import Printer, outputs_of, sanitize_name, type_comment
 from fulmen.core.proxies import Proxy, TensorProxy
 from fulmen.core.symbol import BoundSymbol
+from fulmen.core.symbolic import SymbolBinder
 
 _tracectx_stack: list[Trace] = []
 
@@ -127,8 +128,12 @@ class Trace:
             c = type_comment(a)
             if c:
                 body.append(f"# {c}")
+        binder = SymbolBinder(self.bound_symbols, self.output)
+        body.extend(binder.lines_for(self.args))
         for bsym in self.bound_symbols:
             body.extend(bsym.python_lines(printer))
+            if binder.needed:
+                body.extend(binder.lines_for(bsym.flat_proxy_outs))
         body.append(f"return {printer(self.output)}")
         lines.extend("  " + ln for ln in body)
         return "\n".join(lines) + "\n"

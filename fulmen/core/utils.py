@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from fulmen.core.symbolic import INT_TYPES
+
+#: Held while importing PyTorch's compiler stack (Dynamo, Inductor, symbolic shapes) lazily. The inductor
+#: executor imports it on its background thread while tracing may import it on the main thread; two threads
+#: importing those circular packages at once can see a partly initialized module.
+compiler_import_lock = threading.RLock()
 
 
 def check(cond: Any, message: Callable[[], str], exception_type: type[Exception] = RuntimeError) -> None:
@@ -57,6 +65,6 @@ def extract_shape(*shape: Any) -> tuple[int, ...]:
     if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
         shape = tuple(shape[0])
     for s in shape:
-        if not isinstance(s, int) or isinstance(s, bool):
+        if not isinstance(s, INT_TYPES) or isinstance(s, bool):
             raise TypeError(f"shape entries must be ints, but got {type(s).__name__} ({s!r}) in {tuple(shape)}")
     return tuple(shape)

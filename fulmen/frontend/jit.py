@@ -14,8 +14,10 @@ import torch
 
 from fulmen.core.trace import Trace
 from fulmen.executors.base import Executor, resolve_executors
+from fulmen.frontend import dynamic as dynamic_sizes
 from fulmen.frontend.cache import args_key, global_state_key
 from fulmen.frontend.compile import CompiledProgram, compile_inference
+from fulmen.frontend.dynamic import SizeHistory, SymbolicSizes, describe_change, erase_sizes, key_sizes, symbolic_dims
 from fulmen.frontend.tracing import InputSpec, trace_program
 from fulmen.transforms.autocast import current_policies
 
@@ -23,6 +25,9 @@ log = logging.getLogger("fulmen")
 
 #: How many distinct compilations of one function before fulmen warns that recompiles repeat.
 RECOMPILE_WARNING_THRESHOLD = 8
+# Concrete keys that a dynamic entry served are added to the dictionary (so they hit without guard work) up to
+# this many keys per function.
+_MAX_ALIASES = 4096
 
 
 @dataclass
@@ -31,6 +36,8 @@ class CacheEntry:
     spec: InputSpec
     computation_trace: Trace
     prologue: Trace | None = None
+    symbolic: SymbolicSizes | None = None  # set for an entry compiled with dynamic sizes
+    pattern: Any = None  # its key with the dynamic sizes erased
 
 
 @dataclass
@@ -44,27 +51,42 @@ class CompileStats:
     last_compile_time_ms: float = 0.0
     phase_times_ms: dict[str, float] = field(default_factory=dict)
     last_traces: list[Trace] = field(default_factory=list)
-    last_backward_traces: list[Trace] = field(default_factory=list)
     last_prologue_traces: list[Trace] = field(default_factory=list)
     last_recompile_reason: str | None = None
+    _backward_traces: Callable[[], list[Trace]] | None = None
+
+    @property
+    def last_backward_traces(self) -> list[Trace]:
+        """The last compilation's backward traces: those of the backward that ran last (before any backward ran,
+        the backward for every output is compiled to show them). Empty when nothing is differentiated."""
+        return list(self._backward_traces()) if self._backward_traces is not None else []
 
 
 class JittedFunction:
     """A function compiled by ``fulmen.jit``; call it like the original."""
 
     def __init__(self, fn: Callable, executors: Sequence[Executor | str] | None = None, *,
-                 add_torch_executor: bool = True, disable_torch_autograd: bool = False, **options):
+                 add_torch_executor: bool = True, disable_torch_autograd: bool = False,
+                 dynamic: bool | None = None, **options):
         if not callable(fn):
             raise TypeError(f"fulmen.jit expects a function or an nn.Module, but got {type(fn).__name__}")
         if options:
             raise TypeError(f"fulmen.jit got unexpected keyword argument(s) {sorted(options)}; it accepts executors=, "
-                            "add_torch_executor= and disable_torch_autograd=")
+                            "add_torch_executor=, disable_torch_autograd= and dynamic=")
+        if dynamic not in (None, True, False):
+            raise TypeError(f"fulmen.jit: dynamic= must be None (automatic), True or False, got {dynamic!r}")
+        # None: a dimension seen with a second size (other than 0 and 1) becomes symbolic; True: every dimension
+        # of the arguments is symbolic from the first call; False: exact sizes, one compilation per shape.
+        self.dynamic = dynamic
         self.fn = fn
         # add_torch_executor=False keeps exactly the executors given (the seeds' fulmen.compile form);
         # a symbol none of them can run then fails with "Could not find executor for bound symbol ...".
         self.executors = resolve_executors(executors, add_always=add_torch_executor)
         self.disable_torch_autograd = disable_torch_autograd
         self._cache: dict[Any, CacheEntry] = {}
+        self._dynamic_entries: list[CacheEntry] = []
+        self._histories: dict[Any, SizeHistory] = {}
+        self._compilations = 0
         self._stats = CompileStats()
         self._last_key = None
         functools.update_wrapper(self, fn, updated=())
@@ -77,32 +99,119 @@ class JittedFunction:
         stats = self._stats
         stats.calls += 1
         if entry is None:
-            entry = self._compile(key, args, kwargs)
+            entry = self._miss(key, args, kwargs, flat)
         else:
             stats.cache_hits += 1
         if entry.spec.captured:
             flat += entry.spec.captured
         return entry.program.run(flat)
 
+    #: How many tensors at the start of the flat inputs are a module's parameters and buffers (never dynamic).
+    def _n_state(self) -> int:
+        return 0
+
     def _needs_grad(self, flat_proxies) -> bool:
         return (not self.disable_torch_autograd) and torch.is_grad_enabled() and any(
             p.requires_grad for p in flat_proxies)
 
-    def _trace(self, args, kwargs) -> tuple[Trace, InputSpec]:
-        return trace_program(self.fn, args, kwargs)
+    def _trace(self, args, kwargs, sizes=None) -> tuple[Trace, InputSpec]:
+        return trace_program(self.fn, args, kwargs, sizes=sizes)
 
-    def _compile(self, key, args, kwargs) -> CacheEntry:
+    # ---- a key not in the cache: a dynamic entry whose guards hold, or a compilation ----
+    def _miss(self, key, args, kwargs, flat: list[torch.Tensor]) -> CacheEntry:
+        failed = None
+        for entry in self._dynamic_entries:
+            if erase_sizes(key, entry.symbolic.dims) != entry.pattern:
+                continue
+            if entry.symbolic.guard(flat):
+                self._stats.cache_hits += 1
+                if len(self._cache) < _MAX_ALIASES:
+                    self._cache[key] = entry  # these exact sizes hit the dictionary from now on
+                return entry
+            failed = entry
+        guard_failure = None
+        if failed is not None:
+            guard_failure = ("the guards of the entry compiled with dynamic sizes failed: "
+                             + failed.symbolic.explain(flat))
+        return self._compile(key, args, kwargs, flat, guard_failure)
+
+    def _dynamic_dims(self, key, sizes) -> tuple[dict[int, frozenset], list[str]]:
+        """The dims to make symbolic for this call, and a note for each dim newly seen changing size."""
+        if self.dynamic is False:
+            return {}, []
+        structure = erase_sizes(key, None)
+        history = self._histories.get(structure)
+        if history is None:
+            history = self._histories[structure] = SizeHistory(list(sizes))
+            if self.dynamic:
+                n_state = self._n_state()
+                history.changed = {i: set(range(len(s))) for i, s in enumerate(sizes) if i >= n_state}
+            else:
+                return {}, []
+        notes = history.update(sizes)
+        if history.failed:
+            return {}, []
+        names = history.names
+        texts = [describe_change(n, self._n_state(), names) + ": marked dynamic" for n in notes]
+        return symbolic_dims(history.changed, sizes), texts
+
+    def _compile(self, key, args, kwargs, flat: list[torch.Tensor] | None = None,
+                 guard_failure: str | None = None) -> CacheEntry:
         stats = self._stats
         stats.cache_misses += 1
-        if self._cache:
-            stats.last_recompile_reason = _describe_key_change(self._last_key, key)
-            if len(self._cache) >= RECOMPILE_WARNING_THRESHOLD:
+        sizes = key_sizes(key)
+        dims, notes = self._dynamic_dims(key, sizes) if flat is not None else ({}, [])
+        if self._compilations:
+            reason = _describe_key_change(self._last_key, key)
+            if notes:
+                reason = "; ".join(notes)
+            elif guard_failure:
+                reason = f"{reason} ({guard_failure})"
+            stats.last_recompile_reason = reason
+            if self._compilations >= RECOMPILE_WARNING_THRESHOLD:
                 log.warning("fulmen: %s has been compiled %d times; the latest recompile was caused by %s",
-                            getattr(self.fn, "__name__", self.fn), len(self._cache) + 1,
+                            getattr(self.fn, "__name__", self.fn), self._compilations + 1,
                             stats.last_recompile_reason)
+        self._compilations += 1
+        entry = None
+        if dims:
+            try:
+                entry = self._compile_symbolic(key, args, kwargs, flat, sizes, dims)
+            except Exception as e:  # never a crash because of dynamic sizes: compile for the exact sizes instead
+                if dynamic_sizes.RAISE_ON_FAILURE:
+                    raise
+                self._histories[erase_sizes(key, None)].failed = True
+                log.warning("fulmen: compiling %s with dynamic sizes failed (%s: %s); compiling for the exact sizes "
+                            "instead, and for every new size of these arguments from now on",
+                            getattr(self.fn, "__name__", self.fn), type(e).__name__, str(e).split("\n")[0][:300])
+        if entry is None:
+            entry = self._build(key, args, kwargs)
+            history = self._histories.get(erase_sizes(key, None)) if self.dynamic is not False else None
+            if history is not None and history.names is None:
+                history.names = [p.name for p in entry.computation_trace.args]
+        self._cache[key] = entry
+        self._last_key = key
+        return entry
+
+    def _compile_symbolic(self, key, args, kwargs, flat, sizes, dims) -> CacheEntry:
+        symbolic = SymbolicSizes(sizes, dims)
+        entry = self._build(key, args, kwargs, symbolic)
+        if entry.program.extra.get("runtime") is not None:
+            # the backward is otherwise compiled when it first runs: fail here, where exact sizes can take over
+            entry.program.backward_traces()
+        if not symbolic.guard(flat):
+            raise RuntimeError("the guards recorded while tracing do not hold for the sizes traced")
+        entry.symbolic = symbolic
+        entry.pattern = erase_sizes(key, symbolic.dims)
+        self._dynamic_entries.append(entry)
+        return entry
+
+    def _build(self, key, args, kwargs, symbolic: SymbolicSizes | None = None) -> CacheEntry:
+        """Trace and compile for one key (for symbolic sizes when ``symbolic`` is given)."""
+        stats = self._stats
         start = time.perf_counter()
         autocast_devices = [p.device_type for p in current_policies()]
-        trace, spec = self._trace(args, kwargs)
+        trace, spec = self._trace(args, kwargs, sizes=symbolic.sizes if symbolic is not None else None)
         # executors may rewrite the computation trace before autodiff (fused_linear_ce replaces linear followed by
         # cross_entropy with one symbol whose gradient is computed chunk by chunk)
         for ex in self.executors:
@@ -120,14 +229,12 @@ class JittedFunction:
             program.run = _without_autocast(program.run, autocast_devices)
         done = time.perf_counter()
         entry = CacheEntry(program=program, spec=spec, computation_trace=trace,
-                           prologue=_prologue_trace(trace, key))
-        self._cache[key] = entry
-        self._last_key = key
+                           prologue=_prologue_trace(trace, key, symbolic))
         stats.last_trace_time_ms = (traced - start) * 1e3
         stats.last_compile_time_ms = (done - start) * 1e3
         stats.phase_times_ms = {"trace": stats.last_trace_time_ms, **program.timings_ms}
         stats.last_traces = [trace, *program.traces[1:]] if program.traces else [trace]
-        stats.last_backward_traces = list(program.backward_traces)
+        stats._backward_traces = program.backward_traces
         stats.last_prologue_traces = [entry.prologue] if entry.prologue is not None else []
         return entry
 
@@ -174,7 +281,7 @@ def _short(k) -> str:
     return text if len(text) < 120 else text[:117] + "..."
 
 
-def _prologue_trace(trace: Trace, key) -> Trace:
+def _prologue_trace(trace: Trace, key, symbolic: SymbolicSizes | None = None) -> Trace:
     """A readable record of what a later call must match to reuse this compilation."""
     from fulmen.core.symbol import Symbol
 
@@ -184,6 +291,9 @@ def _prologue_trace(trace: Trace, key) -> Trace:
     for p in trace.args:
         pro.bound_symbols.append(check.bind(p, tuple(p.shape), str(p.device), p.dtype, p.requires_grad,
                                             output=None))
+    if symbolic is not None:  # the relations tracing assumed between the dynamic sizes (the cache's guards)
+        guards = Symbol(name="check_sizes", id="check_sizes", is_prim=True, module="prologue")
+        pro.bound_symbols.append(guards.bind(symbolic.guard_source(), output=None))
     state = Symbol(name="check_global_state", id="check_global_state", is_prim=True, module="prologue")
     grad, default_dtype, cpu_ac, cuda_ac, *_ = key[1]
     pro.bound_symbols.append(state.bind(output=None, grad_enabled=grad, default_dtype=default_dtype,

@@ -82,14 +82,17 @@ class _ModuleProgram(JittedFunction):
         entry = self._cache.get(key)
         self._stats.calls += 1
         if entry is None:
-            entry = self._compile(key, args, kwargs)
+            entry = self._miss(key, args, kwargs, flat)
         else:
             self._stats.cache_hits += 1
         if entry.spec.captured:
             flat += entry.spec.captured
         return entry.program.run(flat)
 
-    def _trace(self, args, kwargs):
+    def _n_state(self) -> int:
+        return len(self.state.unique_slots)
+
+    def _trace(self, args, kwargs, sizes=None):
         state = self.state
         state.refresh()
         named = list(zip(state.names, state.tensors()))
@@ -100,7 +103,8 @@ class _ModuleProgram(JittedFunction):
                 return module(*a, **k)
 
         names = _arg_names(module.forward, args, kwargs)
-        return trace_program(forward, args, kwargs, state=named, fn_name="computation", arg_names=names)
+        return trace_program(forward, args, kwargs, state=named, fn_name="computation", arg_names=names,
+                             sizes=sizes)
 
 
 class JittedModule(nn.Module):

@@ -46,21 +46,23 @@ def _arg_names(fn: Callable, args: tuple, kwargs: dict) -> list[str]:
     return names
 
 
-def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy]) -> Any:
-    """Replace every tensor in ``value`` (tuples, lists, dicts) by a named TensorProxy input."""
+def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], sizes: list | None = None) -> Any:
+    """Replace every tensor in ``value`` (tuples, lists, dicts) by a named TensorProxy input; ``sizes`` (by flat
+    position) overrides the tensors' shapes with symbolic ones."""
     if isinstance(value, torch.Tensor):
-        p = TensorProxy(trace.add_name(name), shape=value.shape, dtype=value.dtype, device=value.device,
+        shape = value.shape if sizes is None else sizes[len(flat)]
+        p = TensorProxy(trace.add_name(name), shape=shape, dtype=value.dtype, device=value.device,
                         requires_grad=value.requires_grad)
         if value.requires_grad and value.is_leaf:
             p._origin = "input-leaf"
         flat.append(p)
         return p
     if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
-        return type(value)(proxify(trace, v, f"{name}_{i}", flat) for i, v in enumerate(value))
+        return type(value)(proxify(trace, v, f"{name}_{i}", flat, sizes) for i, v in enumerate(value))
     if isinstance(value, tuple):  # namedtuple
-        return type(value)(*(proxify(trace, v, f"{name}_{f}", flat) for f, v in zip(value._fields, value)))
+        return type(value)(*(proxify(trace, v, f"{name}_{f}", flat, sizes) for f, v in zip(value._fields, value)))
     if isinstance(value, dict):
-        return {k: proxify(trace, v, f"{name}_{k}", flat) for k, v in value.items()}
+        return {k: proxify(trace, v, f"{name}_{k}", flat, sizes) for k, v in value.items()}
     return value
 
 
@@ -149,21 +151,26 @@ def _compiling():
 
 def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[str] | None = None,
                   fn_name: str = "computation",
-                  state: list[tuple[str, torch.Tensor]] | None = None) -> tuple[Trace, InputSpec]:
+                  state: list[tuple[str, torch.Tensor]] | None = None,
+                  sizes: list | None = None) -> tuple[Trace, InputSpec]:
     """Trace ``fn(*args, **kwargs)``: tensors become proxies, every torch call becomes a bound symbol.
 
     ``state`` (a module's parameters and buffers, by name) becomes the first inputs; ``fn`` then receives
-    the list of their proxies as its first argument.
+    the list of their proxies as its first argument. ``sizes`` gives the shape of each tensor input in flat
+    order (state first), with ``torch.SymInt`` for dynamic dimensions (``fulmen.frontend.dynamic``).
     """
     trace = Trace(fn_name)
     spec = InputSpec()
     names = arg_names or _arg_names(fn, args, kwargs)
     proxy_args = []
+    flat = spec.tensor_proxies
     if state is not None:
-        proxy_args.append([proxify(trace, t, name, spec.tensor_proxies) for name, t in state])
+        proxy_args.append([proxify(trace, t, name, flat, sizes) for name, t in state])
     for i, a in enumerate(args):
-        proxy_args.append(proxify(trace, a, names[i] if i < len(names) else f"t_{i}", spec.tensor_proxies))
-    proxy_kwargs = {k: proxify(trace, v, sanitize_name(k), spec.tensor_proxies) for k, v in kwargs.items()}
+        proxy_args.append(proxify(trace, a, names[i] if i < len(names) else f"t_{i}", flat, sizes))
+    proxy_kwargs = {k: proxify(trace, v, sanitize_name(k), flat, sizes) for k, v in kwargs.items()}
+    if sizes is not None and len(flat) != len(sizes):
+        raise RuntimeError(f"symbolic sizes: found {len(flat)} tensor inputs, expected {len(sizes)}")
     trace.args = list(spec.tensor_proxies)
     trace.capture = _Capture(trace, spec)
     trace.autocast = current_policies()

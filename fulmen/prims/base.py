@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from enum import Enum, auto
-from numbers import Number
 
 import torch
 
 from fulmen.core.devices import Device
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import OpTags, Symbol
+from fulmen.core.symbolic import INT_TYPES, NUMBER_TYPES
 from fulmen.core.utils import check
 
 
@@ -129,16 +129,16 @@ def same_dtype(op: str, *args) -> torch.dtype:
         check(t.dtype == dtype, lambda: f"prims.{op} expects tensors of one dtype, but got {dtype} and {t.dtype}; "
               "convert first (clang does this)", TypeError)
     for a in args:
-        if not isinstance(a, (TensorProxy, Number)) and a is not None:
+        if not isinstance(a, (TensorProxy, *NUMBER_TYPES)) and a is not None:
             raise TypeError(f"prims.{op} expects tensors or numbers, but got {type(a).__name__}")
     return dtype
 
 
 def check_valid_shape(shape: Sequence[int], op: str) -> None:
     for s in shape:
-        check(isinstance(s, int) and not isinstance(s, bool) and s >= 0,
+        check(isinstance(s, INT_TYPES) and not isinstance(s, bool) and s >= 0,
               lambda: f"{op}: shape entries must be non-negative ints, but got {tuple(shape)}", RuntimeError)
 
 
 def is_number(x) -> bool:
-    return isinstance(x, Number) and not isinstance(x, torch.Tensor)
+    return isinstance(x, NUMBER_TYPES) and not isinstance(x, torch.Tensor)

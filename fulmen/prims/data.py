@@ -10,6 +10,7 @@ from fulmen.core import dtypes
 from fulmen.core.devices import Device, to_device, to_torch_device
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import OpTags
+from fulmen.core.symbolic import INT_TYPES
 from fulmen.core.utils import check
 from fulmen.prims.base import PrimIDs, check_valid_shape, make_prim
 
@@ -70,8 +71,8 @@ full = make_prim(PrimIDs.FULL, "full", meta=_full_meta, torch_impl=_torch_full, 
 
 
 def _iota_meta(length, *, start, step, device, dtype):
-    check(isinstance(length, int) and length >= 0, lambda: f"prims.iota expects a non-negative length, got {length}",
-          RuntimeError)
+    check(isinstance(length, INT_TYPES) and length >= 0,
+          lambda: f"prims.iota expects a non-negative length, got {length}", RuntimeError)
     return TensorProxy(shape=(length,), device=to_device(device), dtype=dtype)
 
 

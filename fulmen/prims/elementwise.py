@@ -9,6 +9,7 @@ import torch
 from fulmen.core import dtypes
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import OpTags
+from fulmen.core.symbolic import NUMBER_TYPES
 from fulmen.core.utils import check
 from fulmen.prims.base import PrimIDs, make_prim, same_dtype, same_shape_device
 
@@ -18,7 +19,7 @@ _BINARY = (OpTags.ELEMENTWISE, OpTags.BINARY)
 
 def _unary_meta_factory(name: str, *, output: str = "same", supports: str | None = None):
     def meta(a):
-        if isinstance(a, Number):
+        if isinstance(a, NUMBER_TYPES):
             raise TypeError(f"prims.{name} expects a tensor; clang folds Python numbers before calling prims")
         check(isinstance(a, TensorProxy), lambda: f"prims.{name} expects a tensor, but got {type(a).__name__}",
               TypeError)

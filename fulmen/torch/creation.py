@@ -33,6 +33,7 @@ from fulmen.core import dtypes
 from fulmen.core.devices import Device, to_device
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import OpTags
+from fulmen.core.symbolic import INT_TYPES, SYMBOLIC_NUMBERS
 from fulmen.core.utils import check
 from fulmen.torch.indexing import index_constant
 from fulmen.torch.inplace import mutate
@@ -263,8 +264,9 @@ def as_tensor(data, dtype=None, device=None):
 
 def _check_real(op: str, *values) -> None:
     for v in values:
-        check(isinstance(v, Number) and not isinstance(v, complex), lambda: f"{op}(): expected real numbers, got "
-              f"{type(v).__name__} ({v!r}); tensor arguments are not supported", TypeError)
+        check(isinstance(v, (Number, *SYMBOLIC_NUMBERS)) and not isinstance(v, complex),
+              lambda: f"{op}(): expected real numbers, got {type(v).__name__} ({v!r}); tensor arguments are not "
+              "supported", TypeError)
 
 
 @torchsymbol(torch.arange, tags=_CREATION)
@@ -276,12 +278,15 @@ def arange(start, end=None, step=1, *, out=None, dtype=None, layout=None, device
         start, end = 0, start
     _check_real("arange", start, end, step)
     if dtype is None:
-        ints = all(isinstance(v, int) for v in (start, end, step))
+        ints = all(isinstance(v, INT_TYPES) for v in (start, end, step))
         dtype = torch.int64 if ints else torch.get_default_dtype()
     check(step != 0, lambda: "step must be nonzero", RuntimeError)
     check((end - start) * step >= 0 or end == start, lambda: "upper bound and lower bound inconsistent with step "
           "sign", RuntimeError)
-    length = max(math.ceil((end - start) / step), 0)
+    if all(isinstance(v, INT_TYPES) for v in (start, end, step)):
+        length = max(-((start - end) // step), 0)  # integer ceil division: exact for symbolic sizes too
+    else:
+        length = max(math.ceil((end - start) / step), 0)
     out_ = prims.iota(length, start=start, step=step, device=_device(device), dtype=dtype)
     return _finish(out_, requires_grad)
 

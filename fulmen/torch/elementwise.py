@@ -12,6 +12,7 @@ from fulmen.clang import TypePromotion, elementwise_binary, elementwise_unary, m
 from fulmen.core import dtypes
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import OpTags
+from fulmen.core.symbolic import NUMBER_TYPES
 from fulmen.core.utils import check
 from fulmen.torch.inplace import mutate
 from fulmen.torch.registry import register_function, tensor_methods, torchsymbol
@@ -174,7 +175,7 @@ def add(a, b, *, alpha: Number | None = None):
     if alpha is not None and alpha != 1:
         check(not (isinstance(alpha, float) and dtypes.is_exact_dtype(clang.result_dtype(a, b))),
               lambda: "For integral input tensors, argument alpha must not be a floating point number.", RuntimeError)
-        b = b * alpha if isinstance(b, Number) else mul(b, alpha)
+        b = b * alpha if isinstance(b, NUMBER_TYPES) else mul(b, alpha)
     return elementwise_binary(a, b, prims.add)
 
 
@@ -185,7 +186,7 @@ def sub(a, b, *, alpha: Number | None = None):
           torch.bool), lambda: "Subtraction, the `-` operator, with two bool tensors is not supported. Use the `^` or "
           "`logical_xor()` operator instead.", RuntimeError)
     if alpha is not None and alpha != 1:
-        b = b * alpha if isinstance(b, Number) else mul(b, alpha)
+        b = b * alpha if isinstance(b, NUMBER_TYPES) else mul(b, alpha)
     return elementwise_binary(a, b, prims.sub)
 
 
@@ -236,7 +237,7 @@ def fmod(a, b):
 @torchsymbol(*_binary_torch_fns("pow"), method_name="pow", tags=_EW)
 def pow(a, b):
     """torch.pow; ``x ** 2`` stays a pow (torch computes it exactly as x * x for integer exponents)."""
-    if isinstance(a, Number) and isinstance(b, TensorProxy):
+    if isinstance(a, NUMBER_TYPES) and isinstance(b, TensorProxy):
         a = clang.full((), a, device=b.device, dtype=clang.result_dtype(a, b))
     return elementwise_binary(a, b, prims.pow)
 
@@ -261,9 +262,9 @@ def _numbers_as_tensors(args, kwargs, first_only: bool = False):
     a, b = args
     ref = a if isinstance(a, TensorProxy) else b
     dtype = clang.result_dtype(a, b)
-    if isinstance(a, Number):
+    if isinstance(a, NUMBER_TYPES):
         a = clang.full((), a, device=ref.device, dtype=dtype)
-    if isinstance(b, Number) and not first_only:
+    if isinstance(b, NUMBER_TYPES) and not first_only:
         b = clang.full((), b, device=ref.device, dtype=dtype)
     return (a, b), kwargs
 
@@ -424,9 +425,9 @@ for _name, _sym in (("lerp", lerp), ("addcmul", addcmul), ("addcdiv", addcdiv)):
 
 @torchsymbol(torch.xlogy, torch.Tensor.xlogy, torch.special.xlogy, method_name="xlogy", tags=_EW)
 def xlogy(a, b):
-    if isinstance(a, Number):
+    if isinstance(a, NUMBER_TYPES):
         a = clang.full((), a, device=b.device, dtype=clang.result_dtype(a, b))
-    if isinstance(b, Number):
+    if isinstance(b, NUMBER_TYPES):
         b = clang.full((), b, device=a.device, dtype=clang.result_dtype(a, b))
     return clang.where(eq(a, 0), 0.0, mul(a, log(b)))
 

@@ -37,7 +37,9 @@ def _fake_meta(func: Callable, name: str) -> Callable:
     def meta(*args, **kwargs):
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        # a trace with symbolic sizes: fake tensors get the same symbols, and the op's checks record guards
+        env = _shape_env_of((args, kwargs))
+        mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=env)
         try:
             # autocast casts are explicit in the trace and generated code runs without autocast
             with mode, torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
@@ -69,6 +71,14 @@ def _fake_meta(func: Callable, name: str) -> Callable:
         return tree_map(to_proxy, out)
 
     return meta
+
+
+def _shape_env_of(x: Any):
+    for leaf in torch.utils._pytree.tree_leaves(x):
+        for s in getattr(leaf, "shape", ()) if isinstance(leaf, TensorProxy) else (leaf,):
+            if isinstance(s, torch.SymInt):
+                return s.node.shape_env
+    return None
 
 
 def _run_on_zeros(func: Callable, args, kwargs):

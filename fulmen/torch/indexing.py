@@ -162,8 +162,25 @@ def _slice_bounds(s: slice, n: int) -> tuple[int, int, int]:
         check(part is None or isinstance(part, Integral), lambda: f"slice indices must be integers or None, got "
               f"{type(part).__name__}", TypeError if not isinstance(part, TensorProxy) else NotImplementedError)
     check(s.step is None or s.step > 0, lambda: "step must be greater than zero", ValueError)
-    start, stop, step = s.indices(n)
+    if isinstance(n, torch.SymInt) or any(isinstance(v, torch.SymInt) for v in (s.start, s.stop, s.step)):
+        start, stop, step = _symbolic_indices(s, n)
+    else:
+        start, stop, step = s.indices(n)
     return start, max(start, stop), step
+
+
+def _symbolic_indices(s: slice, n) -> tuple:
+    """``slice.indices(n)`` for a positive step without ``int(n)`` (which would specialize a symbolic size)."""
+
+    def bound(v, default):
+        if v is None:
+            return default
+        if v < 0:
+            v = v + n
+            return v if v >= 0 else 0
+        return v if v <= n else n
+
+    return bound(s.start, 0), bound(s.stop, n), 1 if s.step is None else s.step
 
 
 def _advanced(x: TensorProxy, positions: list[int], indices: list[TensorProxy]) -> TensorProxy:

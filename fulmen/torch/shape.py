@@ -27,6 +27,7 @@ from fulmen.clang import TypePromotion, maybe_convert_to_dtype
 from fulmen.core import langctx
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
+from fulmen.core.symbolic import INT_TYPES
 from fulmen.core.utils import canonicalize_dim, check, contiguous_strides, prod
 from fulmen.torch.elementwise import inplace_variant
 from fulmen.torch.registry import _record_view, torchsymbol
@@ -143,7 +144,7 @@ def sizes_arg(op: str, args: Sequence, keyword=None, *, name: str = "size") -> t
     if len(args) == 1 and isinstance(args[0], (tuple, list)):
         args = tuple(args[0])
     for s in args:
-        check(isinstance(s, int) and not isinstance(s, bool),
+        check(isinstance(s, INT_TYPES) and not isinstance(s, bool),
               lambda: f"{op}(): argument '{name}' must be tuple of ints, but found element of type "
               f"{type(s).__name__} ({s!r})", TypeError)
     return tuple(args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fulmen.core.codeutils import outputs_of
 from fulmen.core.proxies import Proxy
 from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
+from fulmen.core.symbolic import SYMBOLIC_TYPES, expr_of
 from fulmen.core.trace import Trace
 
 DEL = Symbol(name="del", id="del", is_prim=True, module=None,
@@ -40,6 +41,8 @@ def _cse_key(bsym: BoundSymbol):
             return (type(x).__name__, tuple(freeze(v) for v in x))
         if isinstance(x, dict):
             return ("d", tuple((k, freeze(v)) for k, v in x.items()))
+        if isinstance(x, SYMBOLIC_TYPES):  # hash() would specialize it (a guard); its expression is hashable
+            return (type(x).__name__, expr_of(x))
         try:
             hash(x)
         except TypeError:

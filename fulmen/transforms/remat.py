@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 
 from fulmen.core.proxies import Proxy, TensorProxy
 from fulmen.core.symbol import BoundSymbol, OpTags
+from fulmen.core.symbolic import size_hint
 
 _INF = 1 << 62
 _CHEAP_TAGS = (OpTags.ELEMENTWISE, OpTags.SHAPE_OP, OpTags.VIEW)
@@ -39,7 +40,11 @@ def is_recomputable(bsym: BoundSymbol) -> bool:
 
 
 def _nbytes(p: TensorProxy) -> int:
-    return p.numel() * p.dtype.itemsize
+    # the sizes traced, also for symbolic sizes: a cost heuristic must not add guards (compare symbolic sizes)
+    n = 1
+    for s in p.shape:
+        n *= size_hint(s)
+    return n * p.dtype.itemsize
 
 
 class _FlowGraph:
