@@ -19,12 +19,16 @@ from fulmen import prims  # noqa: F401
 from fulmen import torch as ltorch  # noqa: F401
 from fulmen.core import dtypes  # noqa: F401
 from fulmen.core.proxies import DataDependentError  # noqa: F401
+from fulmen.executors import inductor as _inductor  # registers the inductor fusion executor
 from fulmen.executors import torchex as _torchex  # noqa: F401  (registers the torch executor)
-from fulmen.executors.base import Executor
+from fulmen.executors.base import Executor, add_default_executor
 from fulmen.frontend.jit import JittedFunction, get_stats
 from fulmen.frontend.module import JittedModule
 
 __version__ = "0.1.0"
+
+# Fusion through Inductor is on by default: regions compile in the background and swap in when ready.
+add_default_executor(_inductor.ex)
 
 # Public names that live in higher layers are imported on first use: `import fulmen` stays cheap and
 # the layers below never import the frontend.

@@ -1,9 +1,15 @@
 """Session-wide test settings: check every trace after every transform, and skip GPU tests without CUDA."""
 
-import pytest
-import torch
+import os
 
-import fulmen.frontend.compile as _compile
+# Hundreds of test programs run once each: their fused regions run with the torch executor ("off") instead of
+# each starting an Inductor compilation. The Inductor tests (test_inductor.py) compile with compile_mode "sync".
+os.environ.setdefault("FULMEN_COMPILE", "off")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import fulmen.frontend.compile as _compile  # noqa: E402
 
 # Every step of the execution pipeline runs check_trace on the trace it produced (single assignment,
 # use after definition, metas that agree with recorded outputs).

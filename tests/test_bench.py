@@ -158,26 +158,21 @@ def test_runner_waits_for_background_compilation(monkeypatch):
 
 
 def test_fulmen_backend_counts_compilations_in_flight(monkeypatch):
-    import sys
-    from concurrent.futures import Future
-    from types import SimpleNamespace as NS
-
     from fulmen.bench.runner import BACKENDS
+    from fulmen.executors import inductor_compile
 
-    def future(done):
-        f = Future()
-        if done:
-            f.set_result(None)
-        return f
+    def kernel(done):
+        k = inductor_compile.Kernel("k")
+        k.done = done
+        return k
 
-    regions = [NS(pending={}),  # never called: not compiling
-               NS(pending={(1,): future(False), (2,): future(True)}),
-               NS(pending={(1,): None}),  # compiled synchronously
-               NS(pending={(1,): future(False)})]
-    monkeypatch.setitem(sys.modules, "fulmen.executors.inductor", NS(ex=NS(regions=regions)))
+    kernels = {1: kernel(False), 2: kernel(True), 3: kernel(False)}
+    monkeypatch.setattr(inductor_compile, "_kernels", kernels)
     jitted = fulmen.jit(lambda x: x + 1)
     jitted(torch.ones(2))
     assert BACKENDS["fulmen"].pending(jitted) == 2
+    kernels[1].done = kernels[3].done = True
+    assert BACKENDS["fulmen"].pending(jitted) == 0
     fulmen.compile_stats(jitted).pending_compilations = 5  # an explicit count from fulmen wins
     assert BACKENDS["fulmen"].pending(jitted) == 5
 
@@ -262,7 +257,7 @@ def test_cli_examine_model(capsys):
     assert cli.main(["examine", "--model", "gpt-tiny"]) == 0
     out = capsys.readouterr().out
     assert "ops in the computation trace" in out
-    assert "executors: torch" in out
+    assert "executors: inductor" in out  # fusion is on by default
     assert "ops by kind" in out and "fallback (opaque) ops" in out
 
 

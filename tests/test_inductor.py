@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fulmen
-from fulmen.executors import inductor
+from fulmen.executors import inductor, inductor_compile
 
 
 @pytest.fixture
@@ -40,6 +40,14 @@ def test_fused_region_matches_torch_executor(sync_compile):
 
 
 def test_async_mode_runs_eagerly_then_swaps_in():
+    token = inductor.compile_mode.set("async")
+    try:
+        _async_mode_runs_eagerly_then_swaps_in()
+    finally:
+        inductor.compile_mode.reset(token)
+
+
+def _async_mode_runs_eagerly_then_swaps_in():
     def f(a):
         return (a * 3 + 2).cos() * a
 
@@ -47,10 +55,11 @@ def test_async_mode_runs_eagerly_then_swaps_in():
     jf = fulmen.jit(f, executors=["inductor"])
     first = jf(a)  # returns without waiting for Inductor
     torch.testing.assert_close(first, f(a))
-    inductor.wait_for_compilations(timeout=300)
     region = _fused_regions(jf)[0].sym.impl
-    assert region.variants and not region.failed
+    assert not region.variants, "the first call must not wait for Inductor"
+    inductor.wait_for_compilations(timeout=300)
     torch.testing.assert_close(jf(a), f(a))
+    assert region.variants and not region.failed, "the compiled kernel swaps in on the next call"
 
 
 def test_new_input_strides_get_their_own_variant(sync_compile):
@@ -69,7 +78,7 @@ def test_inductor_failure_falls_back_with_a_warning(sync_compile, monkeypatch, c
     def broken(fn, example):
         raise RuntimeError("simulated Inductor failure")
 
-    monkeypatch.setattr(inductor, "_inductor_compile", broken)
+    monkeypatch.setattr(inductor_compile, "_inductor_compile", broken)
 
     def f(a):
         return (a * 2).exp() + 1
@@ -124,3 +133,133 @@ def test_random_programs_keep_their_results(sync_compile, seed):
     from fulmen.core.trace import check_trace
 
     check_trace(fulmen.last_traces(jf)[-1])
+
+
+# ---- the partitioner: regions as large as dependencies allow, never a cycle, never a changed result ----
+
+
+@pytest.fixture
+def no_compile():
+    token = inductor.compile_mode.set("off")  # regions run their reordered torch code: tests the partition only
+    yield
+    inductor.compile_mode.reset(token)
+
+
+def _opaque(x):
+    return torch.special.i0e(x)  # no torch-language rule: an opaque op, never fused
+
+
+def test_independent_opaque_op_does_not_split_a_region(no_compile):
+    def f(x):
+        a = x.sin()
+        o = _opaque(x)  # independent of a: the partitioner runs it first
+        b = a.cos() * 2
+        return b, o
+
+    jf = fulmen.jit(f, executors=["inductor"])
+    x = torch.randn(5, 3)
+    for got, want in zip(jf(x), f(x)):
+        torch.testing.assert_close(got, want)
+    assert len(_fused_regions(jf)) == 1
+
+
+def test_dependent_opaque_op_keeps_the_order(no_compile):
+    def f(x):
+        a = x.sin()
+        o = _opaque(a)  # needs a, and c needs it: a region holding a and c would be a cycle
+        c = o.cos() + a.exp()
+        return c
+
+    jf = fulmen.jit(f, executors=["inductor"])
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(jf(x), f(x))
+    from fulmen.core.trace import check_trace
+
+    check_trace(fulmen.last_traces(jf)[-1])
+    assert len(_fused_regions(jf)) == 2
+
+
+def test_random_ops_keep_eager_generator_order(no_compile):
+    def f(x):
+        a = x.sin() * torch.rand_like(x)
+        b = x.cos() + torch.randn_like(x)
+        return a * b + torch.rand_like(x)
+
+    x = torch.randn(6, 6)
+    torch.manual_seed(7)
+    want = f(x)
+    jf = fulmen.jit(f, executors=["inductor"])
+    torch.manual_seed(7)
+    torch.testing.assert_close(jf(x), want)
+
+
+def test_in_place_update_of_an_input_is_ordered_with_its_reads(no_compile):
+    def f(x, y):
+        a = x.sin()
+        x.add_(1.0)
+        return a * x + y.exp()
+
+    x, y = torch.randn(3, 3), torch.randn(3, 3)
+    x_eager, x_jit = x.clone(), x.clone()
+    want = f(x_eager, y)
+    got = fulmen.jit(f, executors=["inductor"])(x_jit, y)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(x_jit, x_eager)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_partition_of_random_programs(no_compile, seed):
+    program = _random_program(100 + seed)
+    a, b = torch.randn(8, 4), torch.randn(8, 4)
+    jf = fulmen.jit(program, executors=["inductor"])
+    for o, e in zip(jf(a, b), program(a, b)):
+        torch.testing.assert_close(o, e, rtol=1e-6, atol=1e-6)
+    final = fulmen.last_traces(jf)[-1]
+    from fulmen.core.trace import check_trace
+
+    check_trace(final)
+    # opaque ops run in their original order, and no two fused regions are adjacent (they would be one)
+    kinds = [b.sym.is_fusion for b in final.bound_symbols if b.sym.id not in ("del", "comment")]
+    assert not any(x and y for x, y in zip(kinds, kinds[1:]))
+    computation = [b.output.name for b in fulmen.last_traces(jf)[0].bound_symbols if "i0e" in b.sym.name]
+    ran = [p.name for b in final.bound_symbols if not b.sym.is_fusion for p in b.flat_proxy_outs
+           if p.name in computation]
+    assert ran == [name for name in computation if name in ran]
+
+
+def test_identical_layers_share_one_kernel(sync_compile):
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.GELU(),
+                                                       torch.nn.Dropout(0.0)) for _ in range(3)])
+
+    def f(x):
+        for layer in layers:
+            x = torch.special.i0e(layer(x))  # opaque ops between the layers: one region per layer
+        return x
+
+    before = inductor.kernel_stats()["kernels"]
+    x = torch.randn(4, 16)
+    jf = fulmen.jit(f, executors=["inductor"])
+    torch.testing.assert_close(jf(x), f(x), rtol=1e-5, atol=1e-5)
+    assert len(_fused_regions(jf)) == 3
+    assert inductor.kernel_stats()["kernels"] - before == 1
+
+
+def test_gpt_training_through_inductor_matches_torch_executor(sync_compile):
+    from fulmen.bench.models import build
+
+    grads = []
+    for executors in (["torch"], ["inductor"]):
+        torch.manual_seed(0)
+        model, make_inputs = build("gpt-tiny")
+        x, y = make_inputs(2, targets=True)
+        jm = fulmen.jit(model, executors=executors)
+        logits, loss = jm(x, y)
+        loss.backward()
+        grads.append([loss.detach()] + [p.grad for p in model.parameters()])
+        if executors == ["inductor"]:
+            forward, backward = fulmen.last_traces(jm)[-1], fulmen.last_backward_traces(jm)[-1]
+            regions = [b.sym.impl for t in (forward, backward) for b in t.bound_symbols if b.sym.is_fusion]
+            assert regions and all(r.variants and not r.failed for r in regions), "every region ran compiled"
+    for g, e in zip(*grads, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)

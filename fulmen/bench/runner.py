@@ -175,14 +175,9 @@ class FulmenBackend(Backend):
 
 
 def background_compilations_in_flight() -> int:
-    inductor = sys.modules.get("fulmen.executors.inductor")
-    executor = getattr(inductor, "ex", None)
-    count = 0
-    for region in getattr(executor, "regions", ()):
-        for future in getattr(region, "pending", {}).values():
-            if future is not None and not future.done():
-                count += 1
-    return count
+    """Inductor kernels queued or compiling, across the process (0 when the inductor executor is not loaded)."""
+    inductor = sys.modules.get("fulmen.executors.inductor_compile")
+    return inductor.pending_compilations() if inductor is not None else 0
 
 
 BACKENDS: dict[str, Backend] = {
@@ -190,8 +185,6 @@ BACKENDS: dict[str, Backend] = {
     "torch.compile": TorchCompileBackend(),
     "fulmen": FulmenBackend(),
     "fulmen-torch": FulmenBackend(executors=["torch"], name="fulmen-torch"),
-    "fulmen-inductor": FulmenBackend(executors=["inductor"], name="fulmen-inductor",
-                                     imports=("fulmen.executors.inductor",)),
 }
 
 

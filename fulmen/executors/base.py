@@ -276,8 +276,11 @@ class _Unclaimed(Exception):
 
 
 def claim_symbols(trace: Trace, executors: Sequence[Executor], *, provenance: str = "Transform for execution",
-                  _depth: int = 0) -> Trace:
-    """Give each bound symbol to the first executor that accepts it, decomposing what nobody takes."""
+                  fuse: bool = True, _depth: int = 0) -> Trace:
+    """Give each bound symbol to the first executor that accepts it, decomposing what nobody takes.
+
+    Symbols a fusion executor accepts stay as they are; with ``fuse`` its fusion pass then groups them into
+    regions (the execution pipeline passes ``fuse=False`` and calls ``fuse_regions`` after CSE and DCE)."""
     new = trace.derive(provenance)
     new.claims = {}  # id(bound symbol) -> the fusion executor that claimed it, read by its fusion pass
     fusion_executors = [e for e in executors if isinstance(e, FusionExecutor)]
@@ -334,9 +337,18 @@ def claim_symbols(trace: Trace, executors: Sequence[Executor], *, provenance: st
             raise RuntimeError(f"Could not find executor for bound symbol {bsym}\n(executors tried: {tried}; "
                                f"none of them runs {e.bsym.sym.qualified_name})") from None
     new.bound_symbols[:] = out
-    for ex in fusion_executors:
-        new = ex.fusion_pass(new)
-    return new
+    return fuse_regions(new, fusion_executors) if fuse else new
+
+
+def fuse_regions(trace: Trace, executors: Sequence[Executor]) -> Trace:
+    """Run each fusion executor's fusion pass, in order. Before its pass, ``trace.claims`` maps each operation
+    the executor can fuse (and nobody has replaced by an execution symbol) to it."""
+    for ex in executors:
+        if isinstance(ex, FusionExecutor):
+            trace.claims = {id(b): ex for b in trace.bound_symbols
+                            if b.sym.id not in ("del", "comment") and ex.can_fuse(b)}
+            trace = ex.fusion_pass(trace)
+    return trace
 
 
 def _runs_decomposition(ex: OperatorExecutor, bsym: BoundSymbol) -> bool:

@@ -1,11 +1,12 @@
 """The inductor executor: fuse regions of a trace with PyTorch's Inductor and call the generated code directly.
 
-``fusion_pass`` groups consecutive operations Inductor handles well into regions. Each region becomes one
-``FusedRegion`` callable in the execution trace. A region starts out running its operations one by one with
-the torch executor; its Inductor compilation runs in a background thread (or right away with
-``compile="sync"``) and swaps in when ready, so the first call never waits for a compiler. Inductor's
-output code is specialized to its inputs' strides, so a region keeps one compiled variant per stride
-pattern it has seen. Inductor's FX graph cache keeps compiled regions on disk for later processes.
+``fusion_pass`` reorders the execution trace so that the operations Inductor handles well run back to back
+(``partition.fusion_groups``: a topological order, so no region can close a cycle) and makes each maximal run
+one region. Each region becomes one ``FusedRegion`` callable in the execution trace. A region starts out
+running its operations one by one with the torch executor; its Inductor kernel compiles in the background (or
+right away in ``compile_mode`` ``"sync"``) and swaps in when ready, so no call waits for a compiler
+(``inductor_compile``). Inductor's output code is specialized to its inputs' shapes and strides, so a region
+keeps one compiled variant per input layout it sees. Regions with the same code share their kernels.
 
 Random operations stay outside regions (so results draw from torch's generator exactly as in eager), and
 so do side effects and opaque ops.
@@ -13,136 +14,104 @@ so do side effects and opaque ops.
 
 from __future__ import annotations
 
-import atexit
-import contextvars
-import logging
-import threading
-import time
+import re
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import torch
+from torch import __version__ as torch_version
+from torch._ops import OpOverload, OpOverloadPacket
 
 from fulmen.core.codegen import compile_trace
 from fulmen.core.codeutils import outputs_of
-from fulmen.core.proxies import Proxy, TensorProxy
+from fulmen.core.proxies import Proxy, TensorProxy, has_symbolic
 from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 from fulmen.core.trace import Trace
 from fulmen.executors.base import FusionExecutor, claim_symbols, get_always_executors, register_executor
-
-log = logging.getLogger("fulmen.inductor")
-
-#: "async" (default): regions compile in the background while the torch executor runs them;
-#: "sync": each region compiles before its first call returns (tests, benchmarks).
-compile_mode: contextvars.ContextVar[str] = contextvars.ContextVar("fulmen_compile_mode", default="async")
+from fulmen.executors.inductor_compile import (  # noqa: F401  (re-exported: the public helpers live here)
+    COMPILE_MODES,
+    Kernel,
+    compile_mode,
+    get_kernel,
+    kernel_stats,
+    pending_compilations,
+    wait_for_compilations,
+)
+from fulmen.executors.partition import fusion_groups, split_repeats
 
 _NOT_FUSED = (OpTags.RANDOM_OP, OpTags.SIDE_EFFECT, OpTags.FALLBACK, OpTags.DEVICE_OP)
-MAX_STRIDE_VARIANTS = 4
+#: Compiled variants one region keeps (one per input layout it has seen); beyond that it runs unfused.
+MAX_VARIANTS = 8
+#: Operations Inductor (torch 2.13) computes wrongly inside a fused graph: ``unfold_backward`` fed by other
+#: fused operations (max_pool2d's backward) gave gradients off by 2.0 where alone it is exact.
+_NOT_FUSED_OPS = frozenset({"unfold_backward"})
 MIN_REGION_SIZE = 2
-
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _compile_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fulmen-inductor")
-        return _pool
-
-
-_shutting_down = False
-
-
-@atexit.register
-def _stop_compiling() -> None:
-    """At interpreter exit, drop queued compilations instead of starting new ones."""
-    global _shutting_down
-    _shutting_down = True
-    if _pool is not None:
-        _pool.shutdown(wait=False, cancel_futures=True)
-
-
-def pending_compilations() -> int:
-    """Region compilations queued or running (0 once every region seen so far is compiled or failed)."""
-    return sum(1 for r in ex.regions for f in r.pending.values() if f is not None and not f.done())
-
-
-def wait_for_compilations(timeout: float | None = None) -> None:
-    """Block until every queued region compilation has finished (benchmarks use this)."""
-    pool = _pool
-    if pool is None:
-        return
-    done = threading.Event()
-    pool.submit(done.set)
-    done.wait(timeout)
-
-
-def _inductor_compile(fn: Callable, example: list[torch.Tensor]) -> Callable:
-    from torch._inductor.compile_fx import compile_fx_inner
-    from torch._inductor.decomposition import select_decomp_table
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*example)
-    compiled = compile_fx_inner(gm, example)
-    return getattr(compiled, "current_callable", compiled)
 
 
 class FusedRegion:
-    """One fused region: runs eagerly until its Inductor kernel for the current input strides is ready."""
+    """One fused region: runs with the torch executor until its Inductor kernel for the current input layout
+    (shapes and strides; dtypes and devices are fixed by the trace) is ready."""
 
-    def __init__(self, name: str, eager: Callable, source: str):
+    def __init__(self, name: str, eager: Callable, source: str, code_key: tuple):
         self.name = name
         self.eager = eager
         self.source = source
-        self.variants: dict[tuple, Callable] = {}
-        self.pending: dict[tuple, Future | None] = {}
-        self.failed = False
-        self.compile_seconds = 0.0
+        self.code_key = code_key
         self.mode = compile_mode.get()
+        if self.mode not in COMPILE_MODES:
+            raise ValueError(f"compile mode {self.mode!r} is not one of {', '.join(COMPILE_MODES)}")
+        self.kernels: dict[tuple, Kernel] = {}
+        self.variants: dict[tuple, Callable] = {}  # layout -> compiled callable, the fast path
 
     def __call__(self, *args):
-        key = tuple(a.stride() for a in args)
+        key = tuple((a.shape, a.stride()) for a in args)
         fn = self.variants.get(key)
         if fn is not None:
             return fn(list(args))
-        if not self.failed and key not in self.pending and len(self.pending) < MAX_STRIDE_VARIANTS:
-            self._schedule(key, args)
-            fn = self.variants.get(key)
-            if fn is not None:
-                return fn(list(args))
+        return self._slow_call(key, args)
+
+    def _slow_call(self, key: tuple, args: tuple):
+        kernel = self.kernels.get(key)
+        if kernel is None:
+            if len(self.kernels) >= MAX_VARIANTS:
+                return self.eager(*args)
+            layout = tuple((a.shape, a.stride(), a.dtype, a.device) for a in args)
+            kernel = self.kernels[key] = get_kernel((self.code_key, layout), self.name, self.eager, args, self.mode)
+        if kernel.fn is not None:
+            self.variants[key] = kernel.fn
+            return kernel.fn(list(args))
         return self.eager(*args)
 
-    def _schedule(self, key: tuple, args: tuple) -> None:
-        # example inputs with the same metadata and strides; tracing is fake, so values do not matter
-        example = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device) for a in args]
-        if self.mode == "sync":
-            self.pending[key] = None
-            self._compile(key, example)
-        else:
-            self.pending[key] = _compile_pool().submit(self._compile, key, example)
-
-    def _compile(self, key: tuple, example: list[torch.Tensor]) -> None:
-        if _shutting_down:
-            return
-        start = time.perf_counter()
-        try:
-            fn = _inductor_compile(self.eager, example)
-        except Exception as e:  # keep running the region with the torch executor, and say so
-            self.failed = True
-            if _shutting_down:  # the interpreter is exiting: nothing will call this region again
-                return
-            log.warning("fulmen: Inductor could not compile %s (%s: %s); it keeps running with the torch "
-                        "executor", self.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-            return
-        self.compile_seconds += time.perf_counter() - start
-        self.variants[key] = fn
+    @property
+    def failed(self) -> bool:
+        return any(k.failed for k in self.kernels.values())
 
     @property
     def ready(self) -> bool:
-        return bool(self.variants) or self.failed
+        return all(k.done for k in self.kernels.values())
+
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _code_key(fn: Callable, source: str, names: set[str]) -> tuple:
+    """The region's code up to the names of its values, and the objects it calls: two regions with equal keys
+    compute the same function of their inputs."""
+    mapping: dict[str, str] = {}
+
+    def rename(m: re.Match) -> str:
+        word = m.group(0)
+        if word not in names:
+            return word
+        return mapping.setdefault(word, f"_v{len(mapping)}")
+
+    lines = []
+    for line in source.splitlines():
+        code = line.split("#", 1)[0].rstrip()
+        if code and not code.startswith(("def ", "import ")):
+            lines.append(_NAME.sub(rename, code))
+    used = fn.__code__.co_names
+    objects = tuple(sorted((k, id(v)) for k, v in fn.__globals__.items() if k in used))
+    return ("\n".join(lines), objects)
 
 
 def _region_io(region: list[BoundSymbol], later: list[BoundSymbol], trace_outputs: set[str]):
@@ -163,14 +132,20 @@ class InductorExecutor(FusionExecutor):
     """Fuses regions of elementwise, reduction, shape and matmul operations with Inductor."""
 
     def __init__(self):
-        super().__init__("inductor", version=torch.__version__)
+        super().__init__("inductor", version=torch_version)
         self._count = 0
         self.regions: list[FusedRegion] = []
 
     def can_fuse(self, bsym: BoundSymbol) -> bool:
         sym = bsym.sym
-        if any(t in sym.tags for t in _NOT_FUSED) or sym.executor is not None:
+        if any(t in sym.tags for t in _NOT_FUSED) or sym.name in _NOT_FUSED_OPS:
             return False
+        if has_symbolic(bsym):  # regions compile for concrete sizes; symbolic ones would need the sizes passed in
+            return False
+        if sym.executor is not None:
+            # the aten calls autodiff writes (native_layer_norm, gelu_backward, ...): Inductor decomposes them
+            return sym.executor.name == "torch" and isinstance(sym.impl, (OpOverload, OpOverloadPacket)) and bool(
+                bsym.flat_proxy_outs) and all(isinstance(p, TensorProxy) for p in bsym.flat_proxy_outs)
         if not (sym.is_prim and "torch_impl" in sym.extra) and not sym.extra.get("torch_executable"):
             return False
         return all(isinstance(p, TensorProxy) for p in bsym.flat_proxy_outs) and bool(bsym.flat_proxy_outs)
@@ -178,25 +153,23 @@ class InductorExecutor(FusionExecutor):
     def fusion_pass(self, trace: Trace) -> Trace:
         torch_executors = list(get_always_executors())
         outputs = {p.name for p in outputs_of(trace.output)}
+        groups = fusion_groups(trace.bound_symbols, self.can_fuse)
         new: list[BoundSymbol] = []
-        bsyms = trace.bound_symbols
-        i = 0
-        while i < len(bsyms):
-            if trace.claims.get(id(bsyms[i])) is not self:
-                new.append(bsyms[i])
-                i += 1
-                continue
-            j = i
-            while j < len(bsyms) and trace.claims.get(id(bsyms[j])) is self:
-                j += 1
-            region = bsyms[i:j]
-            if len(region) < MIN_REGION_SIZE:
-                new.extend(self._unfused(trace, region, torch_executors))
+        for k, (fused, run) in enumerate(groups):
+            if not fused:
+                new.extend(run)
+            elif sum(1 for b in run if b.sym.id not in ("comment", "del")) < MIN_REGION_SIZE:
+                new.extend(self._unfused(trace, run, torch_executors))
             else:
-                new.append(self._fuse(trace, region, bsyms[j:], outputs, torch_executors))
-            i = j
-        out = trace.derive(trace.provenance or "Fusion", new)
-        return out
+                later = [b for _, r in groups[k + 1:] for b in r]
+                pieces = split_repeats([b for b in run if b.sym.id not in ("comment", "del")])
+                for i, piece in enumerate(pieces):
+                    if len(piece) < MIN_REGION_SIZE:
+                        new.extend(self._unfused(trace, piece, torch_executors))
+                    else:
+                        rest = [b for p in pieces[i + 1:] for b in p] + later
+                        new.append(self._fuse(trace, piece, rest, outputs, torch_executors))
+        return trace.derive(trace.provenance or "Fusion", new)
 
     def _unfused(self, trace: Trace, region: list[BoundSymbol], executors) -> list[BoundSymbol]:
         sub = trace.derive("region", region)
@@ -212,8 +185,9 @@ class InductorExecutor(FusionExecutor):
         sub.args = inputs
         sub.output = tuple(outputs)
         claimed = claim_symbols(sub, executors)
-        eager, source = compile_trace(claimed)
-        fused = FusedRegion(name, eager, source)
+        eager, source = compile_trace(claimed, comments=False)
+        names = {p.name for b in region for p in (*b.flat_args, *b.flat_proxy_outs)}
+        fused = FusedRegion(name, eager, source, _code_key(eager, source, names))
         self.regions.append(fused)
         sym = Symbol(name=name, id=name, is_prim=True, is_fusion=True, impl=fused, executor=self)
         return BoundSymbol(sym, tuple(inputs), {}, tuple(outputs), tuple(region))
@@ -224,11 +198,11 @@ register_executor(ex)
 
 
 def fusion_stats() -> dict[str, Any]:
-    """How many regions exist, how many are compiled, and the total compile time (for benchmarks)."""
+    """How many regions exist, how many are compiled, and the compile time of the kernels they share."""
     regions = ex.regions
     return {
         "regions": len(regions),
-        "compiled": sum(1 for r in regions if r.variants),
+        "compiled": sum(1 for r in regions if any(k.fn is not None for k in r.kernels.values())),
         "failed": sum(1 for r in regions if r.failed),
-        "compile_seconds": sum(r.compile_seconds for r in regions),
+        **kernel_stats(),
     }

@@ -13,7 +13,7 @@ from typing import Any
 
 from fulmen.core.codegen import compile_trace
 from fulmen.core.trace import Trace, check_trace
-from fulmen.executors.base import Executor, claim_symbols
+from fulmen.executors.base import Executor, FusionExecutor, claim_symbols, fuse_regions
 from fulmen.transforms.passes import cse, dce, del_last_used
 
 #: Set by tests: run ``check_trace`` after every step.
@@ -22,12 +22,12 @@ CHECK_TRACES = False
 
 @dataclass
 class CompiledProgram:
-    """What a cache entry runs: the forward callable and, when training, the backward one."""
+    """What a cache entry runs: the forward callable; when training, the backward is compiled when it first runs
+    and ``backward_traces()`` gives the traces of the one compiled last."""
 
     forward: Callable
     traces: list[Trace]
-    backward: Callable | None = None
-    backward_traces: list[Trace] = field(default_factory=list)
+    backward_traces: Callable[[], list[Trace]] | None = None
     num_saved: int = 0
     output_spec: Any = None
     timings_ms: dict[str, float] = field(default_factory=dict)
@@ -52,14 +52,16 @@ def _step(traces: list[Trace], timings: dict[str, float], name: str, fn: Callabl
 
 def execution_pipeline(trace: Trace, executors: Sequence[Executor], timings: dict[str, float],
                        traces: list[Trace] | None = None) -> tuple[Callable, list[Trace]]:
-    """DCE, claim by executors, CSE, DCE again, delete last uses, then generate code."""
+    """DCE, claim by executors, CSE, DCE again, fuse regions, delete last uses, then generate code."""
     traces = traces if traces is not None else [trace]
     if traces[-1] is not trace:
         traces.append(trace)
     _step(traces, timings, "dce", lambda t: dce(t))
-    _step(traces, timings, "claim", lambda t: claim_symbols(t, executors))
+    _step(traces, timings, "claim", lambda t: claim_symbols(t, executors, fuse=False))
     _step(traces, timings, "cse", lambda t: cse(t))
     _step(traces, timings, "dce", lambda t: dce(t, provenance="Dead Code Elimination (after claiming)"))
+    if any(isinstance(ex, FusionExecutor) for ex in executors):
+        _step(traces, timings, "fusion", lambda t: fuse_regions(t, executors))
     final = _step(traces, timings, "del_last_used", lambda t: del_last_used(t))
     start = time.perf_counter()
     fn, _ = compile_trace(final)

@@ -9,7 +9,8 @@ Saved tensors: inputs and outputs of the function go through ``ctx.save_for_back
 through outputs, and PyTorch's check that they were not modified in place); the other saved tensors are
 held in a list on ``ctx`` that the backward empties, so each is freed right after its last use in the
 backward -- unless the graph is retained. Outputs that get no gradient reach the backward as ``None``; a
-backward trace is built for each combination of present cotangents that occurs (usually one).
+backward trace is built, when the backward first runs, for each combination of present cotangents that occurs
+(usually one).
 """
 
 from __future__ import annotations
@@ -36,9 +37,13 @@ def _keep_graph() -> bool:
 
 
 class _Runtime:
-    """What the autograd function needs at run time (one per compiled program)."""
+    """What the autograd function needs at run time (one per compiled program).
 
-    def __init__(self, fb: ForwardBackward, executors: Sequence[Executor], forward, backward, timings):
+    The backward is compiled when it first runs, for the combination of cotangents that is present
+    (``loss.backward()`` on a model returning ``(logits, loss)`` gives ``logits`` none), so no backward
+    that never runs is ever compiled -- or handed to a fusion executor's background compiler."""
+
+    def __init__(self, fb: ForwardBackward, executors: Sequence[Executor], forward, timings):
         self.fb = fb
         self.executors = executors
         self.forward = forward
@@ -50,23 +55,46 @@ class _Runtime:
         self.list_saved = [i for i, p in enumerate(fb.saved) if p.name not in names]
         self.n_saved = len(fb.saved)
         self.n_inputs = len(fb.forward.args)
-        everything = (True,) * len(self.differentiable)
-        self.backwards = {everything: backward}
+        self.backwards: dict[tuple[bool, ...], Any] = {}
+        self.traces: dict[tuple[bool, ...], list[Trace]] = {}
+        self.latest: tuple[bool, ...] | None = None
         self.timings = timings
 
     def backward_for(self, present: tuple[bool, ...]):
         fn = self.backwards.get(present)
         if fn is None:
-            try:
-                trace = self.fb.backward_trace(present)
-                fn, _ = execution_pipeline(trace, self.executors, {})
-            except RuntimeError:  # the saved values do not cover this backward: give the absent outputs zeros
-                fn = self._with_zeros(present)
-            self.backwards[present] = fn
+            fn = self._compile(present)
         return fn
 
+    def _compile(self, present: tuple[bool, ...]):
+        everything = (True,) * len(self.differentiable)
+        try:
+            start = time.perf_counter()
+            trace = self.fb.backward_trace(present)
+            self.timings["backward_split"] = self.timings.get("backward_split", 0.0) + (
+                time.perf_counter() - start) * 1e3
+            timings: dict[str, float] = {}
+            fn, traces = execution_pipeline(trace, self.executors, timings)
+            for k, v in timings.items():
+                self.timings[f"backward_{k}"] = self.timings.get(f"backward_{k}", 0.0) + v
+            self.traces[present] = traces
+        except RuntimeError:  # the saved values do not cover this backward: give the absent outputs zeros
+            if present == everything:
+                raise
+            fn = self._with_zeros(present)
+        self.backwards[present] = fn
+        self.latest = present if present in self.traces else everything
+        return fn
+
+    def last_traces(self) -> list[Trace]:
+        """The traces of the backward compiled last; before any backward ran, those of the backward that gets
+        every cotangent (compiled now, for inspection)."""
+        if self.latest is None:
+            self.backward_for((True,) * len(self.differentiable))
+        return self.traces[self.latest]
+
     def _with_zeros(self, present):
-        full = self.backwards[(True,) * len(self.differentiable)]
+        full = self.backward_for((True,) * len(self.differentiable))
         outs = [self.fb.outputs[i] for i in self.differentiable]
 
         def backward(saved, cts):
@@ -188,17 +216,13 @@ def compile_training(trace: Trace, executors: Sequence[Executor]) -> CompiledPro
         return program
     fb.forward.elapsed_ms = timings["autodiff"]
     forward, traces = execution_pipeline(fb.forward, executors, timings, [trace])
-    backward_timings: dict[str, float] = {}
-    backward_trace = fb.backward_trace()
-    backward, backward_traces = execution_pipeline(backward_trace, executors, backward_timings)
-    timings.update({f"backward_{k}": v for k, v in backward_timings.items()})
-    runtime = _Runtime(fb, executors, forward, backward, timings)
+    runtime = _Runtime(fb, executors, forward, timings)
     build = _output_builder(trace, fb)
     apply = FulmenFunction.apply
 
     def run(flat: list) -> Any:
         return build(apply(runtime, *flat), flat)
 
-    return CompiledProgram(forward=forward, traces=traces, backward=backward, backward_traces=backward_traces,
+    return CompiledProgram(forward=forward, traces=traces, backward_traces=runtime.last_traces,
                            num_saved=len(fb.saved), output_spec=build, timings_ms=timings,
                            extra={"runtime": runtime, "split": fb}, run=run)

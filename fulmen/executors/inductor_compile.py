@@ -1,0 +1,161 @@
+"""Compiling fused regions with Inductor: shared kernels, a background worker and its bookkeeping.
+
+A ``Kernel`` is one Inductor compilation of a region's code for one input layout (shapes, strides, dtypes,
+devices). Kernels are shared: regions whose code is the same up to the names of their values (a model's
+identical layers, or the same program traced again) and whose inputs have the same layout compile once.
+
+In ``"async"`` mode (the default) compilations run on one background thread. The thread starts working only
+once the program has stopped discovering new work for ``QUIET_SECONDS``: the first call of a program traces,
+runs and schedules its regions without competing with the compiler for the interpreter, so it returns at
+eager speed; compilation then fills the time of the following calls. ``"sync"`` compiles before the first
+call returns (tests, benchmarks). Inductor's FX graph cache keeps compiled code on disk, so a second
+process finds its kernels there.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from fulmen.core.utils import compiler_import_lock
+
+log = logging.getLogger("fulmen.inductor")
+
+COMPILE_MODES = ("async", "sync", "off")
+_env_mode = os.environ.get("FULMEN_COMPILE", "async")
+if _env_mode not in COMPILE_MODES:
+    raise ValueError(f"FULMEN_COMPILE={_env_mode!r} is not a compile mode; use one of {', '.join(COMPILE_MODES)}")
+
+#: "async" (default): regions compile in the background while the torch executor runs them;
+#: "sync": each region compiles before its first call returns (tests, benchmarks);
+#: "off": regions never compile and keep running with the torch executor (debugging, and the test suite's
+#: default, where hundreds of programs run once). The environment variable FULMEN_COMPILE sets the default.
+compile_mode: contextvars.ContextVar[str] = contextvars.ContextVar("fulmen_compile_mode", default=_env_mode)
+
+#: The background compiler waits until no new compilation was requested for this long.
+QUIET_SECONDS = 0.3
+
+_jobs: queue.SimpleQueue = queue.SimpleQueue()
+_worker: threading.Thread | None = None
+_worker_lock = threading.Lock()
+_shutting_down = False
+_last_request = 0.0
+_kernels: dict[tuple, Kernel] = {}
+
+
+class Kernel:
+    """One Inductor compilation; ``fn`` is the compiled callable (taking a list of tensors) once it is ready."""
+
+    __slots__ = ("name", "fn", "failed", "done", "seconds")
+
+    def __init__(self, name: str):
+        self.name = name
+        self.fn: Callable | None = None
+        self.failed = False
+        self.done = False
+        self.seconds = 0.0
+
+
+def _submit(job: tuple) -> None:
+    global _worker
+    with _worker_lock:
+        if _worker is None:
+            # a daemon thread: a script that ends while regions are still compiling exits right away
+            _worker = threading.Thread(target=_work, name="fulmen-inductor", daemon=True)
+            _worker.start()
+    _jobs.put(job)
+
+
+def _work() -> None:
+    while True:
+        kernel, eager, example = _jobs.get()
+        _compile(kernel, eager, example, wait=True)
+
+
+def _stop_compiling() -> None:
+    """At interpreter exit, before threads are joined: start no new compilation."""
+    global _shutting_down
+    _shutting_down = True
+
+
+threading._register_atexit(_stop_compiling)  # runs before atexit's hooks, while threads still run
+
+
+def get_kernel(key: tuple, name: str, eager: Callable, args: tuple, mode: str) -> Kernel:
+    """The shared kernel for ``key``; a new one is compiled now (sync), scheduled (async) or never (off)."""
+    global _last_request
+    kernel = _kernels.get(key)
+    if kernel is not None:
+        return kernel
+    kernel = Kernel(name)
+    if mode == "off":
+        kernel.done = True
+        return kernel  # not shared: a later program in another mode compiles it
+    _kernels[key] = kernel
+    # example inputs with the same layout; tracing is fake, so their values do not matter
+    example = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device) for a in args]
+    if mode == "sync":
+        _compile(kernel, eager, example, wait=False)
+    else:
+        _last_request = time.monotonic()
+        _submit((kernel, eager, example))
+    return kernel
+
+
+def _inductor_compile(fn: Callable, example: list[torch.Tensor]) -> Callable:
+    with compiler_import_lock:
+        import torch._dynamo  # noqa: F401  (before Inductor: its modules import Dynamo's)
+        from torch._inductor.compile_fx import compile_fx_inner
+        from torch._inductor.decomposition import select_decomp_table
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*example)
+    compiled = compile_fx_inner(gm, example)
+    return getattr(compiled, "current_callable", compiled)
+
+
+def _compile(kernel: Kernel, eager: Callable, example: list[torch.Tensor], *, wait: bool) -> None:
+    while wait and not _shutting_down and time.monotonic() - _last_request < QUIET_SECONDS:
+        time.sleep(0.05)
+    if _shutting_down:
+        kernel.done = True
+        return
+    start = time.perf_counter()
+    try:
+        fn = _inductor_compile(eager, example)
+    except Exception as e:  # the region keeps running with the torch executor, and the log says so
+        kernel.failed = True
+        if not _shutting_down:  # at interpreter exit nothing will call the region again
+            log.warning("fulmen: Inductor could not compile %s (%s: %s); it keeps running with the torch "
+                        "executor", kernel.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+    else:
+        kernel.fn = fn
+    finally:
+        kernel.seconds = time.perf_counter() - start
+        kernel.done = True
+
+
+def pending_compilations() -> int:
+    """Region compilations queued or running (0 once every region seen so far is compiled or failed)."""
+    return sum(1 for k in list(_kernels.values()) if not k.done)
+
+
+def wait_for_compilations(timeout: float | None = None) -> None:
+    """Block until every queued region compilation has finished (benchmarks and tests use this)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while pending_compilations() and (deadline is None or time.monotonic() < deadline):
+        time.sleep(0.02)
+
+
+def kernel_stats() -> dict[str, float]:
+    kernels = list(_kernels.values())
+    return {"kernels": len(kernels), "kernels_compiled": sum(1 for k in kernels if k.fn is not None),
+            "kernels_failed": sum(1 for k in kernels if k.failed),
+            "compile_seconds": sum(k.seconds for k in kernels)}

@@ -1,0 +1,153 @@
+"""Grouping a trace's fusible operations into as few regions as its dependencies allow.
+
+A fusion executor can only compile operations that run back to back, but tracing order interleaves them
+with operations it does not take (an opaque op, a random op, a call another executor claimed).
+``fusion_groups`` reorders the trace into another valid order -- a topological sort of its data
+dependencies -- that keeps fusible operations together: it runs every ready operation of one kind before
+switching to the other kind, and the other kind first. Each maximal run of fusible operations becomes one
+group. Because groups are contiguous in a topological order, fusing them can never create a cycle.
+
+What the sort never changes:
+
+- the relative order of the operations that are not fused (random operations keep drawing from the
+  generator in eager's order; opaque operations and other executors' calls keep their order);
+- anything across a side effect (``OpTags.SIDE_EFFECT``): operations before it stay before it, those after
+  stay after;
+- where comments are: each stays right before the operation it preceded.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+
+from fulmen.core.symbol import BoundSymbol, OpTags
+
+_COMMENTS = ("comment", "del")
+
+
+def fusion_groups(bsyms: Sequence[BoundSymbol], fusible: Callable[[BoundSymbol], bool]
+                  ) -> list[tuple[bool, list[BoundSymbol]]]:
+    """``bsyms`` reordered into ``(is_fusible, operations)`` runs; fusible runs are the candidate regions."""
+    nodes: list[list[BoundSymbol]] = []  # each node: leading comments, then the operation
+    pending: list[BoundSymbol] = []
+    for b in bsyms:
+        pending.append(b)
+        if b.sym.id not in _COMMENTS:
+            nodes.append(pending)
+            pending = []
+    n = len(nodes)
+    kinds = [fusible(node[-1]) for node in nodes]
+
+    producer: dict[str, int] = {}
+    deps: list[set[int]] = [set() for _ in range(n)]
+    last_unfused = -1
+    barrier = -1
+    for i, node in enumerate(nodes):
+        op = node[-1]
+        for p in op.flat_args:
+            j = producer.get(p.name)
+            if j is not None:
+                deps[i].add(j)
+        if barrier >= 0:
+            deps[i].add(barrier)
+        if not kinds[i]:
+            if last_unfused >= 0:
+                deps[i].add(last_unfused)
+            last_unfused = i
+        if OpTags.SIDE_EFFECT in op.sym.tags:
+            deps[i].update(range(barrier + 1, i))
+            barrier = i
+        for p in op.flat_proxy_outs:
+            producer[p.name] = i
+
+    users: list[list[int]] = [[] for _ in range(n)]
+    missing = [len(d) for d in deps]
+    for i, d in enumerate(deps):
+        for j in d:
+            users[j].append(i)
+    ready: tuple[list[int], list[int]] = ([], [])  # (not fusible, fusible), each a heap of trace positions
+    for i in range(n):
+        if not missing[i]:
+            heapq.heappush(ready[kinds[i]], i)
+
+    groups: list[tuple[bool, list[BoundSymbol]]] = []
+    kind = False
+    while ready[0] or ready[1]:
+        if not ready[kind]:
+            kind = not kind
+        run: list[BoundSymbol] = []
+        queue = ready[kind]
+        while queue:
+            i = heapq.heappop(queue)
+            run.extend(nodes[i])
+            for u in users[i]:
+                missing[u] -= 1
+                if not missing[u]:
+                    heapq.heappush(ready[kinds[u]], u)
+        groups.append((kind, run))
+        kind = not kind
+    if sum(len(run) for _, run in groups) + len(pending) != len(bsyms):
+        raise AssertionError("fusion_groups lost operations: the trace's dependencies have a cycle")
+    if pending:  # trailing comments
+        groups.append((False, pending))
+    return groups
+
+
+#: The shortest run of operations ``split_repeats`` treats as a repeated block (a model's layer).
+MIN_PERIOD = 8
+
+
+def _signature(i: int, op: BoundSymbol, defined_at: dict[str, int]) -> int:
+    """What makes two operations interchangeable in a repeated block: the symbol, the constants, and for each
+    tensor its metadata and how many operations back it was computed (or that it comes from outside)."""
+    from fulmen.core.proxies import Proxy, TensorProxy
+
+    def arg(x):
+        if isinstance(x, TensorProxy):
+            j = defined_at.get(x.name)
+            return ("T", tuple(x.shape), x.dtype, None if j is None else i - j)
+        if isinstance(x, Proxy):
+            return ("P", type(x).__name__)
+        if isinstance(x, (tuple, list)):
+            return tuple(arg(v) for v in x)
+        return repr(x)
+
+    return hash((op.sym.id, tuple(arg(a) for a in op.args), tuple((k, arg(v)) for k, v in op.kwargs.items())))
+
+
+def split_repeats(ops: Sequence[BoundSymbol]) -> list[list[BoundSymbol]]:
+    """Split a run of fusible operations at the boundaries of its longest repeated block, if it has one.
+
+    A model's identical layers leave a periodic run of operations. Cut at the period, each layer becomes a
+    region with the same code as the others, so they share one compiled kernel: Inductor compiles one layer
+    instead of all of them. Any contiguous piece of the run is a valid region, so this never creates a
+    cycle; it only gives up fusing across the cuts.
+    """
+    n = len(ops)
+    if n < 2 * MIN_PERIOD:
+        return [list(ops)]
+    defined_at: dict[str, int] = {}
+    sigs = []
+    for i, op in enumerate(ops):
+        sigs.append(_signature(i, op, defined_at))
+        for p in op.flat_proxy_outs:
+            defined_at[p.name] = i
+    best = (0, 0, 0)  # (operations covered, period, start)
+    for period in range(MIN_PERIOD, n // 2 + 1):
+        run = 0
+        for i in range(n - period - 1, -1, -1):  # run = how many equal pairs (i, i + period) start at i
+            run = run + 1 if sigs[i] == sigs[i + period] else 0
+            if run >= period:
+                covered = (run // period + 1) * period
+                if covered > best[0]:
+                    best = (covered, period, i)
+    covered, period, start = best
+    if not covered:
+        return [list(ops)]
+    pieces = [list(ops[:start])] if start else []
+    for k in range(start, start + covered, period):
+        pieces.append(list(ops[k:k + period]))
+    if start + covered < n:
+        pieces.append(list(ops[start + covered:]))
+    return pieces
