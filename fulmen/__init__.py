@@ -22,6 +22,7 @@ from fulmen.core.proxies import DataDependentError  # noqa: F401
 from fulmen.executors import inductor as _inductor  # registers the inductor fusion executor
 from fulmen.executors import torchex as _torchex  # noqa: F401  (registers the torch executor)
 from fulmen.executors.base import Executor, add_default_executor
+from fulmen.frontend import training as _training  # noqa: F401  (imported now, not inside the first call)
 from fulmen.frontend.jit import JittedFunction, get_stats
 from fulmen.frontend.module import JittedModule
 

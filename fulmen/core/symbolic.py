@@ -24,6 +24,10 @@ SYMBOLIC_NUMBERS = (torch.SymInt, torch.SymFloat)
 #: Python numbers and symbolic ones (what elementwise ops accept as scalars).
 NUMBER_TYPES = (Number, torch.SymInt, torch.SymFloat, torch.SymBool)
 
+#: Set once the process has traced anything with symbolic sizes; until then no value can be symbolic and the
+#: scans for symbols (codegen's binder, fusion's check) are skipped.
+in_use = False
+
 def is_symbolic(x: Any) -> bool:
     """Whether ``x`` is a SymInt/SymFloat/SymBool that is not a known constant."""
     return isinstance(x, SYMBOLIC_TYPES) and not _constant(x)[0]
@@ -155,9 +159,10 @@ class SymbolBinder:
 
     def __init__(self, bound_symbols, output: Any = None):
         needed: set = set()
-        for b in bound_symbols:
-            free_symbols((b.args, b.kwargs), needed)
-        free_symbols(output, needed)
+        if in_use:
+            for b in bound_symbols:
+                free_symbols((b.args, b.kwargs), needed)
+            free_symbols(output, needed)
         self.needed = needed
         self.bound: set = set()
 

@@ -21,10 +21,12 @@ from typing import Any
 from torch import __version__ as torch_version
 from torch._ops import OpOverload, OpOverloadPacket
 
+from fulmen.core import symbolic
 from fulmen.core.codegen import compile_trace
 from fulmen.core.codeutils import outputs_of
-from fulmen.core.proxies import Proxy, TensorProxy, has_symbolic
+from fulmen.core.proxies import Proxy, TensorProxy
 from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
+from fulmen.core.symbolic import SYMBOLIC_TYPES, contains_symbolic
 from fulmen.core.trace import Trace
 from fulmen.executors.base import FusionExecutor, claim_symbols, get_always_executors, register_executor
 from fulmen.executors.inductor_compile import (  # noqa: F401  (re-exported: the public helpers live here)
@@ -90,6 +92,18 @@ class FusedRegion:
         return all(k.done for k in self.kernels.values())
 
 
+def _has_symbolic_constant(x) -> bool:
+    """Whether a call's non-tensor arguments hold symbolic sizes (tensors with symbolic shapes are fine: a
+    region is compiled for the concrete shapes it is called with)."""
+    if isinstance(x, Proxy):
+        return False
+    if isinstance(x, (tuple, list)):
+        return any(_has_symbolic_constant(v) for v in x)
+    if isinstance(x, dict):
+        return any(_has_symbolic_constant(v) for v in x.values())
+    return isinstance(x, SYMBOLIC_TYPES) and contains_symbolic(x)
+
+
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -140,8 +154,8 @@ class InductorExecutor(FusionExecutor):
         sym = bsym.sym
         if any(t in sym.tags for t in _NOT_FUSED) or sym.name in _NOT_FUSED_OPS:
             return False
-        if has_symbolic(bsym):  # regions compile for concrete sizes; symbolic ones would need the sizes passed in
-            return False
+        if symbolic.in_use and (_has_symbolic_constant(bsym.args) or _has_symbolic_constant(bsym.kwargs)):
+            return False  # a size expression (view(t, s0, 4)) would need the symbols' values passed in
         if sym.executor is not None:
             # the aten calls autodiff writes (native_layer_norm, gelu_backward, ...): Inductor decomposes them
             return sym.executor.name == "torch" and isinstance(sym.impl, (OpOverload, OpOverloadPacket)) and bool(

@@ -43,7 +43,10 @@ compile_mode: contextvars.ContextVar[str] = contextvars.ContextVar("fulmen_compi
 QUIET_SECONDS = 0.3
 
 _jobs: queue.SimpleQueue = queue.SimpleQueue()
-_worker: threading.Thread | None = None
+_workers: list[threading.Thread] = []
+#: Compile threads. One: Inductor is not thread-safe (two threads compiling at once fail inside its
+#: patching of FX, "CURRENT_PATCHER is None"); its C++ compiles already run in worker processes.
+WORKERS = 1
 _worker_lock = threading.Lock()
 _shutting_down = False
 _last_request = 0.0
@@ -64,12 +67,11 @@ class Kernel:
 
 
 def _submit(job: tuple) -> None:
-    global _worker
     with _worker_lock:
-        if _worker is None:
-            # a daemon thread: a script that ends while regions are still compiling exits right away
-            _worker = threading.Thread(target=_work, name="fulmen-inductor", daemon=True)
-            _worker.start()
+        while len(_workers) < WORKERS:
+            # daemon threads: a script that ends while regions are still compiling exits right away
+            _workers.append(threading.Thread(target=_work, name=f"fulmen-inductor-{len(_workers)}", daemon=True))
+            _workers[-1].start()
     _jobs.put(job)
 
 

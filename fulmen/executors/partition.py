@@ -106,7 +106,8 @@ def _signature(i: int, op: BoundSymbol, defined_at: dict[str, int]) -> int:
     def arg(x):
         if isinstance(x, TensorProxy):
             j = defined_at.get(x.name)
-            return ("T", tuple(x.shape), x.dtype, None if j is None else i - j)
+            shape = tuple(s if type(s) is int else str(s) for s in x.shape)  # SymInts do not hash
+            return ("T", shape, x.dtype, None if j is None else i - j)
         if isinstance(x, Proxy):
             return ("P", type(x).__name__)
         if isinstance(x, (tuple, list)):

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from fulmen.core import symbolic
 from fulmen.core.utils import compiler_import_lock
 
 #: Tests set this: a failure to compile with dynamic sizes raises instead of falling back to exact sizes.
@@ -123,6 +124,7 @@ class SymbolicSizes:
 
     def __init__(self, sizes: list[torch.Size], dims: dict[int, frozenset]):
         global _SizeSource
+        symbolic.in_use = True
         with compiler_import_lock:
             from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
