@@ -263,3 +263,24 @@ def test_gpt_training_through_inductor_matches_torch_executor(sync_compile):
             assert regions and all(r.variants and not r.failed for r in regions), "every region ran compiled"
     for g, e in zip(*grads, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
+
+
+def test_hf_gpt2_training_through_inductor_matches_torch_executor(sync_compile):
+    pytest.importorskip("transformers")
+    from fulmen.bench.hf import hf_model
+
+    grads = []
+    for executors in (["torch"], ["inductor"]):
+        torch.manual_seed(0)
+        model = hf_model("gpt2")
+        ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+        jm = fulmen.jit(model, executors=executors)
+        loss = jm(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads.append([loss.detach()] + [p.grad for p in model.parameters()])
+        if executors == ["inductor"]:
+            regions = [b.sym.impl for t in (fulmen.last_traces(jm)[-1], fulmen.last_backward_traces(jm)[-1])
+                       for b in t.bound_symbols if b.sym.is_fusion]
+            assert regions and all(r.variants and not r.failed for r in regions)
+    for g, e in zip(*grads, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)

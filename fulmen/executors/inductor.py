@@ -39,8 +39,9 @@ from fulmen.executors.inductor_compile import (  # noqa: F401  (re-exported: the
     wait_for_compilations,
 )
 from fulmen.executors.partition import fusion_groups, split_repeats
+from fulmen.transforms.passes import del_last_used
 
-_NOT_FUSED = (OpTags.RANDOM_OP, OpTags.SIDE_EFFECT, OpTags.FALLBACK, OpTags.DEVICE_OP)
+_NOT_FUSED = (OpTags.RANDOM_OP, OpTags.SIDE_EFFECT, OpTags.FALLBACK)
 #: Compiled variants one region keeps (one per input layout it has seen); beyond that it runs unfused.
 MAX_VARIANTS = 8
 #: Operations Inductor (torch 2.13) computes wrongly inside a fused graph: ``unfold_backward`` fed by other
@@ -90,6 +91,14 @@ class FusedRegion:
     @property
     def ready(self) -> bool:
         return all(k.done for k in self.kernels.values())
+
+
+def _same_device_conversion(bsym: BoundSymbol) -> bool:
+    """A conversion (``.to``, ``.float()``, ``type_as``) that stays on one device: a dtype cast Inductor fuses like
+    any elementwise op, or nothing at all (``x.float()`` of a float32 ``x``). Copies to another device stay
+    outside regions."""
+    tensors = [p for p in (*bsym.flat_args, *bsym.flat_proxy_outs) if isinstance(p, TensorProxy)]
+    return len({str(p.device) for p in tensors}) == 1
 
 
 def _has_symbolic_constant(x) -> bool:
@@ -154,6 +163,8 @@ class InductorExecutor(FusionExecutor):
         sym = bsym.sym
         if any(t in sym.tags for t in _NOT_FUSED) or sym.name in _NOT_FUSED_OPS:
             return False
+        if OpTags.DEVICE_OP in sym.tags and not _same_device_conversion(bsym):
+            return False
         if symbolic.in_use and (_has_symbolic_constant(bsym.args) or _has_symbolic_constant(bsym.kwargs)):
             return False  # a size expression (view(t, s0, 4)) would need the symbols' values passed in
         if sym.executor is not None:
@@ -198,7 +209,8 @@ class InductorExecutor(FusionExecutor):
         sub.fn_name = name
         sub.args = inputs
         sub.output = tuple(outputs)
-        claimed = claim_symbols(sub, executors)
+        # the unfused path frees each intermediate after its last use, as the whole trace does
+        claimed = del_last_used(claim_symbols(sub, executors))
         eager, source = compile_trace(claimed, comments=False)
         names = {p.name for b in region for p in (*b.flat_args, *b.flat_proxy_outs)}
         fused = FusedRegion(name, eager, source, _code_key(eager, source, names))

@@ -98,23 +98,49 @@ def fusion_groups(bsyms: Sequence[BoundSymbol], fusible: Callable[[BoundSymbol],
 MIN_PERIOD = 8
 
 
-def _signature(i: int, op: BoundSymbol, defined_at: dict[str, int]) -> int:
+def _signatures(ops: Sequence[BoundSymbol], period: int | None) -> list[int]:
     """What makes two operations interchangeable in a repeated block: the symbol, the constants, and for each
-    tensor its metadata and how many operations back it was computed (or that it comes from outside)."""
+    tensor its metadata and how many operations back it was computed. With ``period`` None, only the symbol,
+    constants and metadata; with a period, a value computed ``period`` or more operations back counts as
+    coming from outside the block (a table every layer reads, such as rotary embeddings)."""
     from fulmen.core.proxies import Proxy, TensorProxy
 
-    def arg(x):
-        if isinstance(x, TensorProxy):
-            j = defined_at.get(x.name)
-            shape = tuple(s if type(s) is int else str(s) for s in x.shape)  # SymInts do not hash
-            return ("T", shape, x.dtype, None if j is None else i - j)
-        if isinstance(x, Proxy):
-            return ("P", type(x).__name__)
-        if isinstance(x, (tuple, list)):
-            return tuple(arg(v) for v in x)
-        return repr(x)
+    defined_at: dict[str, int] = {}
+    sigs = []
+    for i, op in enumerate(ops):
+        def arg(x):
+            if isinstance(x, TensorProxy):
+                shape = tuple(s if type(s) is int else str(s) for s in x.shape)  # SymInts do not hash
+                if period is None:
+                    return ("T", shape, x.dtype)
+                j = defined_at.get(x.name)
+                return ("T", shape, x.dtype, None if j is None or i - j >= period else i - j)
+            if isinstance(x, Proxy):
+                return ("P", type(x).__name__)
+            if isinstance(x, (tuple, list)):
+                return tuple(arg(v) for v in x)
+            return repr(x)
 
-    return hash((op.sym.id, tuple(arg(a) for a in op.args), tuple((k, arg(v)) for k, v in op.kwargs.items())))
+        sigs.append(hash((op.sym.id, tuple(arg(a) for a in op.args),
+                          tuple((k, arg(v)) for k, v in op.kwargs.items()))))
+        for p in op.flat_proxy_outs:
+            defined_at[p.name] = i
+    return sigs
+
+
+def _best_repeat(sigs: list[int], periods) -> tuple[int, int, int]:
+    """(operations covered, period, start) of the longest run of equal consecutive blocks."""
+    n = len(sigs)
+    best = (0, 0, 0)
+    for period in periods:
+        run = 0
+        for i in range(n - period - 1, -1, -1):  # run = how many equal pairs (i, i + period) start at i
+            run = run + 1 if sigs[i] == sigs[i + period] else 0
+            if run >= period:
+                covered = (run // period + 1) * period
+                if covered > best[0]:
+                    best = (covered, period, i)
+    return best
 
 
 def split_repeats(ops: Sequence[BoundSymbol]) -> list[list[BoundSymbol]]:
@@ -123,27 +149,15 @@ def split_repeats(ops: Sequence[BoundSymbol]) -> list[list[BoundSymbol]]:
     A model's identical layers leave a periodic run of operations. Cut at the period, each layer becomes a
     region with the same code as the others, so they share one compiled kernel: Inductor compiles one layer
     instead of all of them. Any contiguous piece of the run is a valid region, so this never creates a
-    cycle; it only gives up fusing across the cuts.
+    cycle; it only gives up fusing across the cuts. The period is found on the operations alone, then
+    confirmed with the data flow inside the block.
     """
     n = len(ops)
     if n < 2 * MIN_PERIOD:
         return [list(ops)]
-    defined_at: dict[str, int] = {}
-    sigs = []
-    for i, op in enumerate(ops):
-        sigs.append(_signature(i, op, defined_at))
-        for p in op.flat_proxy_outs:
-            defined_at[p.name] = i
-    best = (0, 0, 0)  # (operations covered, period, start)
-    for period in range(MIN_PERIOD, n // 2 + 1):
-        run = 0
-        for i in range(n - period - 1, -1, -1):  # run = how many equal pairs (i, i + period) start at i
-            run = run + 1 if sigs[i] == sigs[i + period] else 0
-            if run >= period:
-                covered = (run // period + 1) * period
-                if covered > best[0]:
-                    best = (covered, period, i)
-    covered, period, start = best
+    covered, period, start = _best_repeat(_signatures(ops, None), range(MIN_PERIOD, n // 2 + 1))
+    if covered:
+        covered, period, start = _best_repeat(_signatures(ops, period), (period,))
     if not covered:
         return [list(ops)]
     pieces = [list(ops[:start])] if start else []
