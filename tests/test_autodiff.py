@@ -674,3 +674,57 @@ def test_split_like_gradients_are_one_cat(name, fn):
     torch.testing.assert_close(xa.grad, xe.grad)
     backward = str(fulmen.last_backward_traces(jfn)[-1])
     assert "cat(" in backward and "pad(" not in backward
+
+
+def _reference_max_flow(edges, s, t):
+    """Edmonds-Karp on a capacity matrix: the textbook version the remat graph's Dinic must agree with."""
+    from collections import defaultdict, deque
+
+    cap = defaultdict(int)
+    nbrs = defaultdict(set)
+    for u, v, c in edges:
+        cap[u, v] += c
+        nbrs[u].add(v)
+        nbrs[v].add(u)
+    total = 0
+    while True:
+        parent = {s: None}
+        queue = deque([s])
+        while queue and t not in parent:
+            u = queue.popleft()
+            for v in nbrs[u]:
+                if cap[u, v] > 0 and v not in parent:
+                    parent[v] = u
+                    queue.append(v)
+        if t not in parent:
+            return total
+        push, v = float("inf"), t
+        while parent[v] is not None:
+            push, v = min(push, cap[parent[v], v]), parent[v]
+        v = t
+        while parent[v] is not None:
+            cap[parent[v], v] -= push
+            cap[v, parent[v]] += push
+            v = parent[v]
+        total += push
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_remat_max_flow_and_min_cut_on_random_graphs(seed):
+    import random
+
+    from fulmen.transforms.remat import _FlowGraph
+
+    rng = random.Random(seed)
+    n = rng.randint(3, 25)
+    edges = [(rng.randrange(n), rng.randrange(n), rng.randint(0, 20)) for _ in range(rng.randint(2, 80))]
+    edges = [(u, v, c) for u, v, c in edges if u != v]
+    graph = _FlowGraph()
+    for u, v, c in edges:
+        graph.add(u, v, c)
+    flow = graph.max_flow(0, n - 1)
+    assert flow == _reference_max_flow(edges, 0, n - 1)
+    source_side = graph.reachable(0)
+    assert (n - 1) not in source_side  # the sink is cut off once the flow is maximal
+    cut = sum(c for u, v, c in edges if u in source_side and v not in source_side)
+    assert cut == flow  # max-flow min-cut: the cut remat saves is exactly as large as the flow

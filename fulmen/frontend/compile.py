@@ -64,7 +64,7 @@ def execution_pipeline(trace: Trace, executors: Sequence[Executor], timings: dic
         _step(traces, timings, "fusion", lambda t: fuse_regions(t, executors))
     final = _step(traces, timings, "del_last_used", lambda t: del_last_used(t))
     start = time.perf_counter()
-    fn, _ = compile_trace(final)
+    fn, _ = compile_trace(final, comments=False)  # str(trace) still prints the decompositions
     timings["codegen"] = timings.get("codegen", 0.0) + (time.perf_counter() - start) * 1e3
     return fn, traces
 

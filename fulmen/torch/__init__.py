@@ -2,7 +2,8 @@
 
 Import as ``import fulmen.torch as ltorch``. Each symbol's id is the torch name users know
 (``ltorch.cross_entropy.id == "torch.nn.functional.cross_entropy"``). Files by kind:
-elementwise, reductions, linalg, shape, indexing, creation, conversion, nn, nn_conv, losses, attention.
+elementwise, reductions, linalg, shape (views, joins, splits), rearrange (pad, flip, roll, repeat, triangles),
+indexing, creation, conversion, nn, nn_conv, losses, attention.
 """
 
 from fulmen.core.dtypes import to_torch_dtype  # noqa: F401
@@ -17,6 +18,7 @@ from fulmen.torch.linalg import *  # noqa: F401,F403
 from fulmen.torch.losses import *  # noqa: F401,F403
 from fulmen.torch.nn import *  # noqa: F401,F403
 from fulmen.torch.nn_conv import *  # noqa: F401,F403
+from fulmen.torch.rearrange import *  # noqa: F401,F403
 from fulmen.torch.reductions import *  # noqa: F401,F403
 from fulmen.torch.registry import symbols_by_id, torchsymbol  # noqa: F401
 from fulmen.torch.shape import *  # noqa: F401,F403

@@ -59,33 +59,57 @@ class _FlowGraph:
         ev.append([u, 0, len(eu) - 1])
 
     def max_flow(self, s, t) -> int:
+        """Dinic's algorithm: a breadth-first level graph, then blocking flows along it (the first call of a
+        training program runs this on every forward, so it must be fast on a few thousand edges)."""
+        adj = self.adj
         total = 0
         while True:
-            parent = {s: None}
+            level = {s: 0}
             queue = deque([s])
-            while queue and t not in parent:
+            while queue:
                 u = queue.popleft()
-                for i, (v, cap, _) in enumerate(self.adj.get(u, ())):
-                    if cap > 0 and v not in parent:
-                        parent[v] = (u, i)
+                for v, cap, _ in adj.get(u, ()):
+                    if cap > 0 and v not in level:
+                        level[v] = level[u] + 1
                         queue.append(v)
-            if t not in parent:
+            if t not in level:
                 return total
-            push, v = _INF, t
-            while parent[v] is not None:
-                u, i = parent[v]
-                push = min(push, self.adj[u][i][1])
-                v = u
-            v = t
-            while parent[v] is not None:
-                u, i = parent[v]
-                edge = self.adj[u][i]
-                edge[1] -= push
-                self.adj[v][edge[2]][1] += push
-                v = u
-            total += push
-            if total >= _INF:
-                raise RuntimeError("rematerialization: a value the backward needs can be neither saved nor recomputed")
+            pointer = {u: 0 for u in level}
+            while True:
+                pushed = self._augment(s, t, level, pointer)
+                if not pushed:
+                    break
+                total += pushed
+                if total >= _INF:
+                    raise RuntimeError("rematerialization: a value the backward needs can be neither saved nor "
+                                       "recomputed")
+
+    def _augment(self, s, t, level, pointer) -> int:
+        """Push one path's worth of flow along the level graph (iterative depth-first search); 0 when none is left."""
+        adj = self.adj
+        path: list[tuple] = []  # (tail, edge) of the edges taken so far
+        u = s
+        while True:
+            if u == t:
+                push = min(edge[1] for _, edge in path)
+                for _, edge in path:
+                    edge[1] -= push
+                    adj[edge[0]][edge[2]][1] += push  # the reverse edge
+                return push
+            edges = adj.get(u, ())
+            i, next_level = pointer[u], level[u] + 1
+            while i < len(edges) and not (edges[i][1] > 0 and level.get(edges[i][0]) == next_level):
+                i += 1
+            pointer[u] = i
+            if i < len(edges):
+                path.append((u, edges[i]))
+                u = edges[i][0]
+                continue
+            if not path:
+                return 0
+            level[u] = -1  # a dead end: not visited again in this phase
+            u, _ = path.pop()
+            pointer[u] += 1
 
     def reachable(self, s) -> set:
         seen, queue = {s}, deque([s])
