@@ -4,7 +4,8 @@ A ``Kernel`` is one Inductor compilation of a region's code for one input layout
 devices). Kernels are shared: regions whose code is the same up to the names of their values (a model's
 identical layers, or the same program traced again) and whose inputs have the same layout compile once.
 
-In ``"async"`` mode (the default) compilations run on one background thread. The thread starts working only
+In ``"async"`` mode (the default) compilations run on one background thread; a program that exits waits for
+the compilation in flight, not for the queued ones. The thread starts working only
 once the program has stopped discovering new work for ``QUIET_SECONDS``: the first call of a program traces,
 runs and schedules its regions without competing with the compiler for the interpreter, so it returns at
 eager speed; compilation then fills the time of the following calls. ``"sync"`` compiles before the first
@@ -69,22 +70,29 @@ class Kernel:
 def _submit(job: tuple) -> None:
     with _worker_lock:
         while len(_workers) < WORKERS:
-            # daemon threads: a script that ends while regions are still compiling exits right away
-            _workers.append(threading.Thread(target=_work, name=f"fulmen-inductor-{len(_workers)}", daemon=True))
+            # Not a daemon: at exit the interpreter waits for the compilation in flight (queued ones are dropped).
+            # A daemon thread killed inside Inductor's C++ code aborts the process ("terminate called without an
+            # active exception").
+            _workers.append(threading.Thread(target=_work, name=f"fulmen-inductor-{len(_workers)}"))
             _workers[-1].start()
     _jobs.put(job)
 
 
 def _work() -> None:
     while True:
-        kernel, eager, example = _jobs.get()
+        job = _jobs.get()
+        if job is None or _shutting_down:
+            return
+        kernel, eager, example = job
         _compile(kernel, eager, example, wait=True)
 
 
 def _stop_compiling() -> None:
-    """At interpreter exit, before threads are joined: start no new compilation."""
+    """At interpreter exit, before threads are joined: start no new compilation, and wake idle workers."""
     global _shutting_down
     _shutting_down = True
+    for _ in _workers:
+        _jobs.put(None)
 
 
 threading._register_atexit(_stop_compiling)  # runs before atexit's hooks, while threads still run
