@@ -47,3 +47,32 @@ def test_autocast_matches_eager():
         expected, actual = f(x, w), jf(x, w)
     assert actual.dtype == expected.dtype == torch.bfloat16
     torch.testing.assert_close(actual, expected)
+
+
+def test_dynamic_shapes_from_dynamo_do_not_recompile_fulmen_per_size():
+    """Dynamo passes a graph compiled with dynamic shapes its sizes as int inputs; the backend reads them from the
+    tensors instead, so fulmen's own dynamic sizes apply: one more compilation when the size first changes."""
+    from fulmen.frontend.dynamo import fulmen_backend
+
+    made = []
+
+    def backend(gm, example_inputs):
+        made.append(fulmen_backend(gm, example_inputs))
+        return made[-1]
+
+    w = torch.randn(2, 5, requires_grad=True)
+
+    def f(x):
+        return (x.sin().view(x.shape[0], x.shape[1] // 2, 2) @ w).sum(-1)
+
+    torch._dynamo.reset()
+    cf = torch.compile(f, backend=backend)
+    for n in (4, 6, 8, 10, 12):
+        x = torch.randn(3, n, requires_grad=True)
+        out = cf(x)
+        torch.testing.assert_close(out, f(x))
+        (gx, gw), (ex, ew) = (torch.autograd.grad(y.sum(), (x, w)) for y in (out, f(x)))
+        torch.testing.assert_close(gx, ex)
+        torch.testing.assert_close(gw, ew)
+    jitted = made[-1]._fulmen_jitted  # Dynamo's graph with a symbolic size, used from n=6 on
+    assert fulmen.cache_misses(jitted) == 2 and fulmen.cache_hits(jitted) == 2

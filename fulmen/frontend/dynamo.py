@@ -17,18 +17,59 @@ import torch
 log = logging.getLogger("fulmen.dynamo")
 
 
+def _size_sources(gm: torch.fx.GraphModule) -> dict[int, tuple[int, int]] | None:
+    """For a graph Dynamo compiled with dynamic shapes, its ``SymInt`` inputs are sizes of its tensor inputs:
+    ``{position of the int: (position of a tensor, dim)}``, or None if some int is not such a size. (The
+    example inputs Dynamo passes are real tensors; the placeholders' metadata holds the symbolic ones.)"""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    example_inputs = [n.meta.get("example_value") for n in placeholders]
+    sources: dict[int, tuple[int, int]] = {}
+    for i, e in enumerate(example_inputs):
+        if not isinstance(e, torch.SymInt):
+            continue
+        expr = str(e.node.expr)
+        sources[i] = next(((j, d) for j, t in enumerate(example_inputs) if isinstance(t, torch.Tensor)
+                           for d, size in enumerate(t.shape)
+                           if isinstance(size, torch.SymInt) and str(size.node.expr) == expr), None)
+        if sources[i] is None:
+            return None
+    return sources
+
+
 def fulmen_backend(gm: torch.fx.GraphModule, example_inputs: list, **options) -> Callable:
-    """Compile one Dynamo graph with ``fulmen.jit``; options are passed to it (e.g. ``executors=``)."""
+    """Compile one Dynamo graph with ``fulmen.jit``; options are passed to it (e.g. ``executors=``).
+
+    When Dynamo hands over a graph with dynamic shapes, its size inputs (``s27: torch.SymInt``) are read from the
+    tensors inside the compiled function instead of being passed in: fulmen keys integers by value, so passing
+    them would compile a program per size, while a size read from a tensor follows fulmen's own dynamic sizes
+    (one more compilation when a dimension first changes, then none).
+    """
     from fulmen.frontend.jit import JittedFunction
 
-    def run_graph(*args):
-        return gm(*args)
+    sources = _size_sources(gm)
+    if sources and len(example_inputs) == len(sources) + sum(1 for e in example_inputs if isinstance(e, torch.Tensor)):
+        tensor_positions = [i for i in range(len(example_inputs)) if i not in sources]
+        where = {i: k for k, i in enumerate(tensor_positions)}
+
+        def run_graph(*tensors):
+            args = [tensors[where[sources[i][0]]].shape[sources[i][1]] if i in sources else tensors[where[i]]
+                    for i in range(len(example_inputs))]
+            return gm(*args)
+    else:
+        tensor_positions = None
+
+        def run_graph(*args):
+            return gm(*args)
 
     run_graph.__name__ = "dynamo_graph"
     jitted = JittedFunction(run_graph, **options)
 
-    def compiled(*args):
-        return jitted(*args)
+    if tensor_positions is not None:
+        def compiled(*args):
+            return jitted(*[args[i] for i in tensor_positions])
+    else:
+        def compiled(*args):
+            return jitted(*args)
 
     compiled._fulmen_jitted = jitted
     log.debug("fulmen: compiling a Dynamo graph with %d nodes", len(gm.graph.nodes))
