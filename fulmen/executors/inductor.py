@@ -48,6 +48,8 @@ MAX_VARIANTS = 8
 #: fused operations (max_pool2d's backward) gave gradients off by 2.0 where alone it is exact.
 _NOT_FUSED_OPS = frozenset({"unfold_backward"})
 MIN_REGION_SIZE = 2
+#: The smallest piece left over next to a model's repeated layers that still gets its own region.
+MIN_LEFTOVER = 8
 
 
 class FusedRegion:
@@ -188,8 +190,11 @@ class InductorExecutor(FusionExecutor):
             else:
                 later = [b for _, r in groups[k + 1:] for b in r]
                 pieces = split_repeats([b for b in run if b.sym.id not in ("comment", "del")])
+                # next to repeated layers, a short leftover piece (embedding, final norm) is not worth a
+                # compilation of its own (~1 s each on a CPU): it runs on the torch executor
+                smallest = MIN_LEFTOVER if len(pieces) > 1 else MIN_REGION_SIZE
                 for i, piece in enumerate(pieces):
-                    if len(piece) < MIN_REGION_SIZE:
+                    if len(piece) < smallest:
                         new.extend(self._unfused(trace, piece, torch_executors))
                     else:
                         rest = [b for p in pieces[i + 1:] for b in p] + later
