@@ -307,11 +307,8 @@ def latest(p: TensorProxy) -> TensorProxy:
 
 
 def has_symbolic(bsym: Any) -> bool:
-    """Whether a bound symbol reads or produces symbolic sizes (a trace compiled for dynamic shapes).
-
-    A fusion executor that compiles a region for the concrete sizes of its inputs must not claim such a symbol
-    unless the region receives the symbols' values at run time.
-    """
+    """Whether a bound symbol reads or produces symbolic sizes (a trace compiled for dynamic shapes), in its
+    arguments or in its proxies' shapes."""
     from fulmen.core.symbolic import contains_symbolic
 
     return contains_symbolic((bsym.args, bsym.kwargs)) or contains_symbolic(bsym.output)

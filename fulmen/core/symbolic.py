@@ -64,17 +64,18 @@ def expr_of(x) -> Any:
     return node.shape_env.replace(node.expr)
 
 
-def contains_symbolic(x: Any) -> bool:
-    """Whether a (nested) value holds a symbolic number (a proxy's symbolic shape counts too)."""
+def contains_symbolic(x: Any, *, shapes: bool = True) -> bool:
+    """Whether a (nested) value holds a symbolic number. With ``shapes``, a proxy's symbolic shape counts too;
+    without, only symbolic numbers in the value itself do (a size expression passed to ``view``)."""
     if isinstance(x, SYMBOLIC_TYPES):
         return is_symbolic(x)
     if isinstance(x, (tuple, list)):
-        return any(contains_symbolic(v) for v in x)
+        return any(contains_symbolic(v, shapes=shapes) for v in x)
     if isinstance(x, dict):
-        return any(contains_symbolic(v) for v in x.values())
+        return any(contains_symbolic(v, shapes=shapes) for v in x.values())
     if isinstance(x, slice):
-        return contains_symbolic((x.start, x.stop, x.step))
-    shape = getattr(x, "shape", None)
+        return contains_symbolic((x.start, x.stop, x.step), shapes=shapes)
+    shape = getattr(x, "shape", None) if shapes else None
     if type(shape) is torch.Size and not isinstance(x, torch.Tensor):
         return any(isinstance(s, torch.SymInt) and is_symbolic(s) for s in shape)
     return False

@@ -282,8 +282,6 @@ def claim_symbols(trace: Trace, executors: Sequence[Executor], *, provenance: st
     Symbols a fusion executor accepts stay as they are; with ``fuse`` its fusion pass then groups them into
     regions (the execution pipeline passes ``fuse=False`` and calls ``fuse_regions`` after CSE and DCE)."""
     new = trace.derive(provenance)
-    new.claims = {}  # id(bound symbol) -> the fusion executor that claimed it, read by its fusion pass
-    fusion_executors = [e for e in executors if isinstance(e, FusionExecutor)]
     out: list[BoundSymbol] = []
 
     def visit(bsym: BoundSymbol, depth: int):
@@ -293,8 +291,7 @@ def claim_symbols(trace: Trace, executors: Sequence[Executor], *, provenance: st
         for ex in executors:
             if isinstance(ex, FusionExecutor):
                 if ex.can_fuse(bsym):
-                    out.append(bsym)
-                    new.claims[id(bsym)] = ex
+                    out.append(bsym)  # kept as it is; fuse_regions gives it to ex's fusion pass
                     return
                 continue
             if not ex.can_execute(bsym):
@@ -337,7 +334,7 @@ def claim_symbols(trace: Trace, executors: Sequence[Executor], *, provenance: st
             raise RuntimeError(f"Could not find executor for bound symbol {bsym}\n(executors tried: {tried}; "
                                f"none of them runs {e.bsym.sym.qualified_name})") from None
     new.bound_symbols[:] = out
-    return fuse_regions(new, fusion_executors) if fuse else new
+    return fuse_regions(new, executors) if fuse else new
 
 
 def fuse_regions(trace: Trace, executors: Sequence[Executor]) -> Trace:

@@ -15,6 +15,7 @@ so do side effects and opaque ops.
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,7 +27,7 @@ from fulmen.core.codegen import compile_trace
 from fulmen.core.codeutils import outputs_of
 from fulmen.core.proxies import Proxy, TensorProxy
 from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
-from fulmen.core.symbolic import SYMBOLIC_TYPES, contains_symbolic
+from fulmen.core.symbolic import contains_symbolic
 from fulmen.core.trace import Trace
 from fulmen.executors.base import FusionExecutor, claim_symbols, get_always_executors, register_executor
 from fulmen.executors.inductor_compile import (  # noqa: F401  (re-exported: the public helpers live here)
@@ -90,10 +91,6 @@ class FusedRegion:
     def failed(self) -> bool:
         return any(k.failed for k in self.kernels.values())
 
-    @property
-    def ready(self) -> bool:
-        return all(k.done for k in self.kernels.values())
-
 
 def _same_device_conversion(bsym: BoundSymbol) -> bool:
     """A conversion (``.to``, ``.float()``, ``type_as``) that stays on one device: a dtype cast Inductor fuses like
@@ -101,18 +98,6 @@ def _same_device_conversion(bsym: BoundSymbol) -> bool:
     outside regions."""
     tensors = [p for p in (*bsym.flat_args, *bsym.flat_proxy_outs) if isinstance(p, TensorProxy)]
     return len({str(p.device) for p in tensors}) == 1
-
-
-def _has_symbolic_constant(x) -> bool:
-    """Whether a call's non-tensor arguments hold symbolic sizes (tensors with symbolic shapes are fine: a
-    region is compiled for the concrete shapes it is called with)."""
-    if isinstance(x, Proxy):
-        return False
-    if isinstance(x, (tuple, list)):
-        return any(_has_symbolic_constant(v) for v in x)
-    if isinstance(x, dict):
-        return any(_has_symbolic_constant(v) for v in x.values())
-    return isinstance(x, SYMBOLIC_TYPES) and contains_symbolic(x)
 
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -159,7 +144,7 @@ class InductorExecutor(FusionExecutor):
     def __init__(self):
         super().__init__("inductor", version=torch_version)
         self._count = 0
-        self.regions: list[FusedRegion] = []
+        self.regions: weakref.WeakSet[FusedRegion] = weakref.WeakSet()  # for fusion_stats; traces own them
 
     def can_fuse(self, bsym: BoundSymbol) -> bool:
         sym = bsym.sym
@@ -167,8 +152,10 @@ class InductorExecutor(FusionExecutor):
             return False
         if OpTags.DEVICE_OP in sym.tags and not _same_device_conversion(bsym):
             return False
-        if symbolic.in_use and (_has_symbolic_constant(bsym.args) or _has_symbolic_constant(bsym.kwargs)):
-            return False  # a size expression (view(t, s0, 4)) would need the symbols' values passed in
+        # A size expression in the arguments (view(t, s0, 4)) would need the symbols' values passed in; tensors
+        # with symbolic shapes are fine: a region compiles for the concrete shapes it is called with.
+        if symbolic.in_use and contains_symbolic((bsym.args, bsym.kwargs), shapes=False):
+            return False
         if sym.executor is not None:
             # the aten calls autodiff writes (native_layer_norm, gelu_backward, ...): Inductor decomposes them
             return sym.executor.name == "torch" and isinstance(sym.impl, (OpOverload, OpOverloadPacket)) and bool(
@@ -219,7 +206,7 @@ class InductorExecutor(FusionExecutor):
         eager, source = compile_trace(claimed, comments=False)
         names = {p.name for b in region for p in (*b.flat_args, *b.flat_proxy_outs)}
         fused = FusedRegion(name, eager, source, _code_key(eager, source, names))
-        self.regions.append(fused)
+        self.regions.add(fused)
         sym = Symbol(name=name, id=name, is_prim=True, is_fusion=True, impl=fused, executor=self)
         return BoundSymbol(sym, tuple(inputs), {}, tuple(outputs), tuple(region))
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 
+from fulmen.core.proxies import Proxy, TensorProxy
 from fulmen.core.symbol import BoundSymbol, OpTags
 
 _COMMENTS = ("comment", "del")
@@ -103,26 +104,25 @@ def _signatures(ops: Sequence[BoundSymbol], period: int | None) -> list[int]:
     tensor its metadata and how many operations back it was computed. With ``period`` None, only the symbol,
     constants and metadata; with a period, a value computed ``period`` or more operations back counts as
     coming from outside the block (a table every layer reads, such as rotary embeddings)."""
-    from fulmen.core.proxies import Proxy, TensorProxy
-
     defined_at: dict[str, int] = {}
+
+    def arg(x, i: int):
+        if isinstance(x, TensorProxy):
+            shape = tuple(s if type(s) is int else str(s) for s in x.shape)  # SymInts do not hash
+            if period is None:
+                return ("T", shape, x.dtype)
+            j = defined_at.get(x.name)
+            return ("T", shape, x.dtype, None if j is None or i - j >= period else i - j)
+        if isinstance(x, Proxy):
+            return ("P", type(x).__name__)
+        if isinstance(x, (tuple, list)):
+            return tuple(arg(v, i) for v in x)
+        return repr(x)
+
     sigs = []
     for i, op in enumerate(ops):
-        def arg(x):
-            if isinstance(x, TensorProxy):
-                shape = tuple(s if type(s) is int else str(s) for s in x.shape)  # SymInts do not hash
-                if period is None:
-                    return ("T", shape, x.dtype)
-                j = defined_at.get(x.name)
-                return ("T", shape, x.dtype, None if j is None or i - j >= period else i - j)
-            if isinstance(x, Proxy):
-                return ("P", type(x).__name__)
-            if isinstance(x, (tuple, list)):
-                return tuple(arg(v) for v in x)
-            return repr(x)
-
-        sigs.append(hash((op.sym.id, tuple(arg(a) for a in op.args),
-                          tuple((k, arg(v)) for k, v in op.kwargs.items()))))
+        sigs.append(hash((op.sym.id, tuple(arg(a, i) for a in op.args),
+                          tuple((k, arg(v, i)) for k, v in op.kwargs.items()))))
         for p in op.flat_proxy_outs:
             defined_at[p.name] = i
     return sigs

@@ -46,27 +46,20 @@ def fulmen_backend(gm: torch.fx.GraphModule, example_inputs: list, **options) ->
     """
     from fulmen.frontend.jit import JittedFunction
 
-    sources = _size_sources(gm)
-    if sources and len(example_inputs) == len(sources) + sum(1 for e in example_inputs if isinstance(e, torch.Tensor)):
-        tensor_positions = [i for i in range(len(example_inputs)) if i not in sources]
-        where = {i: k for k, i in enumerate(tensor_positions)}
+    sources = _size_sources(gm) or {}
+    kept = [i for i in range(len(example_inputs)) if i not in sources]  # the inputs fulmen is passed
+    position = {i: k for k, i in enumerate(kept)}
 
-        def run_graph(*tensors):
-            args = [tensors[where[sources[i][0]]].shape[sources[i][1]] if i in sources else tensors[where[i]]
-                    for i in range(len(example_inputs))]
-            return gm(*args)
-    else:
-        tensor_positions = None
-
-        def run_graph(*args):
-            return gm(*args)
+    def run_graph(*passed):  # runs only while fulmen traces: not on the per-call path
+        return gm(*[passed[position[sources[i][0]]].shape[sources[i][1]] if i in sources else passed[position[i]]
+                    for i in range(len(example_inputs))])
 
     run_graph.__name__ = "dynamo_graph"
     jitted = JittedFunction(run_graph, **options)
 
-    if tensor_positions is not None:
+    if sources:
         def compiled(*args):
-            return jitted(*[args[i] for i in tensor_positions])
+            return jitted(*[args[i] for i in kept])
     else:
         def compiled(*args):
             return jitted(*args)
