@@ -67,6 +67,24 @@ def _flat(hidden: torch.Tensor) -> torch.Tensor:
     return hidden.reshape(-1, hidden.shape[-1])
 
 
+def _grad_buffers(h, weight, bias, mask):
+    """(grad_hidden, grad_weight, grad_bias) to fill chunk by chunk; None where ``mask`` does not want one."""
+    gh = torch.empty_like(h) if mask[0] else None
+    gw = torch.zeros_like(weight) if mask[1] else None
+    gb = torch.zeros_like(bias) if mask[2] and bias is not None else None
+    return gh, gw, gb
+
+
+def _accumulate(gl, hc, weight, gh_rows, gw, gb) -> None:
+    """Add one chunk's share: its rows of grad_hidden, and its contributions to grad_weight and grad_bias."""
+    if gh_rows is not None:
+        torch.mm(gl, weight, out=gh_rows)
+    if gw is not None:
+        gw.addmm_(gl.t(), hc)
+    if gb is not None:
+        gb += gl.sum(0)
+
+
 def forward_with_grads(hidden, weight, bias, target, reduction, ignore_index, label_smoothing, mask):
     """Loss and, for a loss cotangent of 1, (grad_hidden, grad_weight, grad_bias) -- each ``None`` where ``mask``
     says it is not wanted. ``reduction`` is ``mean`` or ``sum``."""
@@ -75,9 +93,7 @@ def forward_with_grads(hidden, weight, bias, target, reduction, ignore_index, la
     compute = _compute_dtype(hidden.dtype)
     losses = torch.empty(n, dtype=compute, device=h.device)
     scale = row_scale(torch.ones((), dtype=compute, device=h.device), target, reduction, ignore_index, compute)
-    gh = torch.empty_like(h) if mask[0] else None
-    gw = torch.zeros_like(weight) if mask[1] else None
-    gb = torch.zeros_like(bias) if mask[2] and bias is not None else None
+    gh, gw, gb = _grad_buffers(h, weight, bias, mask)
     step = _rows(v)
     for i in range(0, n, step):
         hc, tc = h[i:i + step], target[i:i + step]
@@ -85,12 +101,7 @@ def forward_with_grads(hidden, weight, bias, target, reduction, ignore_index, la
         losses[i:i + step], lse = row_losses(logits, tc, ignore_index, label_smoothing)
         gl = logits_grad(logits, lse, tc, scale[i:i + step], label_smoothing).to(weight.dtype)
         del logits
-        if gh is not None:
-            torch.mm(gl, weight, out=gh[i:i + step])
-        if gw is not None:
-            gw.addmm_(gl.t(), hc)
-        if gb is not None:
-            gb += gl.sum(0)
+        _accumulate(gl, hc, weight, gh[i:i + step] if gh is not None else None, gw, gb)
     loss = reduce_losses(losses, target, reduction, ignore_index, hidden.dtype)
     return loss, (gh.reshape(hidden.shape) if gh is not None else None), gw, gb
 
@@ -114,21 +125,14 @@ def backward_recompute(g, hidden, weight, bias, target, lse, reduction, ignore_i
     n, v = h.shape[0], weight.shape[0]
     compute = _compute_dtype(hidden.dtype)
     scale = row_scale(g.reshape(-1) if reduction == "none" else g, target, reduction, ignore_index, compute)
-    gh = torch.empty_like(h) if mask[0] else None
-    gw = torch.zeros_like(weight) if mask[1] else None
-    gb = torch.zeros_like(bias) if mask[2] and bias is not None else None
+    gh, gw, gb = _grad_buffers(h, weight, bias, mask)
     step = _rows(v)
     for i in range(0, n, step):
         hc, tc = h[i:i + step], target[i:i + step]
         logits = F.linear(hc, weight, bias).to(compute)
         gl = logits_grad(logits, lse[i:i + step], tc, scale[i:i + step], label_smoothing).to(weight.dtype)
         del logits
-        if gh is not None:
-            torch.mm(gl, weight, out=gh[i:i + step])
-        if gw is not None:
-            gw.addmm_(gl.t(), hc)
-        if gb is not None:
-            gb += gl.sum(0)
+        _accumulate(gl, hc, weight, gh[i:i + step] if gh is not None else None, gw, gb)
     return (gh.reshape(hidden.shape) if gh is not None else None), gw, gb
 
 
