@@ -62,6 +62,41 @@ def _async_mode_runs_eagerly_then_swaps_in():
     assert region.variants and not region.failed, "the compiled kernel swaps in on the next call"
 
 
+def test_jit_compile_option_sets_the_mode_of_forward_and_backward_regions():
+    # the suite's default mode is "off" (conftest): compile="sync" on one function overrides it, and the backward,
+    # compiled at its first call, inherits it
+    def f(a, w):
+        return ((a * w).tanh() * 3 + a).sum()
+
+    a, w = torch.randn(16, 8), torch.randn(16, 8, requires_grad=True)
+    jf = fulmen.jit(f, executors=["inductor"], compile="sync")
+    out = jf(a, w)
+    assert _fused_regions(jf)[0].sym.impl.variants, "compile='sync' compiles the forward's region first"
+    out.backward()
+    backward = [b for b in fulmen.last_backward_traces(jf)[-1].bound_symbols if b.sym.is_fusion]
+    assert backward and backward[0].sym.impl.variants, "the backward's regions compile in the jit's mode too"
+    expected_w = w.detach().clone().requires_grad_()
+    f(a, expected_w).backward()
+    torch.testing.assert_close(out, f(a, w.detach()), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad, expected_w.grad, rtol=1e-5, atol=1e-5)
+    assert inductor.compile_mode.get() == "off", "the option must not leak into the ambient mode"
+
+
+def test_jit_compile_option_rejects_unknown_modes():
+    with pytest.raises(ValueError, match="compile= must be one of"):
+        fulmen.jit(lambda a: a + 1, compile="later")
+
+
+def test_vector_isa_decision_follows_aten(monkeypatch):
+    # Inductor's probe compile is skipped only when ATen itself runs AVX2/AVX-512 kernels on an x86 CPU
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert not inductor_compile._vector_isa_known()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    import platform
+
+    assert inductor_compile._vector_isa_known() == (platform.machine() in ("x86_64", "AMD64"))
+
+
 def test_new_input_strides_get_their_own_variant(sync_compile):
     def f(a, b):
         return (a + b).sin() * b

@@ -12,7 +12,7 @@ What each number means:
   ``isolate=True`` runs the measurement in a fresh Python subprocess with empty Inductor/Triton cache
   directories (unless ``warm_cache=True``), which is the honest "first time ever" number.
 - ``compiled_s``: wall time from the first call until the backend reports that nothing is left to compile.
-  Backends that compile synchronously (eager, ``torch.compile``, fulmen today) report the first-call time;
+  Backends that compile synchronously (eager, ``torch.compile``, ``fulmen-sync``) report the first-call time;
   a backend that compiles in the background implements ``Backend.pending`` and the runner keeps stepping
   (those steps count as warm-up) until it reports zero, so steady-state timing starts fully compiled.
 - ``peak_mb``: see ``fulmen.bench.memory`` (CUDA: max allocated; CPU: profiler-based, method in the row).
@@ -139,10 +139,12 @@ class TorchCompileBackend(Backend):
 class FulmenBackend(Backend):
     """``fulmen.jit(model, executors=...)``; ``imports`` are modules that register the executors named."""
 
-    def __init__(self, executors: list[str] | None = None, name: str = "fulmen", imports: tuple[str, ...] = ()):
+    def __init__(self, executors: list[str] | None = None, name: str = "fulmen", imports: tuple[str, ...] = (),
+                 compile: str | None = None):
         self.executors = executors
         self.name = name
         self.imports = imports
+        self.compile = compile
 
     def wrap(self, model):
         import importlib
@@ -151,7 +153,7 @@ class FulmenBackend(Backend):
 
         for module in self.imports:
             importlib.import_module(module)
-        return fulmen.jit(model, executors=self.executors)
+        return fulmen.jit(model, executors=self.executors, compile=self.compile)
 
     def pending(self, wrapped) -> int:
         """Compilations still running in the background.
@@ -184,6 +186,7 @@ BACKENDS: dict[str, Backend] = {
     "eager": Backend(),
     "torch.compile": TorchCompileBackend(),
     "fulmen": FulmenBackend(),
+    "fulmen-sync": FulmenBackend(name="fulmen-sync", compile="sync"),
     "fulmen-torch": FulmenBackend(executors=["torch"], name="fulmen-torch"),
 }
 

@@ -15,6 +15,7 @@ process finds its kernels there.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import os
@@ -39,6 +40,21 @@ if _env_mode not in COMPILE_MODES:
 #: "off": regions never compile and keep running with the torch executor (debugging, and the test suite's
 #: default, where hundreds of programs run once). The environment variable FULMEN_COMPILE sets the default.
 compile_mode: contextvars.ContextVar[str] = contextvars.ContextVar("fulmen_compile_mode", default=_env_mode)
+
+@contextlib.contextmanager
+def compile_mode_set(mode: str | None):
+    """Regions created inside the block use ``mode`` (``None``: leave the current mode)."""
+    if mode is None:
+        yield
+        return
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode {mode!r} is not one of {', '.join(COMPILE_MODES)}")
+    token = compile_mode.set(mode)
+    try:
+        yield
+    finally:
+        compile_mode.reset(token)
+
 
 #: The background compiler waits until no new compilation was requested for this long.
 QUIET_SECONDS = 0.3
@@ -119,15 +135,35 @@ def get_kernel(key: tuple, name: str, eager: Callable, args: tuple, mode: str) -
     return kernel
 
 
+def _vector_isa_known() -> bool:
+    """Whether ATen itself runs AVX2 or AVX-512 kernels on this x86 CPU.
+
+    Inductor decides which vector instructions its C++ kernels may use by compiling and loading a probe library
+    for each candidate, once per cache directory: about 3 s of a cold start on a 2-core CPU, as long as one
+    region's compilation. ATen has already made the same decision at startup (CPU and operating-system support,
+    and the ``ATEN_CPU_CAPABILITY`` override), so when it runs AVX2 or AVX-512 kernels fulmen tells Inductor the
+    instructions are usable (``config.cpp.vec_isa_ok``) instead of probing. A C++ compiler that cannot emit them
+    would fail the region's compilation, and the region keeps running with the torch executor (logged).
+    """
+    import platform
+
+    return platform.machine() in ("x86_64", "AMD64") and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
 def _inductor_compile(fn: Callable, example: list[torch.Tensor]) -> Callable:
     with compiler_import_lock:
         import torch._dynamo  # noqa: F401  (before Inductor: its modules import Dynamo's)
+        from torch._inductor import config
         from torch._inductor.compile_fx import compile_fx_inner
         from torch._inductor.decomposition import select_decomp_table
         from torch.fx.experimental.proxy_tensor import make_fx
 
-    gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*example)
-    compiled = compile_fx_inner(gm, example)
+    patch = {}
+    if config.cpp.vec_isa_ok is None and all(a.device.type == "cpu" for a in example) and _vector_isa_known():
+        patch["cpp.vec_isa_ok"] = True
+    with config.patch(patch):
+        gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*example)
+        compiled = compile_fx_inner(gm, example)
     return getattr(compiled, "current_callable", compiled)
 
 

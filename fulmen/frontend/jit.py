@@ -14,6 +14,7 @@ import torch
 
 from fulmen.core.trace import Trace
 from fulmen.executors.base import Executor, resolve_executors
+from fulmen.executors.inductor_compile import COMPILE_MODES, compile_mode_set
 from fulmen.frontend import dynamic as dynamic_sizes
 from fulmen.frontend.cache import args_key, global_state_key
 from fulmen.frontend.compile import CompiledProgram, compile_inference
@@ -67,17 +68,23 @@ class JittedFunction:
 
     def __init__(self, fn: Callable, executors: Sequence[Executor | str] | None = None, *,
                  add_torch_executor: bool = True, disable_torch_autograd: bool = False,
-                 dynamic: bool | None = None, **options):
+                 dynamic: bool | None = None, compile: str | None = None, **options):
         if not callable(fn):
             raise TypeError(f"fulmen.jit expects a function or an nn.Module, but got {type(fn).__name__}")
         if options:
             raise TypeError(f"fulmen.jit got unexpected keyword argument(s) {sorted(options)}; it accepts executors=, "
-                            "add_torch_executor=, disable_torch_autograd= and dynamic=")
+                            "add_torch_executor=, disable_torch_autograd=, dynamic= and compile=")
         if dynamic not in (None, True, False):
             raise TypeError(f"fulmen.jit: dynamic= must be None (automatic), True or False, got {dynamic!r}")
         # None: a dimension seen with a second size (other than 0 and 1) becomes symbolic; True: every dimension
         # of the arguments is symbolic from the first call; False: exact sizes, one compilation per shape.
         self.dynamic = dynamic
+        if compile not in (None, *COMPILE_MODES):
+            raise ValueError(f"fulmen.jit: compile= must be one of {', '.join(map(repr, COMPILE_MODES))} (or None for "
+                             f"the default, FULMEN_COMPILE or 'async'), got {compile!r}")
+        # how fused regions compile: "async" in the background, "sync" before the call that needs them returns,
+        # "off" never (None: the ambient compile_mode)
+        self.compile_mode = compile
         self.fn = fn
         # add_torch_executor=False keeps exactly the executors given (the seeds' fulmen.compile form);
         # a symbol none of them can run then fails with "Could not find executor for bound symbol ...".
@@ -208,6 +215,10 @@ class JittedFunction:
 
     def _build(self, key, args, kwargs, symbolic: SymbolicSizes | None = None) -> CacheEntry:
         """Trace and compile for one key (for symbolic sizes when ``symbolic`` is given)."""
+        with compile_mode_set(self.compile_mode):
+            return self._build_entry(key, args, kwargs, symbolic)
+
+    def _build_entry(self, key, args, kwargs, symbolic: SymbolicSizes | None) -> CacheEntry:
         stats = self._stats
         start = time.perf_counter()
         autocast_devices = [p.device_type for p in current_policies()]

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.trace import Trace
 from fulmen.executors.base import Executor
+from fulmen.executors.inductor_compile import compile_mode, compile_mode_set
 from fulmen.frontend.compile import CompiledProgram, compile_inference, execution_pipeline
 from fulmen.transforms.split import ForwardBackward, split_forward_backward
 
@@ -59,6 +60,7 @@ class _Runtime:
         self.traces: dict[tuple[bool, ...], list[Trace]] = {}
         self.latest: tuple[bool, ...] | None = None
         self.timings = timings
+        self.compile_mode = compile_mode.get()  # the jitted function's: the backward's regions compile alike
 
     def backward_for(self, present: tuple[bool, ...]):
         fn = self.backwards.get(present)
@@ -74,7 +76,8 @@ class _Runtime:
             self.timings["backward_split"] = self.timings.get("backward_split", 0.0) + (
                 time.perf_counter() - start) * 1e3
             timings: dict[str, float] = {}
-            fn, traces = execution_pipeline(trace, self.executors, timings)
+            with compile_mode_set(self.compile_mode):
+                fn, traces = execution_pipeline(trace, self.executors, timings)
             for k, v in timings.items():
                 self.timings[f"backward_{k}"] = self.timings.get(f"backward_{k}", 0.0) + v
             self.traces[present] = traces
