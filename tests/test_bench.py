@@ -116,7 +116,13 @@ def test_runner_eager_and_fulmen_rows():
         assert row.first_result_s > 0 and row.compiled_s >= row.first_result_s
         assert row.peak_mb >= row.state_mb > 0
         assert row.max_diff <= 1e-5
-    assert rows[0].speedup == 1.0
+    assert rows[0].speedup == 1.0 and rows[0].eager_median_ms == rows[0].median_ms
+    # fulmen's speed-up is taken against eager steps interleaved with its own, in its process
+    assert rows[1].eager_median_ms > 0
+    assert rows[1].speedup == pytest.approx(rows[1].eager_median_ms / rows[1].median_ms)
+    # rows without interleaved eager steps (older JSON) fall back to the eager row
+    rows[1].eager_median_ms = None
+    add_speedups(rows)
     assert rows[1].speedup == pytest.approx(rows[0].median_ms / rows[1].median_ms)
 
 

@@ -3,6 +3,10 @@
 ``run_benchmark(BenchConfig(model="gpt-small", mode="train", backend="fulmen"))`` returns a ``BenchRow``.
 What each number means:
 
+- ``eager_median_ms`` and ``speedup``: eager PyTorch runs a fresh copy of the model in the same process, one
+  step after each of the backend's timed steps; ``speedup`` is eager's median over those steps divided by the
+  backend's. Interleaved steps see the same machine, so the ratio does not drift with a shared machine's speed
+  between processes and over minutes.
 - ``median_ms``: median wall time of ``steps`` timed steps after warm-up (``time.perf_counter``, with
   ``torch.cuda.synchronize()`` around each step on CUDA). A step is one forward under ``torch.no_grad()``
   (inference) or forward + ``loss.backward()`` + ``AdamW.step()`` (train).
@@ -93,6 +97,7 @@ class BenchRow:
     steps: int
     median_ms: float | None = None
     min_ms: float | None = None
+    eager_median_ms: float | None = None  # eager's median over steps interleaved with this backend's
     speedup: float | None = None  # eager median / this median, filled in by ``add_speedups``
     first_result_s: float | None = None
     compiled_s: float | None = None
@@ -198,6 +203,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _timed(step: Callable, device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    step()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
 def _make_step(fn: Callable, mode: str, inputs: tuple, optimizer) -> Callable[[], torch.Tensor]:
     if mode == "inference":
         def step():
@@ -267,32 +280,46 @@ def _measure(config: BenchConfig, row: BenchRow, progress: Progress) -> None:
             raise TimeoutError(f"{config.backend} still compiling after {MAX_BACKGROUND_WAIT_S:.0f} s")
     row.compiled_s = compiled_at - start
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
+    # Eager PyTorch on a fresh copy of the model: its first result is the reference for max_diff, and its steps
+    # are timed interleaved with this backend's, so that the speed-up compares steps taken side by side (a shared
+    # machine's speed drifts between processes and over minutes; the medians of interleaved steps do not).
+    progress("checking against eager", None, None)
+    _, ref_model, ref_inputs, ref_optimizer = _setup(config)
+    ref_step = _make_step(ref_model, config.mode, ref_inputs, ref_optimizer)
+    expected = ref_step().detach().float()
+    pair = config.backend != "eager"
+    if pair:
+        for _ in range(config.warmup):
+            ref_step()
+    else:
+        del ref_model, ref_inputs, ref_optimizer, ref_step
+
+    times, eager_times = [], []
     for i in range(config.steps):
         progress("timing", i, config.steps)
-        _sync(device)
-        t0 = time.perf_counter()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
+        times.append(_timed(step, device))
+        if pair:
+            eager_times.append(_timed(ref_step, device))
     row.median_ms = statistics.median(times) * 1e3
     row.min_ms = min(times) * 1e3
+    row.eager_median_ms = statistics.median(eager_times) * 1e3 if pair else row.median_ms
+    if pair:
+        del ref_model, ref_inputs, ref_optimizer, ref_step
 
     progress("measuring memory", None, None)
     row.state_mb = memory.tensor_bytes(memory.state_tensors(model, optimizer, inputs)) / 2**20
     if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # the eager copy is freed: this counts the backend's alone
+        for _ in range(2):
+            step()
+        _sync(device)
         row.peak_mb = torch.cuda.max_memory_allocated(device) / 2**20
         row.peak_method = memory.CUDA_METHOD
     else:
         row.peak_mb = row.state_mb + memory.cpu_step_peak_bytes(step) / 2**20
         row.peak_method = memory.CPU_METHOD
-
-    progress("checking against eager", None, None)
     del wrapped, step, optimizer
-    _, ref_model, ref_inputs, ref_optimizer = _setup(config)
-    expected = _make_step(ref_model, config.mode, ref_inputs, ref_optimizer)().detach().float()
+
     if first.shape != expected.shape:
         row.error = f"result shape {tuple(first.shape)} differs from eager's {tuple(expected.shape)}"
         return
@@ -322,10 +349,11 @@ def run_benchmark(config: BenchConfig, progress: Progress = _no_progress, *, ver
 
 
 def add_speedups(rows: list[BenchRow]) -> None:
-    """Fill ``speedup`` = eager median / row median for every row whose (model, mode) has an eager row."""
+    """Fill ``speedup`` = eager median / row median, with eager's steps interleaved with the row's (rows from
+    older JSON without them fall back to the eager row of the same model and mode)."""
     eager = {(r.model, r.mode): r.median_ms for r in rows if r.backend == "eager" and r.median_ms}
     for r in rows:
-        base = eager.get((r.model, r.mode))
+        base = r.eager_median_ms or eager.get((r.model, r.mode))
         r.speedup = base / r.median_ms if base and r.median_ms else None
 
 
