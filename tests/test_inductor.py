@@ -280,6 +280,27 @@ def test_identical_layers_share_one_kernel(sync_compile):
     assert inductor.kernel_stats()["kernels"] - before == 1
 
 
+def test_regions_share_unfused_code_only_when_identical(no_compile):
+    # identical layers reuse one generated callable for their unfused path; a layer whose constant differs
+    # (same operations, another scale) gets its own
+    def layer(x, scale):
+        return ((x * scale + 1.0).tanh() - x).sigmoid() * 2.0
+
+    def f(a):
+        x = torch.special.i0e(layer(a, 3.0))  # opaque ops between the layers: one region per layer
+        x = torch.special.i0e(layer(x, 3.0))
+        return torch.special.i0e(layer(x, 5.0))
+
+    a = torch.randn(4, 8)
+    jf = fulmen.jit(f, executors=["inductor"])
+    torch.testing.assert_close(jf(a), f(a), rtol=1e-5, atol=1e-5)
+    regions = [r.sym.impl for r in _fused_regions(jf)]
+    assert len(regions) == 3
+    assert regions[0].eager is regions[1].eager, "identical layers share their unfused callable"
+    assert regions[2].eager is not regions[0].eager, "another constant, another callable"
+    assert regions[2].code_key != regions[0].code_key
+
+
 def test_gpt_training_through_inductor_matches_torch_executor(sync_compile):
     from fulmen.bench.models import build
 

@@ -19,12 +19,14 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import __version__ as torch_version
 from torch._ops import OpOverload, OpOverloadPacket
 
 from fulmen.core import symbolic
 from fulmen.core.codegen import compile_trace
 from fulmen.core.codeutils import outputs_of
+from fulmen.core.devices import Device
 from fulmen.core.proxies import Proxy, TensorProxy
 from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 from fulmen.core.symbolic import contains_symbolic
@@ -124,6 +126,39 @@ def _code_key(fn: Callable, source: str, names: set[str]) -> tuple:
     return ("\n".join(lines), objects)
 
 
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, Device)
+
+
+def _structure_key(region: list[BoundSymbol], inputs: list[Proxy], outputs: list[Proxy]) -> tuple | None:
+    """The region up to the names of its values: symbols, constants (objects other than plain values by
+    identity), tensor metadata and the data flow between operations. Two regions of one trace with equal keys
+    generate the same code, so the second reuses the first's unfused callable (a model's identical layers);
+    ``None`` where sizes are symbolic."""
+    if symbolic.in_use:
+        return None
+    index = {p.name: i for i, p in enumerate(inputs)}
+
+    def canon(x):
+        if isinstance(x, Proxy):
+            i = index.setdefault(x.name, len(index))
+            if isinstance(x, TensorProxy):
+                return (i, tuple(x.shape), x.dtype, str(x.device), x.requires_grad)
+            return (i, type(x).__name__)
+        if isinstance(x, (tuple, list)) and not hasattr(x, "_fields"):
+            return (type(x).__name__, *(canon(v) for v in x))
+        if isinstance(x, dict):
+            return ("dict", *((k, canon(v)) for k, v in x.items()))
+        if isinstance(x, _PLAIN):
+            return (type(x).__name__, x)
+        return ("object", id(x))
+
+    parts = [tuple(canon(p) for p in inputs)]
+    for b in region:
+        parts.append((id(b.sym), canon(b.args), canon(b.kwargs), canon(b.output)))
+    parts.append(tuple(index[p.name] for p in outputs))
+    return tuple(parts)
+
+
 def _region_io(region: list[BoundSymbol], later: list[BoundSymbol], trace_outputs: set[str]):
     defined: dict[str, Proxy] = {}
     inputs: dict[str, Proxy] = {}
@@ -168,6 +203,7 @@ class InductorExecutor(FusionExecutor):
         torch_executors = list(get_always_executors())
         outputs = {p.name for p in outputs_of(trace.output)}
         groups = fusion_groups(trace.bound_symbols, self.can_fuse)
+        shared: dict[tuple, tuple] = {}  # structure key -> (unfused callable, its source, code key)
         new: list[BoundSymbol] = []
         for k, (fused, run) in enumerate(groups):
             if not fused:
@@ -185,7 +221,7 @@ class InductorExecutor(FusionExecutor):
                         new.extend(self._unfused(trace, piece, torch_executors))
                     else:
                         rest = [b for p in pieces[i + 1:] for b in p] + later
-                        new.append(self._fuse(trace, piece, rest, outputs, torch_executors))
+                        new.append(self._fuse(trace, piece, rest, outputs, torch_executors, shared))
         return trace.derive(trace.provenance or "Fusion", new)
 
     def _unfused(self, trace: Trace, region: list[BoundSymbol], executors) -> list[BoundSymbol]:
@@ -193,19 +229,25 @@ class InductorExecutor(FusionExecutor):
         return claim_symbols(sub, executors).bound_symbols
 
     def _fuse(self, trace: Trace, region: list[BoundSymbol], later: list[BoundSymbol], trace_outputs: set[str],
-              executors: Sequence) -> BoundSymbol:
+              executors: Sequence, shared: dict[tuple, tuple]) -> BoundSymbol:
         inputs, outputs = _region_io(region, later, trace_outputs)
         name = f"inductor_fusion_{self._count}"
         self._count += 1
-        sub = trace.derive("region", region)
-        sub.fn_name = name
-        sub.args = inputs
-        sub.output = tuple(outputs)
-        # the unfused path frees each intermediate after its last use, as the whole trace does
-        claimed = del_last_used(claim_symbols(sub, executors))
-        eager, source = compile_trace(claimed, comments=False)
-        names = {p.name for b in region for p in (*b.flat_args, *b.flat_proxy_outs)}
-        fused = FusedRegion(name, eager, source, _code_key(eager, source, names))
+        structure = _structure_key(region, inputs, outputs)
+        compiled = shared.get(structure) if structure is not None else None
+        if compiled is None:
+            sub = trace.derive("region", region)
+            sub.fn_name = name
+            sub.args = inputs
+            sub.output = tuple(outputs)
+            # the unfused path frees each intermediate after its last use, as the whole trace does
+            claimed = del_last_used(claim_symbols(sub, executors))
+            eager, source = compile_trace(claimed, comments=False)
+            names = {p.name for b in region for p in (*b.flat_args, *b.flat_proxy_outs)}
+            compiled = (eager, source, _code_key(eager, source, names))
+            if structure is not None:
+                shared[structure] = compiled
+        fused = FusedRegion(name, *compiled)
         self.regions.add(fused)
         sym = Symbol(name=name, id=name, is_prim=True, is_fusion=True, impl=fused, executor=self)
         return BoundSymbol(sym, tuple(inputs), {}, tuple(outputs), tuple(region))
