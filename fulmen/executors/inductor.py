@@ -29,7 +29,7 @@ from fulmen.core.codeutils import outputs_of
 from fulmen.core.devices import Device
 from fulmen.core.proxies import Proxy, TensorProxy
 from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
-from fulmen.core.symbolic import contains_symbolic
+from fulmen.core.symbolic import SYMBOLIC_TYPES, contains_symbolic
 from fulmen.core.trace import Trace
 from fulmen.executors.base import FusionExecutor, claim_symbols, get_always_executors, register_executor
 from fulmen.executors.inductor_compile import (  # noqa: F401  (re-exported: the public helpers live here)
@@ -129,19 +129,23 @@ def _code_key(fn: Callable, source: str, names: set[str]) -> tuple:
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, Device)
 
 
+class _Symbolic(Exception):
+    pass
+
+
 def _structure_key(region: list[BoundSymbol], inputs: list[Proxy], outputs: list[Proxy]) -> tuple | None:
     """The region up to the names of its values: symbols, constants (objects other than plain values by
     identity), tensor metadata and the data flow between operations. Two regions of one trace with equal keys
     generate the same code, so the second reuses the first's unfused callable (a model's identical layers);
-    ``None`` where sizes are symbolic."""
-    if symbolic.in_use:
-        return None
+    ``None`` for a region with symbolic sizes."""
     index = {p.name: i for i, p in enumerate(inputs)}
 
     def canon(x):
         if isinstance(x, Proxy):
             i = index.setdefault(x.name, len(index))
             if isinstance(x, TensorProxy):
+                if any(type(d) is not int for d in x.shape):
+                    raise _Symbolic
                 return (i, tuple(x.shape), x.dtype, str(x.device), x.requires_grad)
             return (i, type(x).__name__)
         if isinstance(x, (tuple, list)) and not hasattr(x, "_fields"):
@@ -150,11 +154,16 @@ def _structure_key(region: list[BoundSymbol], inputs: list[Proxy], outputs: list
             return ("dict", *((k, canon(v)) for k, v in x.items()))
         if isinstance(x, _PLAIN):
             return (type(x).__name__, x)
+        if isinstance(x, SYMBOLIC_TYPES):
+            raise _Symbolic
         return ("object", id(x))
 
-    parts = [tuple(canon(p) for p in inputs)]
-    for b in region:
-        parts.append((id(b.sym), canon(b.args), canon(b.kwargs), canon(b.output)))
+    try:
+        parts = [tuple(canon(p) for p in inputs)]
+        for b in region:
+            parts.append((id(b.sym), canon(b.args), canon(b.kwargs), canon(b.output)))
+    except _Symbolic:
+        return None
     parts.append(tuple(index[p.name] for p in outputs))
     return tuple(parts)
 
