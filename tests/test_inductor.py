@@ -301,6 +301,20 @@ def test_regions_share_unfused_code_only_when_identical(no_compile):
     assert regions[2].code_key != regions[0].code_key
 
 
+def test_regions_with_zero_and_negative_zero_constants_do_not_share(no_compile):
+    # 0.0 == -0.0 in Python, but x * -0.0 is -0.0 for positive x: the constants must keep the regions apart
+    def f(a):
+        x = torch.special.i0e((a.abs() + 1.0).exp() * 0.0 + 0.0)
+        return torch.special.i0e((x.abs() + 1.0).exp() * -0.0 + 0.0)
+
+    a = torch.randn(4, 8)
+    jf = fulmen.jit(f, executors=["inductor"])
+    out = jf(a)
+    torch.testing.assert_close(out, f(a))
+    regions = [r.sym.impl for r in _fused_regions(jf)]
+    assert len(regions) == 2 and regions[0].eager is not regions[1].eager
+
+
 def test_gpt_training_through_inductor_matches_torch_executor(sync_compile):
     from fulmen.bench.models import build
 

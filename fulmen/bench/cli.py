@@ -181,9 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", metavar="PATH|-", help="also write results as JSON to PATH ('-': stdout, and the "
                                                         "table goes to stderr)")
     bench.add_argument("--isolate", action="store_true",
-                       help="run each measurement in a fresh Python process with empty Inductor caches, for "
-                            "honest first-call and compile times")
-    bench.add_argument("--warm-cache", action="store_true", help="with --isolate, keep the usual Inductor cache")
+                       help="run each measurement in a fresh Python process with empty Inductor caches "
+                            "(precompiled headers included), for honest first-call and compile times")
+    bench.add_argument("--warm-cache", action="store_true",
+                       help="with --isolate, keep the usual Inductor cache and precompiled headers")
     bench.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
     bench.add_argument("--quiet", action="store_true", help="no progress display")
     bench.add_argument("--verbose", action="store_true", help="print tracebacks of failing measurements")

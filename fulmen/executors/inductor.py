@@ -152,6 +152,8 @@ def _structure_key(region: list[BoundSymbol], inputs: list[Proxy], outputs: list
             return (type(x).__name__, *(canon(v) for v in x))
         if isinstance(x, dict):
             return ("dict", *((k, canon(v)) for k, v in x.items()))
+        if isinstance(x, float):
+            return ("float", repr(x))  # repr tells -0.0 from 0.0, which compare equal
         if isinstance(x, _PLAIN):
             return (type(x).__name__, x)
         if isinstance(x, SYMBOLIC_TYPES):
@@ -161,7 +163,7 @@ def _structure_key(region: list[BoundSymbol], inputs: list[Proxy], outputs: list
     try:
         parts = [tuple(canon(p) for p in inputs)]
         for b in region:
-            parts.append((id(b.sym), canon(b.args), canon(b.kwargs), canon(b.output)))
+            parts.append((id(b.sym), b.no_grad, canon(b.args), canon(b.kwargs), canon(b.output)))
     except _Symbolic:
         return None
     parts.append(tuple(index[p.name] for p in outputs))
