@@ -41,6 +41,7 @@ if _env_mode not in COMPILE_MODES:
 #: default, where hundreds of programs run once). The environment variable FULMEN_COMPILE sets the default.
 compile_mode: contextvars.ContextVar[str] = contextvars.ContextVar("fulmen_compile_mode", default=_env_mode)
 
+
 @contextlib.contextmanager
 def compile_mode_set(mode: str | None):
     """Regions created inside the block use ``mode`` (``None``: leave the current mode)."""
