@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from fulmen.core.codegen import compile_trace
 from fulmen.core.symbol import BoundSymbol
@@ -48,20 +48,16 @@ def run_decomposed(fn: Callable, *args, **kwargs) -> Any:
         return compiled(*tensors)
 
 
+def _clone_tensor(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty((), dtype=x.dtype, device=x.device)
+    out.set_(x.detach().untyped_storage().clone(), x.storage_offset(), x.shape, x.stride())
+    return out.requires_grad_(x.requires_grad)
+
+
 def clone_args(x: Any) -> Any:
     """A deep copy of call arguments: tensors keep their strides, storage offset and requires_grad, so transposed,
     gapped and expanded inputs reach the op as they were (tests run eager and fulmen on separate copies)."""
-    if isinstance(x, torch.Tensor):
-        out = torch.empty((), dtype=x.dtype, device=x.device)
-        out.set_(x.detach().untyped_storage().clone(), x.storage_offset(), x.shape, x.stride())
-        return out.requires_grad_(x.requires_grad)
-    if isinstance(x, tuple) and not hasattr(x, "_fields"):
-        return tuple(clone_args(v) for v in x)
-    if isinstance(x, list):
-        return [clone_args(v) for v in x]
-    if isinstance(x, dict):
-        return {k: clone_args(v) for k, v in x.items()}
-    return x
+    return tree_map_only(torch.Tensor, _clone_tensor, x)
 
 
 def assert_close(actual: Any, expected: Any, **kwargs) -> None:

@@ -391,11 +391,17 @@ def test_module_trace_names_inputs_after_the_forward_signature():
     assert "def computation(gain, tokens, offset):" in str(fulmen.last_traces(jm)[0])
 
 
-def test_module_gradients_match_eager():
+def _net_and_copy(outputs: int):
+    """A small MLP (seeded) and an identical copy for eager PyTorch."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-    reference = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, outputs))
+    reference = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, outputs))
     reference.load_state_dict(model.state_dict())
+    return model, reference
+
+
+def test_module_gradients_match_eager():
+    model, reference = _net_and_copy(outputs=2)
     jm = fulmen.jit(model)
     x = torch.randn(5, 4)
     jm(x).square().sum().backward()
@@ -406,10 +412,7 @@ def test_module_gradients_match_eager():
 
 
 def test_optimizer_steps_match_eager_without_recompiling():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    reference = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    reference.load_state_dict(model.state_dict())
+    model, reference = _net_and_copy(outputs=1)
     jm = fulmen.jit(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)

@@ -289,11 +289,8 @@ def _measure(config: BenchConfig, row: BenchRow, progress: Progress) -> None:
     ref_step = _make_step(ref_model, config.mode, ref_inputs, ref_optimizer)
     expected = ref_step().detach().float()
     pair = config.backend != "eager"
-    if pair:
-        for _ in range(config.warmup):
-            ref_step()
-    else:
-        del ref_model, ref_inputs, ref_optimizer, ref_step
+    for _ in range(config.warmup if pair else 0):
+        ref_step()
 
     times, eager_times = [], []
     for i in range(config.steps):
@@ -304,8 +301,7 @@ def _measure(config: BenchConfig, row: BenchRow, progress: Progress) -> None:
     row.median_ms = statistics.median(times) * 1e3
     row.min_ms = min(times) * 1e3
     row.eager_median_ms = statistics.median(eager_times) * 1e3 if pair else row.median_ms
-    if pair:
-        del ref_model, ref_inputs, ref_optimizer, ref_step
+    del ref_model, ref_inputs, ref_optimizer, ref_step
 
     progress("measuring memory", None, None)
     row.state_mb = memory.tensor_bytes(memory.state_tensors(model, optimizer, inputs)) / 2**20

@@ -26,7 +26,6 @@ from torch._ops import OpOverload, OpOverloadPacket
 from fulmen.core import symbolic
 from fulmen.core.codegen import compile_trace
 from fulmen.core.codeutils import outputs_of
-from fulmen.core.devices import Device
 from fulmen.core.proxies import Proxy, TensorProxy
 from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 from fulmen.core.symbolic import SYMBOLIC_TYPES, contains_symbolic
@@ -126,7 +125,7 @@ def _code_key(fn: Callable, source: str, names: set[str]) -> tuple:
     return ("\n".join(lines), objects)
 
 
-_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, Device)
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)  # fulmen's Device is a str
 
 
 class _Symbolic(Exception):
