@@ -175,7 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"comma-separated backends (default: {DEFAULT_BACKENDS}; available: "
                             f"{','.join(BACKENDS)}); torch.compile takes tens of seconds per model on a CPU")
     bench.add_argument("--steps", type=_positive, default=20, help="timed steps (default 20)")
-    bench.add_argument("--warmup", type=_non_negative, default=3, help="untimed steps after the first (default 3)")
+    bench.add_argument("--warmup", type=_non_negative, default=3,
+                       help="untimed steps after the first (default 3; the second always runs, and its result is "
+                       "checked against eager's too)")
     bench.add_argument("--batch-size", type=_positive, default=2, help="batch size (default 2)")
     _add_device_args(bench)
     bench.add_argument("--json", metavar="PATH|-", help="also write results as JSON to PATH ('-': stdout, and the "

@@ -128,11 +128,33 @@ def _signatures(ops: Sequence[BoundSymbol], period: int | None) -> list[int]:
     return sigs
 
 
+def _may_repeat(sigs: list[int], period: int) -> bool:
+    """Whether ``period`` equal pairs ``(i, i + period)`` in a row exist: a cheap test before the full scan.
+
+    Such a run of pairs covers ``period`` consecutive positions, so it holds a multiple of ``period``; only the
+    runs through those positions need measuring. Most periods fail at every multiple, at ``n / period`` tests.
+    """
+    last = len(sigs) - period - 1  # the last position that has a pair
+    for i in range(0, last + 1, period):
+        if sigs[i] != sigs[i + period]:
+            continue
+        lo = hi = i
+        while lo > 0 and sigs[lo - 1] == sigs[lo - 1 + period]:
+            lo -= 1
+        while hi < last and sigs[hi + 1] == sigs[hi + 1 + period]:
+            hi += 1
+        if hi - lo + 1 >= period:
+            return True
+    return False
+
+
 def _best_repeat(sigs: list[int], periods) -> tuple[int, int, int]:
     """(operations covered, period, start) of the longest run of equal consecutive blocks."""
     n = len(sigs)
     best = (0, 0, 0)
     for period in periods:
+        if not _may_repeat(sigs, period):
+            continue
         run = 0
         for i in range(n - period - 1, -1, -1):  # run = how many equal pairs (i, i + period) start at i
             run = run + 1 if sigs[i] == sigs[i + period] else 0

@@ -16,6 +16,7 @@ from fulmen.core.trace import Trace
 from fulmen.executors.base import Executor, resolve_executors
 from fulmen.executors.inductor_compile import COMPILE_MODES, compile_mode_set
 from fulmen.frontend import dynamic as dynamic_sizes
+from fulmen.frontend import warm_start
 from fulmen.frontend.cache import args_key, global_state_key
 from fulmen.frontend.compile import CompiledProgram, compile_inference
 from fulmen.frontend.dynamic import SizeHistory, SymbolicSizes, describe_change, erase_sizes, key_sizes, symbolic_dims
@@ -49,17 +50,47 @@ class CompileStats:
     cache_misses: int = 0
     calls: int = 0
     last_trace_time_ms: float = 0.0
-    last_compile_time_ms: float = 0.0
-    phase_times_ms: dict[str, float] = field(default_factory=dict)
-    last_traces: list[Trace] = field(default_factory=list)
     last_prologue_traces: list[Trace] = field(default_factory=list)
     last_recompile_reason: str | None = None
+    _last_compile_time_ms: float = 0.0
+    _phase_times_ms: dict[str, float] = field(default_factory=dict)
+    _last_traces: list[Trace] = field(default_factory=list)
     _backward_traces: Callable[[], list[Trace]] | None = None
+    _settle: Callable[[], Any] | None = None  # compiles a program whose first call ran on PyTorch autograd
+    _deferred: int = 0  # programs whose first call ran on PyTorch autograd, not compiled yet
+
+    @property
+    def pending_compilations(self) -> int:
+        """Compilations not finished: this function's programs whose first call ran on PyTorch autograd and that
+        compile at their next call (``fulmen.frontend.warm_start``), plus the fused regions queued or compiling in
+        the background, across the process."""
+        from fulmen.executors.inductor_compile import pending_compilations
+
+        return self._deferred + pending_compilations()
+
+    def _settled(self) -> CompileStats:
+        if self._settle is not None:
+            self._settle()  # records the compiled program's traces and times here, and clears _settle
+        return self
+
+    @property
+    def last_compile_time_ms(self) -> float:
+        return self._settled()._last_compile_time_ms
+
+    @property
+    def phase_times_ms(self) -> dict[str, float]:
+        return self._settled()._phase_times_ms
+
+    @property
+    def last_traces(self) -> list[Trace]:
+        """The traces of the last compilation, computation trace first, execution trace last."""
+        return self._settled()._last_traces
 
     @property
     def last_backward_traces(self) -> list[Trace]:
         """The last compilation's backward traces: those of the backward that ran last (before any backward ran,
         the backward for every output is compiled to show them). Empty when nothing is differentiated."""
+        self._settled()
         return list(self._backward_traces()) if self._backward_traces is not None else []
 
 
@@ -96,6 +127,7 @@ class JittedFunction:
         self._compilations = 0
         self._stats = CompileStats()
         self._last_key = None
+        self._stats_entry: CacheEntry | None = None  # the compilation the statistics describe
         functools.update_wrapper(self, fn, updated=())
 
     # ---- the call path (keep it short: it runs on every call) ----
@@ -230,10 +262,18 @@ class JittedFunction:
             if transform is not None:
                 trace = transform(trace)
         traced = time.perf_counter()
+        deferred = False
         if self._needs_grad(spec.tensor_proxies):
             from fulmen.frontend.training import compile_training
 
-            program = compile_training(trace, self.executors)
+            executors = self.executors
+            if symbolic is None and warm_start.applies(trace, executors):
+                deferred = True
+                stats._deferred += 1
+                program = warm_start.deferred_training(trace, lambda: compile_training(trace, executors),
+                                                       on_ready=lambda real: self._on_compiled(entry, real))
+            else:
+                program = compile_training(trace, executors)
         else:
             program = compile_inference(trace, self.executors)
         if autocast_devices:
@@ -242,12 +282,28 @@ class JittedFunction:
         entry = CacheEntry(program=program, spec=spec, computation_trace=trace,
                            prologue=_prologue_trace(trace, key, symbolic))
         stats.last_trace_time_ms = (traced - start) * 1e3
-        stats.last_compile_time_ms = (done - start) * 1e3
-        stats.phase_times_ms = {"trace": stats.last_trace_time_ms, **program.timings_ms}
-        stats.last_traces = [trace, *program.traces[1:]] if program.traces else [trace]
-        stats._backward_traces = program.backward_traces
+        stats._last_compile_time_ms = (done - start) * 1e3
         stats.last_prologue_traces = [entry.prologue] if entry.prologue is not None else []
+        self._record(entry)
+        stats._settle = program.extra["settle"] if deferred else None
+        self._stats_entry = entry
         return entry
+
+    def _record(self, entry: CacheEntry) -> None:
+        stats, program, trace = self._stats, entry.program, entry.computation_trace
+        stats._phase_times_ms = {"trace": stats.last_trace_time_ms, **program.timings_ms}
+        stats._last_traces = [trace, *program.traces[1:]] if program.traces else [trace]
+        stats._backward_traces = program.backward_traces
+
+    def _on_compiled(self, entry: CacheEntry, real: CompiledProgram) -> None:
+        """A program whose first call ran on PyTorch autograd is compiled: the statistics show it, if it is
+        still the last compilation."""
+        stats = self._stats
+        stats._deferred -= 1
+        if self._stats_entry is entry:
+            stats._last_compile_time_ms += sum(real.timings_ms.values())
+            stats._settle = None
+            self._record(entry)
 
 
 def _without_autocast(run: Callable, device_types: list[str]) -> Callable:

@@ -78,6 +78,13 @@ def register_grad(sym_or_id: Symbol | str, fn: Callable | None = None):
     return fn
 
 
+def has_user_rule(sym_or_id: Symbol | str) -> bool:
+    """Whether a grad rule registered by the user (``register_grad``, an augmented forward or a backward) covers
+    the symbol."""
+    sym_id = _sym_id(sym_or_id)
+    return sym_id in _grad_transforms or sym_id in _augmented_forward or sym_id in _backward
+
+
 def register_augmented_forward(sym_id: Symbol | str) -> Callable:
     """Decorator (seed 000): ``fwd(*args, **kwargs) -> (primal, saved_for_backward)`` replaces the symbol's
     forward when it is differentiated; ``saved_for_backward`` goes to the matching ``register_backward``."""
