@@ -262,6 +262,34 @@ def test_partition_of_random_programs(no_compile, seed):
     assert ran == [name for name in computation if name in ran]
 
 
+def _best_repeat_exhaustive(sigs, periods):
+    """The longest run of equal consecutive blocks, by testing every pair (i, i + period) of every period."""
+    best = (0, 0, 0)
+    for period in periods:
+        run = 0
+        for i in range(len(sigs) - period - 1, -1, -1):
+            run = run + 1 if sigs[i] == sigs[i + period] else 0
+            if run >= period and (run // period + 1) * period > best[0]:
+                best = ((run // period + 1) * period, period, i)
+    return best
+
+
+def test_repeat_search_agrees_with_the_exhaustive_scan():
+    from fulmen.executors import partition
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        alphabet = rng.randint(1, 6)
+        noise = lambda: [rng.randint(0, alphabet) for _ in range(rng.randint(0, 20))]  # noqa: E731
+        block = [rng.randint(0, alphabet) for _ in range(rng.randint(1, 30))]
+        sigs = noise() + block * rng.randint(0, 5) + noise()
+        for _ in range(rng.randint(0, 3)):  # a few changed operations break some of the repeats
+            if sigs:
+                sigs[rng.randrange(len(sigs))] = rng.randint(0, alphabet)
+        periods = range(rng.randint(1, 8), len(sigs) // 2 + 1)
+        assert partition._best_repeat(sigs, periods) == _best_repeat_exhaustive(sigs, periods), sigs
+
+
 def test_identical_layers_share_one_kernel(sync_compile):
     torch.manual_seed(0)
     layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.GELU(),
