@@ -1,6 +1,7 @@
 """torch.compile(..., backend="fulmen"): the entry-point string works, graphs run through fulmen, graph
 breaks are handled by Dynamo, and custom ops stay one call."""
 
+import pytest
 import torch
 
 import fulmen  # noqa: F401
@@ -76,3 +77,28 @@ def test_dynamic_shapes_from_dynamo_do_not_recompile_fulmen_per_size():
         torch.testing.assert_close(gw, ew)
     jitted = made[-1]._fulmen_jitted  # Dynamo's graph with a symbolic size, used from n=6 on
     assert fulmen.cache_misses(jitted) == 2 and fulmen.cache_hits(jitted) == 2
+
+
+def test_torch_compile_options_reach_fulmen_jit():
+    made = []
+
+    def backend(gm, example_inputs, **kwargs):
+        from fulmen.frontend.dynamo import fulmen_backend
+
+        made.append(fulmen_backend(gm, example_inputs, **kwargs))
+        return made[-1]
+
+    def f(x):
+        return torch.nn.functional.gelu(x * 2).sum()
+
+    torch._dynamo.reset()
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(torch.compile(f, backend="fulmen", options={"executors": ["torch"]})(x), f(x))
+    with pytest.raises(Exception, match="unexpected keyword argument"):
+        torch._dynamo.reset()
+        torch.compile(f, backend="fulmen", options={"executor": ["torch"]})(x)  # a misspelt option: a clear error
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend=backend, options={"executors": ["torch"], "compile": "sync"})
+    torch.testing.assert_close(compiled(x), f(x))
+    jitted = made[-1]._fulmen_jitted
+    assert [ex.name for ex in jitted.executors] == ["torch"] and jitted.compile_mode == "sync"

@@ -36,8 +36,12 @@ def _size_sources(gm: torch.fx.GraphModule) -> dict[int, tuple[int, int]] | None
     return sources
 
 
-def fulmen_backend(gm: torch.fx.GraphModule, example_inputs: list, **options) -> Callable:
+def fulmen_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None,
+                   **kwargs) -> Callable:
     """Compile one Dynamo graph with ``fulmen.jit``; options are passed to it (e.g. ``executors=``).
+
+    ``torch.compile(model, backend="fulmen", options={"executors": ["torch"], "compile": "sync"})`` hands the
+    dictionary over as ``options``; keyword arguments (a backend made with ``functools.partial``) work too.
 
     When Dynamo hands over a graph with dynamic shapes, its size inputs (``s27: torch.SymInt``) are read from the
     tensors inside the compiled function instead of being passed in: fulmen keys integers by value, so passing
@@ -55,7 +59,7 @@ def fulmen_backend(gm: torch.fx.GraphModule, example_inputs: list, **options) ->
                     for i in range(len(example_inputs))])
 
     run_graph.__name__ = "dynamo_graph"
-    jitted = JittedFunction(run_graph, **options)
+    jitted = JittedFunction(run_graph, **{**(options or {}), **kwargs})
 
     if sources:
         def compiled(*args):
