@@ -211,3 +211,40 @@ def test_hugging_face_training_sequence_lengths(strict, name):
         ref.zero_grad()
         model.zero_grad()
     assert fulmen.cache_misses(jm) == 2
+
+
+
+_IMPORTS_OUTSIDE_THE_LOCK = """
+import builtins, sys, torch, fulmen
+from fulmen.core.utils import compiler_import_lock
+assert "torch._dynamo" not in sys.modules
+outside = []
+original = builtins.__import__
+
+def recording(name, globals=None, locals=None, fromlist=(), level=0):
+    if level == 0 and name.startswith("torch._dynamo") and name not in sys.modules \\
+            and not compiler_import_lock._is_owned():
+        outside.append(name)
+    return original(name, globals, locals, fromlist, level)
+
+builtins.__import__ = recording
+f = fulmen.jit(lambda x: (x * 3).sum(0), compile="off")
+f(torch.randn(4, 3))
+f(torch.randn(6, 3))  # dynamic sizes: a ShapeEnv, which imports Dynamo's modules
+assert fulmen.compile_stats(f).last_recompile_reason.endswith("marked dynamic")
+print(outside)
+"""
+
+
+def test_dynamic_sizes_import_dynamo_only_under_the_compiler_import_lock():
+    """The background compiler imports Dynamo under ``compiler_import_lock``; a dynamic compilation on the main
+    thread must too, or one thread can meet the other's half-imported ``torch._dynamo`` (an ImportError that hit
+    about 2 runs in 3 of docs/recompilation.md in the "async" mode). Checked in a fresh process, where Dynamo
+    is not imported yet: no ``torch._dynamo`` module is first imported outside the lock."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _IMPORTS_OUTSIDE_THE_LOCK], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout

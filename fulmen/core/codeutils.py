@@ -97,20 +97,21 @@ def type_comment(p: Any) -> str:
 
 def outputs_of(x: Any) -> list[Proxy]:
     """Every proxy in a (nested) output structure, in order."""
+    if isinstance(x, Proxy):
+        return [x]
     out: list[Proxy] = []
-
-    def visit(v):
-        if isinstance(v, Proxy):
-            out.append(v)
-        elif isinstance(v, (tuple, list)):
-            for e in v:
-                visit(e)
-        elif isinstance(v, dict):
-            for e in v.values():
-                visit(e)
-
-    visit(x)
+    if isinstance(x, (tuple, list, dict)):
+        _collect(x, out)
     return out
+
+
+def _collect(container: tuple | list | dict, out: list[Proxy]) -> None:
+    # runs for every bound symbol's arguments and outputs: leaves are tested here, not in a call each
+    for e in container.values() if isinstance(container, dict) else container:
+        if isinstance(e, Proxy):
+            out.append(e)
+        elif isinstance(e, (tuple, list, dict)):
+            _collect(e, out)
 
 
 def dtype_name(d: torch.dtype) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from fulmen.core.trace import Trace
+from fulmen.core.utils import compiler_import_lock
 from fulmen.executors.base import Executor, resolve_executors
 from fulmen.executors.inductor_compile import COMPILE_MODES, compile_mode_set
 from fulmen.frontend import dynamic as dynamic_sizes
@@ -233,11 +234,16 @@ class JittedFunction:
         return entry
 
     def _compile_symbolic(self, key, args, kwargs, flat, sizes, dims) -> CacheEntry:
-        symbolic = SymbolicSizes(sizes, dims)
-        entry = self._build(key, args, kwargs, symbolic)
-        if entry.program.extra.get("runtime") is not None:
-            # the backward is otherwise compiled when it first runs: fail here, where exact sizes can take over
-            entry.program.backward_traces()
+        # A ShapeEnv imports parts of Dynamo, AOTAutograd and torch.export as it goes, which the background
+        # compiler imports too: under the lock it imports them under, or one thread can meet the other's
+        # half-imported module (an ImportError).
+        with compiler_import_lock:
+            symbolic = SymbolicSizes(sizes, dims)
+            entry = self._build(key, args, kwargs, symbolic)
+            if entry.program.extra.get("runtime") is not None:
+                # the backward is otherwise compiled when it first runs: fail here, where exact sizes can take over
+                entry.program.backward_traces()
+            symbolic.guard(flat)  # builds the guard function
         if not symbolic.guard(flat):
             raise RuntimeError("the guards recorded while tracing do not hold for the sizes traced")
         entry.symbolic = symbolic
