@@ -253,20 +253,17 @@ def _measure(config: BenchConfig, row: BenchRow, progress: Progress) -> None:
 
     pending = backend.pending(wrapped)
     compiled_at = now if pending == 0 else None
-    second = step().detach().float().clone()  # a warm-up step, also checked against eager
-    _sync(device)
-    done_warmup = 1
-    if compiled_at is None:
-        pending = backend.pending(wrapped)
-        if pending == 0:
-            compiled_at = time.perf_counter()
-    while done_warmup < config.warmup or compiled_at is None:
+    second = None  # the first warm-up step's result, also checked against eager (at least one warm-up step runs)
+    done_warmup = 0
+    while done_warmup < max(config.warmup, 1) or compiled_at is None:
         if compiled_at is None:
             progress(f"compiling in background, {pending} left", None, None)
         else:
             progress("warming up", done_warmup, config.warmup)
-        step()
+        result = step()
         _sync(device)
+        if second is None:
+            second = result.detach().float().clone()
         done_warmup += 1
         if compiled_at is None:
             pending = backend.pending(wrapped)

@@ -243,8 +243,8 @@ class JittedFunction:
             if entry.program.extra.get("runtime") is not None:
                 # the backward is otherwise compiled when it first runs: fail here, where exact sizes can take over
                 entry.program.backward_traces()
-            symbolic.guard(flat)  # builds the guard function
-        if not symbolic.guard(flat):
+            holds = symbolic.guard(flat)  # also builds the guard function, which may import more
+        if not holds:
             raise RuntimeError("the guards recorded while tracing do not hold for the sizes traced")
         entry.symbolic = symbolic
         entry.pattern = erase_sizes(key, symbolic.dims)
@@ -268,13 +268,11 @@ class JittedFunction:
             if transform is not None:
                 trace = transform(trace)
         traced = time.perf_counter()
-        deferred = False
         if self._needs_grad(spec.tensor_proxies):
             from fulmen.frontend.training import compile_training
 
             executors = self.executors
             if symbolic is None and warm_start.applies(trace, executors):
-                deferred = True
                 stats._deferred += 1
                 program = warm_start.deferred_training(trace, lambda: compile_training(trace, executors),
                                                        on_ready=lambda real: self._on_compiled(entry, real))
@@ -291,7 +289,7 @@ class JittedFunction:
         stats._last_compile_time_ms = (done - start) * 1e3
         stats.last_prologue_traces = [entry.prologue] if entry.prologue is not None else []
         self._record(entry)
-        stats._settle = program.extra["settle"] if deferred else None
+        stats._settle = program.extra.get("settle")  # set while the first call runs on PyTorch autograd
         self._stats_entry = entry
         return entry
 

@@ -70,29 +70,31 @@ def deferred_training(trace: Trace, compile_training: Callable[[], CompiledProgr
     timings["warm_start"] = (time.perf_counter() - start) * 1e3
     mode = compile_mode.get()
     program = CompiledProgram(forward=warm.forward, traces=warm.traces, timings_ms=timings)
-    state: dict[str, Any] = {"real": None, "calls": 0}
+    real: CompiledProgram | None = None
+    warm_ran = False
 
     def settle() -> CompiledProgram:
-        real = state["real"]
+        nonlocal real
         if real is None:
             with compile_mode_set(mode):
                 real = compile_training()
-            state["real"] = real
             for name in ("forward", "traces", "backward_traces", "num_saved", "output_spec"):
                 setattr(program, name, getattr(real, name))
             program.timings_ms = {**timings, **real.timings_ms}
             program.extra.update(real.extra)
+            del program.extra["settle"]  # nothing is pending any more
             log.debug("fulmen: compiled the forward and backward of %s after its first call ran on PyTorch autograd",
                       trace.fn_name)
             on_ready(real)
         return real
 
     def run(flat: list) -> Any:
-        real = state["real"]
+        # program.run keeps this function (an autocast wrapper may hold it), so later calls come through here
+        nonlocal warm_ran
         if real is not None:
             return real.run(flat)
-        if not state["calls"]:
-            state["calls"] = 1
+        if not warm_ran:
+            warm_ran = True
             return warm.run(flat)
         return settle().run(flat)
 
