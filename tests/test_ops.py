@@ -89,7 +89,7 @@ def _marks(op, test_name, dtype, devicetype):
 def _params(test_name, *, devicetype="cpu", dtypes=TEST_DTYPES, first_dtype_only=False):
     params = []
     for op in OPINFOS:
-        chosen = [d for d in dtypes if op.supports_dtype(d)]
+        chosen = [d for d in dtypes if op.supports_dtype(d, devicetype)]
         if first_dtype_only:
             chosen = chosen[:1]
         for dtype in chosen:

@@ -710,6 +710,10 @@ def _dropout_entry(input, p: float = 0.5, training: bool = True, inplace: bool =
     _check_p(p)
     if not training or p == 0 or input.numel() == 0:
         return input
+    if inplace and input.device.type != "cpu":
+        # Eager's in-place dropout always draws its mask with bernoulli_; its out-of-place dropout on CUDA runs
+        # the fused native_dropout kernel, which consumes the generator differently. Keep eager's draws.
+        return mutate(input, _dropout_with_noise(input, p, input.shape))
     out = dropout(input, p, training)
     return mutate(input, out) if inplace else out
 

@@ -70,6 +70,8 @@ class OpInfo:
     error_input_generator: Callable[..., Iterator[tuple]] | None = None
     torch_reference: Callable | None = None
     dtypes: Sequence[torch.dtype] = (torch.float32, torch.float64, torch.bfloat16, torch.int64)
+    # where torch's CUDA kernels support fewer dtypes than its CPU ones (cuBLAS has no int64 matmul)
+    cuda_dtypes: Sequence[torch.dtype] | None = None
     supports_grad: bool = True
     grad_dtypes: Sequence[torch.dtype] = (torch.float64,)
     domain: tuple[float | None, float | None] = (None, None)
@@ -92,7 +94,9 @@ class OpInfo:
             return iter(())
         return self.error_input_generator(self, device=device)
 
-    def supports_dtype(self, dtype: torch.dtype) -> bool:
+    def supports_dtype(self, dtype: torch.dtype, devicetype: str = "cpu") -> bool:
+        if devicetype == "cuda" and self.cuda_dtypes is not None:
+            return dtype in self.cuda_dtypes
         return dtype in self.dtypes
 
     def directives_for(self, test_name: str, dtype=None, devicetype=None, executor=None) -> list[DecorateInfo]:

@@ -14,6 +14,7 @@ from fulmen.tests.opinfos.base import OpInfo, SampleInput, make_tensor
 __all__ = []  # filled at the end with every ``<op>_opinfo``
 
 _MM_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.int64)
+_MM = {"dtypes": _MM_DTYPES, "cuda_dtypes": _MM_DTYPES[:3]}  # CUDA has no int64 matmul kernels
 
 
 def _maker(device, dtype, requires_grad, **kwargs):
@@ -54,7 +55,7 @@ def matmul_errors(op, device, **kwargs):
 
 
 matmul_opinfo = OpInfo(ltorch.matmul, sample_input_generator=matmul_samples, error_input_generator=matmul_errors,
-                       torch_reference=torch.matmul, dtypes=_MM_DTYPES, tolerance=_MM_TOL)
+                       torch_reference=torch.matmul, **_MM, tolerance=_MM_TOL)
 
 
 def mm_samples(op, device, dtype, requires_grad, **kwargs):
@@ -77,7 +78,7 @@ def mm_errors(op, device, **kwargs):
 
 
 mm_opinfo = OpInfo(ltorch.mm, sample_input_generator=mm_samples, error_input_generator=mm_errors,
-                   torch_reference=torch.mm, dtypes=_MM_DTYPES, tolerance=_MM_TOL)
+                   torch_reference=torch.mm, **_MM, tolerance=_MM_TOL)
 
 
 def bmm_samples(op, device, dtype, requires_grad, **kwargs):
@@ -99,7 +100,7 @@ def bmm_errors(op, device, **kwargs):
 
 
 bmm_opinfo = OpInfo(ltorch.bmm, sample_input_generator=bmm_samples, error_input_generator=bmm_errors,
-                    torch_reference=torch.bmm, dtypes=_MM_DTYPES, tolerance=_MM_TOL)
+                    torch_reference=torch.bmm, **_MM, tolerance=_MM_TOL)
 
 
 def mv_samples(op, device, dtype, requires_grad, **kwargs):
@@ -117,7 +118,7 @@ def mv_errors(op, device, **kwargs):
 
 
 mv_opinfo = OpInfo(ltorch.mv, sample_input_generator=mv_samples, error_input_generator=mv_errors,
-                   torch_reference=torch.mv, dtypes=_MM_DTYPES, tolerance=_MM_TOL)
+                   torch_reference=torch.mv, **_MM, tolerance=_MM_TOL)
 
 
 def dot_samples(op, device, dtype, requires_grad, **kwargs):
@@ -136,9 +137,10 @@ def dot_errors(op, device, **kwargs):
 
 
 dot_opinfo = OpInfo(ltorch.dot, sample_input_generator=dot_samples, error_input_generator=dot_errors,
-                    torch_reference=torch.dot, dtypes=_MM_DTYPES, tolerance=_MM_TOL)
+                    torch_reference=torch.dot, **_MM, tolerance=_MM_TOL)
 vdot_opinfo = OpInfo(ltorch.vdot, sample_input_generator=dot_samples, error_input_generator=dot_errors,
-                     torch_reference=torch.vdot, dtypes=(torch.float32, torch.float64, torch.int64))
+                     torch_reference=torch.vdot, dtypes=(torch.float32, torch.float64, torch.int64),
+                     cuda_dtypes=(torch.float32, torch.float64))
 
 
 def outer_samples(op, device, dtype, requires_grad, **kwargs):
@@ -216,7 +218,7 @@ def addmm_errors(op, device, **kwargs):
 
 
 addmm_opinfo = OpInfo(ltorch.addmm, sample_input_generator=addmm_samples, error_input_generator=addmm_errors,
-                      torch_reference=torch.addmm, dtypes=_MM_DTYPES, tolerance=_MM_TOL)
+                      torch_reference=torch.addmm, **_MM, tolerance=_MM_TOL)
 
 
 def addmv_samples(op, device, dtype, requires_grad, **kwargs):
@@ -233,7 +235,7 @@ def addmv_errors(op, device, **kwargs):
 
 
 addmv_opinfo = OpInfo(ltorch.addmv, sample_input_generator=addmv_samples, error_input_generator=addmv_errors,
-                      torch_reference=torch.addmv, dtypes=_MM_DTYPES, tolerance=_MM_TOL)
+                      torch_reference=torch.addmv, **_MM, tolerance=_MM_TOL)
 
 
 def baddbmm_samples(op, device, dtype, requires_grad, **kwargs):
@@ -251,7 +253,7 @@ def baddbmm_errors(op, device, **kwargs):
 
 
 baddbmm_opinfo = OpInfo(ltorch.baddbmm, sample_input_generator=baddbmm_samples, error_input_generator=baddbmm_errors,
-                        torch_reference=torch.baddbmm, dtypes=_MM_DTYPES, tolerance=_MM_TOL)
+                        torch_reference=torch.baddbmm, **_MM, tolerance=_MM_TOL)
 
 
 def addbmm_samples(op, device, dtype, requires_grad, **kwargs):
@@ -269,7 +271,7 @@ def addbmm_errors(op, device, **kwargs):
 
 
 addbmm_opinfo = OpInfo(ltorch.addbmm, sample_input_generator=addbmm_samples, error_input_generator=addbmm_errors,
-                       torch_reference=torch.addbmm, dtypes=_MM_DTYPES, tolerance=_MM_TOL)
+                       torch_reference=torch.addbmm, **_MM, tolerance=_MM_TOL)
 
 
 def einsum_samples(op, device, dtype, requires_grad, **kwargs):
@@ -324,7 +326,7 @@ def einsum_errors(op, device, **kwargs):
 
 
 einsum_opinfo = OpInfo(ltorch.einsum, sample_input_generator=einsum_samples, error_input_generator=einsum_errors,
-                       torch_reference=torch.einsum, dtypes=_MM_DTYPES, tolerance=_MM_TOL)
+                       torch_reference=torch.einsum, **_MM, tolerance=_MM_TOL)
 
 
 def tensordot_samples(op, device, dtype, requires_grad, **kwargs):
@@ -348,7 +350,7 @@ def tensordot_errors(op, device, **kwargs):
 
 
 tensordot_opinfo = OpInfo(ltorch.tensordot, sample_input_generator=tensordot_samples,
-                          error_input_generator=tensordot_errors, torch_reference=torch.tensordot, dtypes=_MM_DTYPES,
+                          error_input_generator=tensordot_errors, torch_reference=torch.tensordot, **_MM,
                           tolerance=_MM_TOL)
 
 __all__ += [name for name in list(globals()) if name.endswith("_opinfo")]

@@ -25,13 +25,16 @@ NUMERIC = (F32, F64, BF16, I64)
 
 
 class S:
-    """A tensor to make for a sample: shape, layout and (optionally) its own dtype."""
+    """A tensor to make for a sample: shape, layout, (optionally) its own dtype, and ``cpu=True`` for a tensor
+    that stays on the CPU whatever the sample's device (a CPU scalar tensor beside CUDA ones)."""
 
-    def __init__(self, shape, *, nc=False, t=False, dtype=None, low=None, high=None):
+    def __init__(self, shape, *, nc=False, t=False, dtype=None, low=None, high=None, cpu=False):
         self.shape, self.nc, self.t, self.dtype, self.low, self.high = tuple(shape), nc, t, dtype, low, high
+        self.cpu = cpu
 
     def make(self, device, dtype, requires_grad):
         dtype = self.dtype or dtype
+        device = "cpu" if self.cpu else device
         rg = requires_grad and (dtype.is_floating_point or dtype.is_complex)
         if self.t:  # transposed: a (..., m, n) view of an (..., n, m) tensor
             shape = self.shape[:-2] + (self.shape[-1], self.shape[-2])
@@ -327,7 +330,9 @@ def _setitem_cases(dtype, case):
 setitem_opinfo = _op(setitem, cases(
     (X, 0, 2.5), (X, (slice(None), slice(1, 3)), S((3, 2, 5))), (X, (Ellipsis, 0), S((4,))), (X, Ix([2, 0]), S((5,))),
     (X, (Ix([0, 1]), Ix([3, 3])), 1), (X, Ix([[True, False, True, True]] * 3, dtype=torch.bool), 0),
-    (X, (slice(None), Ix([True, False, True, False], dtype=torch.bool)), S((), dtype=F64)), (X, [1, 2], S((1, 5))),
+    # a CPU float64 scalar tensor: eager CUDA rejects a float64 CUDA value here (index_put_ needs equal dtypes)
+    (X, (slice(None), Ix([True, False, True, False], dtype=torch.bool)), S((), dtype=F64, cpu=True)),
+    (X, [1, 2], S((1, 5))),
     (NC, (slice(None), 1), S((4,))), (Z, (), 3), (X, (None, 1, slice(None, None, 2)), S((2, 5)))),
     setitem, errors(
     ((X, 3, 1.0), IndexError, "out of bounds"),
