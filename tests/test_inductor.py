@@ -39,6 +39,22 @@ def test_fused_region_matches_torch_executor(sync_compile):
         torch.testing.assert_close(o, e, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_first_cuda_region_starts_inductors_triton_workers(sync_compile, monkeypatch, device):
+    """As torch.compile does, so that the first regions' Triton kernels need not compile one by one in-process
+    while the worker pool starts; C++ kernels (CPU) compile without that pool."""
+    import torch._inductor.async_compile as async_compile
+
+    calls = []
+    monkeypatch.setattr(inductor_compile, "_pool_started", False)
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: calls.append(device))
+    a = torch.randn(16, 8, device=device)
+    jf = fulmen.jit(lambda a: (a * 1.75 - 0.5).tanh() * a, executors=["inductor"])
+    torch.testing.assert_close(jf(a), (a * 1.75 - 0.5).tanh() * a, rtol=1e-5, atol=1e-6)
+    assert _fused_regions(jf)[0].sym.impl.variants, "the region compiled"
+    assert calls == ([device] if device == "cuda" else [])
+
+
 def test_async_mode_runs_eagerly_then_swaps_in():
     token = inductor.compile_mode.set("async")
     try:
@@ -60,6 +76,32 @@ def _async_mode_runs_eagerly_then_swaps_in():
     inductor.wait_for_compilations(timeout=300)
     torch.testing.assert_close(jf(a), f(a))
     assert region.variants and not region.failed, "the compiled kernel swaps in on the next call"
+
+
+def test_background_compiler_frees_its_example_inputs(monkeypatch):
+    """Example inputs are real allocations (GPU memory on a GPU); the idle worker must not keep the last ones."""
+    import time
+    import weakref
+
+    refs = []
+    real_compile = inductor_compile._compile
+
+    def spy(kernel, eager, example, *, wait):
+        refs.extend(weakref.ref(t) for t in example)
+        real_compile(kernel, eager, example, wait=wait)
+
+    monkeypatch.setattr(inductor_compile, "_compile", spy)
+    token = inductor.compile_mode.set("async")
+    try:
+        jf = fulmen.jit(lambda a: (a * 2.25 + 0.75).sin() * a, executors=["inductor"])
+        jf(torch.randn(64, 16))
+        inductor.wait_for_compilations(timeout=300)
+    finally:
+        inductor.compile_mode.reset(token)
+    deadline = time.monotonic() + 30
+    while any(r() is not None for r in refs) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert refs and all(r() is None for r in refs)
 
 
 def test_jit_compile_option_sets_the_mode_of_forward_and_backward_regions():
@@ -343,13 +385,19 @@ def test_regions_with_zero_and_negative_zero_constants_do_not_share(no_compile):
     assert len(regions) == 2 and regions[0].eager is not regions[1].eager
 
 
-def test_gpt_training_through_inductor_matches_torch_executor(sync_compile):
+_GPU = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("name, device", [("gpt-tiny", "cpu"), pytest.param("gpt-tiny", "cuda", marks=_GPU),
+                                          pytest.param("llama-tiny", "cuda", marks=_GPU)])
+def test_model_training_through_inductor_matches_torch_executor(sync_compile, name, device):
+    """On a GPU, Inductor writes Triton kernels instead of C++: the same checks hold for them."""
     from fulmen.bench.models import build
 
     grads = []
     for executors in (["torch"], ["inductor"]):
         torch.manual_seed(0)
-        model, make_inputs = build("gpt-tiny")
+        model, make_inputs = build(name, device=device)
         x, y = make_inputs(2, targets=True)
         jm = fulmen.jit(model, executors=executors)
         logits, loss = jm(x, y)

@@ -32,8 +32,8 @@ def every_region_compiled(monkeypatch):
     inductor.compile_mode.reset(token)
 
 
-def _first_sample(op, requires_grad=False):
-    for sample in op.sample_inputs("cpu", torch.float32, requires_grad=requires_grad):
+def _first_sample(op, device, requires_grad=False):
+    for sample in op.sample_inputs(device, torch.float32, requires_grad=requires_grad):
         return sample
     pytest.skip("no float32 sample")
 
@@ -54,7 +54,7 @@ def _run(op, sample, executors):
         assert all(not r.failed for r in regions), f"Inductor failed to compile a region of {op.name}"
         return out, None
     gen = torch.Generator().manual_seed(0)
-    cotangents = [torch.randn(o.shape, generator=gen) for o in outs]
+    cotangents = [torch.randn(o.shape, generator=gen).to(o.device) for o in outs]
     try:
         grads = torch.autograd.grad(outs, leaves, cotangents, allow_unused=True)
     except RuntimeError as e:
@@ -68,10 +68,11 @@ def _run(op, sample, executors):
     return out, grads
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("op", OPINFOS, ids=[op.name for op in OPINFOS])
-def test_inductor_matches_torch_executor(op):
+def test_inductor_matches_torch_executor(op, device):
     """Forward outputs, and for differentiable ops the gradients, of one program compiled both ways."""
-    sample = _first_sample(op, requires_grad=op.supports_grad)
+    sample = _first_sample(op, device, requires_grad=op.supports_grad)
     expected, expected_grads = _run(op, sample, ["torch"])
     out, grads = _run(op, sample, ["inductor"])
     for o, e in zip(_tensors(out), _tensors(expected), strict=True):

@@ -100,8 +100,10 @@ def _work() -> None:
         job = _jobs.get()
         if job is None or _shutting_down:
             return
-        kernel, eager, example = job
-        _compile(kernel, eager, example, wait=True)
+        _compile(*job, wait=True)
+        # The example inputs are real allocations (device memory on a GPU): dropped now, not when the next job
+        # arrives, which may be never.
+        job = None
 
 
 def _stop_compiling() -> None:
@@ -126,6 +128,8 @@ def get_kernel(key: tuple, name: str, eager: Callable, args: tuple, mode: str) -
         kernel.done = True
         return kernel  # not shared: a later program in another mode compiles it
     _kernels[key] = kernel
+    if not _pool_started and any(a.device.type == "cuda" for a in args):
+        _start_triton_workers()
     # example inputs with the same layout; tracing is fake, so their values do not matter
     example = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device) for a in args]
     if mode == "sync":
@@ -134,6 +138,26 @@ def get_kernel(key: tuple, name: str, eager: Callable, args: tuple, mode: str) -
         _last_request = time.monotonic()
         _submit((kernel, eager, example))
     return kernel
+
+
+_pool_started = False
+
+
+def _start_triton_workers() -> None:
+    """Start Inductor's Triton compile processes now, as ``torch.compile`` does when its backend is first called.
+
+    Inductor compiles a kernel in its worker processes only once they are all up; until then it compiles in
+    the calling process, one kernel after another. The first regions of a program would otherwise pay that
+    serial compile while the pool starts beside them.
+    """
+    global _pool_started
+    _pool_started = True
+    try:
+        with compiler_import_lock:
+            from torch._inductor.async_compile import maybe_warm_pool
+        maybe_warm_pool()
+    except Exception as e:  # an optimization only: compilation works without the pool
+        log.info("fulmen: could not start Inductor's compile workers early (%s: %s)", type(e).__name__, e)
 
 
 def _vector_isa_known() -> bool:
