@@ -11,7 +11,7 @@ import fulmen
 from fulmen.bench import cli
 from fulmen.bench.memory import cpu_step_peak_bytes, tensor_bytes
 from fulmen.bench.models import CONFIGS, GPT, MLP, Llama, build
-from fulmen.bench.runner import BenchConfig, BenchRow, add_speedups, run_benchmark
+from fulmen.bench.runner import BenchConfig, BenchRow, add_speedups, combine_repeats, run_benchmark
 
 TINY = ["gpt-tiny", "llama-tiny", "mlp-tiny"]
 
@@ -200,7 +200,36 @@ def test_speedups_are_per_model_and_mode():
     assert [r.speedup for r in rows] == [1.0, 2.0, None, None]
 
 
+def test_repeated_rows_combine_into_medians():
+    def row(ms, first, diff, error=None):
+        return BenchRow(model="m", mode="train", backend="fulmen", device="cpu", dtype="float32", batch_size=1,
+                        steps=1, median_ms=ms, min_ms=ms - 1, eager_median_ms=2 * ms, first_result_s=first,
+                        compiled_s=3 * first, peak_mb=ms, max_diff=diff, isolated=True, error=error)
+
+    combined = combine_repeats([row(10.0, 0.5, 0.0), row(30.0, 0.1, 1e-6), row(20.0, 9.0, 0.0)])
+    assert (combined.median_ms, combined.min_ms, combined.eager_median_ms) == (20.0, 9.0, 40.0)
+    assert (combined.first_result_s, combined.compiled_s, combined.peak_mb) == (0.5, 1.5, 20.0)
+    assert combined.max_diff == 1e-6 and combined.repeats == 3 and combined.first_result_runs == [0.5, 0.1, 9.0]
+    failed = combine_repeats([row(10.0, 0.5, 0.0), row(10.0, 0.5, 0.0, error="RuntimeError: boom")])
+    assert failed.error == "RuntimeError: boom (in 1 of 2 runs)" and failed.repeats == 2
+
+
 # ---- the command line ----
+
+def test_cli_bench_repeat_takes_backends_in_turns(capsys):
+    code = cli.main(["bench", "--model", "mlp-tiny", "--mode", "inference", "--backends", "eager,fulmen-torch",
+                     "--steps", "1", "--warmup", "0", "--isolate", "--warm-cache", "--repeat", "2", "--json", "-"])
+    captured = capsys.readouterr()
+    assert code == 0
+    rows = json.loads(captured.out)["rows"]
+    assert [(r["backend"], r["repeats"], len(r["first_result_runs"])) for r in rows] == [("eager", 2, 2),
+                                                                                         ("fulmen-torch", 2, 2)]
+    assert all(r["error"] is None and r["isolated"] for r in rows)
+    labels = [f"[mlp-tiny inference {b} ({t}/2)]" for t in (1, 2) for b in ("eager", "fulmen-torch")]
+    positions = [captured.err.find(label) for label in labels]
+    assert -1 not in positions and positions == sorted(positions), "one turn of every backend, then the next"
+    assert "median of 2 fresh processes" in captured.err
+
 
 def test_cli_bench_json(capsys):
     code = cli.main(["bench", "--model", "mlp", "--mode", "inference", "--backends", "eager,fulmen", "--steps", "2",
@@ -250,6 +279,7 @@ def test_format_table_aligns_columns():
     (["bench", "--mode", "sideways"], "invalid choice"),
     (["bench", "--device", "tpu"], "--device"),
     (["bench", "--warm-cache"], "--warm-cache only applies with --isolate"),
+    (["bench", "--repeat", "3"], "--repeat only applies with --isolate"),
     (["examine"], "exactly one"),
     (["examine", "no_colon_here"], "MODULE:FUNCTION"),
     (["frobnicate"], "invalid choice"),

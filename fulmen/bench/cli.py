@@ -25,7 +25,16 @@ from typing import Any, TextIO
 import torch
 
 from fulmen.bench.models import CONFIGS, build_any, model_names
-from fulmen.bench.runner import BACKENDS, DTYPES, MODES, BenchConfig, BenchRow, add_speedups, run_benchmark
+from fulmen.bench.runner import (
+    BACKENDS,
+    DTYPES,
+    MODES,
+    BenchConfig,
+    BenchRow,
+    add_speedups,
+    combine_repeats,
+    run_benchmark,
+)
 from fulmen.core.codeutils import outputs_of
 
 DEFAULT_BACKENDS = "eager,fulmen"
@@ -185,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--isolate", action="store_true",
                        help="run each measurement in a fresh Python process with empty Inductor caches "
                             "(precompiled headers included), for honest first-call and compile times")
+    bench.add_argument("--repeat", type=_positive, default=1, metavar="N",
+                       help="with --isolate, measure each row in N fresh processes, taken in turns across backends, "
+                            "and show each figure's median (default 1)")
     bench.add_argument("--warm-cache", action="store_true",
                        help="with --isolate, keep the usual Inductor cache and precompiled headers")
     bench.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
@@ -247,22 +259,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if busy:
         print(busy, file=sys.stderr)
     rows: list[BenchRow] = []
+    repeat = args.repeat
     for model in args.model:
         for mode in modes:
-            for backend in args.backends:
-                label = f"{model} {mode} {backend}"
-                config = BenchConfig(model=model, mode=mode, backend=backend, steps=args.steps, warmup=args.warmup,
-                                     batch_size=args.batch_size, device=args.device, dtype=args.dtype,
-                                     isolate=args.isolate, warm_cache=args.warm_cache, threads=args.threads)
-                row = run_benchmark(config, progress.run(label), verbose=args.verbose)
-                progress.finish(label, row)
-                rows.append(row)
+            runs: dict[str, list[BenchRow]] = {backend: [] for backend in args.backends}
+            for turn in range(repeat):  # in turns, so that a slow spell of a shared machine hits every backend
+                for backend in args.backends:
+                    label = f"{model} {mode} {backend}" + (f" ({turn + 1}/{repeat})" if repeat > 1 else "")
+                    config = BenchConfig(model=model, mode=mode, backend=backend, steps=args.steps,
+                                         warmup=args.warmup, batch_size=args.batch_size, device=args.device,
+                                         dtype=args.dtype, isolate=args.isolate, warm_cache=args.warm_cache,
+                                         threads=args.threads)
+                    row = run_benchmark(config, progress.run(label), verbose=args.verbose)
+                    progress.finish(label, row)
+                    runs[backend].append(row)
+            rows += [combine_repeats(r) if repeat > 1 else r[0] for r in runs.values()]
     add_speedups(rows)
 
     table_stream = sys.stderr if args.json == "-" else sys.stdout
     print(format_table(rows), file=table_stream)
-    note = ("first-result times from a fresh process per measurement" if args.isolate else
-            "first-result times measured in one process (caches may be warm; --isolate for fresh processes)")
+    note = ("first-result times measured in one process (caches may be warm; --isolate for fresh processes)"
+            if not args.isolate else "first-result times from a fresh process per measurement" if repeat == 1 else
+            f"every figure the median of {repeat} fresh processes per row")
     print(f"\n{_environment_line(args.device)}; {note}.", file=table_stream)
     if args.json:
         payload = {"environment": _environment(args), "rows": [r.to_dict() for r in rows]}
@@ -295,7 +313,7 @@ def _environment(args: argparse.Namespace) -> dict:
 
     env = {"fulmen": fulmen.__version__, "torch": torch.__version__, "python": sys.version.split()[0],
            "device": args.device, "dtype": args.dtype, "cpu_threads": torch.get_num_threads(),
-           "isolate": bool(args.isolate), "batch_size": args.batch_size, "steps": args.steps,
+           "isolate": bool(args.isolate), "repeat": args.repeat, "batch_size": args.batch_size, "steps": args.steps,
            "warmup": args.warmup, "cpu_count": os.cpu_count(), "load_average_1min": _load_average()}
     if args.device.startswith("cuda"):
         env["gpu"] = torch.cuda.get_device_name()
@@ -596,6 +614,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "bench":
             if args.warm_cache and not args.isolate:
                 raise _UsageError(sub, "--warm-cache only applies with --isolate")
+            if args.repeat > 1 and not args.isolate:
+                raise _UsageError(sub, "--repeat only applies with --isolate (in one process, every call after the "
+                                       "first finds warm caches)")
             return cmd_bench(args)
         if args.command == "examine":
             return cmd_examine(args, sub)

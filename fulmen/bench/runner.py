@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +109,8 @@ class BenchRow:
     peak_method: str | None = None
     max_diff: float | None = None
     isolated: bool = False
+    repeats: int = 1  # fresh processes whose figures this row's are the medians of (``combine_repeats``)
+    first_result_runs: list[float] | None = None  # each process's first-result time, when repeated
     error: str | None = None
 
     def to_dict(self) -> dict:
@@ -346,6 +348,30 @@ def add_speedups(rows: list[BenchRow]) -> None:
     for r in rows:
         base = r.eager_median_ms or eager.get((r.model, r.mode))
         r.speedup = base / r.median_ms if base and r.median_ms else None
+
+
+def combine_repeats(rows: Sequence[BenchRow]) -> BenchRow:
+    """One row from repeated isolated measurements of the same (model, mode, backend): the median of each
+    figure over the processes (the first-result time of one process is a single noisy sample), the largest
+    difference from eager, and the first error if any measurement failed."""
+    first = rows[0]
+    failed = next((r for r in rows if r.error), None)
+    if failed is not None:
+        return dataclasses.replace(failed, repeats=len(rows),
+                                   error=f"{failed.error} (in {sum(1 for r in rows if r.error)} of {len(rows)} runs)")
+
+    def median(name: str) -> float | None:
+        values = [getattr(r, name) for r in rows if getattr(r, name) is not None]
+        return statistics.median(values) if values else None
+
+    diffs = [r.max_diff for r in rows if r.max_diff is not None]
+    return dataclasses.replace(
+        first, median_ms=median("median_ms"), min_ms=min((r.min_ms for r in rows if r.min_ms is not None),
+                                                         default=None),
+        eager_median_ms=median("eager_median_ms"), first_result_s=median("first_result_s"),
+        compiled_s=median("compiled_s"), peak_mb=median("peak_mb"), state_mb=median("state_mb"),
+        max_diff=max(diffs) if diffs else None, repeats=len(rows),
+        first_result_runs=[r.first_result_s for r in rows if r.first_result_s is not None])
 
 
 # ---- isolation: one fresh subprocess per measurement ----
