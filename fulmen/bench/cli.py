@@ -278,9 +278,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     table_stream = sys.stderr if args.json == "-" else sys.stdout
     print(format_table(rows), file=table_stream)
-    note = ("first-result times measured in one process (caches may be warm; --isolate for fresh processes)"
-            if not args.isolate else "first-result times from a fresh process per measurement" if repeat == 1 else
-            f"every figure the median of {repeat} fresh processes per row")
+    if not args.isolate:
+        note = "first-result times measured in one process (caches may be warm; --isolate for fresh processes)"
+    elif repeat == 1:
+        note = "first-result times from a fresh process per measurement"
+    else:
+        note = f"every figure the median of {repeat} fresh processes per row"
     print(f"\n{_environment_line(args.device)}; {note}.", file=table_stream)
     if args.json:
         payload = {"environment": _environment(args), "rows": [r.to_dict() for r in rows]}

@@ -69,6 +69,7 @@ _worker_lock = threading.Lock()
 _shutting_down = False
 _last_request = 0.0
 _kernels: dict[tuple, Kernel] = {}
+_pool_started = False  # Inductor's Triton compile workers (``_start_triton_workers``)
 
 
 class Kernel:
@@ -138,9 +139,6 @@ def get_kernel(key: tuple, name: str, eager: Callable, args: tuple, mode: str) -
         _last_request = time.monotonic()
         _submit((kernel, eager, example))
     return kernel
-
-
-_pool_started = False
 
 
 def _start_triton_workers() -> None:

@@ -710,12 +710,11 @@ def _dropout_entry(input, p: float = 0.5, training: bool = True, inplace: bool =
     _check_p(p)
     if not training or p == 0 or input.numel() == 0:
         return input
-    if inplace and input.device.type != "cpu":
-        # Eager's in-place dropout always draws its mask with bernoulli_; its out-of-place dropout on CUDA runs
-        # the fused native_dropout kernel, which consumes the generator differently. Keep eager's draws.
+    if inplace:
+        # Eager's in-place dropout draws its mask with bernoulli_ on every device, while its out-of-place dropout
+        # on CUDA runs the fused native_dropout kernel, which consumes the generator differently.
         return mutate(input, _dropout_with_noise(input, p, input.shape))
-    out = dropout(input, p, training)
-    return mutate(input, out) if inplace else out
+    return dropout(input, p, training)
 
 
 register_function((F.dropout,), _dropout_entry)

@@ -14,7 +14,7 @@ from fulmen.tests.opinfos.base import OpInfo, SampleInput, make_tensor
 __all__ = []  # filled at the end with every ``<op>_opinfo``
 
 _MM_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.int64)
-_MM = {"dtypes": _MM_DTYPES, "cuda_dtypes": _MM_DTYPES[:3]}  # CUDA has no int64 matmul kernels
+_MM = {"dtypes": _MM_DTYPES, "cuda_dtypes": (torch.float32, torch.float64, torch.bfloat16)}  # no int64 cuBLAS
 
 
 def _maker(device, dtype, requires_grad, **kwargs):
