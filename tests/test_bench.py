@@ -126,6 +126,25 @@ def test_runner_eager_and_fulmen_rows():
     assert rows[1].speedup == pytest.approx(rows[0].median_ms / rows[1].median_ms)
 
 
+def test_cuda_graph_backends_wrap_as_their_options_say(monkeypatch):
+    """fulmen-cudagraphs passes cuda_graphs=True (on the CPU the program runs without graphs); the torch.compile
+    variant asks for mode="reduce-overhead"."""
+    from fulmen.bench import runner
+
+    row = run_benchmark(BenchConfig(model="mlp-tiny", mode="train", backend="fulmen-cudagraphs", steps=2, warmup=1))
+    assert row.error is None and row.max_diff <= 1e-5
+    seen = {}
+
+    def fake_compile(model, mode=None):
+        seen["mode"] = mode
+        return model
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    runner.BACKENDS["torch.compile-cudagraphs"].wrap(torch.nn.Linear(2, 2))
+    assert seen == {"mode": "reduce-overhead"}
+    assert runner.BACKENDS["fulmen-cudagraphs"].wrap(torch.nn.Linear(2, 2))._fulmen_jitted.cuda_graphs is True
+
+
 def test_runner_records_backend_failures(monkeypatch):
     from fulmen.bench import runner
 

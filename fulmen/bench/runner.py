@@ -135,7 +135,11 @@ class Backend:
 
 
 class TorchCompileBackend(Backend):
-    name = "torch.compile"
+    """``torch.compile(model)``, or with ``mode`` (``"reduce-overhead"``: CUDA graphs)."""
+
+    def __init__(self, name: str = "torch.compile", mode: str | None = None):
+        self.name = name
+        self.mode = mode
 
     def prepare(self) -> None:
         import torch._dynamo
@@ -143,18 +147,19 @@ class TorchCompileBackend(Backend):
         torch._dynamo.reset()
 
     def wrap(self, model):
-        return torch.compile(model)
+        return torch.compile(model, mode=self.mode)
 
 
 class FulmenBackend(Backend):
     """``fulmen.jit(model, executors=...)``; ``imports`` are modules that register the executors named."""
 
     def __init__(self, executors: list[str] | None = None, name: str = "fulmen", imports: tuple[str, ...] = (),
-                 compile: str | None = None):
+                 compile: str | None = None, cuda_graphs: bool = False):
         self.executors = executors
         self.name = name
         self.imports = imports
         self.compile = compile
+        self.cuda_graphs = cuda_graphs
 
     def wrap(self, model):
         import importlib
@@ -163,7 +168,7 @@ class FulmenBackend(Backend):
 
         for module in self.imports:
             importlib.import_module(module)
-        return fulmen.jit(model, executors=self.executors, compile=self.compile)
+        return fulmen.jit(model, executors=self.executors, compile=self.compile, cuda_graphs=self.cuda_graphs)
 
     def pending(self, wrapped) -> int:
         """Compilations not finished (``compile_stats(...).pending_compilations``): training programs whose first
@@ -185,6 +190,9 @@ BACKENDS: dict[str, Backend] = {
     "fulmen": FulmenBackend(),
     "fulmen-sync": FulmenBackend(name="fulmen-sync", compile="sync"),
     "fulmen-torch": FulmenBackend(executors=["torch"], name="fulmen-torch"),
+    # CUDA graphs (on CUDA; elsewhere these run as their plain counterparts, and fulmen logs why)
+    "fulmen-cudagraphs": FulmenBackend(name="fulmen-cudagraphs", cuda_graphs=True),
+    "torch.compile-cudagraphs": TorchCompileBackend(name="torch.compile-cudagraphs", mode="reduce-overhead"),
 }
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from fulmen.core.codegen import compile_trace
 from fulmen.core.trace import Trace, check_trace
 from fulmen.executors.base import Executor, FusionExecutor, claim_symbols, fuse_regions
+from fulmen.frontend.cudagraphs import graphed
 from fulmen.transforms.passes import cse, dce, del_last_used
 
 #: Set by tests: run ``check_trace`` after every step.
@@ -69,11 +70,16 @@ def execution_pipeline(trace: Trace, executors: Sequence[Executor], timings: dic
     return fn, traces
 
 
-def compile_inference(trace: Trace, executors: Sequence[Executor]) -> CompiledProgram:
+def compile_inference(trace: Trace, executors: Sequence[Executor], *,
+                      cuda_graphs: str | None = None) -> CompiledProgram:
     timings: dict[str, float] = {}
     fn, traces = execution_pipeline(trace, executors, timings)
     program = CompiledProgram(forward=fn, traces=traces, timings_ms=timings)
     program.run = lambda flat: fn(*flat)
+    graphs = graphed(fn, [trace, traces[-1]], cuda_graphs, None) if cuda_graphs else None
+    if graphs is not None:
+        fn = lambda *flat: graphs.run(flat)[0]  # noqa: E731
+        program.run = lambda flat: fn(*flat)
     if _has_custom_containers(trace.output):
         # Generated code returns plain tuples/dicts; give the caller back e.g. a Hugging Face ModelOutput.
         from torch.utils._pytree import tree_flatten, tree_unflatten

@@ -100,12 +100,16 @@ class JittedFunction:
 
     def __init__(self, fn: Callable, executors: Sequence[Executor | str] | None = None, *,
                  add_torch_executor: bool = True, disable_torch_autograd: bool = False,
-                 dynamic: bool | None = None, compile: str | None = None, **options):
+                 dynamic: bool | None = None, compile: str | None = None, cuda_graphs: bool = False, **options):
         if not callable(fn):
             raise TypeError(f"fulmen.jit expects a function or an nn.Module, but got {type(fn).__name__}")
         if options:
             raise TypeError(f"fulmen.jit got unexpected keyword argument(s) {sorted(options)}; it accepts executors=, "
-                            "add_torch_executor=, disable_torch_autograd=, dynamic= and compile=")
+                            "add_torch_executor=, disable_torch_autograd=, dynamic=, compile= and cuda_graphs=")
+        if not isinstance(cuda_graphs, bool):
+            raise TypeError(f"fulmen.jit: cuda_graphs= must be True or False, got {cuda_graphs!r}")
+        # replay each compiled program on a CUDA device as CUDA graphs (fulmen.frontend.cudagraphs)
+        self.cuda_graphs = cuda_graphs
         if dynamic not in (None, True, False):
             raise TypeError(f"fulmen.jit: dynamic= must be None (automatic), True or False, got {dynamic!r}")
         # None: a dimension seen with a second size (other than 0 and 1) becomes symbolic; True: every dimension
@@ -268,18 +272,24 @@ class JittedFunction:
             if transform is not None:
                 trace = transform(trace)
         traced = time.perf_counter()
+        graphs = _display_name(self.fn) if self.cuda_graphs else None  # the name the CUDA-graph logs give it
+        if graphs and symbolic is not None:
+            log.warning("fulmen: %s runs without CUDA graphs: its sizes are dynamic (pass dynamic=False to compile "
+                        "for exact sizes)", graphs)
+            graphs = None
         if self._needs_grad(spec.tensor_proxies):
             from fulmen.frontend.training import compile_training
 
             executors = self.executors
             if symbolic is None and warm_start.applies(trace, executors):
                 stats._deferred += 1
-                program = warm_start.deferred_training(trace, lambda: compile_training(trace, executors),
-                                                       on_ready=lambda real: self._on_compiled(entry, real))
+                program = warm_start.deferred_training(
+                    trace, lambda: compile_training(trace, executors, cuda_graphs=graphs),
+                    on_ready=lambda real: self._on_compiled(entry, real))
             else:
-                program = compile_training(trace, executors)
+                program = compile_training(trace, executors, cuda_graphs=graphs)
         else:
-            program = compile_inference(trace, self.executors)
+            program = compile_inference(trace, self.executors, cuda_graphs=graphs)
         if autocast_devices:
             program.run = _without_autocast(program.run, autocast_devices)
         done = time.perf_counter()
@@ -308,6 +318,13 @@ class JittedFunction:
             stats._last_compile_time_ms += sum(real.timings_ms.values())
             stats._settle = None
             self._record(entry)
+
+
+def _display_name(fn) -> str:
+    owner = getattr(fn, "__self__", None)  # a module's bound forward: name the module
+    if isinstance(owner, torch.nn.Module):
+        return type(owner).__name__
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
 def _without_autocast(run: Callable, device_types: list[str]) -> Callable:

@@ -27,6 +27,7 @@ from fulmen.core.trace import Trace
 from fulmen.executors.base import Executor
 from fulmen.executors.inductor_compile import compile_mode, compile_mode_set
 from fulmen.frontend.compile import CompiledProgram, compile_inference, execution_pipeline
+from fulmen.frontend.cudagraphs import GraphedProgram, graphed
 from fulmen.transforms.split import ForwardBackward, split_forward_backward
 
 
@@ -61,6 +62,7 @@ class _Runtime:
         self.latest: tuple[bool, ...] | None = None
         self.timings = timings
         self.compile_mode = compile_mode.get()  # the jitted function's: the backward's regions compile alike
+        self.graphs: GraphedProgram | None = None  # set when the program replays as CUDA graphs
 
     def backward_for(self, present: tuple[bool, ...]):
         fn = self.backwards.get(present)
@@ -136,10 +138,14 @@ class FulmenFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, runtime: _Runtime, *inputs):
-        results = runtime.forward(*inputs)
+        if runtime.graphs is None:
+            results, pending = runtime.forward(*inputs), None
+        else:
+            results, pending = runtime.graphs.run(inputs)
         n = runtime.n_outputs
         outs = results[:n]
         ctx.runtime = runtime
+        ctx.fulmen_pending = pending  # a CUDA graph replay whose saved tensors the backward still needs
         ctx.save_for_backward(*[results[n + i] for i in runtime.ctx_saved])
         ctx.fulmen_saved = [results[n + i] for i in runtime.list_saved]
         if runtime.non_differentiable:
@@ -163,17 +169,28 @@ class FulmenFunction(torch.autograd.Function):
             saved[i] = t
         for i, t in zip(runtime.list_saved, listed):
             saved[i] = t
-        if not _keep_graph():
+        keep = _keep_graph()
+        if not keep:
             ctx.fulmen_saved = None
             listed.clear()
         del listed, from_ctx
         cts = [grads[i] for i in runtime.differentiable]
         present = tuple(c is not None for c in cts)
+        pending = ctx.fulmen_pending
         if not any(present):
+            if pending is not None and not keep:
+                pending.release()
             return (None,) * (1 + runtime.n_inputs)
         create_graph = torch.is_grad_enabled()
         with torch.no_grad():
-            input_grads = runtime.backward_for(present)(saved, [c for c in cts if c is not None])
+            fn = runtime.backward_for(present)
+            given = [c for c in cts if c is not None]
+            if pending is None:
+                input_grads = fn(saved, given)
+            else:
+                input_grads = runtime.graphs.backward(pending, present, fn, saved, given)
+                if not keep:  # the next replay may overwrite the saved tensors now
+                    pending.release()
         if create_graph:
             given = [g for g in input_grads if g is not None]
             wrapped = iter(_NoDoubleBackward.apply(_anchor, *given)) if given else iter(())
@@ -207,19 +224,24 @@ def _output_builder(trace: Trace, fb: ForwardBackward):
     return build
 
 
-def compile_training(trace: Trace, executors: Sequence[Executor]) -> CompiledProgram:
-    """Differentiate ``trace`` with respect to its inputs that require grad and compile forward and backward."""
+def compile_training(trace: Trace, executors: Sequence[Executor], *,
+                     cuda_graphs: str | None = None) -> CompiledProgram:
+    """Differentiate ``trace`` with respect to its inputs that require grad and compile forward and backward
+    (replayed as CUDA graphs, logged under the name ``cuda_graphs``, when it is given and the program qualifies:
+    ``fulmen.frontend.cudagraphs``)."""
     timings: dict[str, float] = {}
     start = time.perf_counter()
     fb = split_forward_backward(trace, executors)
     timings["autodiff"] = (time.perf_counter() - start) * 1e3
     if fb is None:  # no output depends on an input that requires grad: nothing to differentiate
-        program = compile_inference(trace, executors)
+        program = compile_inference(trace, executors, cuda_graphs=cuda_graphs)
         program.timings_ms = {**timings, **program.timings_ms}
         return program
     fb.forward.elapsed_ms = timings["autodiff"]
     forward, traces = execution_pipeline(fb.forward, executors, timings, [trace])
     runtime = _Runtime(fb, executors, forward, timings)
+    if cuda_graphs:
+        runtime.graphs = graphed(forward, [trace, traces[-1]], cuda_graphs, runtime.n_outputs)
     build = _output_builder(trace, fb)
     apply = FulmenFunction.apply
 
