@@ -75,11 +75,10 @@ def compile_inference(trace: Trace, executors: Sequence[Executor], *,
     timings: dict[str, float] = {}
     fn, traces = execution_pipeline(trace, executors, timings)
     program = CompiledProgram(forward=fn, traces=traces, timings_ms=timings)
-    program.run = lambda flat: fn(*flat)
     graphs = graphed(fn, [trace, traces[-1]], cuda_graphs, None) if cuda_graphs else None
     if graphs is not None:
         fn = lambda *flat: graphs.run(flat)[0]  # noqa: E731
-        program.run = lambda flat: fn(*flat)
+    program.run = lambda flat: fn(*flat)
     if _has_custom_containers(trace.output):
         # Generated code returns plain tuples/dicts; give the caller back e.g. a Hugging Face ModelOutput.
         from torch.utils._pytree import tree_flatten, tree_unflatten

@@ -123,12 +123,16 @@ class _Pending:
 class _Capture:
     """One captured forward: its graph, the buffers it reads and writes, and the backwards captured after it."""
 
-    def __init__(self, graph, pool, stream, static_inputs, static_results):
+    def __init__(self, graph, pool, stream, static_inputs, static_results, copied: set[int]):
         self.graph = graph
         self.pool = pool
         self.stream = stream
         self.static_inputs = static_inputs
         self.static_results = static_results
+        # what each replay checks (the layouts of the inputs read in place) and does (copy the others in)
+        self.read_in_place = [(i, _layout(t)) for i, t in enumerate(static_inputs) if i not in copied]
+        self.copy_into = [(i, static_inputs[i]) for i in sorted(copied)]
+        self.input_index = {id(t): i for i, t in enumerate(static_inputs)}  # an input returned as it is
         self.backwards: dict[tuple, Any] = {}  # present cotangents -> (graph, static cotangents, static grads)
 
 
@@ -172,8 +176,7 @@ class GraphedProgram:
         return self._capture(inputs)
 
     def _in_place(self, cap: _Capture, inputs: tuple) -> bool:
-        static = cap.static_inputs
-        moved = [i for i, t in enumerate(inputs) if i not in self.copied and _layout(t) != _layout(static[i])]
+        moved = [i for i, layout in cap.read_in_place if _layout(inputs[i]) != layout]
         if not moved:
             return True
         self._drop(f"input {moved[0]} moved")
@@ -197,7 +200,6 @@ class GraphedProgram:
         if self.captures >= MAX_CAPTURES:
             self._disable(f"its inputs kept moving after {self.captures} captures")
             return self.forward(*inputs), None
-        self.captures += 1
         copied = set(self.moved) | self.copied
         overlapping = [i for i in sorted(copied) if not _dense(inputs[i])]
         if overlapping:  # no buffer can hold a copy with the same strides
@@ -211,7 +213,6 @@ class GraphedProgram:
                 self.forward(*static_inputs)
             torch.cuda.current_stream().wait_stream(stream)
             if pending_compilations():  # the warm-up met a new kernel: capture once it is compiled
-                self.captures -= 1
                 self.ready_calls = 0
                 return self.forward(*inputs), None
             pool = torch.cuda.graph_pool_handle()
@@ -224,7 +225,8 @@ class GraphedProgram:
             self._disable(_describe(e))
             return self.forward(*inputs), None
         self.copied = copied
-        self.current = _Capture(graph, pool, stream, static_inputs, static_results)
+        self.current = _Capture(graph, pool, stream, static_inputs, static_results, copied)
+        self.captures += 1
         self.generation += 1
         _stats["captures"] += 1
         log.debug("fulmen: captured a CUDA graph of %s (%d of %d inputs copied on each replay)", self.name,
@@ -232,15 +234,15 @@ class GraphedProgram:
         return self._replay(self.current, inputs)
 
     def _replay(self, cap: _Capture, inputs: tuple):
-        static = cap.static_inputs
-        for i in self.copied:
-            static[i].copy_(inputs[i])
+        for i, buffer in cap.copy_into:
+            buffer.copy_(inputs[i])
         cap.graph.replay()
         _stats["replays"] += 1
         results = cap.static_results
-        if self.n_outputs is None:  # inference: hand back copies (an input returned as is stays itself)
-            by_id = {id(s): t for s, t in zip(static, inputs)}
-            return tree_map_only(torch.Tensor, lambda t: by_id[id(t)] if id(t) in by_id else t.clone(), results), None
+        if self.n_outputs is None:  # inference: hand back copies (an input returned as it is stays itself)
+            index = cap.input_index
+            return tree_map_only(torch.Tensor, lambda t: inputs[index[id(t)]] if id(t) in index else t.clone(),
+                                 results), None
         n = self.n_outputs
         outs = [r.clone() if isinstance(r, torch.Tensor) else r for r in results[:n]]
         return (*outs, *results[n:]), _Pending(self, self.generation)

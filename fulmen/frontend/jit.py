@@ -272,11 +272,11 @@ class JittedFunction:
             if transform is not None:
                 trace = transform(trace)
         traced = time.perf_counter()
-        graphs = _display_name(self.fn) if self.cuda_graphs else None  # the name the CUDA-graph logs give it
-        if graphs and symbolic is not None:
+        graph_name = _display_name(self.fn) if self.cuda_graphs else None  # what CUDA-graph logs call it
+        if graph_name and symbolic is not None:
             log.warning("fulmen: %s runs without CUDA graphs: its sizes are dynamic (pass dynamic=False to compile "
-                        "for exact sizes)", graphs)
-            graphs = None
+                        "for exact sizes)", graph_name)
+            graph_name = None
         if self._needs_grad(spec.tensor_proxies):
             from fulmen.frontend.training import compile_training
 
@@ -284,12 +284,12 @@ class JittedFunction:
             if symbolic is None and warm_start.applies(trace, executors):
                 stats._deferred += 1
                 program = warm_start.deferred_training(
-                    trace, lambda: compile_training(trace, executors, cuda_graphs=graphs),
+                    trace, lambda: compile_training(trace, executors, cuda_graphs=graph_name),
                     on_ready=lambda real: self._on_compiled(entry, real))
             else:
-                program = compile_training(trace, executors, cuda_graphs=graphs)
+                program = compile_training(trace, executors, cuda_graphs=graph_name)
         else:
-            program = compile_inference(trace, self.executors, cuda_graphs=graphs)
+            program = compile_inference(trace, self.executors, cuda_graphs=graph_name)
         if autocast_devices:
             program.run = _without_autocast(program.run, autocast_devices)
         done = time.perf_counter()

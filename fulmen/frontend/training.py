@@ -178,19 +178,20 @@ class FulmenFunction(torch.autograd.Function):
         present = tuple(c is not None for c in cts)
         pending = ctx.fulmen_pending
         if not any(present):
-            if pending is not None and not keep:
-                pending.release()
+            input_grads = None
+        else:
+            with torch.no_grad():
+                fn = runtime.backward_for(present)
+                given = [c for c in cts if c is not None]
+                if pending is None:
+                    input_grads = fn(saved, given)
+                else:
+                    input_grads = runtime.graphs.backward(pending, present, fn, saved, given)
+        if pending is not None and not keep:  # the next replay may overwrite the saved tensors now
+            pending.release()
+        if input_grads is None:
             return (None,) * (1 + runtime.n_inputs)
         create_graph = torch.is_grad_enabled()
-        with torch.no_grad():
-            fn = runtime.backward_for(present)
-            given = [c for c in cts if c is not None]
-            if pending is None:
-                input_grads = fn(saved, given)
-            else:
-                input_grads = runtime.graphs.backward(pending, present, fn, saved, given)
-                if not keep:  # the next replay may overwrite the saved tensors now
-                    pending.release()
         if create_graph:
             given = [g for g in input_grads if g is not None]
             wrapped = iter(_NoDoubleBackward.apply(_anchor, *given)) if given else iter(())
