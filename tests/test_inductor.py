@@ -430,3 +430,115 @@ def test_hf_gpt2_training_through_inductor_matches_torch_executor(sync_compile):
             assert regions and all(r.variants and not r.failed for r in regions)
     for g, e in zip(*grads, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
+
+
+def test_tanh_gelu_through_inductor_matches_eager_over_the_whole_range(sync_compile):
+    """fulmen hands Inductor tanh-GELU as ``x * sigmoid(2z)`` on CPU (``inductor_decomps``): one ``exp`` instead of
+    the far slower vectorized ``tanh``. Forward and backward must match eager over inputs from deep in the
+    negative tail (where ``1 + tanh`` cancels in eager's formula) to large positives, and through infinities and
+    NaN; against a float64 reference, the fused kernels are no less accurate than eager's."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.linspace(-12, 12, 48001), torch.randn(4000, generator=gen) * 3,
+                   torch.tensor([0.0, -0.0, 1e-30, -1e-30, 50.0, -50.0, 1e4, -1e4, float("inf"), float("-inf"),
+                                 float("nan")])])
+    g = torch.randn(x.shape, generator=gen)
+
+    def f(x):
+        return torch.nn.functional.gelu(x * 1.0, approximate="tanh")
+
+    jf = fulmen.jit(f, executors=["inductor"])
+    xj = x.clone().requires_grad_()
+    out = jf(xj)
+    (grad,) = torch.autograd.grad(out, xj, g)
+    regions = [b.sym.impl for t in (fulmen.last_traces(jf)[-1], fulmen.last_backward_traces(jf)[-1])
+               for b in t.bound_symbols if b.sym.is_fusion]
+    assert len(regions) == 2 and all(r.variants and not r.failed for r in regions)
+
+    xe = x.clone().requires_grad_()
+    expected = f(xe)
+    (expected_grad,) = torch.autograd.grad(expected, xe, g)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6, equal_nan=True)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+    x64 = x.double().requires_grad_()
+    ref = f(x64)
+    (ref_grad,) = torch.autograd.grad(ref, x64, g.double())
+    finite = ref.isfinite() & ref_grad.isfinite()
+    for ours, eager, exact in ((out, expected, ref), (grad, expected_grad, ref_grad)):
+        err = (ours.double() - exact)[finite].abs().max()
+        eager_err = (eager.double() - exact)[finite].abs().max()
+        assert err <= 2 * eager_err, (err, eager_err)
+
+
+def test_tanh_gelu_decomposition_uses_exp_on_cpu_only():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fulmen.executors.inductor_decomps import decomposition_table
+
+    def targets(device, dtype, approximate):
+        x = torch.randn(8, device=device, dtype=dtype)
+        gm = make_fx(lambda x: torch.ops.aten.gelu_backward(x, x, approximate=approximate) + torch.ops.aten.gelu(
+            x, approximate=approximate), decomposition_table=decomposition_table())(x)
+        return {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+
+    cpu = targets("cpu", torch.float32, "tanh")
+    assert "aten.exp.default" in cpu and "aten.tanh.default" not in cpu
+    bf16 = targets("cpu", torch.bfloat16, "tanh")  # computed in float32, as eager's kernel does
+    assert "aten.tanh.default" not in bf16 and "prims.convert_element_type.default" in bf16
+    assert "aten.erf.default" in targets("cpu", torch.float32, "none")  # the exact GELU keeps PyTorch's rule
+    assert "aten.tanh.default" in targets("meta", torch.float32, "tanh")  # other devices keep PyTorch's rule too
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("case", ["2d", "1d", "weight", "float64"])
+def test_cross_entropy_backward_through_inductor_matches_eager(sync_compile, reduction, case):
+    """fulmen's decompositions build cross-entropy's one-hot gradient pointwise and hand its row sums to the
+    log-softmax backward (``inductor_decomps``); ignored targets, every reduction, a single sample, class weights
+    (PyTorch's decomposition) and float64 must all keep eager's results."""
+    gen = torch.Generator().manual_seed(0)
+    dtype = torch.float64 if case == "float64" else torch.float32
+    logits = torch.randn(2, 24, 37, generator=gen, dtype=dtype) * 4
+    target = torch.randint(0, 37, (2, 24), generator=gen)
+    target[0, :5] = -1
+    weight = torch.rand(37, generator=gen, dtype=dtype) + 0.5 if case == "weight" else None
+
+    def f(logits, target):
+        x, t = logits.flatten(0, 1) * 1.0, target.flatten()
+        if case == "1d":
+            x, t = x[5], t[5]
+        return torch.nn.functional.cross_entropy(x, t, weight=weight, ignore_index=-1, reduction=reduction)
+
+    jf = fulmen.jit(f, executors=["inductor"])
+    results = []
+    for fn in (jf, f):
+        x = logits.clone().requires_grad_()
+        loss = fn(x, target)
+        cotangent = torch.randn(loss.shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
+        (grad,) = torch.autograd.grad(loss, x, cotangent)
+        results.append((loss, grad))
+    regions = [b.sym.impl for t in (fulmen.last_traces(jf)[-1], fulmen.last_backward_traces(jf)[-1])
+               for b in t.bound_symbols if b.sym.is_fusion]
+    assert regions and all(r.variants and not r.failed for r in regions)
+    (loss, grad), (expected_loss, expected_grad) = results
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype is torch.float64 else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(loss, expected_loss, **tol)
+    torch.testing.assert_close(grad, expected_grad, **tol)
+
+
+def test_cross_entropy_backward_decomposition_is_one_pass():
+    """No scatter into a logits-sized buffer and no row sums: the backward is pointwise in the logits."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fulmen.executors.inductor_decomps import decomposition_table
+
+    aten = torch.ops.aten
+
+    def backward(g, logp, target, total):
+        one_hot = aten.nll_loss_backward(g, logp, target, None, 1, -1, total)
+        return aten._log_softmax_backward_data(one_hot, logp, 1, logp.dtype)
+
+    args = (torch.tensor(1.0), torch.randn(6, 5).log_softmax(1), torch.tensor([0, 4, -1, 2, 2, 1]), torch.tensor(5.0))
+    gm = make_fx(backward, decomposition_table=decomposition_table())(*args)
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert not any("scatter" in t or "sum" in t for t in targets), targets
+    torch.testing.assert_close(gm(*args), backward(*args), rtol=1e-6, atol=1e-7)

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 from fulmen.core.utils import compiler_import_lock
+from fulmen.executors.inductor_decomps import decomposition_table
 
 log = logging.getLogger("fulmen.inductor")
 
@@ -178,14 +179,14 @@ def _inductor_compile(fn: Callable, example: list[torch.Tensor]) -> Callable:
         import torch._dynamo  # noqa: F401  (before Inductor: its modules import Dynamo's)
         from torch._inductor import config
         from torch._inductor.compile_fx import compile_fx_inner
-        from torch._inductor.decomposition import select_decomp_table
         from torch.fx.experimental.proxy_tensor import make_fx
 
+        decompositions = decomposition_table()
     patch = {}
     if config.cpp.vec_isa_ok is None and all(a.device.type == "cpu" for a in example) and _vector_isa_known():
         patch["cpp.vec_isa_ok"] = True
     with config.patch(patch):
-        gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*example)
+        gm = make_fx(fn, decomposition_table=decompositions, tracing_mode="fake")(*example)
         compiled = compile_fx_inner(gm, example)
     return getattr(compiled, "current_callable", compiled)
 
