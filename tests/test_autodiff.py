@@ -634,6 +634,57 @@ def test_scaled_dot_product_attention_gradients(case):
     assert uses_flash == (case != "bool_mask_falls_back")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["causal", "scale", "cross", "transposed", "gqa_falls_back", "mask_falls_back"])
+def test_scaled_dot_product_attention_on_cuda_uses_the_memory_efficient_kernels(case, dtype):
+    """On CUDA the rule runs eager's memory-efficient attention forward and backward (saving the log-sum-exp, not
+    the attention weights); grouped-query attention and masks take the decomposition. Both must match eager."""
+    gen = torch.Generator().manual_seed(0)
+    q_len, kv_len, kv_heads = (5, 11, 4) if case == "cross" else (24, 24, 2 if case == "gqa_falls_back" else 4)
+    q = torch.randn(2, 4, q_len, 16, generator=gen).cuda().to(dtype)
+    k = torch.randn(2, kv_heads, kv_len, 16, generator=gen).cuda().to(dtype)
+    v = torch.randn(2, kv_heads, kv_len, 16, generator=gen).cuda().to(dtype)
+    if case == "transposed":  # head dimension not the innermost in memory
+        q = q.transpose(-1, -2).contiguous().transpose(-1, -2)
+    kwargs = {"causal": dict(is_causal=True), "scale": dict(scale=0.3), "cross": dict(is_causal=True),
+              "transposed": dict(is_causal=True), "gqa_falls_back": dict(is_causal=True, enable_gqa=True),
+              "mask_falls_back": dict(attn_mask=torch.randn(24, 24, generator=gen).cuda().to(dtype))}[case]
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+    (qa, ka, va), (qe, ke, ve) = [[t.clone().requires_grad_() for t in (q, k, v)] for _ in range(2)]
+    jfn = fulmen.jit(f)
+    ct = torch.randn(q.shape[:-1] + (16,), generator=gen).cuda().to(dtype)
+    for _ in range(2):  # the second call runs fulmen's own forward and backward (warm start runs the first)
+        for t in (qa, ka, va):
+            t.grad = None
+        out = jfn(qa, ka, va)
+        out.backward(ct)
+    expected = f(qe, ke, ve)
+    expected.backward(ct)
+    pairs = [(out, expected), *((a.grad, e.grad) for a, e in ((qa, qe), (ka, ke), (va, ve)))]
+    if dtype is torch.float32:
+        for ours, eager in pairs:
+            torch.testing.assert_close(ours, eager, rtol=1e-5, atol=1e-5)
+    else:
+        # bfloat16: eager runs flash attention, fulmen the memory-efficient kernel (or the decomposition). Both
+        # kernels round the attention weights and their gradient to bfloat16 for the matmuls inside, so each is off
+        # by a few bfloat16 ulps in its own way. Both are held to float64 from the same inputs, within 2^-6 of the
+        # tensor's largest value (about two ulps there); a wrong kernel is off by O(1).
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        exact = F.scaled_dot_product_attention(q64, k64, v64, **{
+            name: x.double() if isinstance(x, torch.Tensor) else x for name, x in kwargs.items()})
+        exact.backward(ct.double())
+        for (ours, eager), ref in zip(pairs, (exact, q64.grad, k64.grad, v64.grad)):
+            bound = 2 ** -6 * ref.abs().max().item()
+            err, eager_err = ((x.double() - ref).abs().max().item() for x in (ours, eager))
+            assert err <= bound, (err, eager_err, bound)
+    uses_kernel = "efficient_attention_backward" in str(fulmen.last_backward_traces(jfn)[-1])
+    assert uses_kernel == (not case.endswith("falls_back"))
+
+
 def test_dropout_matches_eager_under_the_same_seed():
     x = torch.randn(64, 32, dtype=torch.float64)
 

@@ -203,7 +203,9 @@ class InductorExecutor(FusionExecutor):
             return False
         if sym.executor is not None:
             # the aten calls autodiff writes (native_layer_norm, gelu_backward, ...): Inductor decomposes them
-            return sym.executor.name == "torch" and isinstance(sym.impl, (OpOverload, OpOverloadPacket)) and bool(
+            # (and functions of aten calls that mark themselves traceable, such as CUDA's attention kernels)
+            traceable = isinstance(sym.impl, (OpOverload, OpOverloadPacket)) or sym.extra.get("inductor_traceable")
+            return sym.executor.name == "torch" and bool(traceable) and bool(
                 bsym.flat_proxy_outs) and all(isinstance(p, TensorProxy) for p in bsym.flat_proxy_outs)
         if not (sym.is_prim and "torch_impl" in sym.extra) and not sym.extra.get("torch_executable"):
             return False

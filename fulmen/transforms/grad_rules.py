@@ -118,6 +118,44 @@ flash_attention_cpu = _aten_symbol("_scaled_dot_product_flash_attention_for_cpu"
 flash_attention_cpu_backward = _aten_symbol(
     "_scaled_dot_product_flash_attention_for_cpu_backward",
     lambda g, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask=None, scale=None: (_like(q), _like(k), _like(v)))
+
+
+def _efficient_attention_impl(q, k, v, is_causal, scale):
+    out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(_last_dim_dense(q), _last_dim_dense(k),
+                                                                   _last_dim_dense(v), None, True, 0.0, is_causal,
+                                                                   scale=scale)
+    return out, lse
+
+
+def _efficient_attention_backward_impl(g, q, k, v, out, lse, is_causal, scale):
+    philox = torch.zeros((), dtype=torch.int64, device=q.device)  # read only with dropout, which is never used here
+    gq, gk, gv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+        _last_dim_dense(g), _last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v), None, out, lse, philox, philox,
+        0.0, [True, True, True, False], is_causal, scale=scale)
+    return gq, gk, gv
+
+
+def _last_dim_dense(t: torch.Tensor) -> torch.Tensor:
+    """The kernels need unit stride in the head dimension, as eager's dispatcher requires before picking them."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _efficient_meta(q, k, v, is_causal, scale):
+    # the log-sum-exp rows are padded to a multiple of 32, as the kernel writes them
+    lse_shape = tuple(q.shape[:-1])[:-1] + (-(-q.shape[-2] // 32) * 32,)
+    return _like(q, shape=tuple(q.shape[:-1]) + (v.shape[-1],)), _like(q, shape=lse_shape, dtype=torch.float32)
+
+
+#: CUDA memory-efficient attention (eager's choice for float32; usable for every float dtype): output and the
+#: per-row log-sum-exp, which with the inputs and output is all the backward needs. Python functions around the
+#: aten kernels, which Inductor can still trace into a fused region (``inductor_traceable``).
+efficient_attention_cuda = executable_symbol("efficient_attention", _efficient_attention_impl, _efficient_meta,
+                                             module=None)
+efficient_attention_cuda_backward = executable_symbol(
+    "efficient_attention_backward", _efficient_attention_backward_impl,
+    lambda g, q, k, v, out, lse, is_causal, scale: (_like(q), _like(k), _like(v)), module=None)
+for _sym in (efficient_attention_cuda, efficient_attention_cuda_backward):
+    _sym.extra["inductor_traceable"] = True
 convolution_backward = _aten_symbol(
     "convolution_backward",
     lambda g, a, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask: (
@@ -418,20 +456,50 @@ def _sdpa_supported(p: RuleArgs) -> bool:
     q, k, v, mask = p[0], p[1], p[2], p.get("attn_mask")
     if not all(isinstance(t, TensorProxy) and t.ndim == 4 and t.dtype == q.dtype for t in (q, k, v)):
         return False
+    if p.get("dropout_p", 0.0) != 0.0:
+        return False
+    if q.device.type == "cuda":
+        return _cuda_attention_supported(q, k, v, mask, p.get("scale"))
     if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         return False
-    if p.get("dropout_p", 0.0) != 0.0 or (k.shape[1] != q.shape[1] and not p.get("enable_gqa", False)):
+    if k.shape[1] != q.shape[1] and not p.get("enable_gqa", False):
         return False
     return mask is None or (isinstance(mask, TensorProxy) and mask.dtype == q.dtype and not needs_grad(mask))
 
 
+#: The head sizes the CUDA memory-efficient kernels take on every GPU: a multiple of 8 elements (16-byte
+#: aligned rows in half precision), at most 128.
+_CUDA_HEAD_DIMS = range(8, 129, 8)
+
+
+def _cuda_attention_supported(q, k, v, mask, scale) -> bool:
+    """Eager's memory-efficient kernel without a mask (masks need padding to 16 columns; they take the
+    decomposition), with as many key/value heads as query heads."""
+    if mask is not None or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if q.dtype is torch.bfloat16 and torch.cuda.get_device_capability(to_device(q.device).index or 0)[0] < 8:
+        return False  # bfloat16 kernels need Ampere or newer
+    if q.shape[-1] not in _CUDA_HEAD_DIMS or v.shape[-1] not in _CUDA_HEAD_DIMS or k.shape[-1] != q.shape[-1]:
+        return False
+    if q.shape[0] != k.shape[0] or k.shape[0] != v.shape[0] or k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
+        return False
+    if k.shape[2] != v.shape[2]:
+        return False
+    return q.numel() > 0 and k.numel() > 0 and not (isinstance(scale, (int, float)) and scale <= 0)
+
+
 @builtin_rule("torch.nn.functional.scaled_dot_product_attention", checker=_sdpa_supported)
 def _sdpa_rule(p: RuleArgs):
-    """CPU flash attention, as eager picks it: the output and log-sum-exp are what the backward needs."""
+    """Fused attention, as eager picks it (CPU: flash attention; CUDA: memory-efficient attention): the output
+    and log-sum-exp are what the backward needs, never the (L, S) attention weights."""
     q, k, v = p[0], p[1], p[2]
     mask, causal, scale = p.get("attn_mask"), bool(p.get("is_causal", False)), p.get("scale")
-    out, lse = flash_attention_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
-    gq, gk, gv = flash_attention_cpu_backward(get_grad(out), q, k, v, out, lse, 0.0, causal, attn_mask=mask,
-                                              scale=scale)
+    if q.device.type == "cuda":
+        out, lse = efficient_attention_cuda(q, k, v, causal, scale)
+        gq, gk, gv = efficient_attention_cuda_backward(get_grad(out), q, k, v, out, lse, causal, scale)
+    else:
+        out, lse = flash_attention_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+        gq, gk, gv = flash_attention_cpu_backward(get_grad(out), q, k, v, out, lse, 0.0, causal, attn_mask=mask,
+                                                  scale=scale)
     put_grads((q, k, v), (gq, gk, gv))
     return out
