@@ -17,6 +17,7 @@ import torch
 
 from fulmen.core.proxies import TensorProxy
 from fulmen.executors.base import OperatorExecutor, register_executor
+from fulmen.transforms.grad_rules import efficient_attention_backward, efficient_attention_forward
 
 SDPA_ID = "torch.nn.functional.scaled_dot_product_attention"
 _aten = torch.ops.aten
@@ -44,9 +45,7 @@ def _fwd_impl(q, k, v, attn_mask, dropout_p, is_causal, scale):
     if q.device.type == "cpu":
         return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, attn_mask=attn_mask,
                                                                  scale=scale)
-    out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask, True, dropout_p, is_causal,
-                                                                   scale=scale)
-    return out, lse
+    return efficient_attention_forward(q, k, v, attn_mask, is_causal, scale)  # no dropout on CUDA (``_checker``)
 
 
 def _bwd_meta(g, q, k, v, out, lse, attn_mask, dropout_p, is_causal, scale):
@@ -57,10 +56,7 @@ def _bwd_impl(g, q, k, v, out, lse, attn_mask, dropout_p, is_causal, scale):
     if q.device.type == "cpu":
         return _aten._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, out, lse, dropout_p, is_causal,
                                                                           attn_mask=attn_mask, scale=scale)
-    zero = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: the Philox state is unused
-    gq, gk, gv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-        g, q, k, v, attn_mask, out, lse, zero, zero, dropout_p, [True, True, True, False], is_causal, scale=scale)
-    return gq, gk, gv
+    return efficient_attention_backward(g, q, k, v, out, lse, attn_mask, is_causal, scale)
 
 
 sdpa_forward = sdpa_ex.register_operator("sdpa_fused_forward", meta=_fwd_meta, fn=_fwd_impl)

@@ -120,18 +120,18 @@ flash_attention_cpu_backward = _aten_symbol(
     lambda g, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask=None, scale=None: (_like(q), _like(k), _like(v)))
 
 
-def _efficient_attention_impl(q, k, v, is_causal, scale):
-    out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(_last_dim_dense(q), _last_dim_dense(k),
-                                                                   _last_dim_dense(v), None, True, 0.0, is_causal,
-                                                                   scale=scale)
+def efficient_attention_forward(q, k, v, attn_mask, is_causal, scale):
+    """CUDA memory-efficient attention without dropout: the output and the per-row log-sum-exp."""
+    out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
+        _last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v), attn_mask, True, 0.0, is_causal, scale=scale)
     return out, lse
 
 
-def _efficient_attention_backward_impl(g, q, k, v, out, lse, is_causal, scale):
+def efficient_attention_backward(g, q, k, v, out, lse, attn_mask, is_causal, scale):
     philox = torch.zeros((), dtype=torch.int64, device=q.device)  # read only with dropout, which is never used here
     gq, gk, gv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-        _last_dim_dense(g), _last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v), None, out, lse, philox, philox,
-        0.0, [True, True, True, False], is_causal, scale=scale)
+        _last_dim_dense(g), _last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v), attn_mask, out, lse, philox,
+        philox, 0.0, [True, True, True, False], is_causal, scale=scale)
     return gq, gk, gv
 
 
@@ -140,20 +140,20 @@ def _last_dim_dense(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _efficient_meta(q, k, v, is_causal, scale):
+def _efficient_meta(q, k, v, attn_mask, is_causal, scale):
     # the log-sum-exp rows are padded to a multiple of 32, as the kernel writes them
-    lse_shape = tuple(q.shape[:-1])[:-1] + (-(-q.shape[-2] // 32) * 32,)
+    lse_shape = tuple(q.shape[:-2]) + (-(-q.shape[-2] // 32) * 32,)
     return _like(q, shape=tuple(q.shape[:-1]) + (v.shape[-1],)), _like(q, shape=lse_shape, dtype=torch.float32)
 
 
 #: CUDA memory-efficient attention (eager's choice for float32; usable for every float dtype): output and the
 #: per-row log-sum-exp, which with the inputs and output is all the backward needs. Python functions around the
 #: aten kernels, which Inductor can still trace into a fused region (``inductor_traceable``).
-efficient_attention_cuda = executable_symbol("efficient_attention", _efficient_attention_impl, _efficient_meta,
+efficient_attention_cuda = executable_symbol("efficient_attention", efficient_attention_forward, _efficient_meta,
                                              module=None)
 efficient_attention_cuda_backward = executable_symbol(
-    "efficient_attention_backward", _efficient_attention_backward_impl,
-    lambda g, q, k, v, out, lse, is_causal, scale: (_like(q), _like(k), _like(v)), module=None)
+    "efficient_attention_backward", efficient_attention_backward,
+    lambda g, q, k, v, out, lse, attn_mask, is_causal, scale: (_like(q), _like(k), _like(v)), module=None)
 for _sym in (efficient_attention_cuda, efficient_attention_cuda_backward):
     _sym.extra["inductor_traceable"] = True
 convolution_backward = _aten_symbol(
@@ -485,6 +485,7 @@ def _cuda_attention_supported(q, k, v, mask, scale) -> bool:
         return False
     if k.shape[2] != v.shape[2]:
         return False
+    # a scale of zero or below was never run through the kernels here: the decomposition takes it
     return q.numel() > 0 and k.numel() > 0 and not (isinstance(scale, (int, float)) and scale <= 0)
 
 
@@ -495,8 +496,8 @@ def _sdpa_rule(p: RuleArgs):
     q, k, v = p[0], p[1], p[2]
     mask, causal, scale = p.get("attn_mask"), bool(p.get("is_causal", False)), p.get("scale")
     if q.device.type == "cuda":
-        out, lse = efficient_attention_cuda(q, k, v, causal, scale)
-        gq, gk, gv = efficient_attention_cuda_backward(get_grad(out), q, k, v, out, lse, causal, scale)
+        out, lse = efficient_attention_cuda(q, k, v, None, causal, scale)
+        gq, gk, gv = efficient_attention_cuda_backward(get_grad(out), q, k, v, out, lse, None, causal, scale)
     else:
         out, lse = flash_attention_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
         gq, gk, gv = flash_attention_cpu_backward(get_grad(out), q, k, v, out, lse, 0.0, causal, attn_mask=mask,
