@@ -11,6 +11,9 @@ runs and schedules its regions without competing with the compiler for the inter
 eager speed; compilation then fills the time of the following calls. ``"sync"`` compiles before the first
 call returns (tests, benchmarks). Inductor's FX graph cache keeps compiled code on disk, so a second
 process finds its kernels there.
+
+On CPU, a region's C++ kernels build as one library, and the first compilation of a process starts
+Inductor's precompiled header on a thread of its own, beside the region's tracing (``inductor_cpp``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from collections.abc import Callable
 import torch
 
 from fulmen.core.utils import compiler_import_lock
+from fulmen.executors.inductor_cpp import merged_cpp_build, prefetch_header
 from fulmen.executors.inductor_decomps import decomposition_table
 
 log = logging.getLogger("fulmen.inductor")
@@ -186,9 +190,15 @@ def _inductor_compile(fn: Callable, example: list[torch.Tensor]) -> Callable:
     if config.cpp.vec_isa_ok is None and all(a.device.type == "cpu" for a in example) and _vector_isa_known():
         patch["cpp.vec_isa_ok"] = True
     with config.patch(patch):
+        if all(a.device.type == "cpu" for a in example):
+            prefetch_header()
         gm = make_fx(fn, decomposition_table=decompositions, tracing_mode="fake")(*example)
-        compiled = compile_fx_inner(gm, example)
-    return getattr(compiled, "current_callable", compiled)
+        with merged_cpp_build() as cpp:
+            compiled = compile_fx_inner(gm, example)
+        cpp.build()
+    call = getattr(compiled, "current_callable", compiled)
+    cpp.resolve_in(call)
+    return call
 
 
 def _compile(kernel: Kernel, eager: Callable, example: list[torch.Tensor], *, wait: bool) -> None:
