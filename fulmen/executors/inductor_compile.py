@@ -179,19 +179,21 @@ def _vector_isa_known() -> bool:
 
 
 def _inductor_compile(fn: Callable, example: list[torch.Tensor]) -> Callable:
+    on_cpu = all(a.device.type == "cpu" for a in example)
     with compiler_import_lock:
         import torch._dynamo  # noqa: F401  (before Inductor: its modules import Dynamo's)
         from torch._inductor import config
-        from torch._inductor.compile_fx import compile_fx_inner
-        from torch.fx.experimental.proxy_tensor import make_fx
-
-        decompositions = decomposition_table()
     patch = {}
-    if config.cpp.vec_isa_ok is None and all(a.device.type == "cpu" for a in example) and _vector_isa_known():
+    if config.cpp.vec_isa_ok is None and on_cpu and _vector_isa_known():
         patch["cpp.vec_isa_ok"] = True
     with config.patch(patch):
-        if all(a.device.type == "cpu" for a in example):
-            prefetch_header()
+        if on_cpu:
+            prefetch_header()  # before the rest of Inductor's imports (about 1.5 s): they run beside the header
+        with compiler_import_lock:
+            from torch._inductor.compile_fx import compile_fx_inner
+            from torch.fx.experimental.proxy_tensor import make_fx
+
+            decompositions = decomposition_table()
         gm = make_fx(fn, decomposition_table=decompositions, tracing_mode="fake")(*example)
         with merged_cpp_build() as cpp:
             compiled = compile_fx_inner(gm, example)

@@ -26,6 +26,8 @@ import re
 import threading
 from typing import Any
 
+from fulmen.core.utils import compiler_import_lock
+
 log = logging.getLogger("fulmen.inductor")
 
 _state = threading.local()
@@ -266,9 +268,11 @@ def prefetch_header() -> None:
             return
         _header_started = True
     try:
-        from torch._inductor import config
-        from torch._inductor.codecache import CppPythonBindingsCodeCache
-        from torch._inductor.cpu_vec_isa import pick_vec_isa
+        with compiler_import_lock:  # everything the thread uses, imported here (not two threads importing at once)
+            import torch.utils._filelock  # noqa: F401
+            from torch._inductor import config
+            from torch._inductor.codecache import CppPythonBindingsCodeCache
+            from torch._inductor.cpu_vec_isa import pick_vec_isa
 
         if not config.cpp_cache_precompile_headers:
             return
