@@ -24,6 +24,7 @@ import contextlib
 import logging
 import re
 import threading
+import time
 from typing import Any
 
 from fulmen.core.utils import compiler_import_lock
@@ -77,6 +78,7 @@ class MergedBuild:
             self.built = True
             return
         self.built = True
+        start = time.perf_counter()
         try:
             source = merged_source(self.kernels)
             from torch._inductor.codecache import CppPythonBindingsCodeCache
@@ -85,7 +87,8 @@ class MergedBuild:
             for p in self.pending:
                 p.fn = getattr(module, f"kernel_{p.index}")
             self.merged = True
-            log.debug("fulmen: built %d C++ kernels as one library", len(self.kernels))
+            log.debug("fulmen: built %d C++ kernels as one library in %.2f s", len(self.kernels),
+                      time.perf_counter() - start)
         except Exception as e:  # Inductor's own builds, one per kernel
             log.info("fulmen: building %d C++ kernels one by one (%s: %s)", len(self.kernels), type(e).__name__,
                      str(e).splitlines()[0] if str(e) else "")
