@@ -32,8 +32,9 @@ from fulmen.core.utils import compiler_import_lock
 log = logging.getLogger("fulmen.inductor")
 
 _state = threading.local()
-_install_lock = threading.Lock()
-_installed = False
+_lock = threading.Lock()
+#: Inductor's ``AsyncCompile.cpp_pybinding``, once ``merged_cpp_build`` has put its own in place.
+_original_cpp_pybinding = None
 
 _ENTRY = re.compile(r'extern\s+"C"\s+void\s+kernel\s*\(')
 #: Preprocessor lines that would leak from one kernel into the next in a shared translation unit.
@@ -74,15 +75,17 @@ class MergedBuild:
 
     def build(self) -> None:
         """Build the kernels (once); afterwards every placeholder holds its function."""
-        if self.built or not self.kernels:
-            self.built = True
+        if self.built:
             return
         self.built = True
+        if not self.kernels:
+            return
+        from torch._inductor.async_compile import AsyncCompile
+        from torch._inductor.codecache import CppPythonBindingsCodeCache
+
         start = time.perf_counter()
         try:
             source = merged_source(self.kernels)
-            from torch._inductor.codecache import CppPythonBindingsCodeCache
-
             module = CppPythonBindingsCodeCache.load_async(source, "cpu")()
             for p in self.pending:
                 p.fn = getattr(module, f"kernel_{p.index}")
@@ -93,7 +96,7 @@ class MergedBuild:
             log.info("fulmen: building %d C++ kernels one by one (%s: %s)", len(self.kernels), type(e).__name__,
                      str(e).splitlines()[0] if str(e) else "")
             for p, (argtypes, src) in zip(self.pending, self.kernels):
-                fn = _original(_async_compile(), argtypes, src)
+                fn = _original_cpp_pybinding(AsyncCompile(), argtypes, src)
                 p.fn = fn.result() if hasattr(fn, "result") else fn
 
     def resolve_in(self, fn: Any) -> None:
@@ -216,19 +219,6 @@ PyMODINIT_FUNC PyInit_kernel(void) {
 """
 
 
-def _async_compile():
-    from torch._inductor.async_compile import AsyncCompile
-
-    return AsyncCompile()
-
-
-_original_cpp_pybinding = None
-
-
-def _original(async_compile, argtypes, source):
-    return _original_cpp_pybinding(async_compile, argtypes, source)
-
-
 def _cpp_pybinding(self, argtypes, source_code):
     batch = getattr(_state, "batch", None)
     if batch is None:
@@ -237,15 +227,14 @@ def _cpp_pybinding(self, argtypes, source_code):
 
 
 def _install() -> None:
-    global _installed, _original_cpp_pybinding
-    with _install_lock:
-        if _installed:
+    global _original_cpp_pybinding
+    with _lock:
+        if _original_cpp_pybinding is not None:
             return
         from torch._inductor.async_compile import AsyncCompile
 
         _original_cpp_pybinding = AsyncCompile.cpp_pybinding
         AsyncCompile.cpp_pybinding = _cpp_pybinding  # delegates to the original outside merged_cpp_build()
-        _installed = True
 
 
 #: A kernel-like source: it uses ATen's vector types, so its build takes the same flags (and the same
@@ -266,7 +255,7 @@ def prefetch_header() -> None:
     else; the first kernel build waits on Inductor's file lock for the header instead of building it again.
     """
     global _header_started
-    with _install_lock:
+    with _lock:
         if _header_started:
             return
         _header_started = True
