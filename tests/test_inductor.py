@@ -86,9 +86,9 @@ def test_background_compiler_frees_its_example_inputs(monkeypatch):
     refs = []
     real_compile = inductor_compile._compile
 
-    def spy(kernel, eager, example, *, wait):
-        refs.extend(weakref.ref(t) for t in example)
-        real_compile(kernel, eager, example, wait=wait)
+    def spy(jobs):
+        refs.extend(weakref.ref(t) for _, _, example in jobs for t in example)
+        real_compile(jobs)
 
     monkeypatch.setattr(inductor_compile, "_compile", spy)
     token = inductor.compile_mode.set("async")
@@ -152,10 +152,10 @@ def test_new_input_strides_get_their_own_variant(sync_compile):
 
 
 def test_inductor_failure_falls_back_with_a_warning(sync_compile, monkeypatch, caplog):
-    def broken(fn, example):
+    def broken(fn, example, cpp):
         raise RuntimeError("simulated Inductor failure")
 
-    monkeypatch.setattr(inductor_compile, "_inductor_compile", broken)
+    monkeypatch.setattr(inductor_compile, "_lower", broken)
 
     def f(a):
         return (a * 2).exp() + 1

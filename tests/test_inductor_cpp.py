@@ -1,6 +1,8 @@
-"""One C++ build per fused CPU region (``inductor_cpp``): the merged library gives the torch executor's results,
-the generated module calls the built functions directly, anything the merge cannot take falls back to
-Inductor's per-kernel builds, and the precompiled header built ahead is the one the kernels use."""
+"""C++ kernels of fused CPU regions built in batches (``inductor_cpp``): the merged library gives the torch
+executor's results, the generated module calls the built functions directly, a batch of several compilations
+is one compiler run, the library index lets later builds (and processes) find kernels built in another batch,
+anything the merge cannot take falls back to Inductor's per-kernel builds, and the precompiled header built
+beside the kernels is the one later kernels use."""
 
 import os
 import subprocess
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 import fulmen
-from fulmen.executors import inductor, inductor_cpp
+from fulmen.executors import inductor, inductor_compile, inductor_cpp
 
 
 @pytest.fixture
@@ -81,6 +83,99 @@ def test_training_step_through_merged_kernels_matches_eager(sync_compile, builds
     assert any(b.merged and len(b.kernels) > 1 for b in builds)
 
 
+def _jobs(*fns_and_args):
+    """Background-compiler jobs for the functions, with example inputs like ``args``."""
+    jobs = []
+    for i, (fn, args) in enumerate(fns_and_args):
+        kernel = inductor_compile.Kernel(f"test_region_{i}")
+        jobs.append((kernel, fn, [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype) for a in args]))
+    return jobs
+
+
+def _norm_and_scale(a, b):
+    return torch.nn.functional.layer_norm(a * b, (a.shape[-1],)), (a - b).amax(0)
+
+
+def _softmax_mix(a):
+    return (torch.softmax(a.tanh() * 2, dim=-1) + a.mean(0),)
+
+
+def _only(outputs):
+    (out,) = outputs if isinstance(outputs, (list, tuple)) else (outputs,)
+    return out
+
+
+def test_a_batch_of_compilations_builds_as_one_library(builds, monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # nothing from earlier tests in the index
+    a, b = torch.randn(24, 20, dtype=torch.float64), torch.randn(24, 20, dtype=torch.float64)
+    jobs = _jobs((_norm_and_scale, (a, b)), (_softmax_mix, (a,)))
+    inductor_compile._compile(jobs)
+    (batch,) = builds
+    assert batch.merged and len(batch.groups) == 2 and all(batch.groups)
+    assert batch.compiled == len(batch.kernels) == 2, "the kernels of both compilations in one compiler run"
+    (k1, _, _), (k2, _, _) = jobs
+    assert k1.done and k2.done and not k1.failed and not k2.failed
+    for got, expected in zip(k1.fn([a, b]), _norm_and_scale(a, b)):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(_only(k2.fn([a])), _only(_softmax_mix(a)), rtol=1e-12, atol=1e-12)
+
+    # A later build of one of the two finds its kernels in the library the batch built: no compiler run.
+    inductor_cpp._loaded.clear()  # as in a new process: the library is loaded from its path in the index
+    again = _jobs((_softmax_mix, (a,)))
+    inductor_compile._compile(again)
+    assert builds[-1].merged and builds[-1].compiled == 0
+    torch.testing.assert_close(_only(again[0][0].fn([a])), _only(_softmax_mix(a)), rtol=1e-12, atol=1e-12)
+
+
+def test_a_compilation_that_fails_to_lower_leaves_the_rest_of_its_batch(builds, monkeypatch, caplog):
+    real_lower = inductor_compile._lower
+
+    def lower(fn, example, cpp):
+        if fn is _softmax_mix:
+            raise RuntimeError("simulated lowering failure")
+        return real_lower(fn, example, cpp)
+
+    monkeypatch.setattr(inductor_compile, "_lower", lower)
+    a, b = torch.randn(16, 12), torch.randn(16, 12)
+    jobs = _jobs((_softmax_mix, (a,)), (_norm_and_scale, (a, b)))
+    with caplog.at_level("WARNING", logger="fulmen.inductor"):
+        inductor_compile._compile(jobs)
+    (bad, _, _), (good, _, _) = jobs
+    assert bad.done and bad.failed and bad.fn is None
+    assert "simulated lowering failure" in caplog.text and "test_region_0" in caplog.text
+    assert good.done and not good.failed
+    for got, expected in zip(good.fn([a, b]), _norm_and_scale(a, b)):
+        torch.testing.assert_close(got, expected)
+
+
+def test_background_compiler_batches_the_regions_queued_together(builds):
+    """A training step's forward and backward regions, queued during its first compiled call, compile as one
+    batch: one library."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.GELU(), torch.nn.LayerNorm(24),
+                                torch.nn.Linear(24, 6)).double()
+    x = torch.randn(10, 12, dtype=torch.float64)
+    jmodel = fulmen.jit(model, compile="async")
+    for _ in range(3):  # the first call runs on PyTorch autograd, the second queues the regions
+        jmodel(x).square().mean().backward()
+        if builds:
+            break
+    inductor.wait_for_compilations(timeout=300)
+    batches = [b for b in builds if b.kernels]
+    assert len(batches) == 1 and len(batches[0].groups) >= 2, [len(b.groups) for b in batches]
+    model.zero_grad()
+    loss = jmodel(x).square().mean()
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    expected = model(x).square().mean()
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-10, atol=1e-12)
+    assert all(r.variants for r in _regions(jmodel)), "the regions run compiled"
+
+
 def test_unmergeable_sources_fall_back_to_per_kernel_builds(sync_compile, builds, monkeypatch, caplog):
     def refuse(kernels):
         raise ValueError("not this time")
@@ -136,18 +231,25 @@ def test_merged_source_refuses_what_it_does_not_understand(bad):
 
 
 def test_prefetched_header_is_the_one_the_kernels_use(tmp_path):
-    """In a process whose temporary directory (where Inductor keeps precompiled headers) starts empty, the
-    header built ahead of the first kernel is the only one built: the kernels found it instead of building one
-    with other flags. (About 10 s: it builds the header.)"""
+    """In a process whose temporary directory (where Inductor keeps precompiled headers) starts empty, the first
+    kernels build without waiting for the header, and the header built beside them is the only one built: the
+    kernels built once it is ready use it instead of building one with other flags. (About 10 s: it builds the
+    header.)"""
     script = textwrap.dedent("""
+        import threading
         import torch, fulmen
-        from fulmen.executors import inductor
+        from fulmen.executors import inductor, inductor_cpp
         inductor.compile_mode.set("sync")
         f = fulmen.jit(lambda a: (a.exp() * 2).sum(-1) + a.mean(), executors=["inductor"])
         a = torch.randn(32, 16)
         torch.testing.assert_close(f(a), (a.exp() * 2).sum(-1) + a.mean())
-        from fulmen.executors import inductor_cpp
         assert inductor_cpp._header_started
+        for t in threading.enumerate():
+            if t.name == "fulmen-precompiled-header":
+                t.join()
+        assert inductor_cpp._header_ready
+        g = fulmen.jit(lambda a: (a.sin() * 3).amax(-1) - a.sum(), executors=["inductor"])
+        torch.testing.assert_close(g(a), (a.sin() * 3).amax(-1) - a.sum())
     """)
     env = dict(os.environ, TMPDIR=str(tmp_path), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300, capture_output=True)

@@ -8,12 +8,11 @@ In ``"async"`` mode (the default) compilations run on one background thread; a p
 the compilation in flight, not for the queued ones. The thread starts working only
 once the program has stopped discovering new work for ``QUIET_SECONDS``: the first call of a program traces,
 runs and schedules its regions without competing with the compiler for the interpreter, so it returns at
-eager speed; compilation then fills the time of the following calls. ``"sync"`` compiles before the first
-call returns (tests, benchmarks). Inductor's FX graph cache keeps compiled code on disk, so a second
-process finds its kernels there.
-
-On CPU, a region's C++ kernels build as one library, and the first compilation of a process starts
-Inductor's precompiled header on a thread of its own, beside the region's tracing (``inductor_cpp``).
+eager speed; compilation then fills the time of the following calls. Everything queued by then compiles as one
+batch: Inductor lowers each kernel, then the batch's C++ kernels build in one compiler run (``inductor_cpp``;
+a training step's forward and backward regions together). ``"sync"`` compiles each kernel before its first call
+returns (tests, benchmarks). Inductor's FX graph cache and fulmen's library index keep compiled code on disk,
+so a second process finds its kernels there.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from fulmen.core.utils import compiler_import_lock
-from fulmen.executors.inductor_cpp import merged_cpp_build, prefetch_header
+from fulmen.executors.inductor_cpp import MergedBuild, merged_cpp_build, prefetch_header
 from fulmen.executors.inductor_decomps import decomposition_table
 
 log = logging.getLogger("fulmen.inductor")
@@ -104,12 +103,24 @@ def _submit(job: tuple) -> None:
 def _work() -> None:
     while True:
         job = _jobs.get()
-        if job is None or _shutting_down:
+        while job is not None and not _shutting_down and time.monotonic() - _last_request < QUIET_SECONDS:
+            time.sleep(0.05)
+        jobs = [job]
+        while jobs[-1] is not None:  # everything queued by now compiles as one batch
+            try:
+                jobs.append(_jobs.get_nowait())
+            except queue.Empty:
+                break
+        stop = jobs[-1] is None or _shutting_down
+        jobs = [j for j in jobs if j is not None]
+        if stop:
+            for kernel, _, _ in jobs:
+                kernel.done = True
             return
-        _compile(*job, wait=True)
+        _compile(jobs)
         # The example inputs are real allocations (device memory on a GPU): dropped now, not when the next job
         # arrives, which may be never.
-        job = None
+        job = jobs = None
 
 
 def _stop_compiling() -> None:
@@ -139,7 +150,7 @@ def get_kernel(key: tuple, name: str, eager: Callable, args: tuple, mode: str) -
     # example inputs with the same layout; tracing is fake, so their values do not matter
     example = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device) for a in args]
     if mode == "sync":
-        _compile(kernel, eager, example, wait=False)
+        _compile([(kernel, eager, example)])
     else:
         _last_request = time.monotonic()
         _submit((kernel, eager, example))
@@ -178,7 +189,9 @@ def _vector_isa_known() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-def _inductor_compile(fn: Callable, example: list[torch.Tensor]) -> Callable:
+def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild) -> Callable:
+    """Inductor's compilation of ``fn`` for inputs like ``example``, except for its CPU kernels' C++ build: those
+    join ``cpp``, and the returned callable works once ``cpp`` is built."""
     on_cpu = all(a.device.type == "cpu" for a in example)
     with compiler_import_lock:
         import torch._dynamo  # noqa: F401  (before Inductor: its modules import Dynamo's)
@@ -195,33 +208,50 @@ def _inductor_compile(fn: Callable, example: list[torch.Tensor]) -> Callable:
 
             decompositions = decomposition_table()
         gm = make_fx(fn, decomposition_table=decompositions, tracing_mode="fake")(*example)
-        with merged_cpp_build() as cpp:
+        with merged_cpp_build(cpp):
             compiled = compile_fx_inner(gm, example)
-        cpp.build()
-    call = getattr(compiled, "current_callable", compiled)
-    cpp.resolve_in(call)
-    return call
+    return getattr(compiled, "current_callable", compiled)
 
 
-def _compile(kernel: Kernel, eager: Callable, example: list[torch.Tensor], *, wait: bool) -> None:
-    while wait and not _shutting_down and time.monotonic() - _last_request < QUIET_SECONDS:
-        time.sleep(0.05)
-    if _shutting_down:
-        kernel.done = True
-        return
+def _compile(jobs: list[tuple[Kernel, Callable, list[torch.Tensor]]]) -> None:
+    """Compile a batch of kernels: each is lowered by Inductor, then all of their C++ kernels build as one
+    library (one compiler run pays for parsing ATen's headers once). A kernel whose lowering fails keeps running
+    with the torch executor, and the log says so; the others are unaffected."""
+    cpp = MergedBuild()
+    lowered = []
+    for kernel, eager, example in jobs:
+        if _shutting_down:
+            kernel.done = True
+            continue
+        start = time.perf_counter()
+        try:
+            lowered.append((kernel, _lower(eager, example, cpp)))
+        except Exception as e:  # the region keeps running with the torch executor
+            _failed(kernel, e)
+        finally:
+            kernel.seconds = time.perf_counter() - start
     start = time.perf_counter()
     try:
-        fn = _inductor_compile(eager, example)
-    except Exception as e:  # the region keeps running with the torch executor, and the log says so
-        kernel.failed = True
-        if not _shutting_down:  # at interpreter exit nothing will call the region again
-            log.warning("fulmen: Inductor could not compile %s (%s: %s); it keeps running with the torch "
-                        "executor", kernel.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-    else:
-        kernel.fn = fn
+        cpp.build()
+        for kernel, call in lowered:
+            cpp.resolve_in(call)
+            kernel.fn = call
+    except Exception as e:
+        for kernel, _ in lowered:
+            _failed(kernel, e)
     finally:
-        kernel.seconds = time.perf_counter() - start
-        kernel.done = True
+        share = (time.perf_counter() - start) / max(len(lowered), 1)
+        for kernel, _ in lowered:
+            kernel.seconds += share
+        for kernel, _, _ in jobs:
+            kernel.done = True
+
+
+def _failed(kernel: Kernel, e: Exception) -> None:
+    kernel.failed = True
+    if not _shutting_down:  # at interpreter exit nothing will call the region again
+        log.warning("fulmen: Inductor could not compile %s (%s: %s); it keeps running with the torch executor",
+                    kernel.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
 
 
 def pending_compilations() -> int:

@@ -1,27 +1,33 @@
-"""One C++ build per fused region on CPU, instead of one per kernel.
+"""Building the C++ kernels of fused CPU regions in batches: one compiler run for many kernels.
 
 Inductor turns a CPU graph into several C++ kernels and builds each into its own shared library: one g++ run
-per kernel. Most of such a run is fixed cost: loading the 150 MB precompiled header of ATen's vector types
-(about 0.7 s on the 2-core CI machine), or parsing those headers when there is no precompiled header yet
-(about 3.3 s), and linking (0.2 s); the kernel itself takes a fraction of that. A GPT training step on CPU
-makes 11 kernels in 3 regions, so 11 runs, 12 s of compiler time.
+per kernel. Most of such a run is fixed cost: parsing ATen's vector headers (about 4 s on the 2-core CI
+machine), or loading them precompiled (about 0.7 s, once a 150 MB precompiled header exists: about 7 s of one
+core to build, once per machine), and linking (0.2 s); the kernel itself takes a fraction of that. A GPT
+training step on CPU makes 11 kernels in 3 regions: 11 runs, 12 s of compiler time with the header.
 
-Inside ``merged_cpp_build()``, Inductor's ``cpp_pybinding`` (the call its generated module makes for each
-kernel) only records the kernel's source and hands back a placeholder. ``build()`` then writes all of the
-region's kernels into one translation unit, each in a namespace of its own, with one Python binding per kernel,
-and builds it once through Inductor's own C++ cache (same flags, same precompiled header, same on-disk cache,
-so a second process loads the library without compiling). The placeholders in the generated module are
-replaced by the built functions, so calls go straight to C++.
+Inside ``merged_cpp_build(batch)``, Inductor's ``cpp_pybinding`` (the call its generated module makes for each
+kernel) only records the kernel's source and hands back a placeholder. The background compiler collects every
+region waiting to compile into one batch; ``build()`` then writes all of the batch's kernels into one
+translation unit, each in a namespace of its own, with one Python binding per kernel, and builds it once
+through Inductor's own C++ cache (same flags; the precompiled header once it is ready, ATen's headers parsed
+in the same run before). The placeholders in the generated modules are replaced by the built functions, so
+calls go straight to C++. A library index in Inductor's cache directory records which library holds each
+compilation's kernels, so a second process finds them, whatever batch they were built in.
 
 Anything the merge does not understand (a kernel source of an unexpected shape, a failed build) falls back to
-Inductor's own per-kernel build for that region, so the merge can make compilation faster but never change
+Inductor's own per-kernel builds for that batch, so the merge can make compilation faster but never change
 what runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
+import hashlib
+import json
 import logging
+import os
 import re
 import threading
 import time
@@ -44,7 +50,7 @@ _PARSERS = {"int64_t": "parse_int", "float": "parse_float", "uintptr_t": "parse_
 
 
 class _Pending:
-    """Stands in for one kernel in Inductor's generated module until the region's library is built."""
+    """Stands in for one kernel in Inductor's generated module until the batch's library is built."""
 
     __slots__ = ("batch", "index", "fn")
 
@@ -60,15 +66,25 @@ class _Pending:
 
 
 class MergedBuild:
-    """The C++ kernels of one Inductor compilation, built together."""
+    """The C++ kernels of one or more Inductor compilations (a batch), built together.
+
+    Each ``merged_cpp_build(batch)`` block adds a group: the kernels of one compilation. The library index
+    records, for each group's kernels, the library and functions that hold them, so a later process finds a
+    region's kernels whatever batch they were built in.
+    """
 
     def __init__(self):
         self.kernels: list[tuple[list[str], str]] = []  # (argument types, source)
         self.pending: list[_Pending] = []
+        self.groups: list[list[int]] = []  # kernel indices, one list per compilation
         self.built = False
-        self.merged = False  # whether the kernels run from one library (False: Inductor's per-kernel builds)
+        self.merged = False  # whether the kernels run from merged libraries (False: Inductor's per-kernel builds)
+        self.compiled = 0  # kernels this build compiled (the others came from the library index)
 
     def add(self, argtypes: list[str], source: str) -> _Pending:
+        if not self.groups:
+            self.groups.append([])
+        self.groups[-1].append(len(self.kernels))
         self.kernels.append((list(argtypes), source))
         self.pending.append(_Pending(self, len(self.pending)))
         return self.pending[-1]
@@ -80,24 +96,49 @@ class MergedBuild:
         self.built = True
         if not self.kernels:
             return
-        from torch._inductor.async_compile import AsyncCompile
-        from torch._inductor.codecache import CppPythonBindingsCodeCache
-
         start = time.perf_counter()
         try:
-            source = merged_source(self.kernels)
-            module = CppPythonBindingsCodeCache.load_async(source, "cpu")()
-            for p in self.pending:
-                p.fn = getattr(module, f"kernel_{p.index}")
+            self._build_merged()
             self.merged = True
-            log.debug("fulmen: built %d C++ kernels as one library in %.2f s", len(self.kernels),
-                      time.perf_counter() - start)
+            log.debug("fulmen: %d C++ kernels of %d compilations ready in %.2f s (%d compiled as one library)",
+                      len(self.kernels), len(self.groups), time.perf_counter() - start, self.compiled)
         except Exception as e:  # Inductor's own builds, one per kernel
             log.info("fulmen: building %d C++ kernels one by one (%s: %s)", len(self.kernels), type(e).__name__,
                      str(e).splitlines()[0] if str(e) else "")
+            from torch._inductor.async_compile import AsyncCompile
+
             for p, (argtypes, src) in zip(self.pending, self.kernels):
-                fn = _original_cpp_pybinding(AsyncCompile(), argtypes, src)
-                p.fn = fn.result() if hasattr(fn, "result") else fn
+                if p.fn is None:
+                    fn = _original_cpp_pybinding(AsyncCompile(), argtypes, src)
+                    p.fn = fn.result() if hasattr(fn, "result") else fn
+
+    def _build_merged(self) -> None:
+        from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+        groups = [g for g in self.groups if g]
+        keys = [_group_key([self.kernels[i] for i in g]) for g in groups]
+        missing = []
+        for group, key in zip(groups, keys):
+            found = _index_lookup(key)
+            if found is None or len(found) != len(group):
+                missing.append((group, key))
+                continue
+            for i, fn in zip(group, found):
+                self.pending[i].fn = fn
+        if not missing:
+            return
+        order = [i for group, _ in missing for i in group]
+        # with the precompiled header when it is ready; otherwise parsing the headers beats waiting for it
+        cache = CppPythonBindingsCodeCache if _header_ready else _code_cache_without_header()
+        module = cache.load_async(merged_source([self.kernels[i] for i in order]), "cpu")()
+        self.compiled = len(order)
+        _loaded[module.__file__] = module
+        position = {i: n for n, i in enumerate(order)}
+        for group, key in missing:
+            names = [f"kernel_{position[i]}" for i in group]
+            for i, name in zip(group, names):
+                self.pending[i].fn = getattr(module, name)
+            _index_write(key, module.__file__, names)
 
     def resolve_in(self, fn: Any) -> None:
         """Replace the placeholders among ``fn``'s module globals by the built functions (no indirection left)."""
@@ -107,6 +148,90 @@ class MergedBuild:
         for name, value in list(scope.items()):
             if isinstance(value, _Pending) and value.batch is self and value.fn is not None:
                 scope[name] = value.fn
+
+
+# ---- the library index: which built library holds a compilation's kernels ----
+
+#: Bumped when the generated binding code changes, so libraries with the old bindings are not reused.
+_BINDING_VERSION = 1
+_fingerprint: str | None = None
+_loaded: dict[str, Any] = {}  # library path -> module
+
+
+def _build_fingerprint() -> str:
+    """What, besides the source, decides a kernel library's machine code: torch's version, the compiler, and
+    the command line Inductor builds CPU kernels with (flags, vector instructions, include paths)."""
+    global _fingerprint
+    if _fingerprint is None:
+        from torch._inductor.codecache import CppPythonBindingsCodeCache, get_compiler_version_info
+        from torch._inductor.cpp_builder import CppBuilder, CppTorchDeviceOptions
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        options = CppTorchDeviceOptions(vec_isa=pick_vec_isa(), device_type="cpu",
+                                        **CppPythonBindingsCodeCache.cpp_compile_command_flags)
+        command = CppBuilder(name="o", sources="i", BuildOption=options).get_command_line()
+        _fingerprint = "\n".join([torch_version(), str(_BINDING_VERSION), command,
+                                   get_compiler_version_info(options.get_compiler())])
+    return _fingerprint
+
+
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def _group_key(kernels: list[tuple[list[str], str]]) -> str:
+    text = _build_fingerprint() + "\n" + "\n".join(f"{argtypes}\n{source}" for argtypes, source in kernels)
+    return hashlib.sha256(text.encode()).hexdigest()[:40]
+
+
+def _index_dir() -> str:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return os.path.join(cache_dir(), "fulmen_kernels")
+
+
+def _index_lookup(key: str) -> list | None:
+    """The functions holding a compilation's kernels, from a library built earlier; ``None`` if there is none."""
+    try:
+        with open(os.path.join(_index_dir(), key + ".json")) as f:
+            entry = json.load(f)
+        path, names = entry["library"], entry["functions"]
+        module = _loaded.get(path) or _load_library(path)
+        return [getattr(module, name) for name in names]
+    except (OSError, ValueError, KeyError, ImportError, AttributeError):
+        return None
+
+
+def _index_write(key: str, path: str, names: list[str]) -> None:
+    try:
+        directory = _index_dir()
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".{key}.{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            json.dump({"library": path, "functions": names}, f)
+        os.replace(tmp, os.path.join(directory, key + ".json"))  # atomic: readers see the old entry or the new
+    except OSError as e:  # an optimization only: a later process builds the kernels again
+        log.info("fulmen: could not record the kernel library %s (%s)", path, e)
+
+
+def _load_library(path: str) -> Any:
+    import importlib.util
+
+    import torch
+
+    # the bindings read tensors' data pointers through this function of torch's, as Inductor's own do
+    os.environ["_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"] = str(
+        torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr)
+    name = "fulmen_kernels_" + hashlib.sha256(path.encode()).hexdigest()[:16] + ".kernel"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    _loaded[path] = module
+    return module
 
 
 def merged_source(kernels: list[tuple[list[str], str]]) -> str:
@@ -243,16 +368,22 @@ _HEADER_PROBE = """#include <torch/csrc/inductor/cpp_prefix.h>
 extern "C" void kernel(float* out_ptr0) { at::vec::Vectorized<float>(0.0f).store(out_ptr0); }
 """
 _header_started = False
+#: Whether the header is built: C++ builds use it from then on, and parse the headers themselves before.
+_header_ready = False
 
 
 def prefetch_header() -> None:
-    """Start building Inductor's precompiled header (about 7 s on 2 cores, once per machine) on a thread now,
-    so that the first region's tracing and lowering run beside it instead of before it.
+    """Start Inductor's precompiled header on a thread of its own: a check (about 0.5 s) where it is built
+    already, a build (about 7 s of one core, once per machine and compiler flags) where it is not.
+
+    Until the header is ready, C++ builds parse ATen's headers themselves (about 4 s per build) instead of
+    waiting for it: a first build of the header is worth it for later builds and later processes, not for the
+    one at hand. It runs at the lowest CPU priority, so it takes only the time the user's program and the
+    compilation leave idle.
 
     Call it in the compiling thread with Inductor's configuration in place: the vector instructions are picked
     here, so the thread builds exactly the header the kernels will use. The thread only asks Inductor's C++ cache
-    for the probe's build command, which precompiles the header (a no-op when it exists) and compiles nothing
-    else; the first kernel build waits on Inductor's file lock for the header instead of building it again.
+    for a probe's build command, which precompiles the header (a no-op when it exists) and compiles nothing else.
     """
     global _header_started
     with _lock:
@@ -263,7 +394,7 @@ def prefetch_header() -> None:
         with compiler_import_lock:  # everything the thread uses, imported here (not two threads importing at once)
             import torch.utils._filelock  # noqa: F401
             from torch._inductor import config
-            from torch._inductor.codecache import CppPythonBindingsCodeCache
+            from torch._inductor.codecache import _HEADER_DIR, CppPythonBindingsCodeCache
             from torch._inductor.cpu_vec_isa import pick_vec_isa
 
         if not config.cpp_cache_precompile_headers:
@@ -274,8 +405,12 @@ def prefetch_header() -> None:
         return
 
     def build():
+        global _header_ready
+        if not glob.glob(os.path.join(_HEADER_DIR, "*.gch")):
+            _lower_priority()  # a first build on this machine: it must not slow the user's program or compiling
         try:
             CppPythonBindingsCodeCache.load_async(_HEADER_PROBE, "cpu")
+            _header_ready = True
         except Exception as e:
             log.info("fulmen: prefetching Inductor's precompiled header failed (%s: %s)", type(e).__name__, e)
 
@@ -283,14 +418,47 @@ def prefetch_header() -> None:
     threading.Thread(target=build, name="fulmen-precompiled-header").start()
 
 
+def _lower_priority() -> None:
+    """Give this thread, and the compiler processes it starts, the lowest CPU priority (Linux: per thread)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
+
+
+_without_header = None
+
+
+def _code_cache_without_header():
+    """Inductor's C++ cache for Python-bound libraries, building without the precompiled header (same flags,
+    same on-disk cache: the header changes how long a build takes, not what it makes)."""
+    global _without_header
+    if _without_header is None:
+        from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+        class WithoutHeader(CppPythonBindingsCodeCache):
+            cache: dict = {}
+
+            @classmethod
+            def _get_uncompiled_header(cls, device: str) -> None:
+                return None
+
+        _without_header = WithoutHeader
+    return _without_header
+
+
 @contextlib.contextmanager
-def merged_cpp_build():
-    """Collect the CPU kernels Inductor asks for in this thread; the caller builds them with ``build()``."""
+def merged_cpp_build(batch: MergedBuild | None = None):
+    """Collect the CPU kernels Inductor asks for in this thread into ``batch`` (a new one if ``None``), as one
+    group; the caller builds the batch with ``build()``."""
     _install()
-    batch = MergedBuild()
+    batch = MergedBuild() if batch is None else batch
+    batch.groups.append([])
     previous = getattr(_state, "batch", None)
     _state.batch = batch
     try:
         yield batch
     finally:
         _state.batch = previous
+
+
