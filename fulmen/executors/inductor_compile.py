@@ -102,25 +102,18 @@ def _submit(job: tuple) -> None:
 
 def _work() -> None:
     while True:
-        job = _jobs.get()
-        while job is not None and not _shutting_down and time.monotonic() - _last_request < QUIET_SECONDS:
+        jobs = [_jobs.get()]
+        while jobs[0] is not None and not _shutting_down and time.monotonic() - _last_request < QUIET_SECONDS:
             time.sleep(0.05)
-        jobs = [job]
-        while jobs[-1] is not None:  # everything queued by now compiles as one batch
-            try:
+        with contextlib.suppress(queue.Empty):
+            while True:  # everything queued by now compiles as one batch
                 jobs.append(_jobs.get_nowait())
-            except queue.Empty:
-                break
-        stop = jobs[-1] is None or _shutting_down
-        jobs = [j for j in jobs if j is not None]
-        if stop:
-            for kernel, _, _ in jobs:
-                kernel.done = True
+        _compile([j for j in jobs if j is not None])  # at exit (a None was queued) it only marks them done
+        if _shutting_down:
             return
-        _compile(jobs)
         # The example inputs are real allocations (device memory on a GPU): dropped now, not when the next job
         # arrives, which may be never.
-        job = jobs = None
+        jobs = None
 
 
 def _stop_compiling() -> None:

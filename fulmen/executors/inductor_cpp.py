@@ -82,9 +82,7 @@ class MergedBuild:
         self.compiled = 0  # kernels this build compiled (the others came from the library index)
 
     def add(self, argtypes: list[str], source: str) -> _Pending:
-        if not self.groups:
-            self.groups.append([])
-        self.groups[-1].append(len(self.kernels))
+        self.groups[-1].append(len(self.kernels))  # the group of the enclosing merged_cpp_build() block
         self.kernels.append((list(argtypes), source))
         self.pending.append(_Pending(self, len(self.pending)))
         return self.pending[-1]
@@ -163,6 +161,7 @@ def _build_fingerprint() -> str:
     the command line Inductor builds CPU kernels with (flags, vector instructions, include paths)."""
     global _fingerprint
     if _fingerprint is None:
+        import torch
         from torch._inductor.codecache import CppPythonBindingsCodeCache, get_compiler_version_info
         from torch._inductor.cpp_builder import CppBuilder, CppTorchDeviceOptions
         from torch._inductor.cpu_vec_isa import pick_vec_isa
@@ -170,15 +169,9 @@ def _build_fingerprint() -> str:
         options = CppTorchDeviceOptions(vec_isa=pick_vec_isa(), device_type="cpu",
                                         **CppPythonBindingsCodeCache.cpp_compile_command_flags)
         command = CppBuilder(name="o", sources="i", BuildOption=options).get_command_line()
-        _fingerprint = "\n".join([torch_version(), str(_BINDING_VERSION), command,
+        _fingerprint = "\n".join([torch.__version__, str(_BINDING_VERSION), command,
                                    get_compiler_version_info(options.get_compiler())])
     return _fingerprint
-
-
-def torch_version() -> str:
-    import torch
-
-    return torch.__version__
 
 
 def _group_key(kernels: list[tuple[list[str], str]]) -> str:
@@ -460,5 +453,3 @@ def merged_cpp_build(batch: MergedBuild | None = None):
         yield batch
     finally:
         _state.batch = previous
-
-
