@@ -44,19 +44,17 @@ times = {p: [] for p in phases}
 faults = {p: [] for p in phases}
 
 def step(record):
-    marks = [(time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt)]
-    optimizer.zero_grad(set_to_none=True)
-    marks.append((time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt))
-    _, loss = run(*inputs)
-    marks.append((time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt))
-    loss.backward()
-    marks.append((time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt))
-    optimizer.step()
-    marks.append((time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt))
-    if record:
-        for p, (t0, f0), (t1, f1) in zip(phases, marks, marks[1:]):
-            times[p].append((t1 - t0) * 1e3)
-            faults[p].append(f1 - f0)
+    outputs = None  # (logits, loss), both alive until the step ends, as in fulmen bench's step
+    def forward():
+        nonlocal outputs
+        outputs = run(*inputs)
+    actions = (lambda: optimizer.zero_grad(set_to_none=True), forward, lambda: outputs[1].backward(), optimizer.step)
+    for phase, action in zip(phases, actions):
+        t0, f0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        action()
+        if record:
+            times[phase].append((time.perf_counter() - t0) * 1e3)
+            faults[phase].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
 
 for _ in range(warmup):
     step(False)

@@ -441,11 +441,10 @@ def _code_cache_without_header():
 
 
 @contextlib.contextmanager
-def merged_cpp_build(batch: MergedBuild | None = None):
-    """Collect the CPU kernels Inductor asks for in this thread into ``batch`` (a new one if ``None``), as one
-    group; the caller builds the batch with ``build()``."""
+def merged_cpp_build(batch: MergedBuild):
+    """Collect the CPU kernels Inductor asks for in this thread into ``batch``, as one group; the caller builds
+    the batch with ``build()``."""
     _install()
-    batch = MergedBuild() if batch is None else batch
     batch.groups.append([])
     previous = getattr(_state, "batch", None)
     _state.batch = batch
