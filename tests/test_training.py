@@ -300,3 +300,62 @@ def test_closure_tensors_get_gradients_and_untouched_inputs_come_back_as_is():
     loss.backward()
     expected = torch.autograd.grad((x * w).sin().sum(), w)[0]
     torch.testing.assert_close(w.grad, expected)
+
+
+class _TiedLM(nn.Module):
+    """Token embedding shared with the output projection, as GPT-2 ties them."""
+
+    def __init__(self, vocab=50, dim=16, padding_idx=None):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim, padding_idx=padding_idx)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, idx, targets):
+        logits = F.linear(self.norm(self.wte(idx)), self.wte.weight)
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_tied_embedding_gradient_is_added_in_place(padding_idx, monkeypatch):
+    torch.manual_seed(0)
+    model = _TiedLM(padding_idx=padding_idx)
+    reference = copy.deepcopy(model)
+    idx = torch.randint(0, 50, (4, 12))
+    idx[0, :4] = 3  # repeated tokens, and the padding token when there is one
+    targets = torch.randint(0, 50, (4, 12))
+    added = []
+    original = torch.Tensor.index_add_
+    monkeypatch.setattr(torch.Tensor, "index_add_", lambda t, *a: added.append(t.data_ptr()) or original(t, *a))
+    jitted = fulmen.jit(model, executors=[])
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        jitted(idx, targets).backward()
+        reference(idx, targets).backward()
+        _assert_grads_match(model, reference, step)
+    assert "embedding_grad_add_" in str(fulmen.last_backward_traces(jitted)[-1])
+    # one index_add_ a step, into the buffer that becomes the weight's .grad (the other gradient's, no new one)
+    assert len(added) == 2 and added[-1] == model.wte.weight.grad.data_ptr()
+
+
+def test_embedding_grad_add_never_writes_a_buffer_it_does_not_own():
+    from fulmen.transforms.accumulate import _embedding_grad_add
+
+    grad, idx = torch.randn(3, 5, 4), torch.tensor([[0, 2, 2, 7, 1], [7, 7, 0, 3, 2], [1, 1, 1, 1, 9]])
+    expected = lambda acc: acc + torch.ops.aten.embedding_dense_backward(grad, idx, 10, 1, False)  # noqa: E731
+    acc = torch.randn(10, 4)
+    before = acc.clone()
+    # another name for it, a view of it, and autograd recording: each time a new tensor, acc as it was
+    for hold in (lambda t: [t], lambda t: t[2:], lambda t: t.detach()):
+        held = hold(acc)
+        with torch.no_grad():
+            out = _embedding_grad_add(acc, grad, idx, 1)
+        assert out is not acc and torch.equal(acc, before)
+        torch.testing.assert_close(out, expected(acc))
+        del held
+    out = _embedding_grad_add(acc, grad, idx, 1)  # grad mode on
+    assert out is not acc and torch.equal(acc, before)
+    with torch.no_grad():  # owned outright: written in place, skipping the padding token
+        out = _embedding_grad_add(acc, grad, idx, 1)
+    assert out is acc
+    torch.testing.assert_close(out, expected(before))

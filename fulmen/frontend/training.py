@@ -28,6 +28,7 @@ from fulmen.executors.base import Executor
 from fulmen.executors.inductor_compile import compile_mode, compile_mode_set
 from fulmen.frontend.compile import CompiledProgram, compile_inference, execution_pipeline
 from fulmen.frontend.cudagraphs import GraphedProgram, graphed
+from fulmen.transforms.accumulate import accumulate_embedding_grads
 from fulmen.transforms.split import ForwardBackward, split_forward_backward
 
 
@@ -74,7 +75,7 @@ class _Runtime:
         everything = (True,) * len(self.differentiable)
         try:
             start = time.perf_counter()
-            trace = self.fb.backward_trace(present)
+            trace = accumulate_embedding_grads(self.fb.backward_trace(present))
             self.timings["backward_split"] = self.timings.get("backward_split", 0.0) + (
                 time.perf_counter() - start) * 1e3
             timings: dict[str, float] = {}
