@@ -221,18 +221,6 @@ fused_linear_ce_ex.register_implementation(FUSED_ID, checker=_checker, execution
 # ---------------------------------------------------------------------------------------------------------
 # the trace transform
 
-def _uses(trace: Trace) -> dict[str, int]:
-    from fulmen.core.codeutils import outputs_of
-
-    counts: dict[str, int] = {}
-    for b in trace.bound_symbols:
-        for p in b.flat_args:
-            counts[p.name] = counts.get(p.name, 0) + 1
-    for p in outputs_of(trace.output):
-        counts[p.name] = counts.get(p.name, 0) + 1000  # returned values must stay
-    return counts
-
-
 def _match(bsym: BoundSymbol, producers: dict[str, BoundSymbol], uses: dict[str, int]) -> list[BoundSymbol] | None:
     """``[linear, (reshape,)] `` feeding this cross_entropy with no other use of what they compute."""
     from fulmen.transforms.linearize import bind_arguments
@@ -274,8 +262,9 @@ def fuse_linear_cross_entropy(trace: Trace) -> Trace:
     """Replace each ``linear`` (+ flattening reshape) + ``cross_entropy`` whose logits are used nowhere else by one
     ``fused_linear_cross_entropy`` symbol (the pair stays as its decomposition)."""
     from fulmen.transforms.linearize import bind_arguments
+    from fulmen.transforms.passes import use_counts
 
-    uses = _uses(trace)
+    uses = use_counts(trace)
     producers = {p.name: b for b in trace.bound_symbols for p in b.flat_proxy_outs}
     replaced: dict[int, BoundSymbol | None] = {}
     for b in trace.bound_symbols:

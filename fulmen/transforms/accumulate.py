@@ -27,28 +27,29 @@ import sys
 import torch
 
 import fulmen.torch as ltorch
-from fulmen.core.codeutils import outputs_of
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol
 from fulmen.core.trace import Trace
 from fulmen.transforms.grad_rules import embedding_dense_backward, executable_symbol
+from fulmen.transforms.passes import use_counts
 
 #: Python references to the buffer seen from ``_owned``: the generated code's variable, ``_embedding_grad_add``'s
 #: parameter and ``_owned``'s own (``sys.getrefcount``'s argument is not counted).
 _OWNED_REFS = 3
 
 
-def _owned(t: torch.Tensor, refs: int) -> bool:
-    """Whether ``t`` may be written in place: one TensorImpl owns its storage (``untyped_storage()`` adds a
-    reference of its own), nothing in C++ holds the TensorImpl, and exactly the expected Python references hold
-    it (an interpreter that counts references differently gets the out-of-place path, never a wrong one)."""
-    return (t._base is None and t._use_count() == 1 and sys.getrefcount(t) - 1 == refs
+def _owned(t: torch.Tensor) -> bool:
+    """Whether ``t`` may be written in place: one TensorImpl owns its storage (so ``t`` is no view and has none;
+    ``untyped_storage()`` adds a reference of its own), nothing in C++ holds the TensorImpl, and exactly the
+    expected Python references hold it (an interpreter that counts references differently gets the out-of-place
+    path, never a wrong one)."""
+    return (t._use_count() == 1 and sys.getrefcount(t) - 1 == _OWNED_REFS
             and torch._C._storage_Use_Count(t.untyped_storage()._cdata) == 2)
 
 
 def _embedding_grad_add(acc: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, padding_idx: int
                         ) -> torch.Tensor:
-    if torch.is_grad_enabled() or not _owned(acc, _OWNED_REFS):
+    if torch.is_grad_enabled() or not _owned(acc):
         rows = torch.ops.aten.embedding_dense_backward(grad, indices, acc.shape[0], padding_idx, False)
         return torch.add(acc, rows)
     flat_indices = indices.reshape(-1)
@@ -67,7 +68,7 @@ embedding_grad_add = executable_symbol("embedding_grad_add_", _embedding_grad_ad
 
 
 def _rewritable(acc: TensorProxy, rows: TensorProxy, producer: BoundSymbol) -> bool:
-    g, idx, n, padding_idx, scale = producer.args
+    padding_idx, scale = producer.args[3:]
     return (not scale and isinstance(padding_idx, int) and isinstance(acc, TensorProxy)
             and acc.device.type == "cpu" and acc.dtype in (torch.float32, torch.float64)
             and rows.dtype == acc.dtype and str(rows.device) == str(acc.device)
@@ -78,15 +79,8 @@ def accumulate_embedding_grads(trace: Trace) -> Trace:
     """``add(other_grad, embedding_dense_backward(...))`` -> ``embedding_grad_add_`` where the sum is the only
     reader of both operands and ``other_grad`` is computed in this trace (see the module docstring)."""
     bsyms = trace.bound_symbols
-    producer: dict[str, BoundSymbol] = {}
-    uses: dict[str, int] = {}
-    for b in bsyms:
-        for p in b.flat_args:
-            uses[p.name] = uses.get(p.name, 0) + 1
-        for p in b.flat_proxy_outs:
-            producer.setdefault(p.name, b)
-    for p in outputs_of(trace.output):
-        uses[p.name] = uses.get(p.name, 0) + 1
+    producer = {p.name: b for b in bsyms for p in b.flat_proxy_outs}
+    uses = use_counts(trace)
 
     replaced: dict[int, BoundSymbol | None] = {}
     for b in bsyms:
@@ -94,9 +88,8 @@ def accumulate_embedding_grads(trace: Trace) -> Trace:
             continue
         for acc, rows in (b.args, b.args[::-1]):
             made = producer.get(getattr(rows, "name", None))
-            acc_made = producer.get(getattr(acc, "name", None))
-            if (made is None or made.sym is not embedding_dense_backward or acc_made is None
-                    or acc_made is made or uses.get(acc.name) != 1 or uses.get(rows.name) != 1
+            if (made is None or made.sym is not embedding_dense_backward or getattr(acc, "name", None) not in producer
+                    or uses.get(acc.name) != 1 or uses.get(rows.name) != 1
                     or id(made) in replaced or not _rewritable(acc, rows, made)):
                 continue
             g, idx, _, padding_idx, _ = made.args

@@ -17,6 +17,17 @@ def _keeps(bsym: BoundSymbol) -> bool:
     return OpTags.SIDE_EFFECT in tags or OpTags.DONT_DCE in tags
 
 
+def use_counts(trace: Trace) -> dict[str, int]:
+    """How many times each value is read: as an argument of a bound symbol, or by being returned."""
+    counts: dict[str, int] = {}
+    for b in trace.bound_symbols:
+        for p in b.flat_args:
+            counts[p.name] = counts.get(p.name, 0) + 1
+    for p in outputs_of(trace.output):
+        counts[p.name] = counts.get(p.name, 0) + 1
+    return counts
+
+
 def dce(trace: Trace, *, provenance: str = "Dead Code Elimination") -> Trace:
     """Drop bound symbols none of whose outputs are needed (side effects are always kept)."""
     needed = {p.name for p in outputs_of(trace.output)}
