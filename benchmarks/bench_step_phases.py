@@ -1,6 +1,7 @@
 """Where a training step's time goes, phase by phase, for eager and fulmen, each in its own process.
 
-A step is ``zero_grad``, forward, ``loss.backward()`` and ``AdamW.step()``, as in ``fulmen bench --mode train``.
+A step is ``zero_grad``, forward, ``loss.backward()`` and the optimizer's step, as in ``fulmen bench --mode train``
+(the same ``--optimizer`` choices, fused AdamW by default).
 Each backend runs in a fresh Python process (``compile="sync"``, so every region is compiled before timing)
 and times each phase of every step, counting the minor page faults each phase takes (``getrusage``). The
 processes take turns, eager then fulmen, for ``--rounds`` rounds; figures are medians over a process's steps,
@@ -31,13 +32,14 @@ _CHILD = r"""
 import json, resource, statistics, sys, time
 import torch, fulmen
 from fulmen.bench.models import build_any
+from fulmen.bench.runner import OPTIMIZERS
 
-backend, model_name = sys.argv[1], sys.argv[2]
-batch, warmup, steps = (int(a) for a in sys.argv[3:6])
+backend, model_name, optimizer_name = sys.argv[1:4]
+batch, warmup, steps = (int(a) for a in sys.argv[4:7])
 model, make_inputs = build_any(model_name, seed=0)
 model.train(True)
 inputs = make_inputs(batch, targets=True)
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+optimizer = OPTIMIZERS[optimizer_name](model.parameters())
 run = model if backend == "eager" else fulmen.jit(model, compile="sync")
 phases = ("zero_grad", "forward", "backward", "optimizer")
 times = {p: [] for p in phases}
@@ -71,7 +73,8 @@ print("FULMEN_PHASES_ROW " + json.dumps(row))
 def run_once(backend: str, args) -> dict:
     env = dict(os.environ)
     env.pop("FULMEN_COMPILE", None)
-    cmd = [sys.executable, "-c", _CHILD, backend, args.model, str(args.batch_size), str(args.warmup), str(args.steps)]
+    cmd = [sys.executable, "-c", _CHILD, backend, args.model, args.optimizer,
+           str(args.batch_size), str(args.warmup), str(args.steps)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
     for line in done.stdout.splitlines():
         if line.startswith("FULMEN_PHASES_ROW "):
@@ -83,6 +86,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt-small")
     parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--optimizer", default="adamw-fused", help="a key of fulmen.bench.runner.OPTIMIZERS")
     parser.add_argument("--rounds", type=int, default=3, help="processes per backend, taken in turns")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=40, help="timed steps per process")
@@ -104,8 +108,8 @@ def main() -> None:
             values.append(row)
         return statistics.median(values)
 
-    print(f"{args.model} train, batch {args.batch_size}: medians over {args.rounds} processes per backend, "
-          f"{args.steps} steps each (ms, and page faults per step)")
+    print(f"{args.model} train, batch {args.batch_size}, {args.optimizer}: medians over {args.rounds} processes per "
+          f"backend, {args.steps} steps each (ms, and page faults per step)")
     header = f"{'backend':8s}" + "".join(f"{p:>20s}" for p in PHASES) + f"{'step':>20s}{'x eager':>9s}"
     print(header)
     eager_ms = med("eager", "step_ms")

@@ -276,7 +276,22 @@ def test_cli_bench_table_and_json_file(tmp_path, capsys):
     header = out.splitlines()[0].split()
     assert header[:4] == ["model", "mode", "backend", "median"]
     assert "mlp-tiny" in out and "train" in out
-    assert json.loads(path.read_text())["rows"][0]["backend"] == "eager"
+    assert "the same adamw-fused optimizer step" in out
+    payload = json.loads(path.read_text())
+    assert payload["rows"][0]["backend"] == "eager" and payload["rows"][0]["optimizer"] == "adamw-fused"
+    assert payload["environment"]["optimizer"] == "adamw-fused"
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw-foreach", "sgd"])
+def test_runner_train_step_takes_the_chosen_optimizer(name):
+    """Every optimizer choice builds, steps, and leaves fulmen's second loss (after one optimizer step) equal to
+    eager's; the row says which optimizer ran."""
+    row = run_benchmark(BenchConfig(model="mlp-tiny", mode="train", backend="fulmen", steps=2, warmup=1,
+                                    optimizer=name))
+    assert row.error is None, row.error
+    assert row.optimizer == name and row.max_diff <= 1e-5
+    with pytest.raises(ValueError, match="unknown optimizer 'adam'"):
+        BenchConfig(model="mlp-tiny", optimizer="adam").validate()
 
 
 def test_format_table_aligns_columns():
@@ -295,6 +310,7 @@ def test_format_table_aligns_columns():
     (["bench", "--model", "gpt-huge"], "unknown model 'gpt-huge'"),
     (["bench", "--backends", "eager,tvm"], "unknown backend 'tvm'"),
     (["bench", "--steps", "0"], "expected a positive integer"),
+    (["bench", "--optimizer", "adam"], "invalid choice"),
     (["bench", "--mode", "sideways"], "invalid choice"),
     (["bench", "--device", "tpu"], "--device"),
     (["bench", "--warm-cache"], "--warm-cache only applies with --isolate"),

@@ -29,6 +29,7 @@ from fulmen.bench.runner import (
     BACKENDS,
     DTYPES,
     MODES,
+    OPTIMIZERS,
     BenchConfig,
     BenchRow,
     add_speedups,
@@ -179,10 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", type=_csv(models, "model"), default=["gpt-small", "llama-small", "mlp"],
                        help=f"comma-separated models (default: gpt-small,llama-small,mlp; all: {','.join(models)})")
     bench.add_argument("--mode", choices=[*MODES, "both"], default="both",
-                       help="inference (forward, no grad), train (forward, backward, AdamW step) or both")
+                       help="inference (forward, no grad), train (forward, backward, optimizer step) or both")
     bench.add_argument("--backends", type=_csv(list(BACKENDS), "backend"), default=DEFAULT_BACKENDS.split(","),
                        help=f"comma-separated backends (default: {DEFAULT_BACKENDS}; available: "
                             f"{','.join(BACKENDS)}); torch.compile takes tens of seconds per model on a CPU")
+    bench.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw-fused",
+                       help="the optimizer of a training step, the same under every backend (default adamw-fused, "
+                            "PyTorch's fastest AdamW; adamw: what torch.optim.AdamW picks by itself, a for-loop "
+                            "on CPU)")
     bench.add_argument("--steps", type=_positive, default=20, help="timed steps (default 20)")
     bench.add_argument("--warmup", type=_non_negative, default=3,
                        help="untimed steps after the first (default 3; the second always runs, and its result is "
@@ -269,7 +274,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     config = BenchConfig(model=model, mode=mode, backend=backend, steps=args.steps,
                                          warmup=args.warmup, batch_size=args.batch_size, device=args.device,
                                          dtype=args.dtype, isolate=args.isolate, warm_cache=args.warm_cache,
-                                         threads=args.threads)
+                                         threads=args.threads, optimizer=args.optimizer)
                     row = run_benchmark(config, progress.run(label), verbose=args.verbose)
                     progress.finish(label, row)
                     runs[backend].append(row)
@@ -284,6 +289,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         note = "first-result times from a fresh process per measurement"
     else:
         note = f"every figure the median of {repeat} fresh processes per row"
+    if "train" in modes:
+        note += f"; every backend's training step ends with the same {args.optimizer} optimizer step"
     print(f"\n{_environment_line(args.device)}; {note}.", file=table_stream)
     if args.json:
         payload = {"environment": _environment(args), "rows": [r.to_dict() for r in rows]}
@@ -317,7 +324,8 @@ def _environment(args: argparse.Namespace) -> dict:
     env = {"fulmen": fulmen.__version__, "torch": torch.__version__, "python": sys.version.split()[0],
            "device": args.device, "dtype": args.dtype, "cpu_threads": torch.get_num_threads(),
            "isolate": bool(args.isolate), "repeat": args.repeat, "batch_size": args.batch_size, "steps": args.steps,
-           "warmup": args.warmup, "cpu_count": os.cpu_count(), "load_average_1min": _load_average()}
+           "warmup": args.warmup, "optimizer": args.optimizer, "cpu_count": os.cpu_count(),
+           "load_average_1min": _load_average()}
     if args.device.startswith("cuda"):
         env["gpu"] = torch.cuda.get_device_name()
     return env

@@ -9,7 +9,8 @@ What each number means:
   between processes and over minutes.
 - ``median_ms``: median wall time of ``steps`` timed steps after warm-up (``time.perf_counter``, with
   ``torch.cuda.synchronize()`` around each step on CUDA). A step is one forward under ``torch.no_grad()``
-  (inference) or forward + ``loss.backward()`` + ``AdamW.step()`` (train).
+  (inference) or ``zero_grad`` + forward + ``loss.backward()`` + ``optimizer.step()`` (train), with the
+  optimizer ``OPTIMIZERS[optimizer]`` builds (every backend gets the same one; see ``OPTIMIZERS``).
 - ``first_result_s``: wall time of the very first step, compilation included, from a fresh wrapper. Without
   isolation the process may already hold warm caches (``torch.compile`` keeps Inductor's in-memory and
   on-disk caches across models even after ``torch._dynamo.reset()``; CPU kernels and allocators are warm).
@@ -50,6 +51,18 @@ from fulmen.bench.models import build_any, model_names
 MODES = ("inference", "train")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+#: The optimizers a training step can take. The optimizer step is the same code under every backend (neither
+#: fulmen nor ``torch.compile`` compiles it), so a slow one adds the same milliseconds to every step and pulls
+#: every speed-up towards 1. The default is PyTorch's fused AdamW, its fastest implementation on CPU and CUDA
+#: (gpt-small on 2 CPU cores: 5.4 ms a step against 13.5 ms for the for-loop that ``AdamW()`` picks on CPU);
+#: ``adamw`` is what ``torch.optim.AdamW(params)`` picks by itself (a for-loop on CPU, ``foreach`` on CUDA).
+OPTIMIZERS: dict[str, Callable] = {
+    "adamw-fused": lambda params: torch.optim.AdamW(params, lr=1e-4, fused=True),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-4),
+    "adamw-foreach": lambda params: torch.optim.AdamW(params, lr=1e-4, foreach=True),
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
+}
+
 #: How long the runner keeps stepping while a background-compiling backend still reports pending work.
 MAX_BACKGROUND_WAIT_S = 600.0
 
@@ -74,6 +87,7 @@ class BenchConfig:
     isolate: bool = False
     warm_cache: bool = False
     threads: int | None = None  # torch.set_num_threads for the measurement (None: leave as is)
+    optimizer: str = "adamw-fused"  # a key of OPTIMIZERS; train mode only
 
     def validate(self) -> None:
         if self.model not in model_names():
@@ -84,6 +98,8 @@ class BenchConfig:
             raise ValueError(f"unknown backend {self.backend!r}; available: {', '.join(BACKENDS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; use one of {', '.join(DTYPES)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
         if self.steps < 1 or self.warmup < 0 or self.batch_size < 1:
             raise ValueError(f"steps and batch size must be positive and warmup non-negative, got steps={self.steps}, "
                              f"warmup={self.warmup}, batch_size={self.batch_size}")
@@ -98,6 +114,7 @@ class BenchRow:
     dtype: str
     batch_size: int
     steps: int
+    optimizer: str | None = None  # train mode: the key of OPTIMIZERS every step used
     median_ms: float | None = None
     min_ms: float | None = None
     eager_median_ms: float | None = None  # eager's median over steps interleaved with this backend's
@@ -234,7 +251,7 @@ def _setup(config: BenchConfig):
     train = config.mode == "train"
     model.train(train)
     inputs = make_inputs(config.batch_size, targets=train)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4) if train else None
+    optimizer = OPTIMIZERS[config.optimizer](model.parameters()) if train else None
     return device, model, inputs, optimizer
 
 
@@ -337,7 +354,8 @@ def run_benchmark(config: BenchConfig, progress: Progress = _no_progress, *, ver
     if config.isolate:
         return _run_isolated(config, progress)
     row = BenchRow(model=config.model, mode=config.mode, backend=config.backend, device=config.device,
-                   dtype=config.dtype, batch_size=config.batch_size, steps=config.steps)
+                   dtype=config.dtype, batch_size=config.batch_size, steps=config.steps,
+                   optimizer=config.optimizer if config.mode == "train" else None)
     try:
         _measure(config, row, progress)
     except KeyboardInterrupt:
@@ -421,6 +439,7 @@ def _run_isolated(config: BenchConfig, progress: Progress) -> BenchRow:
         detail = next((t for t in reversed(tail) if t.strip()), "")
         return BenchRow(model=config.model, mode=config.mode, backend=config.backend, device=config.device,
                         dtype=config.dtype, batch_size=config.batch_size, steps=config.steps, isolated=True,
+                        optimizer=config.optimizer if config.mode == "train" else None,
                         error=f"benchmark subprocess exited with code {code}: {detail}"[:200])
     row = BenchRow(**json.loads(row_json))
     row.isolated = True
