@@ -348,14 +348,19 @@ def _measure(config: BenchConfig, row: BenchRow, progress: Progress) -> None:
         row.error = "result differs from eager's by a non-finite amount (NaN or inf)"
 
 
+def _new_row(config: BenchConfig, **figures) -> BenchRow:
+    """A row saying what ``config`` measures, with no figures yet but ``figures``."""
+    return BenchRow(model=config.model, mode=config.mode, backend=config.backend, device=config.device,
+                    dtype=config.dtype, batch_size=config.batch_size, steps=config.steps,
+                    optimizer=config.optimizer if config.mode == "train" else None, **figures)
+
+
 def run_benchmark(config: BenchConfig, progress: Progress = _no_progress, *, verbose: bool = False) -> BenchRow:
     """Measure one (model, mode, backend); failures are recorded in ``row.error``, never raised."""
     config.validate()
     if config.isolate:
         return _run_isolated(config, progress)
-    row = BenchRow(model=config.model, mode=config.mode, backend=config.backend, device=config.device,
-                   dtype=config.dtype, batch_size=config.batch_size, steps=config.steps,
-                   optimizer=config.optimizer if config.mode == "train" else None)
+    row = _new_row(config)
     try:
         _measure(config, row, progress)
     except KeyboardInterrupt:
@@ -437,10 +442,7 @@ def _run_isolated(config: BenchConfig, progress: Progress) -> BenchRow:
             row_json = next((line[len(_ROW_MARKER):] for line in f if line.startswith(_ROW_MARKER)), None)
     if row_json is None:
         detail = next((t for t in reversed(tail) if t.strip()), "")
-        return BenchRow(model=config.model, mode=config.mode, backend=config.backend, device=config.device,
-                        dtype=config.dtype, batch_size=config.batch_size, steps=config.steps, isolated=True,
-                        optimizer=config.optimizer if config.mode == "train" else None,
-                        error=f"benchmark subprocess exited with code {code}: {detail}"[:200])
+        return _new_row(config, isolated=True, error=f"benchmark subprocess exited with code {code}: {detail}"[:200])
     row = BenchRow(**json.loads(row_json))
     row.isolated = True
     return row
