@@ -1,9 +1,14 @@
 """The inductor fusion executor: fused regions give the torch executor's results, swap in when compiled,
 keep one variant per stride pattern, fall back (and say so) when Inductor fails, and never reorder work
-into a cycle on randomly generated programs."""
+into a cycle on randomly generated programs, and come from Inductor's on-disk graph cache in a later process."""
 
+import json
 import logging
+import os
 import random
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -564,3 +569,38 @@ def test_cross_entropy_backward_decomposition_is_one_pass(dtype):
     assert one_pass == (dtype is not torch.bfloat16), targets
     torch.testing.assert_close(gm(*args), backward(*args), rtol=1e-6 if dtype is not torch.bfloat16 else None,
                                atol=1e-7 if dtype is not torch.bfloat16 else None)
+
+
+def test_a_later_process_takes_whole_compilations_from_inductors_graph_cache(tmp_path):
+    """A region compiled in one process is found whole in Inductor's FX graph cache by the next process with the
+    same cache directory: no lowering and no C++ compiler run, and the same results as eager PyTorch."""
+    script = textwrap.dedent("""
+        import json
+        import torch, fulmen
+        from torch._dynamo.utils import counters
+        from fulmen.executors import inductor, inductor_cpp
+        inductor.compile_mode.set("sync")
+        compiled = []
+        build = inductor_cpp.MergedBuild.build
+        def counting_build(self):
+            build(self)
+            compiled.append(self.compiled)
+        inductor_cpp.MergedBuild.build = counting_build
+        def f(a, w):
+            h = torch.nn.functional.layer_norm(a @ w, (w.shape[1],))
+            return torch.nn.functional.gelu(h) * a.sum(-1, keepdim=True)
+        torch.manual_seed(0)
+        a, w = torch.randn(16, 24), torch.randn(24, 8)
+        torch.testing.assert_close(fulmen.jit(f, executors=["inductor"])(a, w), f(a, w), rtol=1e-5, atol=1e-5)
+        cache = {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
+        print(json.dumps({"cache": cache, "cpp_compiled": sum(compiled)}))
+    """)
+    env = dict(os.environ, TMPDIR=str(tmp_path), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    runs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", script], env=env, timeout=300, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["cache"] == {"fxgraph_cache_miss": 1} and first["cpp_compiled"] > 0, first
+    assert second["cache"] == {"fxgraph_cache_hit": 1} and second["cpp_compiled"] == 0, second
