@@ -182,6 +182,26 @@ def test_runner_waits_for_background_compilation(monkeypatch):
     assert row.compiled_s > row.first_result_s  # it took three more steps to report nothing pending
 
 
+def test_first_result_and_compile_times_count_from_wrapping_the_model(monkeypatch):
+    """What a backend does when the model is wrapped (torch.compile imports Dynamo then) is part of the wait."""
+    import time
+
+    from fulmen.bench import runner
+
+    class SlowToWrap(runner.Backend):
+        name = "slow-to-wrap"
+
+        def wrap(self, model):
+            time.sleep(0.3)
+            return model
+
+    monkeypatch.setitem(runner.BACKENDS, "slow-to-wrap", SlowToWrap())
+    row = run_benchmark(BenchConfig(model="mlp-tiny", backend="slow-to-wrap", steps=1, warmup=0))
+    assert row.error is None
+    assert row.first_result_s >= 0.3 and row.compiled_s >= 0.3
+    assert row.median_ms < 300  # the steps themselves do not wait
+
+
 def test_fulmen_backend_counts_compilations_in_flight(monkeypatch):
     from fulmen.bench.runner import BACKENDS
     from fulmen.executors import inductor_compile

@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     models = model_names()
     bench = sub.add_parser("bench", help="time built-in models under eager, torch.compile and fulmen",
                            description="Benchmark built-in models. Timings are medians of --steps steps after "
-                                       "warm-up; first-result and compile times are wall times of the first call "
+                                       "warm-up; first-result and compile times are wall times from wrapping the model "
                                        "(use --isolate for a fresh process per measurement).")
     bench.add_argument("--model", type=_csv(models, "model"), default=["gpt-small", "llama-small", "mlp"],
                        help=f"comma-separated models (default: gpt-small,llama-small,mlp; all: {','.join(models)})")
