@@ -188,12 +188,12 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild) -> Calla
     on_cpu = all(a.device.type == "cpu" for a in example)
     with compiler_import_lock:
         import torch._dynamo  # noqa: F401  (before Inductor: its modules import Dynamo's)
-        from torch._inductor import config
-        from torch._inductor.codecache import torch_key, triton_key
+        from torch._inductor import codecache, config
     # The FX graph cache's key hashes the source files of torch and Triton (about 0.5 s, once per process): on
-    # threads of PyTorch's own, beside the rest of Inductor's imports (a no-op once they are computed).
-    torch_key.prefetch()
-    triton_key.prefetch()
+    # threads of PyTorch's own, beside the rest of Inductor's imports (a no-op once they are computed; older torch
+    # releases have no prefetch and compute them when first asked).
+    for key in (getattr(codecache, "torch_key", None), getattr(codecache, "triton_key", None)):
+        getattr(key, "prefetch", lambda: None)()
     patch = {}
     if config.cpp.vec_isa_ok is None and on_cpu and _vector_isa_known():
         patch["cpp.vec_isa_ok"] = True
