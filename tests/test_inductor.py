@@ -109,6 +109,52 @@ def test_background_compiler_frees_its_example_inputs(monkeypatch):
     assert refs and all(r() is None for r in refs)
 
 
+def test_unfused_runs_leave_a_core_to_the_background_compiler(monkeypatch):
+    """While the background compiler works, a CPU region's unfused run caps PyTorch's threads one below the cores
+    and restores them afterwards; outside a compilation nothing changes."""
+    import threading
+
+    started, release = threading.Event(), threading.Event()
+    real_compile = inductor_compile._compile
+
+    def held(jobs):
+        started.set()
+        release.wait(timeout=120)
+        real_compile(jobs)
+
+    monkeypatch.setattr(inductor_compile, "_compile", held)
+    monkeypatch.setattr(inductor_compile, "usable_cores", lambda: 3)
+    threads = torch.get_num_threads()
+    token = inductor.compile_mode.set("async")
+    torch.set_num_threads(3)
+    try:
+        with inductor_compile.core_left_to_compiler():
+            assert torch.get_num_threads() == 3, "no compiler at work: nothing to leave a core to"
+        jf = fulmen.jit(lambda a: (a * 1.75 - 0.5).exp() * a, executors=["inductor"])
+        a = torch.randn(16, 8)
+        jf(a)
+        region = _fused_regions(jf)[0].sym.impl
+        seen, eager = [], region.eager
+
+        def spy(*args):
+            seen.append(torch.get_num_threads())
+            return eager(*args)
+
+        region.eager = spy
+        assert started.wait(timeout=60), "the background compiler did not start"
+        torch.testing.assert_close(jf(a), (a * 1.75 - 0.5).exp() * a)
+        assert seen == [2] and torch.get_num_threads() == 3
+        release.set()
+        inductor.wait_for_compilations(timeout=300)
+        torch.testing.assert_close(jf(a), (a * 1.75 - 0.5).exp() * a)
+        assert seen == [2] and region.variants, "compiled: the kernel runs, not the unfused code"
+        assert torch.get_num_threads() == 3
+    finally:
+        release.set()
+        inductor.compile_mode.reset(token)
+        torch.set_num_threads(threads)
+
+
 def test_jit_compile_option_sets_the_mode_of_forward_and_backward_regions():
     # the suite's default mode is "off" (conftest): compile="sync" on one function overrides it, and the backward,
     # compiled at its first call, inherits it

@@ -35,6 +35,7 @@ from fulmen.executors.inductor_compile import (  # noqa: F401  (re-exported: the
     COMPILE_MODES,
     Kernel,
     compile_mode,
+    core_left_to_compiler,
     get_kernel,
     kernel_stats,
     pending_compilations,
@@ -80,12 +81,18 @@ class FusedRegion:
         kernel = self.kernels.get(key)
         if kernel is None:
             if len(self.kernels) >= MAX_VARIANTS:
-                return self.eager(*args)
+                return self._unfused(args)
             layout = tuple((a.shape, a.stride(), a.dtype, a.device) for a in args)
             kernel = self.kernels[key] = get_kernel((self.code_key, layout), self.name, self.eager, args, self.mode)
         if kernel.fn is not None:
             self.variants[key] = kernel.fn
             return kernel.fn(list(args))
+        return self._unfused(args)
+
+    def _unfused(self, args: tuple):
+        if args and args[0].device.type == "cpu":
+            with core_left_to_compiler():  # a no-op unless the background compiler is at work
+                return self.eager(*args)
         return self.eager(*args)
 
     @property

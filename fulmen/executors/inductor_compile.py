@@ -74,6 +74,7 @@ _shutting_down = False
 _last_request = 0.0
 _kernels: dict[tuple, Kernel] = {}
 _pool_started = False  # Inductor's Triton compile workers (``_start_triton_workers``)
+_compiling = False  # the background worker is compiling a batch now (not merely holding one back)
 
 
 class Kernel:
@@ -101,6 +102,7 @@ def _submit(job: tuple) -> None:
 
 
 def _work() -> None:
+    global _compiling
     while True:
         jobs = [_jobs.get()]
         while jobs[0] is not None and not _shutting_down and time.monotonic() - _last_request < QUIET_SECONDS:
@@ -108,7 +110,11 @@ def _work() -> None:
         with contextlib.suppress(queue.Empty):
             while True:  # everything queued by now compiles as one batch
                 jobs.append(_jobs.get_nowait())
-        _compile([j for j in jobs if j is not None])  # at exit (a None was queued) it only marks them done
+        _compiling = True
+        try:
+            _compile([j for j in jobs if j is not None])  # at exit (a None was queued) it only marks them done
+        finally:
+            _compiling = False
         if _shutting_down:
             return
         # The example inputs are real allocations (device memory on a GPU): dropped now, not when the next job
@@ -274,6 +280,41 @@ def _failed(kernel: Kernel, e: Exception) -> None:
 def pending_compilations() -> int:
     """Region compilations queued or running (0 once every region seen so far is compiled or failed)."""
     return sum(1 for k in list(_kernels.values()) if not k.done)
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+_core_left = threading.local()
+
+
+@contextlib.contextmanager
+def core_left_to_compiler():
+    """While the background compiler works, run the block with this thread's PyTorch CPU threads capped one below
+    the cores the process may use, so that the compiler (a Python thread, then g++) keeps a core to itself.
+
+    Without the cap, a machine with few cores runs the compiler beside OpenMP threads that spin while they wait
+    for each other. Nothing changes where the threads already leave a core free, on one core, before the
+    compiler starts (a program's first call, while the compiler waits for it to go quiet) or once it is done.
+    PyTorch's thread count is per thread; a thread created inside the block would inherit the cap, and nothing
+    in a region's unfused run creates one."""
+    threads = torch.get_num_threads()
+    cap = usable_cores() - 1
+    if not _compiling or getattr(_core_left, "active", False) or cap < 1 or threads <= cap:
+        yield
+        return
+    torch.set_num_threads(cap)
+    _core_left.active = True
+    try:
+        yield
+    finally:
+        _core_left.active = False
+        torch.set_num_threads(threads)
 
 
 def wait_for_compilations(timeout: float | None = None) -> None:
