@@ -290,9 +290,6 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-_core_left = threading.local()
-
-
 @contextlib.contextmanager
 def core_left_to_compiler():
     """While the background compiler works, run the block with this thread's PyTorch CPU threads capped one below
@@ -302,18 +299,18 @@ def core_left_to_compiler():
     for each other. Nothing changes where the threads already leave a core free, on one core, before the
     compiler starts (a program's first call, while the compiler waits for it to go quiet) or once it is done.
     PyTorch's thread count is per thread; a thread created inside the block would inherit the cap, and nothing
-    in a region's unfused run creates one."""
-    threads = torch.get_num_threads()
-    cap = usable_cores() - 1
-    if not _compiling or getattr(_core_left, "active", False) or cap < 1 or threads <= cap:
+    in a region's unfused run creates one. A nested block finds the threads capped already and changes nothing."""
+    if not _compiling:  # checked first: every unfused region call comes here ("off" mode: all of them)
+        yield
+        return
+    threads, cap = torch.get_num_threads(), usable_cores() - 1
+    if cap < 1 or threads <= cap:
         yield
         return
     torch.set_num_threads(cap)
-    _core_left.active = True
     try:
         yield
     finally:
-        _core_left.active = False
         torch.set_num_threads(threads)
 
 
