@@ -290,6 +290,11 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def compiler_at_work() -> bool:
+    """Whether the background worker is compiling a batch now: a flag read, cheap enough for every call."""
+    return _compiling
+
+
 @contextlib.contextmanager
 def core_left_to_compiler():
     """While the background compiler works, run the block with this thread's PyTorch CPU threads capped one below
@@ -300,7 +305,7 @@ def core_left_to_compiler():
     compiler starts (a program's first call, while the compiler waits for it to go quiet) or once it is done.
     PyTorch's thread count is per thread; a thread created inside the block would inherit the cap, and nothing
     in a region's unfused run creates one. A nested block finds the threads capped already and changes nothing."""
-    if not _compiling:  # checked first: every unfused region call comes here ("off" mode: all of them)
+    if not _compiling:
         yield
         return
     threads, cap = torch.get_num_threads(), usable_cores() - 1
