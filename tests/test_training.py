@@ -359,3 +359,27 @@ def test_embedding_grad_add_never_writes_a_buffer_it_does_not_own():
         out = _embedding_grad_add(acc, grad, idx, 1)
     assert out is acc
     torch.testing.assert_close(out, expected(before))
+
+
+def test_embedding_grad_add_owns_its_buffer_after_a_failed_torch_compile():
+    # A backend that raises leaves Dynamo's frame hook holding every call's arguments twice; ownership is judged
+    # against a probe passed along the same calls, so the in-place path survives it (a fixed count did not).
+    from fulmen.transforms.accumulate import _embedding_grad_add
+
+    def broken_backend(gm, example_inputs):
+        raise TypeError("this backend always fails")
+
+    with pytest.raises(Exception, match="always fails"):
+        torch.compile(lambda x: x.sin() * 2, backend=broken_backend)(torch.randn(3))
+    grad, idx = torch.randn(2, 4, 4), torch.tensor([[0, 2, 2, 7], [7, 1, 0, 3]])
+    acc = torch.randn(10, 4)
+    expected = acc + torch.ops.aten.embedding_dense_backward(grad, idx, 10, -1, False)
+    held = [acc]
+    with torch.no_grad():
+        out = _embedding_grad_add(acc, grad, idx, -1)  # another name holds it: out of place, even here
+    assert out is not acc
+    del held
+    with torch.no_grad():
+        out = _embedding_grad_add(acc, grad, idx, -1)
+    assert out is acc
+    torch.testing.assert_close(out, expected)

@@ -33,18 +33,30 @@ from fulmen.core.trace import Trace
 from fulmen.transforms.grad_rules import embedding_dense_backward, executable_symbol
 from fulmen.transforms.passes import use_counts
 
-#: Python references to the buffer seen from ``_owned``: the generated code's variable, ``_embedding_grad_add``'s
-#: parameter and ``_owned``'s own (``sys.getrefcount``'s argument is not counted).
-_OWNED_REFS = 3
-
-
 def _owned(t: torch.Tensor) -> bool:
     """Whether ``t`` may be written in place: one TensorImpl owns its storage (so ``t`` is no view and has none;
-    ``untyped_storage()`` adds a reference of its own), nothing in C++ holds the TensorImpl, and exactly the
-    expected Python references hold it (an interpreter that counts references differently gets the out-of-place
-    path, never a wrong one)."""
-    return (t._use_count() == 1 and sys.getrefcount(t) - 1 == _OWNED_REFS
+    ``untyped_storage()`` adds a reference of its own), nothing in C++ holds the TensorImpl, and no Python
+    reference holds it beyond the generated code's variable and the two parameters on the way here.
+
+    The Python count is compared with a probe's, passed along calls of the same shape, rather than with a
+    constant: how many references a call adds depends on the interpreter's state (after a failed
+    ``torch.compile``, Dynamo's frame hook leaves every call holding its arguments twice). A count that differs
+    from the probe's for any other reason takes the out-of-place path, never a wrong one."""
+    return (t._use_count() == 1 and sys.getrefcount(t) == _probe_refs()
             and torch._C._storage_Use_Count(t.untyped_storage()._cdata) == 2)
+
+
+def _probe_refs() -> int:
+    probe = object()  # held by one variable, like the generated code's
+    return _probe_call(probe)
+
+
+def _probe_call(value: object) -> int:  # stands for _embedding_grad_add
+    return _probe_count(value)
+
+
+def _probe_count(value: object) -> int:  # stands for _owned
+    return sys.getrefcount(value)
 
 
 def _embedding_grad_add(acc: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, padding_idx: int
