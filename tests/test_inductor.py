@@ -2,6 +2,7 @@
 keep one variant per stride pattern, fall back (and say so) when Inductor fails, and never reorder work
 into a cycle on randomly generated programs, and come from Inductor's on-disk graph cache in a later process."""
 
+import copy
 import json
 import logging
 import os
@@ -399,6 +400,31 @@ def test_identical_layers_share_one_kernel(sync_compile):
     torch.testing.assert_close(jf(x), f(x), rtol=1e-5, atol=1e-5)
     assert len(_fused_regions(jf)) == 3
     assert inductor.kernel_stats()["kernels"] - before == 1
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+def test_every_layer_of_a_model_shares_one_region_code(no_compile, name):
+    # the first layer matches the others, forward and backward: in LLaMA it reads rotary tables sliced in the
+    # model's prologue, and its backward broadcasts them once for every layer (common-subexpression elimination)
+    from fulmen.bench.models import build
+
+    torch.manual_seed(0)
+    model, make_inputs = build(name, n_layer=4)
+    reference = copy.deepcopy(model)
+    x, y = make_inputs(2, targets=True)
+    jm = fulmen.jit(model, executors=["inductor"])
+    _, loss = jm(x, y)
+    loss.backward()
+    _, expected = reference(x, y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for p, e in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, e.grad, rtol=1e-4, atol=1e-6)
+    for trace in (fulmen.last_traces(jm)[-1], fulmen.last_backward_traces(jm)[-1]):
+        keys = [b.sym.impl.code_key for b in trace.bound_symbols if b.sym.is_fusion]
+        layer_key = max(set(keys), key=keys.count)
+        assert keys.count(layer_key) == 4, f"{keys.count(layer_key)} of 4 layers share their code"
+        assert len(keys) <= 6, f"{len(keys)} regions: a prologue and an epilogue at most beside the layers"
 
 
 def test_regions_share_unfused_code_only_when_identical(no_compile):

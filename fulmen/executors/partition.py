@@ -99,30 +99,34 @@ def fusion_groups(bsyms: Sequence[BoundSymbol], fusible: Callable[[BoundSymbol],
 MIN_PERIOD = 8
 
 
-def _signatures(ops: Sequence[BoundSymbol], period: int | None) -> list[int]:
+def _signatures(ops: Sequence[BoundSymbol], period: int | None, phase: int = 0) -> list[int]:
     """What makes two operations interchangeable in a repeated block: the symbol, the constants, and for each
-    tensor its metadata and how many operations back it was computed. With ``period`` None, only the symbol,
-    constants and metadata; with a period, a value computed ``period`` or more operations back counts as
-    coming from outside the block (a table every layer reads, such as rotary embeddings)."""
+    tensor its metadata and where it was computed. With ``period`` None, only the symbol, constants and metadata.
+    With a period, the run is cut into blocks of ``period`` operations starting at ``phase``, and a tensor
+    computed in the operation's own block counts by how many operations back it was computed; one computed
+    before the block (the previous layer's output, a table every layer reads, such as rotary embeddings, an
+    input of the run) counts as coming from outside, wherever it was computed. So the first layer matches the
+    others even though the tables it reads were computed just before it, in the model's prologue."""
     defined_at: dict[str, int] = {}
 
-    def arg(x, i: int):
+    def arg(x, i: int, block_start: int):
         if isinstance(x, TensorProxy):
             shape = tuple(s if type(s) is int else str(s) for s in x.shape)  # SymInts do not hash
             if period is None:
                 return ("T", shape, x.dtype)
             j = defined_at.get(x.name)
-            return ("T", shape, x.dtype, None if j is None or i - j >= period else i - j)
+            return ("T", shape, x.dtype, None if j is None or j < block_start else i - j)
         if isinstance(x, Proxy):
             return ("P", type(x).__name__)
         if isinstance(x, (tuple, list)):
-            return tuple(arg(v, i) for v in x)
+            return tuple(arg(v, i, block_start) for v in x)
         return repr(x)
 
     sigs = []
     for i, op in enumerate(ops):
-        sigs.append(hash((op.sym.id, tuple(arg(a, i) for a in op.args),
-                          tuple((k, arg(v, i)) for k, v in op.kwargs.items()))))
+        block_start = i - (i - phase) % period if period else 0
+        sigs.append(hash((op.sym.id, tuple(arg(a, i, block_start) for a in op.args),
+                          tuple((k, arg(v, i, block_start)) for k, v in op.kwargs.items()))))
         for p in op.flat_proxy_outs:
             defined_at[p.name] = i
     return sigs
@@ -173,18 +177,61 @@ def split_repeats(ops: Sequence[BoundSymbol]) -> list[list[BoundSymbol]]:
     instead of all of them. Any contiguous piece of the run is a valid region, so this never creates a
     cycle; it only gives up fusing across the cuts. The period is found on the operations alone, then
     confirmed with the data flow inside the block.
+
+    Common-subexpression elimination leaves the first layer different from the others where every layer
+    took the same view of the run's inputs (a LLaMA backward broadcasts its rotary tables once, in the first
+    layer it differentiates, and the later layers read those). Such shared views read nothing computed in the
+    run, so they may run first: when the run repeats better without them, they move to the front, and the
+    first layer matches the others. (Only views: they cost nothing wherever they run, while moving a shared
+    computation would keep its result alive from the front to its last reader.)
     """
-    n = len(ops)
-    if n < 2 * MIN_PERIOD:
+    if len(ops) < 2 * MIN_PERIOD:
         return [list(ops)]
-    covered, period, start = _best_repeat(_signatures(ops, None), range(MIN_PERIOD, n // 2 + 1))
-    if covered:
-        covered, period, start = _best_repeat(_signatures(ops, period), (period,))
+    covered, period, start = _repeat(ops)
+    shared = _shared_from_inputs(ops)
+    if shared:
+        rest = [op for op in ops if id(op) not in shared]
+        alt = _repeat(rest)
+        if alt[0] > covered:
+            front = [op for op in ops if id(op) in shared]
+            ops, (covered, period, start) = front + rest, (alt[0], alt[1], alt[2] + len(front))
     if not covered:
         return [list(ops)]
     pieces = [list(ops[:start])] if start else []
     for k in range(start, start + covered, period):
         pieces.append(list(ops[k:k + period]))
-    if start + covered < n:
+    if start + covered < len(ops):
         pieces.append(list(ops[start + covered:]))
     return pieces
+
+
+def _repeat(ops: Sequence[BoundSymbol]) -> tuple[int, int, int]:
+    """(operations covered, period, start) of the longest run of equal consecutive blocks of ``ops``."""
+    if len(ops) < 2 * MIN_PERIOD:
+        return (0, 0, 0)
+    covered, period, start = _best_repeat(_signatures(ops, None), range(MIN_PERIOD, len(ops) // 2 + 1))
+    if covered:
+        # confirmed with the data flow inside blocks aligned on the repeat the operations alone suggest
+        covered, period, start = _best_repeat(_signatures(ops, period, start % period), (period,))
+    return covered, period, start
+
+
+#: Operations that take a view of their input (a reshape copies where the strides do not allow a view).
+_VIEWS = frozenset({"broadcast_in_dim", "reshape", "transpose", "squeeze", "slice_prim"})
+
+
+def _shared_from_inputs(ops: Sequence[BoundSymbol]) -> set[int]:
+    """The views (by ``id``) of values from outside the run that more than one operation reads; none where the
+    run holds an in-place operation (moving a read across it would change what it reads)."""
+    if any(OpTags.IN_PLACE in op.sym.tags for op in ops):
+        return set()
+    made = {p.name for op in ops for p in op.flat_proxy_outs}
+    readers: dict[str, int] = {}
+    for op in ops:
+        for p in op.flat_args:
+            if isinstance(p, Proxy):
+                readers[p.name] = readers.get(p.name, 0) + 1
+    return {id(op) for op in ops
+            if (op.sym.name in _VIEWS or OpTags.VIEW in op.sym.tags) and op.flat_proxy_outs
+            and not any(isinstance(p, Proxy) and p.name in made for p in op.flat_args)
+            and any(readers.get(p.name, 0) > 1 for p in op.flat_proxy_outs)}
