@@ -33,6 +33,7 @@ from fulmen.core.trace import Trace
 from fulmen.transforms.grad_rules import embedding_dense_backward, executable_symbol
 from fulmen.transforms.passes import use_counts
 
+
 def _owned(t: torch.Tensor) -> bool:
     """Whether ``t`` may be written in place: one TensorImpl owns its storage (so ``t`` is no view and has none;
     ``untyped_storage()`` adds a reference of its own), nothing in C++ holds the TensorImpl, and no Python
