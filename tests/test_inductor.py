@@ -110,9 +110,24 @@ def test_background_compiler_frees_its_example_inputs(monkeypatch):
     assert refs and all(r() is None for r in refs)
 
 
-def test_unfused_runs_leave_a_core_to_the_background_compiler(monkeypatch):
-    """While the background compiler works, a CPU region's unfused run caps PyTorch's threads one below the cores
-    and restores them afterwards; outside a compilation nothing changes."""
+_threads_seen: list[int] = []
+
+
+@torch.library.custom_op("fulmen_test::threads_seen", mutates_args=())
+def _record_threads(x: torch.Tensor) -> torch.Tensor:
+    """An opaque operation (it runs outside any region) that records the PyTorch threads it runs with."""
+    _threads_seen.append(torch.get_num_threads())
+    return x.clone()
+
+
+_record_threads.register_fake(lambda x: torch.empty_like(x))
+_record_threads.register_autograd(lambda ctx, g: _record_threads(g))
+
+
+def test_programs_leave_a_core_to_the_background_compiler(monkeypatch):
+    """While the background compiler works, a jitted program -- its forward, and the backward autograd runs --
+    caps PyTorch's threads one below the cores, outside its regions as well as in their unfused runs, and
+    restores them afterwards; outside a compilation nothing changes."""
     import threading
 
     started, release = threading.Event(), threading.Event()
@@ -128,27 +143,38 @@ def test_unfused_runs_leave_a_core_to_the_background_compiler(monkeypatch):
     threads = torch.get_num_threads()
     token = inductor.compile_mode.set("async")
     torch.set_num_threads(3)
+
+    def f(a, w):
+        return _record_threads((a * w * 1.75 - 0.5).exp()).sum()
+
+    a, w = torch.randn(16, 8), torch.randn(16, 8, requires_grad=True)
+    expected_grad = torch.autograd.grad(f(a, w), w)[0]
     try:
-        with inductor_compile.core_left_to_compiler():
-            assert torch.get_num_threads() == 3, "no compiler at work: nothing to leave a core to"
-        jf = fulmen.jit(lambda a: (a * 1.75 - 0.5).exp() * a, executors=["inductor"])
-        a = torch.randn(16, 8)
-        jf(a)
+        assert inductor_compile.call_leaving_a_core(torch.get_num_threads) == 3, "no compiler at work"
+        jf = fulmen.jit(f, executors=["inductor", "torch"])
+        jf(a, w).backward()
         region = _fused_regions(jf)[0].sym.impl
-        seen, eager = [], region.eager
+        in_region, eager = [], region.eager
 
         def spy(*args):
-            seen.append(torch.get_num_threads())
+            in_region.append(torch.get_num_threads())
             return eager(*args)
 
         region.eager = spy
         assert started.wait(timeout=60), "the background compiler did not start"
-        torch.testing.assert_close(jf(a), (a * 1.75 - 0.5).exp() * a)
-        assert seen == [2] and torch.get_num_threads() == 3
+        _threads_seen.clear()
+        w.grad = None
+        jf(a, w).backward()
+        torch.testing.assert_close(w.grad, expected_grad)
+        assert _threads_seen == [2, 2] and in_region == [2], "forward and backward, outside and inside the region"
+        assert torch.get_num_threads() == 3
         release.set()
         inductor.wait_for_compilations(timeout=300)
-        torch.testing.assert_close(jf(a), (a * 1.75 - 0.5).exp() * a)
-        assert seen == [2] and region.variants, "compiled: the kernel runs, not the unfused code"
+        _threads_seen.clear()
+        w.grad = None
+        jf(a, w).backward()
+        torch.testing.assert_close(w.grad, expected_grad)
+        assert _threads_seen == [3, 3] and in_region == [2] and region.variants, "compiled: full threads again"
         assert torch.get_num_threads() == 3
     finally:
         release.set()

@@ -35,8 +35,6 @@ from fulmen.executors.inductor_compile import (  # noqa: F401  (re-exported: the
     COMPILE_MODES,
     Kernel,
     compile_mode,
-    compiler_at_work,
-    core_left_to_compiler,
     get_kernel,
     kernel_stats,
     pending_compilations,
@@ -91,11 +89,6 @@ class FusedRegion:
         return self._unfused(args)
 
     def _unfused(self, args: tuple):
-        # the flag first: every unfused call comes here ("off" mode: all of them), and the cap's context manager
-        # costs about 1 us even where it changes nothing
-        if compiler_at_work() and args and args[0].device.type == "cpu":
-            with core_left_to_compiler():
-                return self.eager(*args)
         return self.eager(*args)
 
     @property

@@ -290,31 +290,25 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def compiler_at_work() -> bool:
-    """Whether the background worker is compiling a batch now: a flag read, cheap enough for every call."""
-    return _compiling
-
-
-@contextlib.contextmanager
-def core_left_to_compiler():
-    """While the background compiler works, run the block with this thread's PyTorch CPU threads capped one below
+def call_leaving_a_core(fn: Callable, *args):
+    """``fn(*args)``; while the background compiler works, with this thread's PyTorch CPU threads capped one below
     the cores the process may use, so that the compiler (a Python thread, then g++) keeps a core to itself.
 
-    Without the cap, a machine with few cores runs the compiler beside OpenMP threads that spin while they wait
-    for each other. Nothing changes where the threads already leave a core free, on one core, before the
-    compiler starts (a program's first call, while the compiler waits for it to go quiet) or once it is done.
-    PyTorch's thread count is per thread; a thread created inside the block would inherit the cap, and nothing
-    in a region's unfused run creates one. A nested block finds the threads capped already and changes nothing."""
+    The jitted program's calls (forward, and the backward autograd runs) go through here: while regions compile,
+    the whole program runs beside the compiler, its matrix products (two thirds of a GPT training step on CPU)
+    as much as its unfused regions. Without the cap, a machine with few cores runs the compiler beside OpenMP
+    threads that spin while they wait for each other. Outside a compilation this is a flag read and the call
+    (compiled code runs at full speed), as it is where the threads already leave a core free, or on one core.
+    PyTorch's thread count is per thread; a thread created inside the call would inherit the cap, and a
+    jitted program creates none. A nested call finds the threads capped already and changes nothing."""
     if not _compiling:
-        yield
-        return
+        return fn(*args)
     threads, cap = torch.get_num_threads(), usable_cores() - 1
     if cap < 1 or threads <= cap:
-        yield
-        return
+        return fn(*args)
     torch.set_num_threads(cap)
     try:
-        yield
+        return fn(*args)
     finally:
         torch.set_num_threads(threads)
 

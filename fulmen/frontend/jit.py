@@ -15,7 +15,7 @@ import torch
 from fulmen.core.trace import Trace
 from fulmen.core.utils import compiler_import_lock
 from fulmen.executors.base import Executor, resolve_executors
-from fulmen.executors.inductor_compile import COMPILE_MODES, compile_mode_set
+from fulmen.executors.inductor_compile import COMPILE_MODES, call_leaving_a_core, compile_mode_set
 from fulmen.frontend import dynamic as dynamic_sizes
 from fulmen.frontend import warm_start
 from fulmen.frontend.cache import args_key, global_state_key
@@ -148,7 +148,7 @@ class JittedFunction:
             stats.cache_hits += 1
         if entry.spec.captured:
             flat += entry.spec.captured
-        return entry.program.run(flat)
+        return call_leaving_a_core(entry.program.run, flat)  # a flag read, unless regions are compiling
 
     #: How many tensors at the start of the flat inputs are a module's parameters and buffers (never dynamic).
     def _n_state(self) -> int:

@@ -16,6 +16,7 @@ from torch import nn
 
 from fulmen.core.codeutils import sanitize_name
 from fulmen.executors.base import Executor
+from fulmen.executors.inductor_compile import call_leaving_a_core
 from fulmen.frontend.cache import args_key, global_state_key
 from fulmen.frontend.jit import JittedFunction
 from fulmen.frontend.tracing import _arg_names, trace_program
@@ -87,7 +88,7 @@ class _ModuleProgram(JittedFunction):
             self._stats.cache_hits += 1
         if entry.spec.captured:
             flat += entry.spec.captured
-        return entry.program.run(flat)
+        return call_leaving_a_core(entry.program.run, flat)  # a flag read, unless regions are compiling
 
     def _n_state(self) -> int:
         return len(self.state.unique_slots)

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.trace import Trace
 from fulmen.executors.base import Executor
-from fulmen.executors.inductor_compile import compile_mode, compile_mode_set
+from fulmen.executors.inductor_compile import call_leaving_a_core, compile_mode, compile_mode_set
 from fulmen.frontend.compile import CompiledProgram, compile_inference, execution_pipeline
 from fulmen.frontend.cudagraphs import GraphedProgram, graphed
 from fulmen.transforms.accumulate import accumulate_embedding_grads
@@ -185,7 +185,7 @@ class FulmenFunction(torch.autograd.Function):
                 fn = runtime.backward_for(present)
                 given = [c for c in cts if c is not None]
                 if pending is None:
-                    input_grads = fn(saved, given)
+                    input_grads = call_leaving_a_core(fn, saved, given)
                 else:
                     input_grads = runtime.graphs.backward(pending, present, fn, saved, given)
         if pending is not None and not keep:  # the next replay may overwrite the saved tensors now
