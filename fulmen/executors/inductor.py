@@ -80,15 +80,12 @@ class FusedRegion:
         kernel = self.kernels.get(key)
         if kernel is None:
             if len(self.kernels) >= MAX_VARIANTS:
-                return self._unfused(args)
+                return self.eager(*args)
             layout = tuple((a.shape, a.stride(), a.dtype, a.device) for a in args)
             kernel = self.kernels[key] = get_kernel((self.code_key, layout), self.name, self.eager, args, self.mode)
         if kernel.fn is not None:
             self.variants[key] = kernel.fn
             return kernel.fn(list(args))
-        return self._unfused(args)
-
-    def _unfused(self, args: tuple):
         return self.eager(*args)
 
     @property
