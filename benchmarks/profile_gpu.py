@@ -1,0 +1,132 @@
+"""Where a GPU training step's time goes, and where its cold compilation goes, in one call of a lent machine.
+
+Two parts, each in this process (run the script once per model):
+
+- ``timeline``: ``fulmen.jit`` with background compilation, as ``fulmen bench`` runs it, from empty caches when
+  the caller gives it fresh ``TORCHINDUCTOR_CACHE_DIR``/``TRITON_CACHE_DIR``. Prints when each region's Inductor
+  lowering started and ended (seconds after ``fulmen.jit``), the first step, and when the last region swapped in.
+- ``step``: a training step (zero_grad, forward, backward, fused AdamW) for eager and fulmen (``compile="sync"``):
+  the median over 30 synchronized steps, kernel launches and device-busy time of one step (``torch.profiler``),
+  and the Python functions with the most time of their own over 10 steps (cProfile). A step whose device time is
+  far under its wall time is bound by the host: launches and Python, not the GPU.
+
+    python benchmarks/profile_gpu.py --model gpt-small                    # both parts, CUDA
+    python benchmarks/profile_gpu.py --model gpt-tiny --device cpu --part step
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+
+import torch
+
+import fulmen
+import fulmen.executors.inductor_compile as inductor_compile
+from fulmen.bench.models import build_any
+from fulmen.bench.runner import OPTIMIZERS
+
+_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _train_step(run, inputs, optimizer):
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        _, loss = run(*inputs)
+        loss.backward()
+        optimizer.step()
+    return step
+
+
+def timeline(model, inputs, optimizer, device: torch.device) -> None:
+    start = time.perf_counter()
+    lower = inductor_compile._lower
+
+    def timed_lower(fn, example, cpp):
+        t = time.perf_counter()
+        try:
+            return lower(fn, example, cpp)
+        finally:
+            print(f"  lowering {t - start:7.2f} -> {time.perf_counter() - start:7.2f} s ({len(example)} inputs)",
+                  flush=True)
+
+    inductor_compile._lower = timed_lower
+    try:
+        step, steps = _train_step(fulmen.jit(model), inputs, optimizer), 0
+        while steps < 3 or inductor_compile.pending_compilations():
+            step()
+            _sync(device)
+            steps += 1
+            if steps == 1:
+                print(f"first step done {time.perf_counter() - start:.2f} s after fulmen.jit", flush=True)
+    finally:
+        inductor_compile._lower = lower
+    print(f"fully compiled {time.perf_counter() - start:.2f} s after fulmen.jit, {steps} steps taken; "
+          f"{inductor_compile.kernel_stats()}")
+
+
+def step_profile(model, inputs, optimizer, device: torch.device, top: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for label, run in (("eager", model), ("fulmen", fulmen.jit(model, compile="sync"))):
+        step = _train_step(run, inputs, optimizer)
+        for _ in range(5):
+            step()
+        _sync(device)
+        times = []
+        for _ in range(30):
+            t = time.perf_counter()
+            step()
+            _sync(device)
+            times.append(time.perf_counter() - t)
+        with profile(activities=activities) as prof:
+            step()
+            _sync(device)
+        events = prof.key_averages()
+        launches = sum(e.count for e in events if e.key in _LAUNCHES)
+        busy = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e3
+        print(f"\n== {label}: median step {statistics.median(times) * 1e3:.2f} ms; one profiled step: "
+              f"{launches} kernel launches, device busy {busy:.2f} ms")
+        print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(10):
+            step()
+        _sync(device)
+        profiler.disable()
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+        print(out.getvalue())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt-small", help="a built-in model (default gpt-small)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--part", choices=("timeline", "step", "both"), default="both")
+    parser.add_argument("--top", type=int, default=25, help="cProfile rows to print (default 25)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    model, make_inputs = build_any(args.model, device=device, seed=0)
+    inputs = make_inputs(args.batch_size, targets=True)
+    optimizer = OPTIMIZERS["adamw-fused"](model.parameters())
+    print(f"{args.model} on {device}, torch {torch.__version__}")
+    if args.part in ("timeline", "both"):
+        timeline(model, inputs, optimizer, device)
+    if args.part in ("step", "both"):
+        step_profile(model, inputs, optimizer, device, args.top)
+
+
+if __name__ == "__main__":
+    main()
