@@ -148,9 +148,12 @@ def test_a_compilation_that_fails_to_lower_leaves_the_rest_of_its_batch(builds, 
         torch.testing.assert_close(got, expected)
 
 
-def test_background_compiler_batches_the_regions_queued_together(builds):
+def test_background_compiler_batches_the_regions_queued_together(builds, monkeypatch):
     """A training step's forward and backward regions, queued during its first compiled call, compile as one
     batch: one library."""
+    # The two requests come about 3 ms apart; a longer quiet period keeps a stall of the test process on a loaded
+    # machine (two xdist workers, their compilers) from splitting them into two batches.
+    monkeypatch.setattr(inductor_compile, "QUIET_SECONDS", 3.0)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.GELU(), torch.nn.LayerNorm(24),
                                 torch.nn.Linear(24, 6)).double()
