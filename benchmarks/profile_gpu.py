@@ -28,23 +28,9 @@ import torch
 import fulmen
 import fulmen.executors.inductor_compile as inductor_compile
 from fulmen.bench.models import build_any
-from fulmen.bench.runner import OPTIMIZERS
+from fulmen.bench.runner import OPTIMIZERS, _make_step, _sync, _timed  # fulmen bench's own step and timing
 
 _LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _train_step(run, inputs, optimizer):
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        _, loss = run(*inputs)
-        loss.backward()
-        optimizer.step()
-    return step
 
 
 def timeline(model, inputs, optimizer, device: torch.device) -> None:
@@ -61,7 +47,7 @@ def timeline(model, inputs, optimizer, device: torch.device) -> None:
 
     inductor_compile._lower = timed_lower
     try:
-        step, steps = _train_step(fulmen.jit(model), inputs, optimizer), 0
+        step, steps = _make_step(fulmen.jit(model), "train", inputs, optimizer), 0
         while steps < 3 or inductor_compile.pending_compilations():
             step()
             _sync(device)
@@ -79,16 +65,10 @@ def step_profile(model, inputs, optimizer, device: torch.device, top: int) -> No
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     for label, run in (("eager", model), ("fulmen", fulmen.jit(model, compile="sync"))):
-        step = _train_step(run, inputs, optimizer)
+        step = _make_step(run, "train", inputs, optimizer)
         for _ in range(5):
             step()
-        _sync(device)
-        times = []
-        for _ in range(30):
-            t = time.perf_counter()
-            step()
-            _sync(device)
-            times.append(time.perf_counter() - t)
+        times = [_timed(step, device) for _ in range(30)]
         with profile(activities=activities) as prof:
             step()
             _sync(device)
