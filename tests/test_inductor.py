@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import random
+import re
 import subprocess
 import sys
 import textwrap
@@ -590,6 +591,46 @@ def test_tanh_gelu_decomposition_uses_exp_on_cpu_only():
     assert "aten.tanh.default" not in bf16 and "prims.convert_element_type.default" in bf16
     assert "aten.erf.default" in targets("cpu", torch.float32, "none")  # the exact GELU keeps PyTorch's rule
     assert "aten.tanh.default" in targets("meta", torch.float32, "tanh")  # other devices keep PyTorch's rule too
+
+
+class _AddmmLinear(torch.nn.Module):
+    """A linear layer the way Hugging Face's GPT-2 writes it (``Conv1D``): ``addmm(bias, x, weight)``."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(n_in, n_out) / n_in ** 0.5)
+        self.bias = torch.nn.Parameter(torch.randn(n_out))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x, self.weight)
+
+
+@pytest.mark.parametrize("layer", [torch.nn.Linear, _AddmmLinear])
+def test_bias_gradient_is_lowered_after_the_matmuls_that_read_the_same_gradient(no_compile, layer):
+    """Inductor lowers a region's operations in order. A bias gradient (a sum over rows) lowered before the
+    matmuls that read the same gradient inlines the gradient's producers (a GELU's backward) into the column
+    reduction and computes them twice; lowered after them, it reads the gradient the matmuls made Inductor
+    store (gpt-small: one kernel instead of two per layer, about 1 ms of a 60 ms CPU training step)."""
+    model = torch.nn.Sequential(layer(8, 32), torch.nn.GELU(approximate="tanh"), layer(32, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    jmodel = fulmen.jit(model)
+    jmodel(x).square().sum().backward()
+    lines = str(fulmen.last_backward_traces(jmodel)[-1]).splitlines()
+    (gelu_grad,) = {line.split("=")[0].strip(" #") for line in lines if "gelu_backward(" in line}
+
+    def first(pattern):
+        return next(i for i, line in enumerate(lines) if re.search(pattern, line))
+
+    bias_grad = first(rf"= prims\.sum\({gelu_grad}\b")
+    assert bias_grad > first(rf"= prims\.matmul\({gelu_grad}\b")  # the input's gradient
+    assert bias_grad > first(rf"= prims\.matmul\(\w+, {gelu_grad}\b|= prims\.matmul\(\w+, \w+\).*f32\[32, 8\]")
+    reference, x_ref = copy.deepcopy(model), x.detach().clone().requires_grad_()
+    for p in reference.parameters():
+        p.grad = None
+    reference(x_ref).square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

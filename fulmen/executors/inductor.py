@@ -40,7 +40,7 @@ from fulmen.executors.inductor_compile import (  # noqa: F401  (re-exported: the
     pending_compilations,
     wait_for_compilations,
 )
-from fulmen.executors.partition import fusion_groups, split_repeats
+from fulmen.executors.partition import fusion_groups, split_repeats, sums_after_other_readers
 from fulmen.transforms.passes import del_last_used
 
 _NOT_FUSED = (OpTags.RANDOM_OP, OpTags.SIDE_EFFECT, OpTags.FALLBACK)
@@ -233,7 +233,8 @@ class InductorExecutor(FusionExecutor):
                         new.extend(self._unfused(trace, piece, torch_executors))
                     else:
                         rest = [b for p in pieces[i + 1:] for b in p] + later
-                        new.append(self._fuse(trace, piece, rest, outputs, torch_executors, shared))
+                        new.append(self._fuse(trace, sums_after_other_readers(piece), rest, outputs,
+                                              torch_executors, shared))
         return trace.derive(trace.provenance or "Fusion", new)
 
     def _unfused(self, trace: Trace, region: list[BoundSymbol], executors) -> list[BoundSymbol]:

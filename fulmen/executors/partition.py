@@ -235,3 +235,66 @@ def _shared_from_inputs(ops: Sequence[BoundSymbol]) -> set[int]:
             if (op.sym.name in _VIEWS or OpTags.VIEW in op.sym.tags) and op.flat_proxy_outs
             and not any(isinstance(p, Proxy) and p.name in made for p in op.flat_args)
             and any(readers.get(p.name, 0) > 1 for p in op.flat_proxy_outs)}
+
+
+def sums_after_other_readers(ops: Sequence[BoundSymbol]) -> list[BoundSymbol]:
+    """``ops`` (one region, in a valid order) reordered so that each sum runs after the region's other readers of
+    its input, unless one of them needs the sum's result.
+
+    Inductor lowers a region's operations in order. A sum lowered first computes its input's elementwise
+    producers inside the reduction; a matmul lowered later makes Inductor store that input all the same, so the
+    producers run twice: a bias gradient (``sum(gelu_backward(g, x), 0)``, then ``gelu_backward(g, x) @ w``)
+    became a column reduction that recomputed the GELU's derivative from three inputs. Lowered after the matmul,
+    the sum reads the stored tensor. The order changes nothing else: every operation still follows its inputs,
+    and the sum's input is alive until its last reader either way.
+    """
+    if any(OpTags.IN_PLACE in op.sym.tags for op in ops):
+        return list(ops)  # moving a read across an in-place update would change what it reads
+    n = len(ops)
+    producer: dict[str, int] = {}
+    readers: dict[str, list[int]] = {}
+    users: list[list[int]] = [[] for _ in range(n)]
+    deps: list[set[int]] = [set() for _ in range(n)]
+    for i, op in enumerate(ops):
+        for p in op.flat_args:
+            if isinstance(p, Proxy):
+                readers.setdefault(p.name, []).append(i)
+                j = producer.get(p.name)
+                if j is not None and j not in deps[i]:
+                    deps[i].add(j)
+                    users[j].append(i)
+        for p in op.flat_proxy_outs:
+            producer[p.name] = i
+
+    key = [float(i) for i in range(n)]
+    for i, op in enumerate(ops):
+        if not (op.sym.is_prim and op.sym.name == "sum") or not op.flat_args:
+            continue
+        after: set[int] = set()  # everything that needs the sum's result
+        stack = [i]
+        while stack:
+            for u in users[stack.pop()]:
+                if u not in after:
+                    after.add(u)
+                    stack.append(u)
+        others = [j for j in readers.get(op.flat_args[0].name, ()) if j > i and j not in after
+                  and not (ops[j].sym.is_prim and ops[j].sym.name == "sum")]
+        if others:
+            key[i] = max(others) + 0.5
+    if key == sorted(key):
+        return list(ops)
+
+    missing = [len(d) for d in deps]
+    ready = [(key[i], i) for i in range(n) if not missing[i]]
+    heapq.heapify(ready)
+    order: list[BoundSymbol] = []
+    while ready:
+        _, i = heapq.heappop(ready)
+        order.append(ops[i])
+        for u in users[i]:
+            missing[u] -= 1
+            if not missing[u]:
+                heapq.heappush(ready, (key[u], u))
+    if len(order) != n:
+        raise AssertionError("sums_after_other_readers lost operations: the region's dependencies have a cycle")
+    return order
