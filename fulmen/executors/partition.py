@@ -245,8 +245,9 @@ def sums_after_other_readers(ops: Sequence[BoundSymbol]) -> list[BoundSymbol]:
     producers inside the reduction; a matmul lowered later makes Inductor store that input all the same, so the
     producers run twice: a bias gradient (``sum(gelu_backward(g, x), 0)``, then ``gelu_backward(g, x) @ w``)
     became a column reduction that recomputed the GELU's derivative from three inputs. Lowered after the matmul,
-    the sum reads the stored tensor. The order changes nothing else: every operation still follows its inputs,
-    and the sum's input is alive until its last reader either way.
+    the sum reads the stored tensor. A reader of a view of the input counts too (the weight gradient's
+    ``g.T @ x``). The order changes nothing else: every operation still follows its inputs, and the sum's input
+    is alive until its last reader either way.
     """
     if any(OpTags.IN_PLACE in op.sym.tags for op in ops):
         return list(ops)  # moving a read across an in-place update would change what it reads
@@ -277,8 +278,8 @@ def sums_after_other_readers(ops: Sequence[BoundSymbol]) -> list[BoundSymbol]:
                 if u not in after:
                     after.add(u)
                     stack.append(u)
-        others = [j for j in readers.get(op.flat_args[0].name, ()) if j > i and j not in after
-                  and not (ops[j].sym.is_prim and ops[j].sym.name == "sum")]
+        others = [j for name in _views_of(ops, op.flat_args[0].name) for j in readers.get(name, ())
+                  if j > i and j not in after and not (ops[j].sym.is_prim and ops[j].sym.name == "sum")]
         if others:
             key[i] = max(others) + 0.5
     if key == sorted(key):
@@ -298,3 +299,13 @@ def sums_after_other_readers(ops: Sequence[BoundSymbol]) -> list[BoundSymbol]:
     if len(order) != n:
         raise AssertionError("sums_after_other_readers lost operations: the region's dependencies have a cycle")
     return order
+
+
+def _views_of(ops: Sequence[BoundSymbol], name: str) -> set[str]:
+    """``name`` and the names of the views ``ops`` take of it, of those views, and so on."""
+    names = {name}
+    for op in ops:
+        if (op.sym.name in _VIEWS or OpTags.VIEW in op.sym.tags) and any(
+                isinstance(p, Proxy) and p.name in names for p in op.flat_args):
+            names.update(p.name for p in op.flat_proxy_outs)
+    return names

@@ -553,20 +553,16 @@ def _matmul_vjp(b, g):
 
 
 def linear_vjp(a: TensorProxy, w: TensorProxy, bias: TensorProxy | None, g: TensorProxy) -> tuple:
-    """Gradients of ``F.linear(a, w, bias)``.
-
-    The bias gradient comes last: by then the matmuls have made Inductor store ``g``, so the reduction reads it
-    instead of recomputing ``g``'s elementwise producers (a GELU's backward, say) inside a column reduction.
-    """
+    """Gradients of ``F.linear(a, w, bias)``."""
+    gb = sum_to(g, bias.shape) if _t(bias) else None
     if w.ndim == 1:
         ga = mul(clang.unsqueeze(g, -1), w)
         gw = prims.matmul(clang.reshape(g, (g.numel(),)), clang.reshape(a, (g.numel(), w.shape[0])))
-    else:
-        out_features, in_features = w.shape
-        ga = prims.matmul(g, w)
-        rows = g.numel() // max(out_features, 1)
-        gw = prims.matmul(_mT(clang.reshape(g, (rows, out_features))), clang.reshape(a, (rows, in_features)))
-    gb = sum_to(g, bias.shape) if _t(bias) else None
+        return ga, gw, gb
+    out_features, in_features = w.shape
+    ga = prims.matmul(g, w)
+    rows = g.numel() // max(out_features, 1)
+    gw = prims.matmul(_mT(clang.reshape(g, (rows, out_features))), clang.reshape(a, (rows, in_features)))
     return ga, gw, gb
 
 
