@@ -31,6 +31,7 @@ import torch
 from fulmen.core.utils import compiler_import_lock
 from fulmen.executors.inductor_cpp import MergedBuild, merged_cpp_build, prefetch_header
 from fulmen.executors.inductor_decomps import decomposition_table
+from fulmen.executors.inductor_sympy import install as install_index_shortcut
 
 log = logging.getLogger("fulmen.inductor")
 
@@ -212,6 +213,7 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild) -> Calla
             from torch.fx.experimental.proxy_tensor import make_fx
 
             decompositions = decomposition_table()
+            install_index_shortcut()
         gm = make_fx(fn, decomposition_table=decompositions, tracing_mode="fake")(*example)
         fake_mode = _fake_mode()
         with merged_cpp_build(cpp), tracing(TracingContext(fake_mode)):

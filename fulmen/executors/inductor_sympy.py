@@ -1,0 +1,72 @@
+"""A faster index analysis for Inductor's C++ code generator: ``sympy.simplify`` skipped where its answer is known.
+
+To decide how to vectorize each loop, Inductor's C++ backend asks for the stride of every index expression along
+the vectorized variable (``torch._inductor.sizevars.stride_at_vec_range``), and it first passes the index through
+``sympy.simplify``. That call takes 5 to 9 ms each on a 2-core CPU. Most calls get a plain linear index, such as
+``8192*x0 + 64*x1 + 32*x2 + x3``, and ``simplify`` returns it unchanged. Compiling a llama-small training step
+made 257 calls: 130 of them plain linear indices, which took 1.2 of the 9.2 s compilation. The other 127 had
+integer results and cost almost nothing.
+
+The ``simplify`` installed here returns such an index as it is, without sympy's search. The shape it answers is a
+sum of positive integer multiples of symbols plus a nonnegative integer constant, with at least one coefficient
+equal to 1. No common factor can come out of such a sum, and sympy has nothing to cancel or combine in it, so it
+is already in the form ``sympy.simplify`` returns. The tests compare the shortcut with sympy on thousands of
+random indices. Any other expression goes to ``sympy.simplify`` itself.
+
+The shortcut is installed only where Inductor's ``sizevars`` module looks up the name ``sympy``. That name now
+points to a copy of sympy's namespace with this one function replaced. sympy itself, and every other module that
+uses it, see no change.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import sympy
+
+_lock = threading.Lock()
+_installed = False
+
+
+def is_plain_linear(expr: sympy.Basic) -> bool:
+    """Whether ``expr`` is a symbol, or a sum of positive integer multiples of symbols plus a nonnegative integer,
+    in which some symbol has coefficient 1: a form ``sympy.simplify`` hands back unchanged."""
+    if isinstance(expr, sympy.Symbol):
+        return True
+    if not isinstance(expr, sympy.Add):
+        return False
+    unit = False
+    for term in expr.args:
+        if isinstance(term, sympy.Symbol):
+            unit = True
+        elif term.is_Integer:
+            if term < 0:
+                return False
+        elif not (isinstance(term, sympy.Mul) and len(term.args) == 2 and term.args[0].is_Integer
+                  and term.args[0] > 0 and isinstance(term.args[1], sympy.Symbol)):
+            return False
+    return unit
+
+
+def simplify(expr, *args, **kwargs):
+    """``sympy.simplify(expr, ...)``, answered without sympy's search for a plain linear index."""
+    if not args and not kwargs and isinstance(expr, sympy.Basic) and is_plain_linear(expr):
+        return expr
+    return sympy.simplify(expr, *args, **kwargs)
+
+
+def install() -> None:
+    """Point Inductor's ``sizevars`` module at a sympy namespace whose ``simplify`` is the one above (once)."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        from torch._inductor import sizevars
+
+        if getattr(sizevars, "sympy", None) is sympy:  # a torch release that imports sympy some other way: leave it
+            namespace = types.ModuleType("sympy", sympy.__doc__)
+            namespace.__dict__.update(sympy.__dict__)
+            namespace.simplify = simplify
+            sizevars.sympy = namespace
+        _installed = True
