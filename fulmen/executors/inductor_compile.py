@@ -31,7 +31,6 @@ import torch
 from fulmen.core.utils import compiler_import_lock
 from fulmen.executors.inductor_cpp import MergedBuild, merged_cpp_build, prefetch_header
 from fulmen.executors.inductor_decomps import decomposition_table
-from fulmen.executors.inductor_sympy import install as install_index_shortcut
 
 log = logging.getLogger("fulmen.inductor")
 
@@ -211,6 +210,8 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild) -> Calla
             from torch._guards import TracingContext, tracing
             from torch._inductor.compile_fx import compile_fx_inner
             from torch.fx.experimental.proxy_tensor import make_fx
+
+            from fulmen.executors.inductor_sympy import install as install_index_shortcut  # imports sympy
 
             decompositions = decomposition_table()
             install_index_shortcut()
