@@ -59,11 +59,11 @@ def fresh_sizevars():
     """Inductor's ``sizevars`` module as PyTorch ships it, restored afterwards as the test found it."""
     from torch._inductor import sizevars
 
-    saved = sizevars.sympy, inductor_sympy._installed
-    sizevars.sympy, inductor_sympy._installed = sympy, False
+    saved = sizevars.sympy
+    sizevars.sympy = sympy
     _clear_index_caches(sizevars)
     yield sizevars
-    sizevars.sympy, inductor_sympy._installed = saved
+    sizevars.sympy = saved
     _clear_index_caches(sizevars)
 
 
@@ -95,7 +95,7 @@ def test_inductor_generates_the_same_code_with_the_shortcut(fresh_sizevars, monk
     from torch._inductor import config
 
     taken = []
-    real = inductor_sympy.is_plain_linear
+    real, install = inductor_sympy.is_plain_linear, inductor_sympy.install
     monkeypatch.setattr(inductor_sympy, "is_plain_linear", lambda e: taken.append(real(e)) or taken[-1])
     q, k = torch.randn(2, 8, 16, 32), torch.randn(2, 2, 16, 32)
     token = inductor.compile_mode.set("sync")
@@ -104,7 +104,8 @@ def test_inductor_generates_the_same_code_with_the_shortcut(fresh_sizevars, monk
         with config.patch(fx_graph_cache=False):  # Inductor lowers the graph both times
             for shortcut in (False, True):
                 monkeypatch.setattr(inductor_compile, "_kernels", {})  # and fulmen compiles it both times
-                inductor_sympy._installed = not shortcut  # install() is a no-op for the first compilation
+                # the first compilation runs without the shortcut (_lower imports install at each lowering)
+                monkeypatch.setattr(inductor_sympy, "install", install if shortcut else lambda: None)
                 fresh_sizevars.sympy = sympy
                 _clear_index_caches(fresh_sizevars)
                 jf = fulmen.jit(_gqa_scores, executors=["inductor"])

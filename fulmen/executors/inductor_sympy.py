@@ -20,13 +20,9 @@ uses it, see no change.
 
 from __future__ import annotations
 
-import threading
 import types
 
 import sympy
-
-_lock = threading.Lock()
-_installed = False
 
 
 def is_plain_linear(expr: sympy.Basic) -> bool:
@@ -51,22 +47,19 @@ def is_plain_linear(expr: sympy.Basic) -> bool:
 
 def simplify(expr, *args, **kwargs):
     """``sympy.simplify(expr, ...)``, answered without sympy's search for a plain linear index."""
-    if not args and not kwargs and isinstance(expr, sympy.Basic) and is_plain_linear(expr):
+    if not args and not kwargs and is_plain_linear(expr):
         return expr
     return sympy.simplify(expr, *args, **kwargs)
 
 
 def install() -> None:
-    """Point Inductor's ``sizevars`` module at a sympy namespace whose ``simplify`` is the one above (once)."""
-    global _installed
-    with _lock:
-        if _installed:
-            return
-        from torch._inductor import sizevars
+    """Point Inductor's ``sizevars`` module at a sympy namespace whose ``simplify`` is the one above. Once it is
+    installed, ``sizevars.sympy`` is no longer sympy and a later call changes nothing; so does a torch release
+    that imports sympy some other way."""
+    from torch._inductor import sizevars
 
-        if getattr(sizevars, "sympy", None) is sympy:  # a torch release that imports sympy some other way: leave it
-            namespace = types.ModuleType("sympy", sympy.__doc__)
-            namespace.__dict__.update(sympy.__dict__)
-            namespace.simplify = simplify
-            sizevars.sympy = namespace
-        _installed = True
+    if getattr(sizevars, "sympy", None) is sympy:
+        namespace = types.ModuleType("sympy", sympy.__doc__)
+        namespace.__dict__.update(sympy.__dict__)
+        namespace.simplify = simplify
+        sizevars.sympy = namespace

@@ -220,10 +220,18 @@ def _repeat(ops: Sequence[BoundSymbol]) -> tuple[int, int, int]:
 _VIEWS = frozenset({"broadcast_in_dim", "reshape", "transpose", "squeeze", "slice_prim"})
 
 
+def _is_view(op: BoundSymbol) -> bool:
+    return op.sym.name in _VIEWS or OpTags.VIEW in op.sym.tags
+
+
+def _has_in_place(ops: Sequence[BoundSymbol]) -> bool:
+    return any(OpTags.IN_PLACE in op.sym.tags for op in ops)
+
+
 def _shared_from_inputs(ops: Sequence[BoundSymbol]) -> set[int]:
     """The views (by ``id``) of values from outside the run that more than one operation reads; none where the
     run holds an in-place operation (moving a read across it would change what it reads)."""
-    if any(OpTags.IN_PLACE in op.sym.tags for op in ops):
+    if _has_in_place(ops):
         return set()
     made = {p.name for op in ops for p in op.flat_proxy_outs}
     readers: dict[str, int] = {}
@@ -232,7 +240,7 @@ def _shared_from_inputs(ops: Sequence[BoundSymbol]) -> set[int]:
             if isinstance(p, Proxy):
                 readers[p.name] = readers.get(p.name, 0) + 1
     return {id(op) for op in ops
-            if (op.sym.name in _VIEWS or OpTags.VIEW in op.sym.tags) and op.flat_proxy_outs
+            if _is_view(op) and op.flat_proxy_outs
             and not any(isinstance(p, Proxy) and p.name in made for p in op.flat_args)
             and any(readers.get(p.name, 0) > 1 for p in op.flat_proxy_outs)}
 
@@ -249,7 +257,7 @@ def sums_after_other_readers(ops: Sequence[BoundSymbol]) -> list[BoundSymbol]:
     ``g.T @ x``). The order changes nothing else: every operation still follows its inputs, and the sum's input
     is alive until its last reader either way.
     """
-    if any(OpTags.IN_PLACE in op.sym.tags for op in ops):
+    if _has_in_place(ops):
         return list(ops)  # moving a read across an in-place update would change what it reads
     n = len(ops)
     producer: dict[str, int] = {}
@@ -305,7 +313,6 @@ def _views_of(ops: Sequence[BoundSymbol], name: str) -> set[str]:
     """``name`` and the names of the views ``ops`` take of it, of those views, and so on."""
     names = {name}
     for op in ops:
-        if (op.sym.name in _VIEWS or OpTags.VIEW in op.sym.tags) and any(
-                isinstance(p, Proxy) and p.name in names for p in op.flat_args):
+        if _is_view(op) and any(isinstance(p, Proxy) and p.name in names for p in op.flat_args):
             names.update(p.name for p in op.flat_proxy_outs)
     return names
