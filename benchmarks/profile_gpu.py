@@ -37,10 +37,10 @@ def timeline(model, inputs, optimizer, device: torch.device) -> None:
     start = time.perf_counter()
     lower = inductor_compile._lower
 
-    def timed_lower(fn, example, cpp):
+    def timed_lower(fn, example, cpp, threads=None):
         t = time.perf_counter()
         try:
-            return lower(fn, example, cpp)
+            return lower(fn, example, cpp, threads)
         finally:
             print(f"  lowering {t - start:7.2f} -> {time.perf_counter() - start:7.2f} s ({len(example)} inputs)",
                   flush=True)

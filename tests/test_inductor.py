@@ -163,6 +163,9 @@ def test_programs_leave_a_core_to_the_background_compiler(monkeypatch):
 
         region.eager = spy
         assert started.wait(timeout=60), "the background compiler did not start"
+        both = inductor_compile.call_leaving_a_core(
+            lambda: (torch.get_num_threads(), inductor_compile.program_threads()))
+        assert both == (2, 3), "capped at 2; kernels asked for now still compile for the program's 3 threads"
         _threads_seen.clear()
         w.grad = None
         jf(a, w).backward()
@@ -231,7 +234,7 @@ def test_new_input_strides_get_their_own_variant(sync_compile):
 
 
 def test_inductor_failure_falls_back_with_a_warning(sync_compile, monkeypatch, caplog):
-    def broken(fn, example, cpp):
+    def broken(fn, example, cpp, threads=None):
         raise RuntimeError("simulated Inductor failure")
 
     monkeypatch.setattr(inductor_compile, "_lower", broken)

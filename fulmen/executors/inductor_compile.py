@@ -75,12 +75,13 @@ _last_request = 0.0
 _kernels: dict[tuple, Kernel] = {}
 _pool_started = False  # Inductor's Triton compile workers (``_start_triton_workers``)
 _compiling = False  # the background worker is compiling a batch now (not merely holding one back)
+_capped = threading.local()  # .threads: the count ``call_leaving_a_core`` capped this thread's PyTorch threads from
 
 
 class Kernel:
     """One Inductor compilation; ``fn`` is the compiled callable (taking a list of tensors) once it is ready."""
 
-    __slots__ = ("name", "fn", "failed", "done", "seconds")
+    __slots__ = ("name", "fn", "failed", "done", "seconds", "threads")
 
     def __init__(self, name: str):
         self.name = name
@@ -88,6 +89,7 @@ class Kernel:
         self.failed = False
         self.done = False
         self.seconds = 0.0
+        self.threads: int | None = None  # the CPU threads of the program that asked for it (``program_threads``)
 
 
 def _submit(job: tuple) -> None:
@@ -103,6 +105,11 @@ def _submit(job: tuple) -> None:
 
 def _work() -> None:
     global _compiling
+    # PyTorch gives a thread the process-wide thread count of the moment it first asks for it, and keeps it. Asked
+    # now, before this worker's first batch, no program is capped (``call_leaving_a_core`` caps only while a batch
+    # compiles), so the worker has the program's count and its compilations need no ``cpp.threads`` patch (which
+    # would be part of the keys of Inductor's on-disk cache).
+    torch.get_num_threads()
     while True:
         jobs = [_jobs.get()]
         while jobs[0] is not None and not _shutting_down and time.monotonic() - _last_request < QUIET_SECONDS:
@@ -140,6 +147,7 @@ def get_kernel(key: tuple, name: str, eager: Callable, args: tuple, mode: str) -
     if kernel is not None:
         return kernel
     kernel = Kernel(name)
+    kernel.threads = program_threads()
     if mode == "off":
         kernel.done = True
         return kernel  # not shared: a later program in another mode compiles it
@@ -188,9 +196,10 @@ def _vector_isa_known() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild) -> Callable:
+def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads: int | None = None) -> Callable:
     """Inductor's compilation of ``fn`` for inputs like ``example``, except for its CPU kernels' C++ build: those
-    join ``cpp``, and the returned callable works once ``cpp`` is built."""
+    join ``cpp``, and the returned callable works once ``cpp`` is built. ``threads``: the PyTorch CPU threads the
+    kernels will run with (default: the calling thread's)."""
     on_cpu = all(a.device.type == "cpu" for a in example)
     with compiler_import_lock:
         import torch._dynamo  # noqa: F401  (before Inductor: its modules import Dynamo's)
@@ -203,6 +212,12 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild) -> Calla
     patch = {}
     if config.cpp.vec_isa_ok is None and on_cpu and _vector_isa_known():
         patch["cpp.vec_isa_ok"] = True
+    if on_cpu and threads and threads != torch.get_num_threads():
+        # Inductor's C++ code specializes on the compiling thread's PyTorch thread count: with one thread, its
+        # kernels have no OpenMP loops at all. A compiling thread whose count is not the program's (a worker that
+        # started while the program's threads were capped, or a program that changed its count since) says the
+        # program's count explicitly.
+        patch["cpp.threads"] = threads
     with config.patch(patch):
         if on_cpu:
             prefetch_header()  # before the rest of Inductor's imports (about 1.5 s): they run beside the header
@@ -251,7 +266,7 @@ def _compile(jobs: list[tuple[Kernel, Callable, list[torch.Tensor]]]) -> None:
             continue
         start = time.perf_counter()
         try:
-            lowered.append((kernel, _lower(eager, example, cpp)))
+            lowered.append((kernel, _lower(eager, example, cpp, kernel.threads)))
         except Exception as e:  # the region keeps running with the torch executor
             _failed(kernel, e)
         finally:
@@ -310,10 +325,18 @@ def call_leaving_a_core(fn: Callable, *args):
     if cap < 1 or threads <= cap:
         return fn(*args)
     torch.set_num_threads(cap)
+    _capped.threads = threads
     try:
         return fn(*args)
     finally:
+        _capped.threads = None
         torch.set_num_threads(threads)
+
+
+def program_threads() -> int:
+    """The PyTorch CPU threads the calling thread's program runs with: its thread count, or, inside
+    ``call_leaving_a_core``'s cap, the count it was capped from. Kernels compile for this count."""
+    return getattr(_capped, "threads", None) or torch.get_num_threads()
 
 
 def wait_for_compilations(timeout: float | None = None) -> None:
