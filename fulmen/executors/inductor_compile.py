@@ -214,9 +214,9 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
         patch["cpp.vec_isa_ok"] = True
     if on_cpu and threads and threads != torch.get_num_threads():
         # Inductor's C++ code specializes on the compiling thread's PyTorch thread count: with one thread, its
-        # kernels have no OpenMP loops at all. A compiling thread whose count is not the program's (a worker that
-        # started while the program's threads were capped, or a program that changed its count since) says the
-        # program's count explicitly.
+        # kernels have no OpenMP loops at all. A compiling thread whose count is not the program's (a sync
+        # compilation inside ``call_leaving_a_core``'s cap, or a program that changed its count after the worker
+        # started) says the program's count explicitly.
         patch["cpp.threads"] = threads
     with config.patch(patch):
         if on_cpu:
