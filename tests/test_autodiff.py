@@ -634,6 +634,87 @@ def test_scaled_dot_product_attention_gradients(case):
     assert uses_flash == (case != "bool_mask_falls_back")
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ignored", ["some", "all"])
+def test_cross_entropy_forward_saves_the_gradient_not_the_log_probabilities(reduction, ignored):
+    """For (N, C) float logits computed in the program (an lm_head), the forward computes softmax - onehot and
+    saves it: the backward is a multiply by the cotangent with no exp (no softmax rebuilt), and exactly one (N, C)
+    tensor is saved. Ignored rows (all of them: a NaN mean loss, zero gradients) and every reduction keep eager's
+    results."""
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(12, 16, generator=gen, dtype=torch.float64)
+    w = torch.randn(37, 16, generator=gen, dtype=torch.float64)
+    target = torch.randint(0, 37, (12,), generator=gen)
+    target[:5 if ignored == "some" else 12] = -1
+
+    def f(h, w, target):
+        return F.cross_entropy(F.linear(h, w), target, ignore_index=-1, reduction=reduction)
+
+    (ha, wa), (he, we) = [[t.clone().requires_grad_() for t in (h, w)] for _ in range(2)]
+    jfn = fulmen.jit(f, executors=[])
+    loss, expected = jfn(ha, wa, target), f(he, we, target)
+    ct = torch.randn(loss.shape, generator=gen, dtype=torch.float64)
+    loss.backward(ct)
+    expected.backward(ct)
+    torch.testing.assert_close(loss, expected, equal_nan=True)
+    torch.testing.assert_close(ha.grad, he.grad)
+    torch.testing.assert_close(wa.grad, we.grad)
+    backward = fulmen.last_backward_traces(jfn)[-1]
+    assert "exp" not in {b.sym.name for b in backward.bound_symbols}, str(backward)
+    saved = backward.bound_symbols[0].output
+    assert [p.dtype for p in saved if isinstance(p, TensorProxy) and tuple(p.shape) == (12, 37)] == [
+        torch.float64], str(backward)
+
+
+def test_cross_entropy_of_input_logits_recomputes_the_gradient_rather_than_saving_it():
+    """When the logits are a program input (the caller keeps them alive anyway), rebuilding softmax - onehot in the
+    backward costs no memory, so rematerialization recomputes it instead of saving a second float (N, C) tensor."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 11, generator=gen, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 11, (8,), generator=gen)
+    jfn = fulmen.jit(lambda x, t: F.cross_entropy(x, t), executors=[])
+    jfn(x, target).backward()
+    (expected,) = torch.autograd.grad(F.cross_entropy(x, target), x)
+    torch.testing.assert_close(x.grad, expected)
+    saved = fulmen.last_backward_traces(jfn)[-1].bound_symbols[0].output
+    assert [p.name for p in saved if isinstance(p, TensorProxy) and p.dtype is torch.float64 and
+            tuple(p.shape) == (8, 11)] == ["x"]
+
+
+def test_compute_in_forward_moves_a_rules_backward_value_into_the_forward():
+    """A value a grad rule marks with ``compute_in_forward`` runs in the forward and is saved (it is larger than
+    nothing it could be recomputed from more cheaply); unmarked, the same rule computes it in the backward."""
+    from fulmen.transforms import linearize as lin
+
+    def make_rule(mark):
+        def rule(p):
+            a = p[0]
+            out = prims.sin(a)
+            slope = ltorch.cos(prims.matmul(a, a))  # from a matrix product: cheaper to save than to recompute
+            if mark:
+                lin.compute_in_forward(slope)
+            lin.put_grad(a, ltorch.mul(lin.get_grad(out), ltorch.diagonal(slope)[:a.shape[0]].sum() + 0 * a))
+            return out
+        return rule
+
+    x = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    names = {}
+    for mark in (False, True):
+        old = lin._builtin_rules.get("torch.sin")
+        lin._builtin_rules["torch.sin"] = (make_rule(mark), None)
+        try:
+            jfn = fulmen.jit(lambda a: torch.sin(a), executors=[])
+            jfn(x).sum().backward()
+        finally:
+            if old is None:
+                lin._builtin_rules.pop("torch.sin")
+            else:
+                lin._builtin_rules["torch.sin"] = old
+        names[mark] = {b.sym.name for b in fulmen.last_backward_traces(jfn)[-1].bound_symbols}
+        x.grad = None
+    assert "matmul" in names[False] and "matmul" not in names[True], names
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ["causal", "scale", "cross", "transposed", "gqa_falls_back", "mask_falls_back"])

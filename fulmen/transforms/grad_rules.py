@@ -26,7 +26,15 @@ from fulmen.core import dtypes
 from fulmen.core.devices import to_device
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import OpTags, Symbol
-from fulmen.transforms.linearize import RuleArgs, builtin_rule, get_grad, needs_grad, put_grad, put_grads
+from fulmen.transforms.linearize import (
+    RuleArgs,
+    builtin_rule,
+    compute_in_forward,
+    get_grad,
+    needs_grad,
+    put_grad,
+    put_grads,
+)
 
 _aten = torch.ops.aten
 _HALF = (torch.float16, torch.bfloat16)
@@ -370,10 +378,50 @@ def _cross_entropy_rule(p: RuleArgs):
             or not dtypes.is_float_dtype(a.dtype)):
         return NotImplemented
     dim, red, ignore = (0 if a.ndim == 1 else 1), _REDUCTIONS[reduction], p.get("ignore_index", -100)
+    if weight is None and a.ndim == 2 and a.dtype in (torch.float32, torch.float64):
+        return _cross_entropy_unit_gradient(a, target, reduction, ignore)
     logp = log_softmax(a, dim, False)
     loss, total = nll_loss_forward(logp, target, weight, red, ignore)
     g_logp = nll_loss_backward(get_grad(loss), logp, target, weight, red, ignore, total)
     put_grad(a, log_softmax_backward(g_logp, logp, dim, a.dtype))
+    return loss
+
+
+def _cross_entropy_unit_gradient(a: TensorProxy, target: TensorProxy, reduction: str, ignore: int):
+    """Cross-entropy of (N, C) float32/float64 logits whose forward also computes ``softmax - onehot`` on the
+    rows not ignored (zeros on the others) and saves it in place of the log-probabilities (the same size). The
+    backward is then one multiply, by the cotangent (over the kept-row count for ``mean``), instead of a pass
+    that rebuilds the softmax from the log-probabilities.
+
+    All of it is fusible operations. Nothing in the saved tensor waits for a reduction over all rows, so
+    Inductor writes each of its rows in the loop that reduces that row, while the row is in cache. The
+    arithmetic is eager's: the log-probabilities are ``(x - max) - log(sum(exp(x - max)))`` as ATen's kernel
+    computes them, the loss is the negated picked log-probability summed, or averaged over the kept rows, and
+    the gradient is ATen's ``(exp(logp) - onehot) * (g / count)`` up to rounding."""
+    n, c = a.shape
+    shifted = ltorch.sub(a, ltorch.amax(a, 1, keepdim=True))
+    total = ltorch.sum(ltorch.exp(shifted), 1, keepdim=True)
+    logp = ltorch.sub(shifted, ltorch.log(total))
+    kept = ltorch.ne(target, ignore)
+    safe = ltorch.where(kept, target, 0)
+    picked = clang.reshape(ltorch.gather(logp, 1, clang.reshape(safe, (n, 1))), (n,))
+    rows = ltorch.where(kept, ltorch.neg(picked), 0.0)
+    classes = clang.reshape(ltorch.arange(c, device=a.device, dtype=target.dtype), (1, c))
+    onehot = _convert(ltorch.eq(classes, clang.reshape(safe, (n, 1))), a.dtype)
+    unit = ltorch.sub(ltorch.true_divide(ltorch.exp(shifted), total), onehot)
+    unit = ltorch.where(clang.reshape(kept, (n, 1)), unit, 0.0)
+    compute_in_forward(unit)
+    if reduction == "none":
+        put_grad(a, ltorch.mul(unit, clang.reshape(get_grad(rows), (n, 1))))
+        return rows
+    loss = ltorch.sum(rows)
+    if reduction == "mean":
+        count = ltorch.sum(kept, dtype=a.dtype)
+        loss = ltorch.true_divide(loss, count)
+    g = get_grad(loss)
+    if reduction == "mean":  # no kept rows: the saved tensor is all zeros, and so is eager's gradient (not 0 * inf)
+        g = ltorch.true_divide(g, ltorch.where(ltorch.gt(count, 0), count, 1.0))
+    put_grad(a, ltorch.mul(unit, g))
     return loss
 
 

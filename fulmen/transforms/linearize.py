@@ -150,6 +150,14 @@ def put_grads(xs: Sequence, gs: Sequence) -> None:
         put_grad(x, g)
 
 
+def compute_in_forward(*xs: Any) -> None:
+    """Inside a grad rule: compute these values in the forward although only the backward reads them. A rule's
+    operations that its outputs do not need otherwise run in the backward; a value marked here is one the
+    backward may save instead (rematerialization still recomputes it when saving it costs more memory)."""
+    _check_in_transform("compute_in_forward")
+    _linearizers[-1].in_forward.update(x.name for x in xs if isinstance(x, TensorProxy))
+
+
 def needs_grad(x: Any) -> bool:
     """Inside a grad transform: whether a gradient for ``x`` is wanted (it depends on an input being
     differentiated). Rules use it for the ``output_mask`` of aten backward ops."""
@@ -262,6 +270,7 @@ class _Linearizer:
         self.active = set(active)
         self.executors = list(executors or ())
         self.units: list[Unit] = []
+        self.in_forward: set[str] = set()  # compute_in_forward's values, for the rule running now
 
     def is_active(self, x) -> bool:
         return isinstance(x, TensorProxy) and x.name in self.active
@@ -336,11 +345,13 @@ class _Linearizer:
         scope: list[BoundSymbol] = []
         trc.scopes.append(scope)
         _linearizers.append(self)
+        outer, self.in_forward = self.in_forward, set()
         try:
             result = fn(RuleArgs(bsym)) if style == "builtin" else fn(*bsym.args, **bsym.kwargs)
         finally:
             _linearizers.pop()
             trc.scopes.pop()
+            in_forward, self.in_forward = self.in_forward, outer
         if result is NotImplemented:
             return None
         saved = None
@@ -357,7 +368,7 @@ class _Linearizer:
             return None  # the rule returned an input unchanged: differentiate the decomposition instead
         swap = {g.name: w for g, w in zip(got, want) if g.name != w.name}
         recorded = [b.from_bsym_swap_proxies(swap) for b in scope]
-        forward, rest = _partition(recorded, want)
+        forward, rest = _partition(recorded, want, in_forward)
         if style == "augmented":
             backward = functools.partial(_augmented_backward, bsym, fn, _swap_values(saved, swap))
         else:
@@ -396,9 +407,11 @@ def _swap_values(x, swap: dict[str, Proxy]):
     return x
 
 
-def _partition(recorded: list[BoundSymbol], outputs: list[Proxy]) -> tuple[list[BoundSymbol], list[BoundSymbol]]:
-    """Split what a grad rule recorded into what computes ``outputs`` (its forward) and the rest (its backward)."""
-    wanted = {p.name for p in outputs}
+def _partition(recorded: list[BoundSymbol], outputs: list[Proxy], also: set[str] = frozenset()
+               ) -> tuple[list[BoundSymbol], list[BoundSymbol]]:
+    """Split what a grad rule recorded into what computes ``outputs`` and the values named in ``also`` (its
+    forward) and the rest (its backward)."""
+    wanted = {p.name for p in outputs} | set(also)
     in_forward: set[int] = set()
     for i in range(len(recorded) - 1, -1, -1):
         b = recorded[i]

@@ -265,8 +265,8 @@ def _differentiate(trc: Trace, scope: list, out: Any, inputs: list, active: set,
     needed = forward_values_read(body, seed_names, also_read=[g.name for g in grads if g is not None])
     saved, producers = remat.choose_saved(_leaves(joint.nodes), inputs, needed)
     producers = remat.coarsen(joint.nodes, [p.name for p in saved], producers)
-    must = set(needed) - set(producers)
-    forward = emit_forward(joint.nodes, must)
+    # the forward computes what is saved: the needed values not recomputed, and what the recomputation reads
+    forward = emit_forward(joint.nodes, {p.name for p in saved})
     defined = {x.name for x in inputs} | {p.name for b in forward for p in b.flat_proxy_outs} | seed_names
     trc.scopes[-1].extend(forward + remat.with_recompute(body, defined, producers,
                                                          also_read=[g.name for g in grads if g is not None],
