@@ -378,7 +378,7 @@ def _cross_entropy_rule(p: RuleArgs):
             or not dtypes.is_float_dtype(a.dtype)):
         return NotImplemented
     dim, red, ignore = (0 if a.ndim == 1 else 1), _REDUCTIONS[reduction], p.get("ignore_index", -100)
-    if weight is None and a.ndim == 2 and a.dtype in (torch.float32, torch.float64):
+    if weight is None and a.ndim == 2 and a.dtype in (torch.float32, torch.float64) and a.device.type == "cpu":
         return _cross_entropy_unit_gradient(a, target, reduction, ignore)
     logp = log_softmax(a, dim, False)
     loss, total = nll_loss_forward(logp, target, weight, red, ignore)
@@ -397,7 +397,11 @@ def _cross_entropy_unit_gradient(a: TensorProxy, target: TensorProxy, reduction:
     Inductor writes each of its rows in the loop that reduces that row, while the row is in cache. The
     arithmetic is eager's: the log-probabilities are ``(x - max) - log(sum(exp(x - max)))`` as ATen's kernel
     computes them, the loss is the negated picked log-probability summed, or averaged over the kept rows, and
-    the gradient is ATen's ``(exp(logp) - onehot) * (g / count)`` up to rounding."""
+    the gradient is ATen's ``(exp(logp) - onehot) * (g / count)`` up to rounding.
+
+    CPU only, where it was measured: lm_head and loss of gpt-small (256 x 4,096 logits, 2 cores), forward and
+    backward, 8.45 against 8.68 ms (medians of 180 calls). On CUDA the log-softmax path with fulmen's one-pass
+    backward decomposition (``inductor_decomps``) was measured on an H100 and stays."""
     n, c = a.shape
     shifted = ltorch.sub(a, ltorch.amax(a, 1, keepdim=True))
     total = ltorch.sum(ltorch.exp(shifted), 1, keepdim=True)
