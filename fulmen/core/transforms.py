@@ -12,8 +12,8 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-_AUTODIFF = ("grad", "value_and_grad", "vjp", "get_grad", "put_grad", "put_grads", "register_grad",
-             "register_augmented_forward", "register_backward")
+_AUTODIFF = ("grad", "value_and_grad", "vjp", "get_grad", "put_grad", "put_grads", "compute_in_forward",
+             "register_grad", "register_augmented_forward", "register_backward")
 
 __all__ = ["inline", *_AUTODIFF]
 

@@ -35,6 +35,7 @@ from fulmen.transforms.linearize import (  # noqa: F401  (public names)
     Joint,
     NotDifferentiableError,
     bind_arguments,
+    compute_in_forward,
     get_grad,
     is_differentiable_dtype,
     needs_grad,
@@ -47,7 +48,7 @@ from fulmen.transforms.linearize import (  # noqa: F401  (public names)
 )
 
 __all__ = [
-    "grad", "value_and_grad", "vjp", "get_grad", "put_grad", "put_grads", "register_grad",
+    "grad", "value_and_grad", "vjp", "get_grad", "put_grad", "put_grads", "compute_in_forward", "register_grad",
     "register_augmented_forward", "register_backward", "vjp_rules", "NON_DIFFERENTIABLE", "backward_pass",
     "needs_grad", "NotDifferentiableError", "sum_to",
 ]
