@@ -40,33 +40,22 @@ def fusion_groups(bsyms: Sequence[BoundSymbol], fusible: Callable[[BoundSymbol],
     n = len(nodes)
     kinds = [fusible(node[-1]) for node in nodes]
 
-    producer: dict[str, int] = {}
-    deps: list[set[int]] = [set() for _ in range(n)]
+    deps = _data_dependencies([node[-1] for node in nodes])
     last_unfused = -1
     barrier = -1
     for i, node in enumerate(nodes):
-        op = node[-1]
-        for p in op.flat_args:
-            j = producer.get(p.name)
-            if j is not None:
-                deps[i].add(j)
         if barrier >= 0:
             deps[i].add(barrier)
         if not kinds[i]:
             if last_unfused >= 0:
                 deps[i].add(last_unfused)
             last_unfused = i
-        if OpTags.SIDE_EFFECT in op.sym.tags:
+        if OpTags.SIDE_EFFECT in node[-1].sym.tags:
             deps[i].update(range(barrier + 1, i))
             barrier = i
-        for p in op.flat_proxy_outs:
-            producer[p.name] = i
 
-    users: list[list[int]] = [[] for _ in range(n)]
+    users = _users(deps)
     missing = [len(d) for d in deps]
-    for i, d in enumerate(deps):
-        for j in d:
-            users[j].append(i)
     ready: tuple[list[int], list[int]] = ([], [])  # (not fusible, fusible), each a heap of trace positions
     for i in range(n):
         if not missing[i]:
@@ -260,20 +249,13 @@ def sums_after_other_readers(ops: Sequence[BoundSymbol]) -> list[BoundSymbol]:
     if _has_in_place(ops):
         return list(ops)  # moving a read across an in-place update would change what it reads
     n = len(ops)
-    producer: dict[str, int] = {}
     readers: dict[str, list[int]] = {}
-    users: list[list[int]] = [[] for _ in range(n)]
-    deps: list[set[int]] = [set() for _ in range(n)]
     for i, op in enumerate(ops):
         for p in op.flat_args:
             if isinstance(p, Proxy):
                 readers.setdefault(p.name, []).append(i)
-                j = producer.get(p.name)
-                if j is not None and j not in deps[i]:
-                    deps[i].add(j)
-                    users[j].append(i)
-        for p in op.flat_proxy_outs:
-            producer[p.name] = i
+    deps = _data_dependencies(ops)
+    users = _users(deps)
 
     key = [float(i) for i in range(n)]
     for i, op in enumerate(ops):
@@ -307,6 +289,29 @@ def sums_after_other_readers(ops: Sequence[BoundSymbol]) -> list[BoundSymbol]:
     if len(order) != n:
         raise AssertionError("sums_after_other_readers lost operations: the region's dependencies have a cycle")
     return order
+
+
+def _data_dependencies(ops: Sequence[BoundSymbol]) -> list[set[int]]:
+    """For each operation, the positions of the operations in ``ops`` that produce what it reads."""
+    producer: dict[str, int] = {}
+    deps: list[set[int]] = [set() for _ in ops]
+    for i, op in enumerate(ops):
+        for p in op.flat_args:
+            j = producer.get(p.name) if isinstance(p, Proxy) else None
+            if j is not None:
+                deps[i].add(j)
+        for p in op.flat_proxy_outs:
+            producer[p.name] = i
+    return deps
+
+
+def _users(deps: list[set[int]]) -> list[list[int]]:
+    """The inverse of ``deps``: for each operation, the positions of the operations that depend on it."""
+    users: list[list[int]] = [[] for _ in deps]
+    for i, d in enumerate(deps):
+        for j in d:
+            users[j].append(i)
+    return users
 
 
 def _views_of(ops: Sequence[BoundSymbol], name: str) -> set[str]:

@@ -369,7 +369,8 @@ builtin_rule("torch.log_softmax", "torch.nn.functional.log_softmax", "torch.Tens
 
 @builtin_rule("torch.nn.functional.cross_entropy")
 def _cross_entropy_rule(p: RuleArgs):
-    """log_softmax + nll_loss, saving the log-probabilities once (as eager does), with their aten backwards."""
+    """log_softmax + nll_loss, saving the log-probabilities once (as eager does), with their aten backwards; on
+    CPU, unweighted (N, C) float32/float64 logits save their gradient instead (``_cross_entropy_unit_gradient``)."""
     a, target, weight = p[0], p[1], p.get("weight")
     reduction = p.get("reduction", "mean")
     if (p.get("size_average") is not None or p.get("reduce") is not None or p.get("label_smoothing", 0.0)
