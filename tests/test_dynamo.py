@@ -102,3 +102,19 @@ def test_torch_compile_options_reach_fulmen_jit():
     torch.testing.assert_close(compiled(x), f(x))
     jitted = made[-1]._fulmen_jitted
     assert [ex.name for ex in jitted.executors] == ["torch"] and jitted.compile_mode == "sync"
+
+
+def test_a_float_passed_as_a_tensor_runs_the_graph_eagerly(caplog):
+    """Dynamo passes a Python float that changes between calls as a 0-d tensor read with ``.item()`` in the graph;
+    fulmen has no symbolic floats, so that graph runs with eager PyTorch (logged) and every result is right."""
+    torch._dynamo.reset()
+
+    def f(x, k):
+        return x.sin() * k + 1
+
+    compiled = torch.compile(f, backend="fulmen")
+    x = torch.randn(5)
+    with caplog.at_level("WARNING", logger="fulmen.dynamo"):
+        for k in (0.5, 0.7, -3.0):
+            torch.testing.assert_close(compiled(x, k), f(x, k))
+    assert "runs with eager PyTorch" in caplog.text

@@ -230,11 +230,49 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
 
             decompositions = decomposition_table()
             install_index_shortcut()
-        gm = make_fx(fn, decomposition_table=decompositions, tracing_mode="fake")(*example)
-        fake_mode = _fake_mode()
-        with merged_cpp_build(cpp), tracing(TracingContext(fake_mode)):
-            compiled = compile_fx_inner(gm, [fake_mode.from_tensor(a) for a in example])
+        with _lowering_on_this_thread():
+            gm = make_fx(fn, decomposition_table=decompositions, tracing_mode="fake")(*example)
+            fake_mode = _fake_mode()
+            with merged_cpp_build(cpp), tracing(TracingContext(fake_mode)):
+                compiled = compile_fx_inner(gm, [fake_mode.from_tensor(a) for a in example])
     return getattr(compiled, "current_callable", compiled)
+
+
+# Threads lowering a region now. make_fx sets FX's process-wide "symbolic tracing" flag while it traces, and Dynamo
+# refuses to run a torch.compile'd function while that flag is set ("Detected that you are using FX to symbolically
+# trace a dynamo-optimized function"): a background lowering would break the user's torch.compile calls on the
+# main thread. ``_install_thread_aware_fx_flag`` makes the flag read as set only on the thread that set it.
+_lowering_threads: set[int] = set()
+
+
+def _install_thread_aware_fx_flag() -> None:
+    from torch.fx import _symbolic_trace
+
+    process_wide = _symbolic_trace.is_fx_symbolic_tracing
+    if getattr(process_wide, "_fulmen", False):
+        return
+
+    def is_fx_symbolic_tracing() -> bool:
+        if _lowering_threads and threading.get_ident() not in _lowering_threads:
+            return False  # the flag is fulmen's lowering on another thread, not a trace of this thread's code
+        return process_wide()
+
+    is_fx_symbolic_tracing._fulmen = True
+    is_fx_symbolic_tracing.__doc__ = process_wide.__doc__
+    _symbolic_trace.is_fx_symbolic_tracing = is_fx_symbolic_tracing  # read by torch.compile's wrapper when made
+
+
+_install_thread_aware_fx_flag()
+
+
+@contextlib.contextmanager
+def _lowering_on_this_thread():
+    ident = threading.get_ident()
+    _lowering_threads.add(ident)
+    try:
+        yield
+    finally:
+        _lowering_threads.discard(ident)
 
 
 def _fake_mode():

@@ -48,6 +48,7 @@ def fulmen_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict
     them would compile a program per size, while a size read from a tensor follows fulmen's own dynamic sizes
     (one more compilation when a dimension first changes, then none).
     """
+    from fulmen.core.proxies import DataDependentError
     from fulmen.frontend.jit import JittedFunction
 
     sources = _size_sources(gm) or {}
@@ -61,12 +62,21 @@ def fulmen_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict
     run_graph.__name__ = "dynamo_graph"
     jitted = JittedFunction(run_graph, **{**(options or {}), **kwargs})
 
-    if sources:
-        def compiled(*args):
-            return jitted(*[args[i] for i in kept])
-    else:
-        def compiled(*args):
-            return jitted(*args)
+    select = (lambda args: [args[i] for i in kept]) if sources else (lambda args: args)
+    eager = None  # set when fulmen cannot trace the graph: Dynamo's graph then runs as it is
+
+    def compiled(*args):
+        nonlocal eager
+        if eager is None:
+            try:
+                return jitted(*select(args))
+            except DataDependentError as e:
+                # Dynamo passes a Python float that changes between calls as a 0-d tensor read with .item() inside
+                # the graph; fulmen has no symbolic floats. Tracing has no side effects, so eager PyTorch can run it.
+                log.warning("fulmen: a Dynamo graph needs a tensor's value while tracing (%s); it runs with eager "
+                            "PyTorch from now on", str(e).splitlines()[0])
+                eager = gm
+        return eager(*args)
 
     compiled._fulmen_jitted = jitted
     log.debug("fulmen: compiling a Dynamo graph with %d nodes", len(gm.graph.nodes))
