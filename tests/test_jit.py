@@ -432,3 +432,33 @@ def test_wrapper_forwards_attributes_of_the_original():
     model.custom_flag = "kept"
     assert jm.custom_flag == "kept"
     assert jm.original_module is model
+
+
+def test_a_returned_namedtuple_holds_the_computed_tensors():
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "double plus_one")
+
+    def f(x):
+        return {"pair": Pair(x * 2, x + 1), "n": 3}
+
+    x = torch.randn(3)
+    for compile_mode in ("off", "sync"):
+        out = fulmen.jit(f, compile=compile_mode)(x)
+        assert type(out["pair"]) is Pair and out["n"] == 3
+        torch.testing.assert_close(out["pair"].double, x * 2)
+        torch.testing.assert_close(out["pair"].plus_one, x + 1)
+
+
+def test_numpy_scalars_act_as_python_numbers():
+    np = pytest.importorskip("numpy")
+
+    def f(a, i):
+        return a * np.float64(2.5) + np.float32(0.5), i * np.int64(3)
+
+    a, i = torch.randn(4), torch.arange(4)
+    expected = f(a, i)
+    actual = fulmen.jit(f)(a, i)
+    for e, o in zip(expected, actual):
+        assert o.dtype == e.dtype
+        torch.testing.assert_close(o, e)

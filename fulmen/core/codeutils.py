@@ -55,6 +55,8 @@ class Printer:
         if isinstance(x, SYMBOLIC_TYPES):
             return python_expr(x)
         if isinstance(x, Number):
+            if type(x) not in (int, float, complex) and hasattr(x, "item"):
+                x = x.item()  # a NumPy scalar: its repr (np.float64(2.5)) names a module generated code lacks
             if isinstance(x, float):
                 if x != x:
                     return "nan"
@@ -64,8 +66,8 @@ class Printer:
         if isinstance(x, tuple):
             if type(x).__module__ == "torch.return_types":  # structseqs such as torch.return_types.max
                 return f"torch.return_types.{type(x).__name__}(({''.join(self(v) + ', ' for v in x)}))"
-            if hasattr(x, "_fields"):
-                return self.constant(x, "_tuple")
+            if hasattr(x, "_fields"):  # a namedtuple: its class is a constant, its fields are printed
+                return f"{self.constant(type(x), '_' + type(x).__name__)}({''.join(self(v) + ', ' for v in x)})"
             inner = ", ".join(self(v) for v in x)
             return f"({inner},)" if len(x) == 1 else f"({inner})"
         if isinstance(x, list):

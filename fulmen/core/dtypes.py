@@ -7,6 +7,8 @@ adds the classification and type-promotion helpers the languages need, and the s
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 bool8 = torch.bool
@@ -110,5 +112,12 @@ def python_type_dtype(x: bool | int | float | complex) -> torch.dtype:
     if isinstance(x, (float, torch.SymFloat)):
         return torch.get_default_dtype()
     if isinstance(x, complex):
+        return corresponding_complex_dtype(torch.get_default_dtype())
+    # other number types (NumPy scalars): as torch treats them, by kind
+    if isinstance(x, numbers.Integral):
+        return torch.int64
+    if isinstance(x, numbers.Real):
+        return torch.get_default_dtype()
+    if isinstance(x, numbers.Complex):
         return corresponding_complex_dtype(torch.get_default_dtype())
     raise TypeError(f"Expected a number, but got {type(x).__name__}")
