@@ -164,16 +164,9 @@ def _op_callable(op):
     return op.op
 
 
-def _has_zero_vector(sample) -> bool:
-    return any(isinstance(x, torch.Tensor) and x.is_floating_point() and not x.any() for x in sample.args)
-
-
 #: Samples where the torch-language decomposition's gradient differs from eager's, with the reason (reported to
 #: the owners of those decompositions). Every other sample of these ops is still compared.
-KNOWN_DECOMPOSITION_GAPS = {
-    "cosine_similarity": (_has_zero_vector, "the decomposition takes sqrt of the squared norm before clamping by "
-                                            "eps, so a zero vector gets 0 * inf = NaN; eager clamps first"),
-}
+KNOWN_DECOMPOSITION_GAPS: dict = {}
 
 
 #: in-place ops that write a non-differentiable result into a tensor requiring grad: eager keeps requires_grad
@@ -335,6 +328,44 @@ def test_fallback_op_gradient():
     torch.testing.assert_close(ya.grad, ye.grad)
     assert torch.autograd.gradcheck(jfn, (x.clone().requires_grad_(), y.clone().requires_grad_()))
     assert any("autograd_vjp" in line for line in str(fulmen.last_backward_traces(jfn)[-1]).splitlines())
+
+
+def _index_copy_source_only(src):
+    x = torch.arange(15, dtype=src.dtype).reshape(5, 3)  # only the last tensor argument is differentiated
+    return x.index_copy(0, torch.tensor([3, 0]), src * 2)
+
+
+# Opaque ops whose differentiated tensors come after ints, None, strings and integer tensors: the backward must hand
+# each tensor its own gradient (``which`` counts tensor arguments only).
+_OPAQUE_LAYOUTS = {
+    "index_copy": (lambda x, src: torch.index_copy(x.sin(), 0, torch.tensor([3, 0]), src), "index_copy",
+                   lambda: (torch.randn(5, 3), torch.randn(2, 3))),
+    "index_copy_source_only": (_index_copy_source_only, "index_copy", lambda: (torch.randn(2, 3),)),
+    "diff_prepend_append": (lambda x, p, a: torch.diff(x, 1, 0, p, a), "diff",
+                            lambda: (torch.randn(4, 3), torch.randn(2, 3), torch.randn(1, 3))),
+    "diff_none_prepend": (lambda x, a: torch.diff(x, 1, 0, None, a), "diff",
+                          lambda: (torch.randn(4, 3), torch.randn(2, 3))),
+    "embedding_bag_per_sample_weights": (
+        lambda w, psw: F.embedding_bag(torch.tensor([0, 2, 1, 2]), w, torch.tensor([0, 2]), None, 2.0, False, "sum",
+                                       False, psw), "embedding_bag", lambda: (torch.randn(3, 4), torch.randn(4))),
+}
+
+
+@pytest.mark.parametrize("layout", list(_OPAQUE_LAYOUTS))
+def test_fallback_op_gradient_with_non_tensor_arguments_first(layout):
+    f, opaque, make = _OPAQUE_LAYOUTS[layout]
+    args = [a.double() for a in make()]
+    jfn = fulmen.jit(f)
+    actual = [a.clone().requires_grad_() for a in args]
+    out = jfn(*actual)
+    assert _fallback_names(jfn) == [opaque], f"{opaque} should be an opaque op in this test"
+    ct = torch.randn_like(out)
+    out.backward(ct)
+    expected = [a.clone().requires_grad_() for a in args]
+    f(*expected).backward(ct)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        torch.testing.assert_close(a.grad, e.grad, msg=lambda m: f"argument {i}: {m}")
+    assert torch.autograd.gradcheck(jfn, [a.clone().requires_grad_() for a in args])
 
 
 def test_random_fallback_op_replays_its_random_numbers():

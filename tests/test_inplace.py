@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fulmen
@@ -253,3 +254,150 @@ def test_module_buffer_updated_in_forward_is_written_back():
             assert_close(compiled_module.mean, eager.mean)
             assert compiled_module.steps.item() == eager.steps.item() == step + 1
     assert fulmen.cache_hits(jitted) == 2
+
+
+# ---------------------------------------------------------------------------------------------------------
+# aliasing: values that must stay independent, and views fulmen has no rule for
+
+
+def test_copy_gives_the_target_its_own_value():
+    def f(a, b):
+        a.copy_(b)
+        b.add_(1)  # must not reach a
+        return a, b
+
+    def g(a, b):
+        a.copy_(b)
+        a.add_(1)  # must not reach the caller's b
+        return b * 1
+
+    def h(x):
+        b = x * 1
+        a = torch.zeros(2)
+        a.copy_(b)
+        b.add_(1)
+        return a
+
+    check(f, torch.zeros(2), torch.ones(2))
+    check(g, torch.zeros(2), torch.ones(2))
+    check(h, torch.ones(2))
+
+
+@pytest.mark.parametrize("make", [
+    lambda x: F.interpolate(x.view(1, 1, 4), size=4),
+    lambda x: F.interpolate(x.view(1, 1, 4), size=4, mode="linear"),
+    lambda x: F.interpolate(x.view(1, 1, 2, 2), scale_factor=1.0, mode="bilinear"),
+    lambda x: F.adaptive_avg_pool1d(x.view(1, 1, 4), 4),
+    lambda x: F.adaptive_max_pool1d(x.view(1, 1, 4), 4),
+], ids=["nearest", "linear", "bilinear", "adaptive_avg", "adaptive_max"])
+def test_ops_that_change_nothing_still_copy(make):
+    def f(a):
+        out = make(a)
+        out.add_(100)  # eager's result is a new tensor: the caller's input keeps its values
+        return a * 1, out
+
+    check(f, torch.arange(4.0))
+
+
+def test_nan_to_num_of_an_integer_tensor_copies():
+    def f(a):
+        a.nan_to_num().add_(100)
+        return a * 1
+
+    check(f, torch.arange(4))
+
+
+def test_writes_through_as_strided_reach_the_input():
+    def f(a):
+        v = a.as_strided((2,), (2,))
+        v.add_(3)
+        w = torch.as_strided(a, (2, 2), (1, 2), 1)
+        a.mul_(2)  # seen by both views
+        return a + 0, v * 1, w * 1
+
+    check(f, torch.ones(6))
+
+
+def test_writes_through_view_as_real_and_view_as_complex_reach_the_input():
+    def f(a, r):
+        torch.view_as_real(a)[..., 1].zero_()
+        pairs = torch.view_as_real(a)
+        a.mul_(2)  # seen by pairs
+        torch.view_as_complex(r).mul_(1j)
+        return a * 1, pairs * 1, r * 1
+
+    z = torch.randn(3, dtype=torch.complex64)
+    check(f, z, torch.randn(3, 2))
+
+
+@pytest.mark.parametrize("executors", [None, ["torch"]], ids=["default", "torch"])
+def test_identical_returned_computations_stay_independent(executors):
+    def f(a):
+        return a + 1, a + 1, a * 2, (a * 2).view(4), a.view(4), a.view(4), (a - 1).sum()
+
+    jfn = fulmen.jit(f) if executors is None else fulmen.jit(f, executors=executors)
+    for _ in range(2):  # compiling call and cached call
+        outs, expected = jfn(torch.ones(2, 2)), f(torch.ones(2, 2))
+        for i, o in enumerate(outs):
+            for j in range(i + 1, len(outs)):
+                assert (o is outs[j]) == (expected[i] is expected[j])
+        outs[0].add_(5)  # an independent tensor in eager: no other output changes
+        outs[2].zero_()
+        outs[4].mul_(3)  # a view of the input: the input's other view changes, as in eager
+        expected[0].add_(5)
+        expected[2].zero_()
+        expected[4].mul_(3)
+        assert_close(outs, expected)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# inputs that share memory, mutated globals, returning mutated inputs
+
+
+@pytest.mark.parametrize("second", [lambda x: x, lambda x: x[1:]], ids=["same", "view"])
+def test_an_input_written_while_another_input_shares_its_memory(second, caplog):
+    def f(a, b):
+        a.mul_(2)
+        return b + 1
+
+    jfn = fulmen.jit(f)
+    separate = jfn(torch.ones(4), torch.ones(4))  # compiled for separate tensors
+    x, y = torch.ones(4), torch.ones(4)
+    expected = f(x, second(x))
+    with caplog.at_level("WARNING", logger="fulmen"):
+        assert_close(jfn(y, second(y)), expected)  # runs eagerly, and says so
+    assert_close(y, x)
+    assert "shares memory with another input" in caplog.text
+    assert_close(jfn(torch.ones(4), torch.ones(4)), separate)
+
+
+def test_in_place_update_of_a_global_tensor_is_written_back():
+    G = torch.zeros(3)
+
+    def f(x):
+        G.add_(x)
+        G[0] = 5.0
+        G.mul_(2)
+        return G * 1
+
+    jfn = fulmen.jit(f)
+    for _ in range(2):
+        expected_g = G.clone()
+        eager_g = expected_g.clone()
+        eager_g.add_(1)[0] = 5.0
+        eager_g.mul_(2)
+        assert_close(jfn(torch.ones(3)), eager_g)
+        assert_close(G, eager_g)
+
+
+def test_returning_a_mutated_input_returns_the_callers_tensor():
+    def f(a):
+        return a.add_(1)
+
+    jfn = fulmen.jit(f)
+    for _ in range(2):
+        x = torch.zeros(8, 4)[::2]  # non-contiguous: eager returns x, strides and all
+        out = jfn(x)
+        assert out is x
+        out.mul_(10)
+        assert_close(x, torch.full((4, 4), 10.0))

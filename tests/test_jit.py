@@ -341,7 +341,7 @@ def test_parameter_updated_in_place_is_seen_without_recompiling():
     assert _counts(jm) == (1, 1)
 
 
-def test_replacing_a_parameter_recompiles_and_uses_the_new_one():
+def test_replacing_a_parameter_uses_the_new_one_without_recompiling():
     model, jm = _net_pair()
     x = torch.randn(3, 4)
     with torch.no_grad():
@@ -350,7 +350,7 @@ def test_replacing_a_parameter_recompiles_and_uses_the_new_one():
         out = jm(x)
         expected = model(x)
     torch.testing.assert_close(out, expected)
-    assert fulmen.cache_misses(jm) == 2
+    assert fulmen.cache_misses(jm) == 1  # same shape, dtype, device, requires_grad: the program reads the new one
     assert jm.fc2.weight is model.fc2.weight
 
 

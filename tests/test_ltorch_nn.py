@@ -11,6 +11,7 @@ express: ``nn.BatchNorm`` modules across calls, seeded dropout, and gradients th
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -293,3 +294,148 @@ def test_gradients_match_eager(fn, make_args):
     for a, e in zip(jit_args, eager_args):
         if e.requires_grad:
             torch.testing.assert_close(a.grad, e.grad, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# nn.MultiheadAttention: torch's multi_head_attention_forward traced through (masks, options, gradients)
+
+_E, _HEADS, _L, _S, _N = 8, 2, 4, 5, 3
+
+
+def _mha_masks() -> dict[str, torch.Tensor]:
+    per_head = torch.rand(_N * _HEADS, _L, _S) > 0.7
+    per_head[..., 0] = False  # every query keeps a key: a fully masked row is NaN in eager
+    padding = torch.zeros(_N, _S, dtype=torch.bool)
+    padding[0, -2:] = True
+    return {"bool_2d": torch.triu(torch.ones(_L, _S, dtype=torch.bool), 1), "float_2d": torch.randn(_L, _S),
+            "bool_3d": per_head, "float_3d": torch.randn(_N * _HEADS, _L, _S), "padding": padding,
+            "float_padding": torch.where(padding, -1e9, 0.0)}
+
+
+_MHA_CALLS = {
+    "no_mask": {},
+    "bool_2d": {"attn_mask": "bool_2d"},
+    "float_2d": {"attn_mask": "float_2d"},
+    "bool_3d": {"attn_mask": "bool_3d"},
+    "float_3d": {"attn_mask": "float_3d"},
+    "key_padding": {"key_padding_mask": "padding"},
+    "bool_2d_and_key_padding": {"attn_mask": "bool_2d", "key_padding_mask": "padding"},
+    "float_2d_and_key_padding": {"attn_mask": "float_2d", "key_padding_mask": "float_padding"},
+    "no_weights": {"attn_mask": "bool_2d", "need_weights": False},
+    "no_weights_key_padding": {"key_padding_mask": "padding", "need_weights": False},
+    "weights_per_head": {"attn_mask": "bool_3d", "average_attn_weights": False},
+}
+
+_MHA_MODULES = {
+    "batch_first": {"batch_first": True},
+    "sequence_first": {},
+    "kdim_vdim": {"kdim": 6, "vdim": 5, "batch_first": True},
+    "kdim_vdim_sequence_first": {"kdim": 6, "vdim": 5},
+    "no_bias": {"bias": False},
+    "bias_kv": {"add_bias_kv": True, "batch_first": True},
+    "zero_attn": {"add_zero_attn": True},
+}
+
+
+def _mha_inputs(m: nn.MultiheadAttention) -> list[torch.Tensor]:
+    def make(length, features):
+        shape = (_N, length, features) if m.batch_first else (length, _N, features)
+        return torch.randn(shape, dtype=torch.float64)
+
+    return [make(_L, _E), make(_S, m.kdim), make(_S, m.vdim)]
+
+
+def _assert_mha_matches_eager(m: nn.MultiheadAttention, inputs, kwargs, what: str) -> None:
+    """Outputs, input gradients and parameter gradients of ``m`` through fulmen.jit against eager (float64)."""
+    reference = copy.deepcopy(m)
+    actual_inputs = [x.clone().requires_grad_() for x in inputs]
+    expected_inputs = [x.clone().requires_grad_() for x in inputs]
+    actual = fulmen.jit(m, executors=[])(*actual_inputs, **kwargs)
+    expected = reference(*expected_inputs, **kwargs)
+    assert (actual[1] is None) == (expected[1] is None), what
+    torch.testing.assert_close(actual, expected, msg=lambda s: f"{what} outputs: {s}")
+    ct = torch.randn_like(expected[0])
+
+    def loss(out):
+        return (out[0] * ct).sum() + (out[1].square().sum() if out[1] is not None else 0)
+
+    loss(actual).backward()
+    loss(expected).backward()
+    for i, (a, e) in enumerate(zip(actual_inputs, expected_inputs)):
+        torch.testing.assert_close(a.grad, e.grad, msg=lambda s: f"{what} gradient of input {i}: {s}")
+    for (name, p), (_, q) in zip(m.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda s: f"{what} gradient of {name}: {s}")
+    m.zero_grad()
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("module", list(_MHA_MODULES))
+def test_multihead_attention_matches_eager(module, training):
+    """Bool and float masks (2-D, 3-D, key padding, both), need_weights and average_attn_weights, for several
+    module layouts: outputs and all gradients as eager's (dropout off)."""
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(_E, _HEADS, **_MHA_MODULES[module]).double().train(training)
+    inputs, masks = _mha_inputs(m), _mha_masks()
+    for call, options in _MHA_CALLS.items():
+        kwargs = {k: (masks[v] if isinstance(v, str) else v) for k, v in options.items()}
+        kwargs = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                  for k, v in kwargs.items()}
+        _assert_mha_matches_eager(m, inputs, kwargs, f"{module}, {call}")
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_multihead_attention_is_causal_with_a_mask(need_weights):
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(_E, _HEADS, batch_first=True).double()
+    x = torch.randn(2, _S, _E, dtype=torch.float64)
+    mask = nn.Transformer.generate_square_subsequent_mask(_S, dtype=torch.float64)
+    padding = torch.zeros(2, _S, dtype=torch.float64)
+    padding[1, -1] = -1e9
+    _assert_mha_matches_eager(m, [x, x, x], {"attn_mask": mask, "is_causal": True, "need_weights": need_weights},
+                              "is_causal")
+    _assert_mha_matches_eager(m, [x, x, x], {"attn_mask": mask, "key_padding_mask": padding, "is_causal": True,
+                                             "need_weights": need_weights}, "is_causal and key padding")
+
+
+def test_multihead_attention_unbatched_and_default_executors():
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(_E, _HEADS).requires_grad_(False)
+    x = torch.randn(_S, _E)
+    mask = torch.triu(torch.ones(_S, _S, dtype=torch.bool), 1)
+    jm = fulmen.jit(m)
+    torch.testing.assert_close(jm(x, x, x, attn_mask=mask), m(x, x, x, attn_mask=mask))
+    assert _opaque_ops(fulmen.last_traces(jm)[0]) == []
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_multihead_attention_dropout_matches_eager_under_the_same_seed(need_weights):
+    """Dropout on the attention weights is drawn once, in the forward, as eager draws it: the gradient is that of
+    the output returned (a backward that reran the op would draw another mask)."""
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(_E, _HEADS, dropout=0.3, batch_first=True).double()
+    reference = copy.deepcopy(m)
+    jm = fulmen.jit(m)
+    x = torch.randn(2, _S, _E, dtype=torch.float64)
+    mask = torch.triu(torch.ones(_S, _S, dtype=torch.bool), 1)
+    xa, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    torch.manual_seed(3)
+    actual = jm(xa, xa, xa, attn_mask=mask, need_weights=need_weights)[0]
+    torch.manual_seed(3)
+    expected = reference(xe, xe, xe, attn_mask=mask, need_weights=need_weights)[0]
+    torch.testing.assert_close(actual, expected)
+    actual.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(xa.grad, xe.grad)
+    for p, q in zip(m.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    again = jm(x, x, x, attn_mask=mask, need_weights=need_weights)[0]
+    assert again.shape == actual.shape and not torch.equal(again, actual)
+
+
+def test_multihead_attention_still_scripts():
+    """``F._none_or_dtype`` is replaced by one that takes proxies; TorchScript must still compile the module."""
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(_E, _HEADS, batch_first=True)
+    x = torch.randn(2, _S, _E)
+    mask = torch.triu(torch.ones(_S, _S, dtype=torch.bool), 1)
+    torch.testing.assert_close(torch.jit.script(m)(x, x, x, attn_mask=mask), m(x, x, x, attn_mask=mask))

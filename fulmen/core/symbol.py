@@ -95,7 +95,9 @@ class Symbol:
             args, kwargs = _resolve_latest(args), {k: _resolve_latest(v) for k, v in kwargs.items()}
         if trc.capture is not None:
             args, kwargs = trc.capture(args), {k: trc.capture(v) for k, v in kwargs.items()}
-        if trc.autocast and len(trc.scopes) == 1:  # eager autocast casts at the outermost call only
+        if len(trc.scopes) == 1 and trc.autocast:  # eager autocast casts at the outermost call only
+            # while user code runs, trc.autocast yields the policies in force at this call (it follows
+            # torch.autocast entered or left inside the traced function)
             for policy in trc.autocast:
                 args, kwargs = policy.cast(self.id, args, kwargs)
         if self.normalize is not None:

@@ -3,6 +3,10 @@
 A key holds each tensor's shape, dtype, device and requires_grad, the values of non-tensor arguments,
 the structure of containers, and the global state tracing read: grad mode, autocast and the default
 dtype. Tensors found along the way are collected in call order; they are the program's inputs.
+
+A key says nothing about inputs sharing memory: a program is traced as if they did not. For a program that
+writes to its inputs that matters (``f(x, x)`` writing to its first argument and reading its second), so such
+a program checks, per call, whether an input it writes to shares memory with another (``aliases_written_input``).
 """
 
 from __future__ import annotations
@@ -10,6 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from fulmen import prims
+from fulmen.core.trace import Trace
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -56,3 +63,25 @@ def args_key(args: tuple, kwargs: dict, flat: list[torch.Tensor]) -> tuple:
     if kwargs:
         key += (("kwargs",) + tuple((k, value_key(v, flat)) for k, v in kwargs.items()),)
     return key
+
+
+def written_inputs(trace: Trace) -> frozenset[int]:
+    """Positions, among a trace's inputs, of those its program writes to (its ``prims.copy_`` write-backs)."""
+    names = {b.args[1].name for b in trace.bound_symbols if b.sym.id == prims.copy_.id}
+    return frozenset(i for i, p in enumerate(trace.args) if p.name in names)
+
+
+def aliases_written_input(flat: list[torch.Tensor], written: frozenset[int], start: int = 0) -> bool:
+    """Whether an input at a ``written`` position shares memory with another input. Inputs before ``start`` (a
+    module's parameters and buffers, keyed by identity) are checked only against the written ones."""
+    if len(flat) < 2:
+        return False
+    targets: set[int] = set()
+    for i in written:
+        ptr = flat[i].untyped_storage().data_ptr()
+        if ptr:  # 0: no memory (an empty tensor)
+            if ptr in targets:
+                return True
+            targets.add(ptr)
+    return bool(targets) and any(
+        j not in written and flat[j].untyped_storage().data_ptr() in targets for j in range(start, len(flat)))

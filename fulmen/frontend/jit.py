@@ -12,16 +12,16 @@ from typing import Any
 
 import torch
 
-from fulmen.core.trace import Trace
+from fulmen.core.trace import Trace, get_tracectx
 from fulmen.core.utils import compiler_import_lock
 from fulmen.executors.base import Executor, resolve_executors
 from fulmen.executors.inductor_compile import COMPILE_MODES, call_leaving_a_core, compile_mode_set
 from fulmen.frontend import dynamic as dynamic_sizes
 from fulmen.frontend import warm_start
-from fulmen.frontend.cache import args_key, global_state_key
+from fulmen.frontend.cache import aliases_written_input, args_key, global_state_key, written_inputs
 from fulmen.frontend.compile import CompiledProgram, compile_inference
 from fulmen.frontend.dynamic import SizeHistory, SymbolicSizes, describe_change, erase_sizes, key_sizes, symbolic_dims
-from fulmen.frontend.tracing import InputSpec, trace_program
+from fulmen.frontend.tracing import InputSpec, _has_proxy, trace_program
 from fulmen.transforms.autocast import current_policies
 
 log = logging.getLogger("fulmen")
@@ -41,6 +41,9 @@ class CacheEntry:
     prologue: Trace | None = None
     symbolic: SymbolicSizes | None = None  # set for an entry compiled with dynamic sizes
     pattern: Any = None  # its key with the dynamic sizes erased
+    written: frozenset[int] = frozenset()  # positions of the inputs the program writes to
+    # a module's buffers its forward assigns: (slot, tied); the program returns (result, their new values)
+    rebinds: tuple = ()
 
 
 @dataclass
@@ -144,11 +147,25 @@ class JittedFunction:
         stats.calls += 1
         if entry is None:
             entry = self._miss(key, args, kwargs, flat)
+            if entry is None:  # called on an outer fulmen trace's proxies: traced as part of it
+                return self.fn(*args, **kwargs)
         else:
             stats.cache_hits += 1
         if entry.spec.captured:
             flat += entry.spec.captured
+        if entry.written and aliases_written_input(flat, entry.written, self._n_state()):
+            return self._run_eagerly(args, kwargs)
         return call_leaving_a_core(entry.program.run, flat)  # a flag read, unless regions are compiling
+
+    def _run_eagerly(self, args, kwargs):
+        """The call's inputs share memory and the program writes to one of them; it was traced as if they did not
+        (``f(x, x)``, ``f(x, x[1:])``), so the function runs eagerly instead."""
+        if not getattr(self, "_warned_aliasing", False):
+            self._warned_aliasing = True
+            log.warning("fulmen: %s writes to an input that shares memory with another input; such calls run "
+                        "eagerly (not compiled). Pass separate tensors (e.g. x.clone()) to run compiled.",
+                        _display_name(self.fn))
+        return self.fn(*args, **kwargs)
 
     #: How many tensors at the start of the flat inputs are a module's parameters and buffers (never dynamic).
     def _n_state(self) -> int:
@@ -162,7 +179,11 @@ class JittedFunction:
         return trace_program(self.fn, args, kwargs, sizes=sizes)
 
     # ---- a key not in the cache: a dynamic entry whose guards hold, or a compilation ----
-    def _miss(self, key, args, kwargs, flat: list[torch.Tensor]) -> CacheEntry:
+    def _miss(self, key, args, kwargs, flat: list[torch.Tensor]) -> CacheEntry | None:
+        """The entry for a key not in the cache; None when this is a call inside another fulmen trace (a jitted
+        function or module called by one being traced), which then runs the original on the proxies."""
+        if get_tracectx() is not None and _has_proxy((args, kwargs, flat)):
+            return None
         failed = None
         for entry in self._dynamic_entries:
             if erase_sizes(key, entry.symbolic.dims) != entry.pattern:
@@ -206,7 +227,7 @@ class JittedFunction:
         sizes = key_sizes(key)
         dims, notes = self._dynamic_dims(key, sizes) if flat is not None else ({}, [])
         if self._compilations:
-            reason = _describe_key_change(self._last_key, key)
+            reason = self._describe_key_change(self._last_key, key)
             if notes:
                 reason = "; ".join(notes)
             elif guard_failure:
@@ -236,6 +257,9 @@ class JittedFunction:
         self._cache[key] = entry
         self._last_key = key
         return entry
+
+    def _describe_key_change(self, old, new) -> str:
+        return _describe_key_change(old, new)
 
     def _compile_symbolic(self, key, args, kwargs, flat, sizes, dims) -> CacheEntry:
         # A ShapeEnv imports parts of Dynamo, AOTAutograd and torch.export as it goes, which the background
@@ -294,7 +318,7 @@ class JittedFunction:
             program.run = _without_autocast(program.run, autocast_devices)
         done = time.perf_counter()
         entry = CacheEntry(program=program, spec=spec, computation_trace=trace,
-                           prologue=_prologue_trace(trace, key, symbolic))
+                           prologue=_prologue_trace(trace, key, symbolic), written=written_inputs(trace))
         stats.last_trace_time_ms = (traced - start) * 1e3
         stats._last_compile_time_ms = (done - start) * 1e3
         stats.last_prologue_traces = [entry.prologue] if entry.prologue is not None else []
@@ -348,14 +372,6 @@ def _describe_key_change(old, new) -> str:
                  "CUDA autocast dtype"]
         changed = [n for n, a, b in zip(names, old_state, new_state) if a != b]
         return "a change of " + ", ".join(changed)
-    if len(old_args) == 4 and len(new_args) == 4 and isinstance(old_args[0], tuple) and all(
-            isinstance(v, bool) for v in old_args[0]):  # a module: (training flags, identities, state, arguments)
-        parts = ("a submodule's train/eval mode", "a parameter or buffer was replaced",
-                 "a parameter or buffer changed shape, dtype, device or requires_grad")
-        for part, a, b in zip(parts, old_args[:3], new_args[:3]):
-            if a != b:
-                return part
-        old_args, new_args = old_args[3], new_args[3]
     if len(old_args) != len(new_args):
         return f"a different number of arguments ({len(old_args)} -> {len(new_args)})"
     for i, (a, b) in enumerate(zip(old_args, new_args)):

@@ -9,28 +9,58 @@ proxies (``module._parameters`` entries are replaced for the duration of tracing
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from fulmen.core.codeutils import sanitize_name
+from fulmen.core.proxies import TensorProxy
+from fulmen.core.trace import get_tracectx
 from fulmen.executors.base import Executor
 from fulmen.executors.inductor_compile import call_leaving_a_core
-from fulmen.frontend.cache import args_key, global_state_key
+from fulmen.frontend import module_guard
+from fulmen.frontend.cache import aliases_written_input, args_key, global_state_key
 from fulmen.frontend.jit import JittedFunction
 from fulmen.frontend.tracing import _arg_names, trace_program
 
+log = logging.getLogger("fulmen")
 
 class _ModuleState:
-    """Where every parameter and buffer lives: (module, dict name, key), tied tensors counted once."""
+    """Where every parameter and buffer lives: (module, dict name, key), tied tensors counted once.
+
+    ``version`` names the module tree's structure (``module_guard.snapshot``): a small int, part of the cache
+    key, the same for the same structure (toggling between two structures reuses both compilations). It is
+    checked again only when ``module_guard.epoch`` moved since ``epoch``.
+    """
 
     def __init__(self, root: nn.Module):
         self.root = root
+        self.epoch = -1  # the first call takes the snapshot
+        self.snapshot: tuple | None = None
+        self.version = -1
+        self.lazy = False  # a parameter or buffer is not initialized yet (a lazy module before its first call)
+        self._versions: dict[tuple, int] = {}
+        self.snapshots: list[tuple] = []  # by version, to say what changed
         self.refresh()
 
+    def revalidate(self) -> None:
+        """The epoch moved: take the snapshot again; a different one re-keys and refreshes the slots."""
+        epoch = module_guard.epoch  # read first: a change made while the tree is walked moves it again
+        snapshot = module_guard.snapshot(self.root)
+        if snapshot != self.snapshot:
+            self.snapshot = snapshot
+            version = self._versions.get(snapshot)
+            if version is None:
+                version = self._versions[snapshot] = len(self.snapshots)
+                self.snapshots.append(snapshot)
+            self.version = version
+            self.refresh()
+        self.epoch = epoch
+
     def refresh(self) -> None:
-        self.modules = list(self.root.modules())
         slots, unique, first_slot, names = [], [], {}, []
         for mod_name, mod in self.root.named_modules(remove_duplicate=False):
             for dict_name in ("_parameters", "_buffers"):
@@ -46,6 +76,7 @@ class _ModuleState:
         self.slots = slots
         self.names = names
         self.unique_slots = unique
+        self.lazy = any(nn.parameter.is_lazy(getattr(m, d)[k]) for m, d, k, _ in unique)
 
     def tensors(self) -> list[torch.Tensor]:
         return [getattr(mod, dict_name)[key] for mod, dict_name, key, _ in self.unique_slots]
@@ -61,6 +92,43 @@ class _ModuleState:
             for mod, dict_name, key, t in saved:
                 getattr(mod, dict_name)[key] = t
 
+    def reassigned_buffers(self, proxies: Sequence) -> list[tuple[int, Any]]:
+        """While tracing, after ``forward`` ran on ``proxies``: (slot, new value) for every buffer ``forward``
+        assigned (``self.last = x * 2``). Other changes to the tensor slots cannot be compiled: raise."""
+        known = {(id(mod), dict_name, key) for mod, dict_name, key, _ in self.slots}
+        for name, mod in self.root.named_modules():
+            for dict_name in ("_parameters", "_buffers"):
+                for key, t in list(getattr(mod, dict_name).items()):
+                    if t is not None and (id(mod), dict_name, key) not in known:
+                        del getattr(mod, dict_name)[key]  # a proxy must not stay in the module
+                        raise NotImplementedError(
+                            f"{type(mod).__name__}.forward registered a new {dict_name[1:-1]} {key!r} on "
+                            f"{name or 'the module'}; fulmen.jit compiles modules whose parameters and buffers "
+                            "exist before the call. Register it in __init__ (it may start as an empty tensor).")
+        changed = []
+        for i, (mod, dict_name, key, index) in enumerate(self.slots):
+            value = getattr(mod, dict_name).get(key)
+            if value is proxies[index]:
+                continue
+            if dict_name == "_parameters" or not isinstance(value, TensorProxy | torch.Tensor):
+                what = "parameter" if dict_name == "_parameters" else "buffer"
+                raise NotImplementedError(
+                    f"{type(mod).__name__}.forward set the {what} {key!r} to {type(value).__name__}; fulmen.jit "
+                    "can compile a forward that assigns a new tensor to a buffer, not one that replaces a parameter "
+                    "or sets a buffer to a non-tensor. Update the tensor in place (self.x.copy_(...)) instead.")
+            changed.append((i, value))
+        return changed
+
+    def rebind(self, rebinds: tuple[tuple[int, bool], ...], result) -> Any:
+        """After a call whose program returns ``(result, new buffer values)``: assign them, as eager did."""
+        out, values = result
+        for (i, tied), t in zip(rebinds, values):
+            mod, dict_name, key, _ = self.slots[i]
+            getattr(mod, dict_name)[key] = t
+            if tied:  # the slot no longer shares its tensor with the other slots it shared it with
+                self.epoch = -1
+        return out
+
 
 class _ModuleProgram(JittedFunction):
     """The JittedFunction behind a JittedModule: the module's state is its first inputs."""
@@ -72,46 +140,89 @@ class _ModuleProgram(JittedFunction):
 
     def __call__(self, *args, **kwargs):
         state = self.state
+        if state.epoch != module_guard.epoch:  # something changed some watched module: is this tree different?
+            state.revalidate()
+            if state.lazy:
+                return self._materialize(args, kwargs)
         tensors = state.tensors()
         flat: list[torch.Tensor] = []
-        key = (
-            tuple(m.training for m in state.modules),
-            tuple(id(t) for t in tensors),
-            args_key((tensors,), {}, flat),
-            args_key(args, kwargs, flat),
-        ), global_state_key()
+        key = (state.version, args_key((tensors,), {}, flat), args_key(args, kwargs, flat)), global_state_key()
         entry = self._cache.get(key)
         self._stats.calls += 1
         if entry is None:
             entry = self._miss(key, args, kwargs, flat)
+            if entry is None:  # called on an outer fulmen trace's proxies: traced as part of it
+                return self.module(*args, **kwargs)
         else:
             self._stats.cache_hits += 1
         if entry.spec.captured:
             flat += entry.spec.captured
+        if entry.written and aliases_written_input(flat, entry.written, len(state.unique_slots)):
+            return self._run_eagerly(args, kwargs)
+        if entry.rebinds:
+            return state.rebind(entry.rebinds, call_leaving_a_core(entry.program.run, flat))
         return call_leaving_a_core(entry.program.run, flat)  # a flag read, unless regions are compiling
+
+    def _materialize(self, args, kwargs):
+        """A lazy module (``nn.LazyLinear``) learns its parameters' shapes on its first call: run that one eagerly,
+        as PyTorch would, and compile from the next call on."""
+        log.info("fulmen: %s has uninitialized (lazy) parameters; its first call runs eagerly to initialize them",
+                 type(self.module).__name__)
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self.state.epoch = -1  # initializing replaced parameters and changed classes: take a new snapshot
 
     def _n_state(self) -> int:
         return len(self.state.unique_slots)
 
+    def _describe_key_change(self, old, new) -> str:
+        if old is not None and old[1] == new[1] and old[0][0] != new[0][0]:
+            snapshots = self.state.snapshots
+            return module_guard.describe_change(snapshots[old[0][0]], snapshots[new[0][0]])
+        if old is not None and old[1] == new[1] and old[0][1] != new[0][1]:
+            return "a parameter or buffer changed shape, dtype, device or requires_grad"
+        if old is not None and old[1] == new[1]:
+            old, new = (old[0][2], old[1]), (new[0][2], new[1])
+        return super()._describe_key_change(old, new)
+
     def _trace(self, args, kwargs, sizes=None):
+        # the slots are those the call's key was computed from (revalidate refreshed them when the tree changed)
         state = self.state
-        state.refresh()
+        module_guard.check_no_backward_hooks(self.module)
         named = list(zip(state.names, state.tensors()))
         module = self.module
+        self._traced_rebinds = ()
+        counts: dict[int, int] = {}
+        for *_, index in state.slots:
+            counts[index] = counts.get(index, 0) + 1
 
         def forward(state_proxies, *a, **k):
             with state.swapped(state_proxies):
-                return module(*a, **k)
+                out = module(*a, **k)
+                reassigned = state.reassigned_buffers(state_proxies)
+            if not reassigned:
+                return out
+            # the program also returns the buffers' new values; the call assigns them (_ModuleState.rebind)
+            capture = get_tracectx().capture
+            self._traced_rebinds = tuple((i, counts[state.slots[i][3]] > 1) for i, _ in reassigned)
+            return out, [capture(v) for _, v in reassigned]
 
         names = _arg_names(module.forward, args, kwargs)
         return trace_program(forward, args, kwargs, state=named, fn_name="computation", arg_names=names,
                              sizes=sizes)
+
+    def _build_entry(self, key, args, kwargs, symbolic):
+        entry = super()._build_entry(key, args, kwargs, symbolic)
+        entry.rebinds = self._traced_rebinds
+        return entry
 
 
 class JittedModule(nn.Module):
     """``fulmen.jit(module)``: behaves as the module (same parameters, buffers, state_dict, train/eval)."""
 
     def __init__(self, module: nn.Module, executors: Sequence[Executor | str] | None = None, **options):
+        module_guard.install()
         super().__init__()
         # Share the original's dictionaries: one set of tensors, the original's names.
         self._parameters = module._parameters
@@ -120,18 +231,27 @@ class JittedModule(nn.Module):
         self._non_persistent_buffers_set = module._non_persistent_buffers_set
         object.__setattr__(self, "_fulmen_module", module)
         object.__setattr__(self, "_fulmen_jitted", _ModuleProgram(module, executors, **options))
-        self.training = module.training
 
     @property
     def original_module(self) -> nn.Module:
         return self._fulmen_module
+
+    # `training` is the original's: `model.eval()` on the original shows here too
+    @property
+    def training(self) -> bool:
+        return self._fulmen_module.training
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        module = self.__dict__.get("_fulmen_module")
+        if module is not None:  # nn.Module.__init__ sets it before there is an original
+            module.training = mode
 
     def forward(self, *args, **kwargs):
         return self._fulmen_jitted(*args, **kwargs)
 
     def train(self, mode: bool = True):
         self._fulmen_module.train(mode)
-        self.training = mode
         return self
 
     def __getattr__(self, name: str):
@@ -139,6 +259,42 @@ class JittedModule(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._fulmen_module, name)
+
+    # Writes go where reads come from: the original module (which its forward reads). The wrapper keeps only
+    # what nn.Module's own machinery put in its __dict__ (its hooks, the shared dictionaries).
+    def __setattr__(self, name: str, value) -> None:
+        if name in self.__dict__ or "_fulmen_module" not in self.__dict__ or name.startswith("_fulmen_"):
+            super().__setattr__(name, value)
+        else:
+            setattr(self._fulmen_module, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in self.__dict__:
+            super().__delattr__(name)
+        else:
+            delattr(self._fulmen_module, name)
+
+    # containers (Sequential, ModuleList, ModuleDict): as the original
+    def __getitem__(self, index):
+        return self._fulmen_module[index]
+
+    def __setitem__(self, index, value) -> None:
+        self._fulmen_module[index] = value
+
+    def __delitem__(self, index) -> None:
+        del self._fulmen_module[index]
+
+    def __len__(self) -> int:
+        return len(self._fulmen_module)
+
+    def __iter__(self):
+        return iter(self._fulmen_module)
+
+    def __contains__(self, item) -> bool:
+        return item in self._fulmen_module
+
+    def __bool__(self) -> bool:  # defined, or `if jmodel:` would call __len__ on modules that have none
+        return bool(self._fulmen_module)
 
     def __repr__(self) -> str:
         return f"fulmen.jit({self._fulmen_module!r})"

@@ -6,11 +6,13 @@ import contextlib
 import inspect
 import os
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch.overrides import TorchFunctionMode
 
 from fulmen import prims
@@ -83,7 +85,7 @@ class _Capture:
                 self.spec.captured.append(x)
                 self.spec.tensor_proxies.append(p)
                 self.trace.args.append(p)
-            return p
+            return latest(p) if p._latest is not None else p  # its value now, after in-place updates
         if type(x) in (tuple, list):
             return type(x)(self(v) for v in x)
         return x
@@ -149,6 +151,76 @@ def _compiling():
         torch.compiler._is_compiling_flag = saved
 
 
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
+class _AutocastPolicies:
+    """The autocast policies in force while user code runs, read again at each outermost call: ``torch.autocast``
+    entered or left inside the traced function applies from there on, as in eager. (Generated code runs with
+    autocast disabled for the devices it was on for at the call, so the recorded casts are the only ones.)"""
+
+    def __init__(self):
+        self._state: tuple | None = None
+        self._policies: list = []
+
+    def __iter__(self):
+        if _any_autocast is not None and not _any_autocast():  # the common case: one C call
+            return iter(())
+        state = (torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"),
+                 torch.get_autocast_dtype("cpu"), torch.get_autocast_dtype("cuda"))
+        if state != self._state:
+            self._state, self._policies = state, current_policies()
+        return iter(self._policies)
+
+
+_tracing = threading.local()  # .depth: how many trace_program calls this thread is inside
+_patch_lock = threading.Lock()
+_patch_users = 0
+_original_apply = torch.autograd.Function.__dict__["apply"]
+_ReentrantCheckpoint = getattr(torch.utils.checkpoint, "CheckpointFunction", None)
+
+
+def _apply(cls, *args, **kwargs):  # named "apply" below: Dynamo recognizes Function.apply by name
+    """``torch.autograd.Function.apply`` while some thread traces. On this thread's proxies the call is recorded as
+    one opaque symbol that keeps the Function's backward; anything else (other threads, real or fake tensors,
+    the recorded call itself) runs as PyTorch's apply."""
+    if getattr(_tracing, "depth", 0) and _has_proxy((args, kwargs)):
+        from fulmen.torch.fallback import autograd_function_symbol
+
+        if cls is _ReentrantCheckpoint:
+            # apply(run_function, preserve_rng_state, *args): its backward recomputes run_function under autograd,
+            # so tracing the call itself gives the same gradients (its forward runs under no_grad, and reads module
+            # parameters it is not passed); fulmen's rematerialization decides what to recompute
+            return args[0](*args[2:])
+
+        autocast = tuple((p.device_type, p.dtype) for p in current_policies())
+        return autograd_function_symbol(cls, autocast)(*args, **kwargs)
+    return _original_apply.__func__(cls, *args, **kwargs)
+
+
+_apply.__name__ = "apply"
+
+
+@contextlib.contextmanager
+def _recording_autograd_functions():
+    """PyTorch's C++ apply would run ``forward`` on proxies (inlining it and losing the custom backward):
+    ``Function.apply`` is wrapped while any thread traces, and the wrapper acts only for the tracing thread."""
+    global _patch_users
+    with _patch_lock:
+        if _patch_users == 0:
+            torch.autograd.Function.apply = classmethod(_apply)
+        _patch_users += 1
+    _tracing.depth = getattr(_tracing, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _tracing.depth -= 1
+        with _patch_lock:
+            _patch_users -= 1
+            if _patch_users == 0:
+                torch.autograd.Function.apply = _original_apply
+
+
 def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[str] | None = None,
                   fn_name: str = "computation",
                   state: list[tuple[str, torch.Tensor]] | None = None,
@@ -173,12 +245,12 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
         raise RuntimeError(f"symbolic sizes: found {len(flat)} tensor inputs, expected {len(sizes)}")
     trace.args = list(spec.tensor_proxies)
     trace.capture = _Capture(trace, spec)
-    trace.autocast = current_policies()
-    with tracectx(trace), _UserTorchCalls(trace), _compiling():
+    trace.autocast = _AutocastPolicies()
+    with tracectx(trace), _UserTorchCalls(trace), _compiling(), _recording_autograd_functions():
         result = fn(*proxy_args, **proxy_kwargs)
         result = trace.capture(result) if isinstance(result, torch.Tensor) else result
         result = _resolve_outputs(result)
-        _write_back_mutated_inputs(trace)
+        result = _write_back_mutated_inputs(trace, result)
     trace.capture = None
     trace.autocast = []
     trace.output = result
@@ -221,11 +293,17 @@ def _hides_proxies(x: Any, depth: int = 0) -> bool:
     return isinstance(attrs, dict) and any(_hides_proxies(v, depth + 1) for v in attrs.values())
 
 
-def _write_back_mutated_inputs(trace: Trace) -> None:
-    """Inputs changed in place get their new value copied into the caller's tensor, as eager would."""
+def _write_back_mutated_inputs(trace: Trace, result: Any) -> Any:
+    """Inputs changed in place get their new value copied into the caller's tensor, as eager would; where the
+    result returns such a value (``return a.add_(1)``) it returns the caller's tensor itself, as eager does
+    (unless autograd records the value: then it stays the value computed)."""
     if not trace.has_mutations:
-        return
+        return result
     changed = [(latest(p), p) for p in trace.args if latest(p) is not p]
+    returned = {id(new): p for new, p in changed if not new.requires_grad and not p.requires_grad}
+    if returned:
+        result = torch.utils._pytree.tree_map(
+            lambda x: returned.get(id(x), x) if isinstance(x, TensorProxy) else x, result)
     # symbols read the latest value of a mutated proxy; copy_ must name the caller's tensor itself
     trace.has_mutations = False
     try:
@@ -233,3 +311,4 @@ def _write_back_mutated_inputs(trace: Trace) -> None:
             prims.copy_(new, p)
     finally:
         trace.has_mutations = True
+    return result

@@ -11,6 +11,10 @@ held in a list on ``ctx`` that the backward empties, so each is freed right afte
 backward -- unless the graph is retained. Outputs that get no gradient reach the backward as ``None``; a
 backward trace is built, when the backward first runs, for each combination of present cotangents that occurs
 (usually one).
+
+An input that requires grad and is updated in place is returned as an output too, the caller's tensor itself,
+marked dirty (``ForwardBackward.dirty``): autograd then gives it this function as its history, as an eager
+in-place op would.
 """
 
 from __future__ import annotations
@@ -52,10 +56,18 @@ class _Runtime:
         self.forward = forward
         self.n_outputs = len(fb.outputs)
         self.differentiable = list(fb.differentiable)
-        self.non_differentiable = [i for i in range(self.n_outputs) if i not in set(fb.differentiable)]
-        names = {a.name for a in fb.forward.args} | {o.name for o in fb.outputs}
-        self.ctx_saved = [i for i, p in enumerate(fb.saved) if p.name in names]  # via save_for_backward
-        self.list_saved = [i for i, p in enumerate(fb.saved) if p.name not in names]
+        self.dirty = list(fb.dirty)  # (input index, output index): return the input there, marked dirty
+        self.views = list(fb.views)  # (output index, input index): may share the input's memory
+        dirty_outputs = {k for _, k in fb.dirty}
+        self.non_differentiable = [i for i in range(self.n_outputs)
+                                   if i not in set(fb.differentiable) and i not in dirty_outputs]
+        # save_for_backward takes the function's own inputs and outputs; a dirty output's value is returned as the
+        # input tensor, and a snapshot of an overwritten input is neither
+        names = {a.name for a in fb.forward.args}
+        names |= {o.name for i, o in enumerate(fb.outputs) if i not in dirty_outputs}
+        returned = fb.forward.output[self.n_outputs:]
+        self.ctx_saved = [i for i, p in enumerate(returned) if p.name in names]
+        self.list_saved = [i for i, p in enumerate(returned) if p.name not in names]
         self.n_saved = len(fb.saved)
         self.n_inputs = len(fb.forward.args)
         self.backwards: dict[tuple[bool, ...], Any] = {}
@@ -113,25 +125,62 @@ class _Runtime:
 
 
 _DOUBLE_BACKWARD = (
-    "fulmen: differentiating the gradients of a fulmen-compiled function (double backward, create_graph=True) is "
-    "not supported: its backward is a compiled trace, not a graph autograd can differentiate again. Compute "
-    "higher-order gradients with the eager function, or call fulmen.jit on a function that computes the first "
-    "gradients itself (fulmen.grad).")
+    "fulmen: differentiating the gradients of a fulmen-compiled function (double backward: autograd.grad or "
+    ".backward() through gradients computed with create_graph=True, gradgradcheck) is not supported: its backward "
+    "is a compiled trace, not a graph autograd can differentiate again. Run the part whose higher-order gradients "
+    "you need eagerly (without fulmen.jit / torch.compile), or call fulmen.jit on a function that computes the "
+    "first gradients itself (fulmen.grad).")
 
 
 class _NoDoubleBackward(torch.autograd.Function):
-    """With ``create_graph=True`` the gradients get this node: differentiating them raises a clear error."""
+    """With ``create_graph=True`` the gradients get this node: differentiating them raises a clear error.
+
+    Its first ``n_anchors`` inputs connect it to everything the gradients depend on (``_anchors``), so that the
+    engine reaches it on the way to any of those, also for ``autograd.grad(..., inputs=...)``."""
 
     @staticmethod
-    def forward(ctx, anchor, *grads):
-        return tuple(g.view_as(g) for g in grads)
+    def forward(ctx, n_anchors, *tensors):
+        return tuple(g.view_as(g) for g in tensors[n_anchors:])
 
     @staticmethod
     def backward(ctx, *grads):
         raise RuntimeError(_DOUBLE_BACKWARD)
 
 
-_anchor = torch.zeros((), requires_grad=True)  # makes the error node part of the graph whatever the inputs
+def _anchors(ctx, saved: Sequence, cts: Sequence) -> list[torch.Tensor]:
+    """Tensors that require grad through which a graph built now reaches what the gradients of ``ctx``'s node
+    depend on: the cotangents, the saved tensors (unpacked, they carry their history), and the function's inputs
+    -- leaves as themselves; for an input with a history that no saved tensor reaches, the leaves below it."""
+    anchors = [t for t in (*cts, *saved) if isinstance(t, torch.Tensor) and t.requires_grad]
+    reached = {(t.grad_fn, t.output_nr) for t in anchors if t.grad_fn is not None}
+    if any(node is ctx for node, _ in reached):  # a saved output: its history is this node, which reaches all
+        return anchors
+    seen: set = set()
+    stack = [(node, nr) for node, nr in ctx.next_functions if node is not None and (node, nr) not in reached]
+    while stack:
+        node, _ = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf itself
+        if isinstance(variable, torch.Tensor):
+            anchors.append(variable)
+        else:
+            stack.extend(node.next_functions)
+    return anchors
+
+
+def _as_views(outs: Sequence, views: list[tuple[int, int]], inputs: Sequence) -> list:
+    """Outputs that share memory with an input, made views autograd knows of: an executor may return ``x[0]`` as a
+    plain tensor over ``x``'s memory, and an in-place update of it must fail as it does in eager, not silently
+    change ``x`` behind autograd's back."""
+    outs = list(outs)
+    for k, j in views:
+        o, x = outs[k], inputs[j]
+        shared = o.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        if shared and o._base is None and o.dtype == x.dtype:
+            outs[k] = x.as_strided(o.size(), o.stride(), o.storage_offset())
+    return outs
 
 
 class FulmenFunction(torch.autograd.Function):
@@ -145,6 +194,13 @@ class FulmenFunction(torch.autograd.Function):
             results, pending = runtime.graphs.run(inputs)
         n = runtime.n_outputs
         outs = results[:n]
+        if runtime.dirty:
+            outs = list(outs)
+            for j, k in runtime.dirty:
+                outs[k] = inputs[j]  # holds the new value already (prims.copy_ wrote it)
+            ctx.mark_dirty(*[inputs[j] for j, _ in runtime.dirty])
+        if runtime.views:
+            outs = _as_views(outs, runtime.views, inputs)
         ctx.runtime = runtime
         ctx.fulmen_pending = pending  # a CUDA graph replay whose saved tensors the backward still needs
         ctx.save_for_backward(*[results[n + i] for i in runtime.ctx_saved])
@@ -170,6 +226,8 @@ class FulmenFunction(torch.autograd.Function):
             saved[i] = t
         for i, t in zip(runtime.list_saved, listed):
             saved[i] = t
+        # create_graph=True: under grad mode the saved tensors come back with their history
+        anchors = _anchors(ctx, from_ctx, grads) if torch.is_grad_enabled() else None
         keep = _keep_graph()
         if not keep:
             ctx.fulmen_saved = None
@@ -192,10 +250,9 @@ class FulmenFunction(torch.autograd.Function):
             pending.release()
         if input_grads is None:
             return (None,) * (1 + runtime.n_inputs)
-        create_graph = torch.is_grad_enabled()
-        if create_graph:
-            given = [g for g in input_grads if g is not None]
-            wrapped = iter(_NoDoubleBackward.apply(_anchor, *given)) if given else iter(())
+        given = [g for g in input_grads if g is not None] if anchors else None
+        if given:
+            wrapped = iter(_NoDoubleBackward.apply(len(anchors), *anchors, *given))
             input_grads = [next(wrapped) if g is not None else None for g in input_grads]
         return (None, *input_grads)
 
@@ -247,7 +304,14 @@ def compile_training(trace: Trace, executors: Sequence[Executor], *,
     build = _output_builder(trace, fb)
     apply = FulmenFunction.apply
 
+    unreached = fb.unreached
+
     def run(flat: list) -> Any:
+        if unreached:
+            passed = list(flat)
+            for i in unreached:
+                passed[i] = passed[i].detach()
+            return build(apply(runtime, *passed), flat)
         return build(apply(runtime, *flat), flat)
 
     return CompiledProgram(forward=forward, traces=traces, backward_traces=runtime.last_traces,

@@ -37,7 +37,7 @@ class PrimIDs(Enum):
     RECIPROCAL = auto(); SIGN = auto(); SIGNBIT = auto(); FLOOR = auto(); CEIL = auto()  # noqa: E702
     ROUND = auto(); TRUNC = auto(); ERF = auto(); ERFC = auto(); ERFINV = auto(); LGAMMA = auto()  # noqa: E702
     DIGAMMA = auto(); SIGMOID = auto(); LOGICAL_NOT = auto(); BITWISE_NOT = auto()  # noqa: E702
-    ISFINITE = auto(); ISNAN = auto(); ISINF = auto(); REAL = auto(); IMAG = auto()  # noqa: E702
+    ISFINITE = auto(); ISNAN = auto(); ISINF = auto(); REAL = auto(); IMAG = auto(); CONJ = auto()  # noqa: E702
     # elementwise binary
     ADD = auto(); SUB = auto(); MUL = auto(); DIV = auto(); FLOOR_DIVIDE = auto()  # noqa: E702
     REMAINDER = auto(); FMOD = auto(); POW = auto(); ATAN2 = auto(); MAXIMUM = auto()  # noqa: E702

@@ -87,6 +87,7 @@ isnan = _unary(PrimIDs.ISNAN, "isnan", torch.isnan, "True where NaN.", output="b
 isinf = _unary(PrimIDs.ISINF, "isinf", torch.isinf, "True where infinite.", output="bool")
 real = _unary(PrimIDs.REAL, "real", torch.real, "Real part.", output="real")
 imag = _unary(PrimIDs.IMAG, "imag", torch.imag, "Imaginary part.", output="real")
+conj = _unary(PrimIDs.CONJ, "conj", torch.conj_physical, "Complex conjugate (a copy for real tensors).")
 
 
 def _binary_meta_factory(name: str, *, output: str = "same", supports: str | None = None):

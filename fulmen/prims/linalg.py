@@ -104,8 +104,19 @@ def _convolution_meta(a, weight, bias, stride, padding, dilation, transposed, ou
 
 
 def _torch_convolution(a, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
-    return torch.convolution(a, weight, bias, list(stride), list(padding), list(dilation), transposed,
-                             list(output_padding), groups)
+    def conv(x, w, b):
+        return torch.convolution(x, w, b, list(stride), list(padding), list(dilation), transposed,
+                                 list(output_padding), groups)
+
+    if not a.is_complex():
+        return conv(a, weight, bias)
+    # torch.convolution has no complex kernels; eager's conv1d/2d/3d run three real ones (Gauss's trick):
+    # with p = conv(xr, wr, br), q = conv(xi, wi) and r = conv(xr + xi, wr + wi, br + bi), conv = p - q + i(r - p - q)
+    xr, xi, wr, wi = a.real, a.imag, weight.real, weight.imag
+    p = conv(xr, wr, bias.real if bias is not None else None)
+    q = conv(xi, wi, None)
+    r = conv(xr + xi, wr + wi, bias.real + bias.imag if bias is not None else None)
+    return torch.complex(p - q, r - p - q)
 
 
 convolution = make_prim(PrimIDs.CONVOLUTION, "convolution", meta=_convolution_meta, torch_impl=_torch_convolution,

@@ -3,11 +3,11 @@
 Import as ``import fulmen.torch as ltorch``. Each symbol's id is the torch name users know
 (``ltorch.cross_entropy.id == "torch.nn.functional.cross_entropy"``). Files by kind:
 elementwise, reductions, linalg, shape (views, joins, splits), rearrange (pad, flip, roll, repeat, triangles),
-indexing, creation, conversion, nn, nn_conv, losses, attention.
+indexing, creation, conversion, nn, nn_conv, nn_attention (multi-head attention), losses, attention.
 """
 
 from fulmen.core.dtypes import to_torch_dtype  # noqa: F401
-from fulmen.torch import fallback  # noqa: F401  (installs the fallback for ops without rules)
+from fulmen.torch import fallback, hooks  # noqa: F401  (the fallback for ops without rules; Tensor.register_hook)
 from fulmen.torch.attention import *  # noqa: F401,F403
 from fulmen.torch.conversion import *  # noqa: F401,F403
 from fulmen.torch.creation import *  # noqa: F401,F403
@@ -17,6 +17,7 @@ from fulmen.torch.indexing import *  # noqa: F401,F403
 from fulmen.torch.linalg import *  # noqa: F401,F403
 from fulmen.torch.losses import *  # noqa: F401,F403
 from fulmen.torch.nn import *  # noqa: F401,F403
+from fulmen.torch.nn_attention import *  # noqa: F401,F403
 from fulmen.torch.nn_conv import *  # noqa: F401,F403
 from fulmen.torch.rearrange import *  # noqa: F401,F403
 from fulmen.torch.reductions import *  # noqa: F401,F403

@@ -135,6 +135,10 @@ def copy_(a, src, non_blocking: builtins.bool = False):
           f"{type(src).__name__}", TypeError)
     if src.device != a.device:
         src = prims.device_put(src, a.device)
+    elif src.dtype == a.dtype and tuple(src.shape) == tuple(a.shape):
+        # ``a`` gets its own copy: were ``src`` itself ``a``'s new value, both would follow one chain of values
+        # and a later in-place update of either would show in the other
+        src = clone(src)
     return mutate(a, src)
 
 

@@ -153,7 +153,7 @@ def frac(a):
 @torchsymbol(torch.nan_to_num, torch.Tensor.nan_to_num, method_name="nan_to_num", tags=_EW)
 def nan_to_num(a, nan: float | None = 0.0, posinf: float | None = None, neginf: float | None = None):
     if dtypes.is_exact_dtype(a.dtype):
-        return a
+        return prims.flip(a, ())  # a copy, as eager returns for integer inputs (nothing to replace)
     info = torch.finfo(a.dtype)
     posinf = info.max if posinf is None else posinf
     neginf = info.min if neginf is None else neginf

@@ -8,6 +8,7 @@ copy and the result replaces ``x`` (see ``fulmen.torch.inplace``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +20,7 @@ from fulmen.core import langctx
 from fulmen.core.devices import to_torch_device
 from fulmen.core.proxies import DataDependentError, TensorProxy, _user_location
 from fulmen.core.symbol import OpTags, Symbol
+from fulmen.core.trace import get_tracectx
 from fulmen.torch.registry import torch_id
 
 _opaque: dict[Any, Symbol] = {}
@@ -112,6 +114,71 @@ def opaque_symbol(func: Callable) -> Symbol:
         sym.extra["skip_meta_check"] = False
         _opaque[func] = sym
     return sym
+
+
+_functions: dict[tuple, Symbol] = {}
+
+
+def autograd_function_symbol(cls: type, autocast: tuple = ()) -> Symbol:
+    """The opaque symbol for ``cls.apply``, a user ``torch.autograd.Function`` called on proxies.
+
+    The trace shows ``t1 = Clip.apply(t0)``; the torch executor calls ``Clip.apply`` and autodiff differentiates
+    it with PyTorch's autograd, so the Function's own ``backward`` gives the gradient (PyTorch would otherwise run
+    ``forward`` on the proxies, inlining it and losing the custom backward). ``autocast`` holds the
+    ``(device type, dtype)`` autocast states the call was made under: eager runs ``forward`` under them, and
+    generated code runs without autocast, so the call enters them itself.
+    """
+    key = (cls, autocast)
+    sym = _functions.get(key)
+    if sym is None:
+        if cls.__module__ == "torch._functorch.autograd_function":  # Dynamo's autograd_function_apply
+            name = "autograd_function_apply"
+        else:
+            name = f"{cls.__name__}.apply"
+
+        def apply(*args, **kwargs):
+            with contextlib.ExitStack() as stack:
+                for device_type, dtype in autocast:
+                    stack.enter_context(torch.autocast(device_type, dtype=dtype))
+                return cls.apply(*args, **kwargs)
+
+        apply.__name__ = apply.__qualname__ = name.replace(".", "_")
+        # the backward recomputes the forward (grad_rules.autograd_vjp): a Function that draws random numbers
+        # must draw the same ones again, and nothing tells which Functions do
+        apply.draws_random = True
+        sym = Symbol(name=name, meta=_function_meta(apply, name), id=f"fallback:{cls.__module__}.{cls.__qualname__}",
+                     is_prim=True, tags=(OpTags.FALLBACK,), torch_fns=(apply,))
+        sym.extra["torch_impl"] = apply
+        sym.extra["skip_meta_check"] = False
+        _functions[key] = sym
+    return sym
+
+
+def _function_meta(apply: Callable, name: str) -> Callable:
+    fake = _fake_meta(apply, name)
+
+    def meta(*args, **kwargs):
+        # a traced value the forward reads without receiving it (a module's parameter, a closure) reaches the
+        # torch language, which records into this prim's scope; autograd could not give it a gradient
+        scope = get_tracectx().scopes[-1]
+        try:
+            out = fake(*args, **kwargs)
+        except Exception as e:
+            if scope:
+                raise _reads_traced_values(name) from e
+            raise
+        if scope:
+            raise _reads_traced_values(name)
+        return out
+
+    return meta
+
+
+def _reads_traced_values(name: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{name}: the Function's forward uses tensors of the traced program that are not arguments of apply() "
+        f"(a module's parameters, or tensors it closes over), so its backward could not give them gradients "
+        f"under fulmen.\n  at {_user_location()}\nPass those tensors to apply() as arguments.")
 
 
 def _is_inplace_method(func: Callable) -> bool:

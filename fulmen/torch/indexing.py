@@ -327,7 +327,7 @@ def _mask_fill(a: TensorProxy, items: list, value) -> TensorProxy | None:
 
 def setitem(a: TensorProxy, key, value) -> None:
     """``a[key] = value`` (``Tensor.__setitem__``): basic, advanced and boolean-mask keys."""
-    key, value = _captured(key), _captured(value)
+    a, key, value = _captured(a), _captured(key), _captured(value)
     current = latest(a)
     items = [_as_index(x, current) for x in _key_items(key)]
     if any(_is_mask(x) for x in items):

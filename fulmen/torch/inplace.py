@@ -45,6 +45,8 @@ def mutate(target: TensorProxy, new_value, *, _from_view: TensorProxy | None = N
     trc = get_tracectx()
     check(trc is not None, lambda: "in-place operations can only be traced", RuntimeError)
     trc.has_mutations = True
+    if not isinstance(target, TensorProxy) and isinstance(target, torch.Tensor) and trc.capture is not None:
+        target = trc.capture(target)  # a global or closure tensor: an input, written back like the arguments
     current = latest(target)
     if isinstance(new_value, TensorProxy):
         check(clang.broadcast_shapes(current.shape, new_value.shape) == tuple(current.shape),
@@ -63,8 +65,9 @@ def mutate(target: TensorProxy, new_value, *, _from_view: TensorProxy | None = N
     new._view_of, new._views = current._view_of, current._views
     if current._view_of is not None:
         base, remake = current._view_of
-        base_now = latest(base)
-        mutate(base, scatter_into(base_now, remake, new), _from_view=current)
+        unview = getattr(remake, "unview", None)
+        new_base = unview(new) if unview is not None else scatter_into(latest(base), remake, new)
+        mutate(base, new_base, _from_view=current)
     if current._views:
         views = list(current._views)  # remake() below registers each refreshed value as a view of `new` too
         for view in views:

@@ -26,7 +26,6 @@ from fulmen.torch.elementwise import (
     mul,
     ne,
     neg,
-    sqrt,
     sub,
     true_divide,
     where,
@@ -34,6 +33,7 @@ from fulmen.torch.elementwise import (
 )
 from fulmen.torch.nn import _channel_view, _clamp, _log_softmax, _opmath, _sum, _to
 from fulmen.torch.nn import logsigmoid as _logsigmoid
+from fulmen.torch.reductions import vector_norm
 from fulmen.torch.registry import register_function, torchsymbol
 
 __all__ = [
@@ -353,8 +353,7 @@ def cosine_similarity(x1, x2, dim: int = 1, eps: float = 1e-8):
     d = canonicalize_dim(x1.ndim, dim)
 
     def normed(x):
-        xo = _opmath(x)
-        norm = _to(sqrt(_sum(mul(xo, xo), d, keepdim=True)), x.dtype)
+        norm = vector_norm(x, 2, (d,), keepdim=True)  # its gradient is eager's, 0 where the norm is 0
         return true_divide(x, clang.expand_to(_clamp(norm, eps), x.shape))
 
     return _to(_sum(_opmath(mul(normed(x1), normed(x2))), d), dtype)

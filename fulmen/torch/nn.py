@@ -40,14 +40,13 @@ from fulmen.torch.elementwise import (
     neg,
     rsqrt,
     sigmoid,
-    sqrt,
     sub,
     tanh,
     true_divide,
     where,
 )
-from fulmen.torch.elementwise import pow as ew_pow
 from fulmen.torch.inplace import mutate
+from fulmen.torch.reductions import vector_norm
 from fulmen.torch.registry import register_function, torchsymbol
 
 __all__ = [
@@ -595,23 +594,6 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
 register_function((F.instance_norm,), instance_norm)
 
 
-def _vector_norm_keepdim(x, p, dim):
-    """||x||_p along ``dim`` with keepdim, in x's dtype (callers upcast)."""
-    if p == 2:
-        return sqrt(_sum(mul(x, x), dim, keepdim=True))
-    a = abs(x)
-    if p == 1:
-        return _sum(a, dim, keepdim=True)
-    if p == float("inf"):
-        return _amax(a, dim, keepdim=True)
-    if p == float("-inf"):
-        d = _dims(x.ndim, dim)
-        return _keepdim(prims.amin(a, d), x.shape, d)
-    if p == 0:
-        return _sum(_to(prims.ne(a, _to(0, a.dtype)), x.dtype), dim, keepdim=True)
-    return ew_pow(_sum(ew_pow(a, p), dim, keepdim=True), 1.0 / p)
-
-
 @torchsymbol(F.normalize, tags=())
 def normalize(input, p: float = 2.0, dim: int = 1, eps: float = 1e-12, out=None):
     """x / max(||x||_p, eps) along ``dim``."""
@@ -619,7 +601,7 @@ def normalize(input, p: float = 2.0, dim: int = 1, eps: float = 1e-12, out=None)
           "assign the result instead", NotImplementedError)
     _check_floating(input, "linalg.vector_norm")
     dim = canonicalize_dim(input.ndim, dim)
-    norm = _to(_vector_norm_keepdim(_opmath(input), p, dim), input.dtype)
+    norm = vector_norm(input, p, (dim,), keepdim=True)  # its gradient is eager's, 0 where the norm is 0
     return true_divide(input, clang.expand_to(_clamp(norm, eps), input.shape))
 
 

@@ -32,6 +32,7 @@ from fulmen.torch.elementwise import (
 )
 from fulmen.torch.fallback import opaque_symbol
 from fulmen.torch.registry import torchsymbol
+from fulmen.torch.shape import fresh
 
 __all__ = [
     "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
@@ -344,7 +345,7 @@ def _adaptive_pool(input, output_size, n, name, reduce):
     x = _opmath(input) if reduce == "avg" else input
     for i in reversed(range(n)):
         x = _adaptive_pool_dim(x, input.ndim - n + i, sizes[i], reduce)
-    return clang.maybe_convert_to_dtype(x, input.dtype)
+    return fresh(clang.maybe_convert_to_dtype(x, input.dtype), input)  # pooling to the same size still copies
 
 
 @torchsymbol(F.adaptive_avg_pool1d, tags=(OpTags.REDUCTION,))
@@ -494,12 +495,12 @@ def interpolate(input, size=None, scale_factor=None, mode: str = "nearest", alig
         x = input
         for i in range(n):
             x = _nearest_dim(x, 2 + i, out_sizes[i], scales[i])
-        return x
+        return fresh(x, input)  # resizing to the same size still copies, as in eager
     x = _opmath(input)
     # torch interpolates the innermost dim first, then the outer ones: the same rounding order. Its 2-d kernel
     # keeps float32 lambdas for bfloat16/float16 inputs; the 1-d and 3-d ones round them to the input dtype.
     weight_dtype = x.dtype if mode == "bilinear" else input.dtype
     for i in reversed(range(n)):
         x = _linear_dim(x, 2 + i, out_sizes[i], scales[i], align_corners, weight_dtype)
-    return clang.maybe_convert_to_dtype(x, input.dtype)
+    return fresh(clang.maybe_convert_to_dtype(x, input.dtype), input)
 

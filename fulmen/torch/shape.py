@@ -27,6 +27,7 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 from fulmen.core.symbolic import INT_TYPES
 from fulmen.core.utils import canonicalize_dim, check, contiguous_strides, prod
+from fulmen.torch.fallback import opaque_symbol
 from fulmen.torch.registry import _record_view, torchsymbol
 
 __all__ = [
@@ -34,7 +35,7 @@ __all__ = [
     "adjoint", "squeeze", "unsqueeze", "expand", "expand_as", "broadcast_to", "broadcast_tensors", "cat",
     "concatenate", "stack", "hstack", "vstack", "split", "split_with_sizes", "chunk", "unbind", "tensor_split",
     "flatten", "unflatten", "narrow", "select", "movedim", "diagonal", "unfold", "contiguous", "clone", "detach",
-    "strides_of", "view_symbol", "sizes_arg", "fresh",
+    "as_strided", "view_as_real", "view_as_complex", "strides_of", "view_symbol", "sizes_arg", "fresh",
 ]
 
 _SHAPE = (OpTags.SHAPE_OP,)
@@ -108,18 +109,32 @@ def _view_hook(bsym: BoundSymbol) -> None:
             _set_strides(p, m.stride())
 
 
+def _unview_hook(unview):
+    def hook(bsym: BoundSymbol) -> None:
+        _view_hook(bsym)
+        out = bsym.output
+        if isinstance(out, TensorProxy) and out._view_of is not None:
+            out._view_of[1].unview = unview  # read by fulmen.torch.inplace.mutate
+
+    return hook
+
+
 def check_viewable(fn, a: TensorProxy, *args, **kwargs) -> None:
     """Raise eager's error when ``a``'s strides do not allow the view (``x.t().view(-1)``)."""
     if strides_of(a) != contiguous_strides(a.shape):
         _on_meta(fn, (a, *args), kwargs)
 
 
-def view_symbol(*torch_fns, meta_fn=None, always_alias: bool = False, **kwargs):
-    """``torchsymbol(..., is_view=True)`` whose outputs alias the input exactly when eager's do."""
+def view_symbol(*torch_fns, meta_fn=None, always_alias: bool = False, unview=None, **kwargs):
+    """``torchsymbol(..., is_view=True)`` whose outputs alias the input exactly when eager's do.
+
+    ``unview(new value of the view)`` gives the new value of the whole input, for views that a write cannot be
+    scattered through element by element (a view with another dtype, as ``view_as_real``'s).
+    """
 
     def decorator(fn) -> Symbol:
         sym = torchsymbol(*torch_fns, is_view=True, **kwargs)(fn)
-        sym.post_hook = _view_hook
+        sym.post_hook = _view_hook if unview is None else _unview_hook(unview)
         if meta_fn is not None:
             sym.extra["meta_fn"] = meta_fn
         sym.extra["always_alias"] = always_alias
@@ -590,6 +605,35 @@ def diagonal_of(a: TensorProxy, offset: int, d1: int, d2: int) -> TensorProxy:
 def unfold(a, dimension: int, size: int, step: int):
     """``Tensor.unfold``: windows of ``size`` every ``step`` along ``dimension``, as a new last dim."""
     return prims.unfold(a, dimension, size, step)
+
+
+@view_symbol(torch.as_strided, torch.Tensor.as_strided, method_name="as_strided", tags=_SHAPE)
+def as_strided(a, size, stride, storage_offset=None):
+    """``torch.as_strided``, recorded as one torch call (the view reads ``a``'s memory directly).
+
+    Values written through the view reach ``a`` element by element, taking ``a``'s memory to be ``a`` itself laid
+    out contiguously from offset 0, as fulmen takes inputs to be.
+    """
+    return opaque_symbol(torch.as_strided)(a, size, stride, storage_offset)
+
+
+def _contiguous_now(a: TensorProxy) -> TensorProxy:
+    return prims.stride_order(a, tuple(range(a.ndim - 1, -1, -1)))
+
+
+@view_symbol(torch.view_as_real, tags=_SHAPE,
+             unview=lambda new: opaque_symbol(torch.view_as_complex)(_contiguous_now(new)))
+def view_as_real(a):
+    """``torch.view_as_real``: a complex tensor's (real, imaginary) pairs as a new last dim of size 2, sharing
+    memory; a write through it gives ``a`` the complex numbers the pairs now make."""
+    check(a.dtype.is_complex, lambda: "view_as_real is only supported for complex tensors", RuntimeError)
+    return opaque_symbol(torch.view_as_real)(a)
+
+
+@view_symbol(torch.view_as_complex, tags=_SHAPE, unview=lambda new: opaque_symbol(torch.view_as_real)(new))
+def view_as_complex(a):
+    """``torch.view_as_complex``: the inverse of ``view_as_real`` (last dim of size 2), sharing memory."""
+    return opaque_symbol(torch.view_as_complex)(a)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -64,7 +64,8 @@ class AutocastPolicy:
         if sym_id in self.float32:
             return torch.float32
         if sym_id in PROMOTE:
-            floats = [a.dtype for a in _tensors((args, kwargs)) if a.dtype.is_floating_point]
+            floats = [a.dtype for a in _tensors((args, kwargs))
+                      if a.dtype.is_floating_point and a.dtype != torch.float64]
             if len(set(floats)) > 1:
                 widest = floats[0]
                 for d in floats[1:]:
@@ -80,7 +81,9 @@ class AutocastPolicy:
 
         def conv(x: Any) -> Any:
             if isinstance(x, TensorProxy):
-                if x.dtype.is_floating_point and x.dtype != dtype and x.device.type == self.device_type:
+                # as in eager, float64 tensors are never cast
+                if (x.dtype.is_floating_point and x.dtype not in (dtype, torch.float64)
+                        and x.device.type == self.device_type):
                     return clang.maybe_convert_to_dtype(x, dtype)
                 return x
             if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):

@@ -16,6 +16,7 @@ in ``split.py``. The registration functions are re-exported here.
 
 from __future__ import annotations
 
+import cmath
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ from torch.utils._pytree import tree_flatten
 
 import fulmen.torch as ltorch
 from fulmen import clang, prims
+from fulmen.core import dtypes
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol
 from fulmen.core.trace import get_tracectx
@@ -110,7 +112,13 @@ def fit_gradient(g, x: TensorProxy) -> TensorProxy:
         check(clang.broadcast_shapes(g.shape, x.shape) == tuple(g.shape),
               lambda: f"a gradient of shape {tuple(g.shape)} does not fit {x.name} of shape {tuple(x.shape)}")
         g = sum_to(g, x.shape)
-    return clang.maybe_convert_to_dtype(g, x.dtype)
+    return clang.maybe_convert_to_dtype(_real_part_for(g, x), x.dtype)
+
+
+def _real_part_for(g, x: TensorProxy):
+    """The gradient of a real value that met complex math is the real part of its complex gradient (eager's
+    ``handle_r_to_c``); casting would drop the imaginary part too, but with a warning."""
+    return prims.real(g) if dtypes.is_complex_dtype(g.dtype) and not dtypes.is_complex_dtype(x.dtype) else g
 
 
 def sum_to(g: TensorProxy, shape: Sequence[int]) -> TensorProxy:
@@ -150,40 +158,72 @@ def _unary(pid: PrimIDs, fn: Callable) -> None:
     vjp_rules[pid] = lambda b, g: (fn(g, _args(b)[0], b.output),)
 
 
+def _conj(x):
+    """The complex conjugate of a complex tensor or number; anything else unchanged (real traces get no op).
+
+    PyTorch's convention for complex gradients: for a holomorphic f, the gradient of the input is
+    ``g * conj(f'(z))``. Rules conjugate the derivative factor they multiply (or divide) the cotangent by."""
+    if isinstance(x, TensorProxy):
+        return prims.conj(x) if dtypes.is_complex_dtype(x.dtype) else x
+    return x.conjugate() if isinstance(x, complex) else x
+
+
 _TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
-_unary(PrimIDs.ABS, lambda g, a, out: mul(g, ltorch.sign(a)))
 _unary(PrimIDs.NEG, lambda g, a, out: neg(g))
-_unary(PrimIDs.EXP, lambda g, a, out: mul(g, out))
-_unary(PrimIDs.EXP2, lambda g, a, out: mul(g, mul(out, math.log(2.0))))
-_unary(PrimIDs.EXPM1, lambda g, a, out: mul(g, add(out, 1)))
-_unary(PrimIDs.LOG, lambda g, a, out: div(g, a))
-_unary(PrimIDs.LOG1P, lambda g, a, out: div(g, add(a, 1)))
-_unary(PrimIDs.LOG2, lambda g, a, out: div(g, mul(a, math.log(2.0))))
-_unary(PrimIDs.LOG10, lambda g, a, out: div(g, mul(a, math.log(10.0))))
-_unary(PrimIDs.SIN, lambda g, a, out: mul(g, ltorch.cos(a)))
-_unary(PrimIDs.COS, lambda g, a, out: mul(g, neg(ltorch.sin(a))))
-_unary(PrimIDs.TAN, lambda g, a, out: mul(g, add(mul(out, out), 1)))
-_unary(PrimIDs.ASIN, lambda g, a, out: mul(g, ltorch.rsqrt(sub(1, mul(a, a)))))
-_unary(PrimIDs.ACOS, lambda g, a, out: neg(mul(g, ltorch.rsqrt(sub(1, mul(a, a))))))
-_unary(PrimIDs.ATAN, lambda g, a, out: div(g, add(mul(a, a), 1)))
-_unary(PrimIDs.SINH, lambda g, a, out: mul(g, ltorch.cosh(a)))
-_unary(PrimIDs.COSH, lambda g, a, out: mul(g, ltorch.sinh(a)))
-_unary(PrimIDs.TANH, lambda g, a, out: mul(g, sub(1, mul(out, out))))
-_unary(PrimIDs.ASINH, lambda g, a, out: mul(g, ltorch.rsqrt(add(mul(a, a), 1))))
-_unary(PrimIDs.ACOSH, lambda g, a, out: mul(g, ltorch.rsqrt(sub(mul(a, a), 1))))
-_unary(PrimIDs.ATANH, lambda g, a, out: div(g, sub(1, mul(a, a))))
-_unary(PrimIDs.SQRT, lambda g, a, out: div(g, mul(out, 2)))
-_unary(PrimIDs.RSQRT, lambda g, a, out: mul(mul(g, -0.5), mul(out, mul(out, out))))
-_unary(PrimIDs.RECIPROCAL, lambda g, a, out: neg(mul(g, mul(out, out))))
+_unary(PrimIDs.CONJ, lambda g, a, out: _conj(g))
+_unary(PrimIDs.EXP, lambda g, a, out: mul(g, _conj(out)))
+_unary(PrimIDs.EXP2, lambda g, a, out: mul(g, _conj(mul(out, math.log(2.0)))))
+_unary(PrimIDs.EXPM1, lambda g, a, out: mul(g, _conj(add(out, 1))))
+_unary(PrimIDs.LOG, lambda g, a, out: div(g, _conj(a)))
+_unary(PrimIDs.LOG1P, lambda g, a, out: div(g, _conj(add(a, 1))))
+_unary(PrimIDs.LOG2, lambda g, a, out: div(g, _conj(mul(a, math.log(2.0)))))
+_unary(PrimIDs.LOG10, lambda g, a, out: div(g, _conj(mul(a, math.log(10.0)))))
+_unary(PrimIDs.SIN, lambda g, a, out: mul(g, _conj(ltorch.cos(a))))
+_unary(PrimIDs.COS, lambda g, a, out: mul(g, neg(_conj(ltorch.sin(a)))))
+_unary(PrimIDs.TAN, lambda g, a, out: mul(g, _conj(add(mul(out, out), 1))))
+_unary(PrimIDs.ASIN, lambda g, a, out: mul(g, _conj(ltorch.rsqrt(sub(1, mul(a, a))))))
+_unary(PrimIDs.ACOS, lambda g, a, out: neg(mul(g, _conj(ltorch.rsqrt(sub(1, mul(a, a)))))))
+_unary(PrimIDs.ATAN, lambda g, a, out: div(g, _conj(add(mul(a, a), 1))))
+_unary(PrimIDs.SINH, lambda g, a, out: mul(g, _conj(ltorch.cosh(a))))
+_unary(PrimIDs.COSH, lambda g, a, out: mul(g, _conj(ltorch.sinh(a))))
+_unary(PrimIDs.TANH, lambda g, a, out: mul(g, _conj(sub(1, mul(out, out)))))
+_unary(PrimIDs.ASINH, lambda g, a, out: mul(g, _conj(ltorch.rsqrt(add(mul(a, a), 1)))))
+_unary(PrimIDs.ACOSH, lambda g, a, out: mul(g, _conj(_acosh_derivative(a))))
+_unary(PrimIDs.ATANH, lambda g, a, out: div(g, _conj(sub(1, mul(a, a)))))
+_unary(PrimIDs.SQRT, lambda g, a, out: div(g, _conj(mul(out, 2))))
+_unary(PrimIDs.RSQRT, lambda g, a, out: mul(mul(g, -0.5), _conj(mul(out, mul(out, out)))))
+_unary(PrimIDs.RECIPROCAL, lambda g, a, out: neg(mul(g, _conj(mul(out, out)))))
 _unary(PrimIDs.ERF, lambda g, a, out: mul(g, mul(ltorch.exp(neg(mul(a, a))), _TWO_OVER_SQRT_PI)))
 _unary(PrimIDs.ERFC, lambda g, a, out: mul(g, mul(ltorch.exp(neg(mul(a, a))), -_TWO_OVER_SQRT_PI)))
 _unary(PrimIDs.ERFINV, lambda g, a, out: mul(g, mul(ltorch.exp(mul(out, out)), math.sqrt(math.pi) / 2)))
 _unary(PrimIDs.LGAMMA, lambda g, a, out: mul(g, ltorch.digamma(a)))
-_unary(PrimIDs.SIGMOID, lambda g, a, out: mul(g, mul(out, sub(1, out))))
+_unary(PrimIDs.SIGMOID, lambda g, a, out: mul(g, _conj(mul(out, sub(1, out)))))
 _unary(PrimIDs.REAL, lambda g, a, out: clang.maybe_convert_to_dtype(g, a.dtype))
+# imag(x + iy) = y: a real cotangent g goes to the imaginary part, i * g
+_unary(PrimIDs.IMAG, lambda g, a, out: mul(clang.maybe_convert_to_dtype(g, a.dtype), 1j))
 # Piecewise-constant functions: zero gradient, as eager gives.
-for _pid in (PrimIDs.SIGN, PrimIDs.FLOOR, PrimIDs.CEIL, PrimIDs.ROUND, PrimIDs.TRUNC, PrimIDs.IMAG):
+for _pid in (PrimIDs.SIGN, PrimIDs.FLOOR, PrimIDs.CEIL, PrimIDs.ROUND, PrimIDs.TRUNC):
     _unary(_pid, lambda g, a, out: zeros_like(a))
+
+
+def _acosh_derivative(a: TensorProxy) -> TensorProxy:
+    if not dtypes.is_complex_dtype(a.dtype):
+        return ltorch.rsqrt(sub(mul(a, a), 1))
+    # sqrt(z*z - 1) = sqrt(z + 1) * sqrt(z - 1) holds for positive reals only: eager takes the product off the real
+    # line, which has acosh's branch cut
+    return mul(ltorch.rsqrt(add(a, 1)), ltorch.rsqrt(sub(a, 1)))
+
+
+def sgn(a: TensorProxy, magnitude: TensorProxy | None = None) -> TensorProxy:
+    """torch.sgn, the derivative of ``abs`` (times the cotangent): sign(a) for real ``a``, a / |a| (0 at 0) for
+    complex ``a``, which torch.sign refuses. ``magnitude`` is |a| where the caller has it."""
+    if not dtypes.is_complex_dtype(a.dtype):
+        return ltorch.sign(a)
+    magnitude = ltorch.abs(a) if magnitude is None else magnitude
+    return where(ltorch.eq(magnitude, 0), 0, div(a, magnitude))
+
+
+_rule(PrimIDs.ABS)(lambda b, g: (mul(g, sgn(_args(b)[0], b.output)),))
 
 
 @_rule(PrimIDs.DIGAMMA)
@@ -196,7 +236,9 @@ def _digamma_vjp(b, g):
 @_rule(PrimIDs.CONVERT_ELEMENT_TYPE)
 def _convert_vjp(b, g):
     a = _args(b)[0]
-    return (clang.maybe_convert_to_dtype(g, a.dtype) if is_differentiable_dtype(a.dtype) else None, None)
+    if not is_differentiable_dtype(a.dtype):
+        return None, None
+    return clang.maybe_convert_to_dtype(_real_part_for(g, a), a.dtype), None
 
 
 @_rule(PrimIDs.DEVICE_PUT)
@@ -220,13 +262,13 @@ def _sub_vjp(b, g):
 @_rule(PrimIDs.MUL)
 def _mul_vjp(b, g):
     x, y = _args(b)
-    return (mul(g, y) if _t(x) else None), (mul(g, x) if _t(y) else None)
+    return (mul(g, _conj(y)) if _t(x) else None), (mul(g, _conj(x)) if _t(y) else None)
 
 
 @_rule(PrimIDs.DIV)
 def _div_vjp(b, g):
     x, y = _args(b)
-    return (div(g, y) if _t(x) else None), (mul(neg(g), div(div(x, y), y)) if _t(y) else None)
+    return (div(g, _conj(y)) if _t(x) else None), (mul(neg(g), _conj(div(div(x, y), y))) if _t(y) else None)
 
 
 @_rule(PrimIDs.REMAINDER)
@@ -243,22 +285,36 @@ def _fmod_vjp(b, g):
 
 @_rule(PrimIDs.POW)
 def _pow_vjp(b, g):
+    """eager's pow_backward_self and pow_backward_exponent: zero where the exponent is 0, or where the base is
+    0 and the exponent real and non-negative (0 ** y has no finite derivative in y there)."""
     x, y = _args(b)
     out = b.output
     gx = gy = None
     if _t(x):
         if isinstance(y, Number):
-            gx = zeros_like(x) if y == 0 else mul(g, mul(y, x if y == 2 else ltorch.pow(x, y - 1)))
+            gx = zeros_like(x) if y == 0 else mul(g, _conj(mul(y, x if y == 2 else ltorch.pow(x, y - 1))))
         else:
-            gx = where(ltorch.eq(y, 0), 0, mul(g, mul(y, ltorch.pow(x, sub(y, 1)))))
+            gx = where(ltorch.eq(y, 0), 0, mul(g, _conj(mul(y, ltorch.pow(x, sub(y, 1))))))
     if _t(y):
         if isinstance(x, Number):
-            log_x = math.log(x) if x > 0 else (-math.inf if x == 0 else math.nan)
-            gy = mul(g, mul(out, log_x)) if x != 0 else mul(g, where(ltorch.ge(y, 0), 0, mul(out, log_x)))
+            factor = _conj(mul(out, _log_number(x, complex_result=dtypes.is_complex_dtype(y.dtype))))
+            gy = mul(g, factor) if x != 0 else mul(g, where(_real_nonnegative(y), 0, factor))
         else:
-            zero_base = ltorch.logical_and(ltorch.eq(x, 0), ltorch.ge(y, 0))
-            gy = mul(g, where(zero_base, 0, mul(out, ltorch.log(x))))
+            zero_base = ltorch.logical_and(ltorch.eq(x, 0), _real_nonnegative(y))
+            gy = mul(g, where(zero_base, 0, _conj(mul(out, ltorch.log(x)))))
     return gx, gy
+
+
+def _log_number(x: Number, *, complex_result: bool) -> Number:
+    if complex_result:  # a negative real base of a complex power has the principal complex logarithm
+        return complex(-math.inf, 0.0) if x == 0 else cmath.log(x)
+    return math.log(x) if x > 0 else (-math.inf if x == 0 else math.nan)
+
+
+def _real_nonnegative(y: TensorProxy) -> TensorProxy:
+    if not dtypes.is_complex_dtype(y.dtype):
+        return ltorch.ge(y, 0)
+    return ltorch.logical_and(ltorch.eq(prims.imag(y), 0), ltorch.ge(prims.real(y), 0))
 
 
 @_rule(PrimIDs.ATAN2)
@@ -531,6 +587,7 @@ def _mT(x: TensorProxy) -> TensorProxy:
 
 def matmul_vjp(a: TensorProxy, b: TensorProxy, g: TensorProxy) -> tuple[TensorProxy, TensorProxy]:
     """Gradients of ``torch.matmul(a, b)`` (broadcast batches and 1-D promotion included)."""
+    a, b = _conj(a), _conj(b)  # complex: g @ b^H and a^H @ g
     if a.ndim == 1 and b.ndim == 1:
         return mul(g, b), mul(g, a)
     a2 = clang.unsqueeze(a, 0) if a.ndim == 1 else a
@@ -556,6 +613,7 @@ def _matmul_vjp(b, g):
 def linear_vjp(a: TensorProxy, w: TensorProxy, bias: TensorProxy | None, g: TensorProxy) -> tuple:
     """Gradients of ``F.linear(a, w, bias)``."""
     gb = sum_to(g, bias.shape) if _t(bias) else None
+    a, w = _conj(a), _conj(w)
     if w.ndim == 1:
         ga = mul(clang.unsqueeze(g, -1), w)
         gw = prims.matmul(clang.reshape(g, (g.numel(),)), clang.reshape(a, (g.numel(), w.shape[0])))
@@ -577,6 +635,8 @@ def _convolution_vjp(b, g):
     from fulmen.transforms import grad_rules
 
     a, w, bias, stride, padding, dilation, transposed, output_padding, groups = _args(b)
+    if dtypes.is_complex_dtype(a.dtype):  # aten's convolution_backward has no complex kernels
+        return _torch_autograd_vjp(b, g)
     mask = [wanted(a), wanted(w), wanted(bias)]
     ga, gw, gb = grad_rules.convolution_backward(g, a, w, tuple(bias.shape) if _t(bias) else None, stride, padding,
                                                  dilation, transposed, output_padding, groups, mask)

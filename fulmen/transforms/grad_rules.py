@@ -179,7 +179,10 @@ _RANDOM_NAME_PARTS = ("dropout", "rrelu", "bernoulli", "rand", "normal", "multin
 
 
 def is_random_op(fn: Callable) -> bool:
-    """Whether an opaque op draws random numbers (judged by its name: fallback ops carry no such tag)."""
+    """Whether an opaque op draws random numbers (judged by its name: fallback ops carry no such tag), or may
+    (``fn.draws_random``: user autograd Functions)."""
+    if getattr(fn, "draws_random", False):
+        return True
     name = getattr(fn, "__name__", "") or ""
     return any(part in name for part in _RANDOM_NAME_PARTS)
 
@@ -557,3 +560,72 @@ def _sdpa_rule(p: RuleArgs):
                                                   scale=scale)
     put_grads((q, k, v), (gq, gk, gv))
     return out
+
+
+# ---- norms: eager's gradients where the norm is zero ----
+# The decompositions end in sqrt or pow(s, 1 / p), whose derivative at 0 is infinite while the chain rule's other
+# factor there is 0: the product is NaN, where eager's norm_backward and std_backward mask the gradient to 0. The
+# forward stays the (fusible) decomposition; only the backward is eager's formula.
+
+@builtin_rule("torch.linalg.vector_norm")
+def _vector_norm_rule(p: RuleArgs):
+    from fulmen.torch.reductions import _reduction_dims
+
+    x, ord, keepdim = p[0], p.get("ord", 2), p.get("keepdim", False)
+    dims = _reduction_dims(x, p.get("dim"), "linalg.vector_norm")
+    norm = p.bsym.sym(*p.bsym.args, **p.bsym.kwargs)
+    g, n = get_grad(norm), norm
+    if not keepdim:  # broadcast against x: the reduced dims back as length 1
+        g, n = _unsqueeze_reduced(g, x, dims), _unsqueeze_reduced(n, x, dims)
+    put_grad(x, _norm_backward(g, x, float(ord), n, dims))
+    return norm
+
+
+def _unsqueeze_reduced(t: TensorProxy, x: TensorProxy, dims) -> TensorProxy:
+    return clang.reshape(t, tuple(1 if i in dims else s for i, s in enumerate(x.shape)))
+
+
+def _norm_backward(g, x, p: float, norm, dims):
+    """ATen's norm_backward, ``g`` and ``norm`` with x's rank."""
+    from fulmen.transforms.autodiff import sgn, zeros_like
+
+    mul, div, where, eq = ltorch.mul, ltorch.true_divide, ltorch.where, ltorch.eq
+    if p == 0:
+        return zeros_like(x)
+    if p == 1:
+        return mul(sgn(x), g)
+    if p == 2:
+        return mul(g, where(eq(norm, 0), 0, div(x, norm)))
+    mag = ltorch.abs(x)
+    if p in (float("inf"), float("-inf")):  # g shared by the elements at the extreme (NaN counts as one)
+        mask = ltorch.logical_or(eq(mag, norm), ltorch.isnan(mag))
+        return mul(sgn(x, mag), mul(div(g, ltorch.sum(mask, dims, keepdim=True)), mask))
+    if p < 1:
+        scaled = mul(sgn(x, mag), where(eq(x, 0), 0, ltorch.pow(mag, p - 1)))
+        return mul(mul(scaled, g), ltorch.pow(norm, 1 - p))
+    scaled = mul(sgn(x, mag), ltorch.pow(mag, p - 1)) if p < 2 else mul(x, ltorch.pow(mag, p - 2))
+    return mul(scaled, where(eq(norm, 0), 0, div(g, ltorch.pow(norm, p - 1))))
+
+
+@builtin_rule("torch.std", "torch.std_mean")
+def _std_rule(p: RuleArgs):
+    """eager's std_backward (and std_mean's): the variance's cotangent is g / (2 std), 0 where std is 0."""
+    from fulmen.torch.reductions import _var_args
+
+    x, keepdim = p[0], p.get("keepdim", False)
+    dims, correction = _var_args(p.bsym.sym.name, x, p.get("dim"), p.get("unbiased"), p.get("correction"))
+    result = p.bsym.sym(*p.bsym.args, **p.bsym.kwargs)
+    std, mean = result if isinstance(result, tuple) else (result, None)
+    g, s = get_grad(std), std
+    if not keepdim:
+        g, s = _unsqueeze_reduced(g, x, dims), _unsqueeze_reduced(s, x, dims)
+    n = _numel(x.shape[d] for d in dims)
+    g_var = ltorch.where(ltorch.eq(s, 0), 0, ltorch.true_divide(g, ltorch.mul(s, 2)))
+    scale = 2.0 / (n - correction) if n != correction else float("inf")  # as eager's double arithmetic gives
+    gx = ltorch.mul(ltorch.mul(g_var, ltorch.sub(x, ltorch.mean(x, dims, keepdim=True))), scale)
+    if mean is not None:
+        g_mean = get_grad(mean)
+        g_mean = g_mean if keepdim else _unsqueeze_reduced(g_mean, x, dims)
+        gx = ltorch.add(gx, ltorch.true_divide(g_mean, n))
+    put_grad(x, gx)
+    return result

@@ -381,7 +381,9 @@ class _Linearizer:
         from fulmen.transforms import grad_rules
 
         leaves, _ = tree_flatten((bsym.args, bsym.kwargs))
-        which = tuple(i for i, x in enumerate(leaves) if self.is_active(x))
+        # positions among the tensor arguments only, as grad_rules.autograd_vjp reads them
+        tensors = [x for x in leaves if isinstance(x, TensorProxy)]
+        which = tuple(i for i, x in enumerate(tensors) if self.is_active(x))
         parts, state = None, None
         if grad_rules.is_random_op(fn):
             # The backward recomputes the op: it must draw the same random numbers, so snapshot the generator.
@@ -468,9 +470,9 @@ def _autograd_backward(bsym: BoundSymbol, fn: Callable, which: tuple, state, cts
 
     if not which:
         return []
-    leaves, _ = tree_flatten((bsym.args, bsym.kwargs))
+    tensors = [x for x in tree_flatten((bsym.args, bsym.kwargs))[0] if isinstance(x, TensorProxy)]
     grads = grad_rules.autograd_vjp(fn)(bsym.args, bsym.kwargs, tuple(cts), which, state)
-    return [(leaves[i], g) for i, g in zip(which, grads)]
+    return [(tensors[i], g) for i, g in zip(which, grads)]
 
 
 def linearize(bsyms: Sequence[BoundSymbol], active: set[str], executors: Sequence = ()) -> Joint:

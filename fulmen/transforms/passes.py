@@ -63,16 +63,46 @@ def _cse_key(bsym: BoundSymbol):
     return (id(bsym.sym), freeze(bsym.args), freeze(bsym.kwargs))
 
 
+#: Ops whose result may share memory with an argument when run (views, no-op conversions, opaque torch calls).
+_MAY_ALIAS = frozenset((OpTags.VIEW, OpTags.SHAPE_OP, OpTags.DEVICE_OP, OpTags.FALLBACK))
+
+
+def _returned_memory(trace: Trace) -> set[str]:
+    """Names of the values whose memory a returned tensor may share: the outputs and, through ops that may alias,
+    what they were made from."""
+    producer = {p.name: b for b in trace.bound_symbols for p in b.flat_proxy_outs}
+    found: set[str] = set()
+    stack = [p.name for p in outputs_of(trace.output)]
+    while stack:
+        name = stack.pop()
+        if name in found:
+            continue
+        found.add(name)
+        bsym = producer.get(name)
+        if bsym is not None and not _MAY_ALIAS.isdisjoint(bsym.sym.tags):
+            stack.extend(p.name for p in bsym.flat_args)
+    return found
+
+
 def cse(trace: Trace, *, provenance: str = "Common Subexpression Elimination") -> Trace:
-    """Reuse the result of an identical earlier call (same symbol, same arguments); random ops are never merged."""
+    """Reuse the result of an identical earlier call (same symbol, same arguments); random ops are never merged.
+
+    Two calls that both make (the memory of) returned tensors are not merged either: eager returns independent
+    tensors there (``return a + 1, a + 1``), and an in-place update of one must not show in the other.
+    """
     seen: dict = {}
     swap: dict[str, Proxy] = {}
     out: list[BoundSymbol] = []
+    returned = _returned_memory(trace)
     for bsym in trace.bound_symbols:
         if swap:
             bsym = bsym.from_bsym_swap_proxies(swap, skip_output=True)
         key = _cse_key(bsym)
         earlier = seen.get(key) if key is not None else None
+        if earlier is not None and any(p.name in returned for p in bsym.flat_proxy_outs) and any(
+                p.name in returned for p in earlier.flat_proxy_outs):
+            earlier = None
+            key = None  # keep the first call as the one later duplicates reuse
         if earlier is not None:
             for old, new in zip(bsym.flat_proxy_outs, earlier.flat_proxy_outs):
                 swap[old.name] = new

@@ -5,7 +5,8 @@ or, when it comes out of cheap operations (elementwise math, views, dtype conver
 in the backward from other values. The choice is a minimum cut, as in AOTAutograd's partitioner:
 
 - every tensor value ``v`` is an edge ``v_in -> v_out`` whose capacity is its size in bytes (saving it costs
-  that much memory; inputs cost nothing, the caller keeps them alive anyway);
+  that much memory; inputs cost nothing, the caller keeps them alive anyway -- except those the forward
+  overwrites in place, which are saved as a copy);
 - a cheap operation producing ``v`` from ``u`` adds ``u_out -> v_in`` (infinite): recomputing ``v`` needs ``u``;
 - values that cannot be recomputed (matrix products, reductions, random numbers, inputs) hang off the source,
   the values the backward reads go to the sink.
@@ -123,12 +124,15 @@ class _FlowGraph:
 
 
 def choose_saved(leaves: Sequence[BoundSymbol], inputs: Iterable[Proxy], needed: Iterable[str], *,
-                 recompute: bool = True) -> tuple[list[Proxy], dict[str, BoundSymbol]]:
+                 recompute: bool = True,
+                 overwritten: Iterable[str] = ()) -> tuple[list[Proxy], dict[str, BoundSymbol]]:
     """(values to save, ``{name: producer}`` of the values to recompute) so that the backward can read ``needed``.
 
-    ``leaves`` are the forward's finest-grained bound symbols in order; ``inputs`` the forward's inputs.
+    ``leaves`` are the forward's finest-grained bound symbols in order; ``inputs`` the forward's inputs, of which
+    the forward updates ``overwritten`` in place (saving one costs a copy).
     """
     proxies: dict[str, Proxy] = {p.name: p for p in inputs}
+    free_inputs = set(proxies) - set(overwritten)
     input_names = set(proxies)
     producer: dict[str, BoundSymbol] = {}
     for b in leaves:
@@ -182,7 +186,8 @@ def choose_saved(leaves: Sequence[BoundSymbol], inputs: Iterable[Proxy], needed:
             weight = cost(n, p)
         else:
             g.add(source, (n, "in"), _INF)
-            weight = 0 if n in input_names or n not in producer else cost(n, p)
+            free = n in free_inputs or (n not in producer and n not in input_names)
+            weight = 0 if free else cost(n, p)
         g.add((n, "in"), (n, "out"), weight)
     for n in needed:
         g.add((n, "out"), sink, _INF)

@@ -5,12 +5,18 @@ backward needs; the backward trace takes ``(saved_for_backward, cotangents)`` --
 each saved tensor is freed right after its last use -- and returns one gradient per input (``None`` for
 inputs that do not require grad). What is saved is chosen by ``remat.choose_saved``.
 
+Inputs the program updates in place (``prims.copy_`` writes their new value back at the end of the forward)
+hold the new value by the time the backward runs: one the backward needs, or a view of one, is saved as a
+copy taken before the write (``ForwardBackward.snapshots``). One that requires grad is also an output
+(``ForwardBackward.dirty``): the autograd function returns the caller's tensor there, marked dirty, so that
+autograd moves its history onto the function as it does for an eager in-place op.
+
 ``differentiate_inline`` (``fulmen.grad`` and friends): forward and backward recorded into the current trace.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,8 +25,9 @@ from torch.utils._pytree import tree_flatten
 import fulmen.torch as ltorch
 from fulmen.core.codeutils import outputs_of
 from fulmen.core.proxies import Proxy, TensorProxy, latest
-from fulmen.core.symbol import BoundSymbol, Symbol
+from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 from fulmen.core.trace import Trace, get_tracectx, tracectx
+from fulmen.prims import PrimIDs
 from fulmen.transforms import remat
 from fulmen.transforms.autodiff import backward_pass, flat_tensor_args
 from fulmen.transforms.linearize import Joint, Node, is_differentiable_dtype, linearize, zeros_like
@@ -110,6 +117,15 @@ class ForwardBackward:
     input_requires_grad: list[bool]
     producers: dict[str, BoundSymbol] = field(default_factory=dict)
     backward_traces: dict[tuple, Trace] = field(default_factory=dict)
+    # saved values the forward overwrites (inputs, views of them): {name: the copy the forward returns instead}
+    snapshots: dict[str, TensorProxy] = field(default_factory=dict)
+    # (input index, output index): an input that requires grad and is updated in place, and its new value
+    dirty: list[tuple[int, int]] = field(default_factory=list)
+    # (output index, input index): a differentiable output that may share memory with an input that requires grad
+    views: list[tuple[int, int]] = field(default_factory=list)
+    # inputs that require grad but that no gradient reaches: passed detached, so that autograd adds no edge to their
+    # history (which may be freed already; eager never visits it either)
+    unreached: list[int] = field(default_factory=list)
 
     def backward_trace(self, present: tuple[bool, ...] | None = None) -> Trace:
         """The backward for cotangents given only for ``present`` differentiable outputs (all by default)."""
@@ -159,9 +175,73 @@ def _backward_trace(fb: ForwardBackward, present: tuple[bool, ...]) -> Trace:
     return _finish_backward(fb, bw, body, cts, grads)
 
 
+def _overwritten_inputs(trace: Trace) -> dict[str, TensorProxy]:
+    """``{input name: new value}`` of the inputs the program writes back into (``prims.copy_``)."""
+    return {b.args[1].name: b.args[0] for b in trace.bound_symbols if b.sym.id is PrimIDs.COPY_}
+
+
+def _dirty_outputs(trace: Trace, requires: list[bool], written: dict[str, TensorProxy],
+                   outputs: list[TensorProxy]) -> list[tuple[int, int]]:
+    """Adds the new values of the inputs that require grad and are updated in place to ``outputs``; returns
+    (input index, output index) for each."""
+    dirty: list[tuple[int, int]] = []
+    index = {p.name: i for i, p in enumerate(outputs)}
+    taken: set[int] = set()
+    for j, (a, rg) in enumerate(zip(trace.args, requires)):
+        new = written.get(a.name) if rg else None
+        if new is None:
+            continue
+        k = index.setdefault(new.name, len(outputs))
+        if k == len(outputs):
+            outputs.append(new)
+        if k in taken:
+            raise NotImplementedError(
+                f"fulmen: two inputs that require grad are updated in place to the same value ({new.name}); "
+                "autograd cannot give both tensors that history. Clone the value written into one of them.")
+        taken.add(k)
+        dirty.append((j, k))
+    return dirty
+
+
+_MAY_ALIAS = (OpTags.SHAPE_OP, OpTags.VIEW, OpTags.FALLBACK)
+
+
+def _alias_roots(leaves: Sequence[BoundSymbol], names: Iterable[str]) -> dict[str, str]:
+    """``{value: the one of names it may share memory with}`` for ``names`` and the views of them: an executor may
+    return ``x[0]`` as a view of ``x``, so a write into ``x`` changes it too."""
+    roots = {n: n for n in names}
+    for b in leaves:
+        if any(t in b.sym.tags for t in _MAY_ALIAS):
+            root = next((roots[p.name] for p in b.flat_args if p.name in roots), None)
+            if root is not None:
+                roots.update((p.name, root) for p in b.flat_proxy_outs)
+    return roots
+
+
+def _view_outputs(fb: ForwardBackward, leaves: Sequence[BoundSymbol]) -> list[tuple[int, int]]:
+    """(output index, input index) of the differentiable outputs that may be views of inputs that require grad."""
+    index = {a.name: j for j, (a, rg) in enumerate(zip(fb.forward.args, fb.input_requires_grad)) if rg}
+    roots = _alias_roots(leaves, index)
+    dirty = {k for _, k in fb.dirty}
+    return [(k, index[roots[fb.outputs[k].name]]) for k in fb.differentiable
+            if fb.outputs[k].name in roots and fb.outputs[k].name not in index and k not in dirty]
+
+
+def _snapshot(trc: Trace, inputs: Sequence[TensorProxy]) -> tuple[dict[str, TensorProxy], list[BoundSymbol]]:
+    """Copies of ``inputs`` (``{name: copy}``) named in ``trc``, and the symbols computing them."""
+    scope: list[BoundSymbol] = []
+    with tracectx(trc):
+        trc.scopes.append(scope)
+        try:
+            copies = {p.name: ltorch.clone(p) for p in inputs}
+        finally:
+            trc.scopes.pop()
+    return copies, scope
+
+
 def split_forward_backward(trace: Trace, executors: Sequence, *, recompute: bool = True) -> ForwardBackward | None:
     """Differentiate ``trace`` with respect to its inputs that require grad; ``None`` when no output depends on
-    them (then the program needs no backward)."""
+    them and no input that requires grad is updated in place (then the program needs no backward)."""
     context = Trace("joint", parent=trace)
     requires = [isinstance(a, TensorProxy) and a.requires_grad and is_differentiable_dtype(a.dtype)
                 for a in trace.args]
@@ -169,21 +249,32 @@ def split_forward_backward(trace: Trace, executors: Sequence, *, recompute: bool
     with tracectx(context):
         joint = linearize(trace.bound_symbols, active, executors)
     outputs = list({p.name: p for p in outputs_of(trace.output) if isinstance(p, TensorProxy)}.values())
+    written = _overwritten_inputs(trace)
+    dirty = _dirty_outputs(trace, requires, written, outputs) if written else []
     differentiable = [i for i, o in enumerate(outputs) if o.name in joint.active]
-    if not differentiable:
+    if not differentiable and not dirty:
         return None
     fb = ForwardBackward(forward=trace, outputs=outputs, differentiable=differentiable, saved=[], joint=joint,
-                         context=context, input_requires_grad=requires)
+                         context=context, input_requires_grad=requires, dirty=dirty)
     everything = (True,) * len(differentiable)
     bw, body, cts, grads, needed = _emit_backward(fb, everything)  # the full backward decides what is saved
-    fb.saved, producers = remat.choose_saved(_leaves(joint.nodes), trace.args, needed, recompute=recompute)
+    leaves = _leaves(joint.nodes)
+    fb.saved, producers = remat.choose_saved(leaves, trace.args, needed, recompute=recompute, overwritten=written)
     fb.producers = remat.coarsen(joint.nodes, [p.name for p in fb.saved], producers)
-    forward = trace.derive("Forward (split from the joint trace)",
-                           emit_forward(joint.nodes, {p.name for p in fb.saved}))
-    forward.output = (*outputs, *fb.saved)
+    fb.views = _view_outputs(fb, leaves)
+    bsyms = emit_forward(joint.nodes, {p.name for p in fb.saved})
+    if written:  # the backward must read these values as they were before the forward wrote into them
+        stale = _alias_roots(leaves, written)
+        fb.snapshots, copies = _snapshot(bw, [p for p in fb.saved if p.name in stale])
+        first = next(i for i, b in enumerate(bsyms) if b.sym.id is PrimIDs.COPY_)
+        bsyms[first:first] = copies
+    forward = trace.derive("Forward (split from the joint trace)", bsyms)
+    forward.output = (*outputs, *[fb.snapshots.get(p.name, p) for p in fb.saved])
     forward.names.update(bw.names)
     fb.forward = forward
     fb.backward_traces[everything] = _finish_backward(fb, bw, body, cts, grads)
+    dirty_inputs = {i for i, _ in dirty}
+    fb.unreached = [i for i, (rg, g) in enumerate(zip(requires, grads)) if rg and g is None and i not in dirty_inputs]
     return fb
 
 

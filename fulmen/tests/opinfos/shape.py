@@ -235,6 +235,15 @@ diagonal_opinfo = _op(ltorch.diagonal, cases(
 unfold_opinfo = _op(ltorch.unfold, cases((S((5, 4)), 0, 2, 1), (S((5, 4)), 1, 2, 2), (S((6,)), 0, 3, 3),
                                          (S((5, 4)), -1, 4, 1)), torch.Tensor.unfold,
                     errors(((S((5, 4)), 1, 5, 1), RuntimeError, "Maximum size for tensor at dimension 1 is 4")))
+as_strided_opinfo = _op(ltorch.as_strided, cases((S((6,)), (2,), (2,)), (S((3, 4)), (2, 2), (1, 4), 1),
+                                                 (S((3, 4)), (4, 3), (1, 4)), (S((5,)), (3, 2), (1, 1), 0)),
+                        torch.as_strided)
+view_as_real_opinfo = _op(ltorch.view_as_real, cases((S((3,), dtype=torch.complex64),),
+                                                     (S((2, 0), dtype=torch.complex128),)),
+                          torch.view_as_real, errors(((S((3,)),), RuntimeError, "only supported for complex")),
+                          dtypes=(F32,))
+view_as_complex_opinfo = _op(ltorch.view_as_complex, cases((S((3, 2)),), (S((2, 4, 2)),)), torch.view_as_complex,
+                             dtypes=(F32, F64))
 
 # ---------------------------------------------------------------------------------------------------------
 # padding, flipping, rolling, repeating, triangles

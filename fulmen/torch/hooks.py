@@ -1,0 +1,79 @@
+"""``Tensor.register_hook`` on a value computed inside a traced function.
+
+Eager PyTorch calls the hook with the gradient of the tensor (summed over all its uses) and passes on what
+the hook returns. fulmen records ``t2 = grad_hook(t1, hook)`` and makes ``t2`` the value later uses of the
+Python object read (as in-place operations do, see ``fulmen.torch.inplace``), so every use is downstream of
+the hook and the gradient reaching ``t1`` is the hook's result. ``grad_hook`` is an opaque op: the torch
+executor runs it as an identity through an ``autograd.Function`` whose backward calls the hook, and autodiff
+gets its gradient from PyTorch's autograd, so the hook runs at backward time on real gradients, side effects
+included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from fulmen.core import langctx
+from fulmen.core.proxies import TensorProxy, _user_location, latest
+from fulmen.core.trace import get_tracectx
+from fulmen.core.utils import check
+from fulmen.torch.fallback import opaque_symbol
+
+
+class _GradHook(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, hook):
+        ctx.hook = hook
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        new = ctx.hook(grad)
+        return grad if new is None else new, None
+
+
+def grad_hook(x: torch.Tensor, hook: Callable) -> torch.Tensor:
+    """``x`` itself, whose gradient is passed through ``hook`` (as ``x.register_hook(hook)`` would)."""
+    return _GradHook.apply(x, hook)
+
+
+class _TracedHookHandle:
+    """What ``register_hook`` returns while tracing: the hook is part of the compiled program."""
+
+    def remove(self) -> None:
+        check(get_tracectx() is None, lambda: (
+            "removing a tensor hook inside a function compiled by fulmen is not supported: the hook is part of the "
+            f"compiled program.\n  at {_user_location()}\nRegister it only when it should run."), NotImplementedError)
+
+
+def _used_since_defined(trc, x: TensorProxy) -> bool:
+    return any(p is x for bsym in trc.bound_symbols for p in bsym.flat_args)
+
+
+def register_hook(t: TensorProxy, hook: Callable) -> _TracedHookHandle:
+    trc = get_tracectx()
+    check(trc is not None, lambda: "register_hook on a proxy can only be traced", RuntimeError)
+    current = latest(t)
+    check(current.requires_grad, lambda: "cannot register a hook on a tensor that doesn't require gradient",
+          RuntimeError)
+    if any(current is p for p in trc.args):
+        raise NotImplementedError(
+            f"register_hook on an input of a function compiled by fulmen ({current.name}) is not supported.\n"
+            f"  at {_user_location()}\nRegister the hook on the tensor before passing it in (it then sees the "
+            "gradient of every use, as here), or on a value computed inside the function.")
+    if _used_since_defined(trc, current):
+        # the hook would miss the gradient of the earlier uses, which eager includes
+        raise NotImplementedError(
+            f"register_hook on a tensor ({current.name}) that the function already used: fulmen supports hooks "
+            f"registered before a tensor's first use.\n  at {_user_location()}\nMove the register_hook call to "
+            "right after the line that computes the tensor.")
+    hooked = opaque_symbol(grad_hook)(current, hook)
+    trc.has_mutations = True  # later uses of `t` read `hooked` (proxies.latest)
+    current._latest = hooked
+    hooked._view_of, hooked._views = current._view_of, current._views
+    return _TracedHookHandle()
+
+
+langctx.methods["register_hook"] = register_hook
