@@ -462,3 +462,37 @@ def test_numpy_scalars_act_as_python_numbers():
     for e, o in zip(expected, actual):
         assert o.dtype == e.dtype
         torch.testing.assert_close(o, e)
+
+
+def test_a_random_op_without_a_rule_draws_on_every_call():
+    """torch.randperm has no torch-language rule: it must run on every call (an opaque op), drawing from the
+    global generator as eager does, not be drawn once while tracing and baked in as a constant."""
+    def f(x):
+        return x[torch.randperm(8)], torch.randperm(8)
+
+    x = torch.arange(8.0)
+    torch.manual_seed(3)
+    expected = [f(x) for _ in range(3)]
+    jf = fulmen.jit(f)
+    torch.manual_seed(3)
+    actual = [jf(x) for _ in range(3)]
+    for e, a in zip(expected, actual):
+        torch.testing.assert_close(a, e)
+    assert not torch.equal(actual[0][1], actual[1][1])
+
+
+def test_is_leaf_follows_autograd_and_reading_grad_is_a_clear_error():
+    def branch(a):
+        b = a * 2
+        return b * (2.0 if b.is_leaf else 3.0)
+
+    for x in (torch.ones(2, requires_grad=True), torch.ones(2)):
+        torch.testing.assert_close(fulmen.jit(branch)(x), branch(x))
+
+    def reads_grad(p):
+        return p * 0 + (p.grad if p.grad is not None else -1.0)
+
+    p = torch.ones(3, requires_grad=True)
+    (p * 5).sum().backward()
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="Tensor.grad of p "):
+        fulmen.jit(reads_grad)(p)

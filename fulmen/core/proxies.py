@@ -196,7 +196,11 @@ class TensorProxy(Proxy):
 
     @property
     def grad(self):
-        return None
+        raise NotImplementedError(
+            f"Tensor.grad of {self.name} ({self.type_string()}) is read inside a function fulmen traces.\n"
+            f"  at {_user_location()}\nA traced tensor stands for every later call's tensor, and their .grad "
+            "attributes are not part of what fulmen compiles. Pass the gradients in as arguments (for example "
+            "[p.grad for p in params]) instead of reading them inside the compiled function.")
 
     @property
     def grad_fn(self):
@@ -204,7 +208,8 @@ class TensorProxy(Proxy):
 
     @property
     def is_leaf(self) -> bool:
-        return True
+        # as autograd: a tensor that does not require grad, or one that requires it and was given as a leaf
+        return not self.requires_grad or self._origin == "input-leaf"
 
     def type_string(self) -> str:
         dims = ", ".join(str(s) for s in self.shape)

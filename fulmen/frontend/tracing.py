@@ -20,7 +20,9 @@ from fulmen.core import langctx
 from fulmen.core.codeutils import sanitize_name
 from fulmen.core.proxies import Proxy, TensorProxy, is_library_file, latest
 from fulmen.core.trace import Trace, get_tracectx, tracectx
+from fulmen.torch.fallback import opaque_symbol
 from fulmen.transforms.autocast import current_policies
+from fulmen.transforms.grad_rules import is_random_op
 
 
 @dataclass
@@ -133,6 +135,10 @@ class _UserTorchCalls(TorchFunctionMode):
             fn = langctx.torch_functions.get(func)
             if fn is not None and not _has_proxy((args, kwargs)) and not _called_by_fulmen():
                 return fn(*args, **kwargs)
+            if fn is None and is_random_op(func) and not _has_proxy((args, kwargs)) and not _called_by_fulmen():
+                # a random op with no rule (torch.randperm): an opaque op that draws on every call, not a
+                # constant drawn once while tracing
+                return opaque_symbol(func)(*args, **kwargs)
         return func(*args, **kwargs)
 
 
