@@ -496,3 +496,14 @@ def test_is_leaf_follows_autograd_and_reading_grad_is_a_clear_error():
     (p * 5).sum().backward()
     with torch.no_grad(), pytest.raises(NotImplementedError, match="Tensor.grad of p "):
         fulmen.jit(reads_grad)(p)
+
+
+def test_data_real_imag_and_as_tensor_of_a_traced_tensor():
+    def f(x, z):
+        return x.data * 2 + z.real * 3 + z.imag, torch.as_tensor(x, dtype=torch.float64) + 1
+
+    x, z = torch.randn(3, requires_grad=True), torch.randn(3, dtype=torch.complex128)
+    expected, actual = f(x, z), fulmen.jit(f)(x, z)
+    for e, a in zip(expected, actual):
+        assert a.dtype == e.dtype and a.requires_grad == e.requires_grad
+        torch.testing.assert_close(a, e)

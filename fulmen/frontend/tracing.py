@@ -120,6 +120,9 @@ def _called_by_fulmen() -> bool:
     return False
 
 
+_DATA_ARGUMENT = frozenset((torch.as_tensor, torch.tensor, torch.asarray))
+
+
 class _UserTorchCalls(TorchFunctionMode):
     """Routes torch calls that have no proxy argument (``torch.rand(3)``, ``torch.arange(n)``) made by user
     code to the torch language, so they run on every call instead of being computed once while tracing."""
@@ -133,6 +136,8 @@ class _UserTorchCalls(TorchFunctionMode):
         trc = get_tracectx()
         if trc is self.trace and len(trc.scopes) == 1:  # user code, not a meta or a decomposition
             fn = langctx.torch_functions.get(func)
+            if fn is not None and func in _DATA_ARGUMENT and _has_proxy((args, kwargs)):
+                return fn(*args, **kwargs)  # torch parses their data as a sequence, never dispatching on a proxy
             if fn is not None and not _has_proxy((args, kwargs)) and not _called_by_fulmen():
                 return fn(*args, **kwargs)
             if fn is None and is_random_op(func) and not _has_proxy((args, kwargs)) and not _called_by_fulmen():

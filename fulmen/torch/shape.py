@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from fulmen import clang, prims
+from fulmen.core import langctx
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 from fulmen.core.symbolic import INT_TYPES
@@ -683,3 +684,10 @@ def detach(a):
     out = prims.reshape(a, tuple(a.shape))
     out.requires_grad = False
     return out
+
+
+# ``Tensor.data`` reads as ``detach()`` (the same memory, no history); ``.real``/``.imag`` as the torch functions
+# (which return a real tensor itself for ``.real``, as eager does)
+langctx.properties["data"] = detach
+langctx.properties["real"] = lambda a: torch.real(a)
+langctx.properties["imag"] = lambda a: torch.imag(a)
