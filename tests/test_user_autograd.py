@@ -290,3 +290,19 @@ def test_hook_on_an_input_is_a_clear_error():
 
     with pytest.raises(NotImplementedError, match="before passing it in"):
         fulmen.jit(f)(torch.ones(2, requires_grad=True))
+
+
+def test_retain_grad_inside_is_a_clear_error_and_works_on_a_returned_tensor():
+    def inside(x):
+        y = x * 2
+        y.retain_grad()
+        return (y * y).sum()
+
+    with pytest.raises(NotImplementedError, match="retain_grad"):
+        fulmen.jit(inside)(torch.ones(2, requires_grad=True))
+    double = fulmen.jit(lambda x: x * 2)
+    for _ in range(2):  # the first call runs on PyTorch autograd, the second on fulmen's backward
+        out = double(torch.ones(2, requires_grad=True))
+        out.retain_grad()
+        (out * out).sum().backward()
+        torch.testing.assert_close(out.grad, torch.full((2,), 4.0))

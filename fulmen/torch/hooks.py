@@ -77,3 +77,15 @@ def register_hook(t: TensorProxy, hook: Callable) -> _TracedHookHandle:
 
 
 langctx.methods["register_hook"] = register_hook
+
+
+def retain_grad(t: TensorProxy) -> None:
+    """``Tensor.retain_grad`` inside a traced function: refused with the way out. The compiled program's
+    intermediates are not tensors autograd keeps, so there is no ``.grad`` to fill."""
+    raise NotImplementedError(
+        f"Tensor.retain_grad() on {t.name} ({t.type_string()}) inside a function fulmen compiles is not supported.\n"
+        f"  at {_user_location()}\nReturn the tensor from the function and call .retain_grad() on the returned "
+        "tensor before backward, or register a hook on it (Tensor.register_hook) to see its gradient.")
+
+
+langctx.methods["retain_grad"] = retain_grad
