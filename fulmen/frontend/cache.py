@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from fulmen import prims
 from fulmen.core.trace import Trace
+from fulmen.transforms.passes import overwritten_inputs
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -66,8 +66,8 @@ def args_key(args: tuple, kwargs: dict, flat: list[torch.Tensor]) -> tuple:
 
 
 def written_inputs(trace: Trace) -> frozenset[int]:
-    """Positions, among a trace's inputs, of those its program writes to (its ``prims.copy_`` write-backs)."""
-    names = {b.args[1].name for b in trace.bound_symbols if b.sym.id == prims.copy_.id}
+    """Positions, among a trace's inputs, of those its program writes to."""
+    names = overwritten_inputs(trace)
     return frozenset(i for i, p in enumerate(trace.args) if p.name in names)
 
 

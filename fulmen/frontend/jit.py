@@ -42,8 +42,6 @@ class CacheEntry:
     symbolic: SymbolicSizes | None = None  # set for an entry compiled with dynamic sizes
     pattern: Any = None  # its key with the dynamic sizes erased
     written: frozenset[int] = frozenset()  # positions of the inputs the program writes to
-    # a module's buffers its forward assigns: (slot, tied); the program returns (result, their new values)
-    rebinds: tuple = ()
 
 
 @dataclass

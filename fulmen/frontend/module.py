@@ -159,8 +159,6 @@ class _ModuleProgram(JittedFunction):
             flat += entry.spec.captured
         if entry.written and aliases_written_input(flat, entry.written, len(state.unique_slots)):
             return self._run_eagerly(args, kwargs)
-        if entry.rebinds:
-            return state.rebind(entry.rebinds, call_leaving_a_core(entry.program.run, flat))
         return call_leaving_a_core(entry.program.run, flat)  # a flag read, unless regions are compiling
 
     def _materialize(self, args, kwargs):
@@ -214,7 +212,10 @@ class _ModuleProgram(JittedFunction):
 
     def _build_entry(self, key, args, kwargs, symbolic):
         entry = super()._build_entry(key, args, kwargs, symbolic)
-        entry.rebinds = self._traced_rebinds
+        rebinds = self._traced_rebinds
+        if rebinds:  # the program returns (result, new buffer values): every call assigns them, as eager did
+            run, state = entry.program.run, self.state
+            entry.program.run = lambda flat: state.rebind(rebinds, run(flat))
         return entry
 
 

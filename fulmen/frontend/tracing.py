@@ -87,7 +87,7 @@ class _Capture:
                 self.spec.captured.append(x)
                 self.spec.tensor_proxies.append(p)
                 self.trace.args.append(p)
-            return latest(p) if p._latest is not None else p  # its value now, after in-place updates
+            return latest(p)  # its value now, after in-place updates
         if type(x) in (tuple, list):
             return type(x)(self(v) for v in x)
         return x
@@ -136,14 +136,13 @@ class _UserTorchCalls(TorchFunctionMode):
         trc = get_tracectx()
         if trc is self.trace and len(trc.scopes) == 1:  # user code, not a meta or a decomposition
             fn = langctx.torch_functions.get(func)
-            if fn is not None and func in _DATA_ARGUMENT and _has_proxy((args, kwargs)):
-                return fn(*args, **kwargs)  # torch parses their data as a sequence, never dispatching on a proxy
-            if fn is not None and not _has_proxy((args, kwargs)) and not _called_by_fulmen():
-                return fn(*args, **kwargs)
-            if fn is None and is_random_op(func) and not _has_proxy((args, kwargs)) and not _called_by_fulmen():
-                # a random op with no rule (torch.randperm): an opaque op that draws on every call, not a
+            if _has_proxy((args, kwargs)):
+                if fn is not None and func in _DATA_ARGUMENT:
+                    return fn(*args, **kwargs)  # torch parses their data as a sequence, never dispatching on a proxy
+            elif (fn is not None or is_random_op(func)) and not _called_by_fulmen():
+                # a random op with no rule (torch.randperm) is an opaque op that draws on every call, not a
                 # constant drawn once while tracing
-                return opaque_symbol(func)(*args, **kwargs)
+                return (fn if fn is not None else opaque_symbol(func))(*args, **kwargs)
         return func(*args, **kwargs)
 
 

@@ -689,5 +689,5 @@ def detach(a):
 # ``Tensor.data`` reads as ``detach()`` (the same memory, no history); ``.real``/``.imag`` as the torch functions
 # (which return a real tensor itself for ``.real``, as eager does)
 langctx.properties["data"] = detach
-langctx.properties["real"] = lambda a: torch.real(a)
-langctx.properties["imag"] = lambda a: torch.imag(a)
+langctx.properties["real"] = torch.real
+langctx.properties["imag"] = torch.imag

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from fulmen.core.codeutils import outputs_of
-from fulmen.core.proxies import Proxy
+from fulmen.core.proxies import Proxy, TensorProxy
 from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 from fulmen.core.symbolic import SYMBOLIC_TYPES, expr_of
 from fulmen.core.trace import Trace
+from fulmen.prims import PrimIDs
 
 DEL = Symbol(name="del", id="del", is_prim=True, module=None,
              python_printer=lambda bsym, printer: "del " + ", ".join(p.name for p in bsym.flat_args))
@@ -64,7 +65,12 @@ def _cse_key(bsym: BoundSymbol):
 
 
 #: Ops whose result may share memory with an argument when run (views, no-op conversions, opaque torch calls).
-_MAY_ALIAS = frozenset((OpTags.VIEW, OpTags.SHAPE_OP, OpTags.DEVICE_OP, OpTags.FALLBACK))
+MAY_ALIAS = frozenset((OpTags.VIEW, OpTags.SHAPE_OP, OpTags.DEVICE_OP, OpTags.FALLBACK))
+
+
+def overwritten_inputs(trace: Trace) -> dict[str, TensorProxy]:
+    """``{input name: new value}`` of the inputs the program writes back into (its ``prims.copy_`` write-backs)."""
+    return {b.args[1].name: b.args[0] for b in trace.bound_symbols if b.sym.id is PrimIDs.COPY_}
 
 
 def _returned_memory(trace: Trace) -> set[str]:
@@ -79,7 +85,7 @@ def _returned_memory(trace: Trace) -> set[str]:
             continue
         found.add(name)
         bsym = producer.get(name)
-        if bsym is not None and not _MAY_ALIAS.isdisjoint(bsym.sym.tags):
+        if bsym is not None and not MAY_ALIAS.isdisjoint(bsym.sym.tags):
             stack.extend(p.name for p in bsym.flat_args)
     return found
 

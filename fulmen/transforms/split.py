@@ -25,12 +25,13 @@ from torch.utils._pytree import tree_flatten
 import fulmen.torch as ltorch
 from fulmen.core.codeutils import outputs_of
 from fulmen.core.proxies import Proxy, TensorProxy, latest
-from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
+from fulmen.core.symbol import BoundSymbol, Symbol
 from fulmen.core.trace import Trace, get_tracectx, tracectx
 from fulmen.prims import PrimIDs
 from fulmen.transforms import remat
 from fulmen.transforms.autodiff import backward_pass, flat_tensor_args
 from fulmen.transforms.linearize import Joint, Node, is_differentiable_dtype, linearize, zeros_like
+from fulmen.transforms.passes import MAY_ALIAS, overwritten_inputs
 
 
 def emit_forward(nodes: Sequence[Node], must_compute: set[str]) -> list[BoundSymbol]:
@@ -175,11 +176,6 @@ def _backward_trace(fb: ForwardBackward, present: tuple[bool, ...]) -> Trace:
     return _finish_backward(fb, bw, body, cts, grads)
 
 
-def _overwritten_inputs(trace: Trace) -> dict[str, TensorProxy]:
-    """``{input name: new value}`` of the inputs the program writes back into (``prims.copy_``)."""
-    return {b.args[1].name: b.args[0] for b in trace.bound_symbols if b.sym.id is PrimIDs.COPY_}
-
-
 def _dirty_outputs(trace: Trace, requires: list[bool], written: dict[str, TensorProxy],
                    outputs: list[TensorProxy]) -> list[tuple[int, int]]:
     """Adds the new values of the inputs that require grad and are updated in place to ``outputs``; returns
@@ -203,15 +199,12 @@ def _dirty_outputs(trace: Trace, requires: list[bool], written: dict[str, Tensor
     return dirty
 
 
-_MAY_ALIAS = (OpTags.SHAPE_OP, OpTags.VIEW, OpTags.FALLBACK)
-
-
 def _alias_roots(leaves: Sequence[BoundSymbol], names: Iterable[str]) -> dict[str, str]:
     """``{value: the one of names it may share memory with}`` for ``names`` and the views of them: an executor may
     return ``x[0]`` as a view of ``x``, so a write into ``x`` changes it too."""
     roots = {n: n for n in names}
     for b in leaves:
-        if any(t in b.sym.tags for t in _MAY_ALIAS):
+        if not MAY_ALIAS.isdisjoint(b.sym.tags):
             root = next((roots[p.name] for p in b.flat_args if p.name in roots), None)
             if root is not None:
                 roots.update((p.name, root) for p in b.flat_proxy_outs)
@@ -249,7 +242,7 @@ def split_forward_backward(trace: Trace, executors: Sequence, *, recompute: bool
     with tracectx(context):
         joint = linearize(trace.bound_symbols, active, executors)
     outputs = list({p.name: p for p in outputs_of(trace.output) if isinstance(p, TensorProxy)}.values())
-    written = _overwritten_inputs(trace)
+    written = overwritten_inputs(trace)
     dirty = _dirty_outputs(trace, requires, written, outputs) if written else []
     differentiable = [i for i, o in enumerate(outputs) if o.name in joint.active]
     if not differentiable and not dirty:
