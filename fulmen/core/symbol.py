@@ -95,6 +95,8 @@ class Symbol:
             args, kwargs = _resolve_latest(args), {k: _resolve_latest(v) for k, v in kwargs.items()}
         if trc.capture is not None:
             args, kwargs = trc.capture(args), {k: trc.capture(v) for k, v in kwargs.items()}
+        if len(trc.scopes) == 1 and trc.on_user_op is not None:
+            trc.on_user_op()
         if len(trc.scopes) == 1 and trc.autocast:  # eager autocast casts at the outermost call only
             # while user code runs, trc.autocast yields the policies in force at this call (it follows
             # torch.autocast entered or left inside the traced function)

@@ -53,6 +53,7 @@ class Trace:
         self.unused_outputs: set[str] | None = None  # printed as "_" (set by del_last_used)
         self.capture = None  # frontend hook turning real tensors met while tracing into inputs
         self.autocast: list = []  # autocast policies applied to outermost calls (fulmen.transforms.autocast)
+        self.on_user_op = None  # called at each torch call user code makes (frontend.global_guard)
 
     # ---- names ----
     def make_name(self, prefix: str = "t") -> str:

@@ -21,6 +21,7 @@ from fulmen.frontend import warm_start
 from fulmen.frontend.cache import aliases_written_input, args_key, global_state_key, written_inputs
 from fulmen.frontend.compile import CompiledProgram, compile_inference
 from fulmen.frontend.dynamic import SizeHistory, SymbolicSizes, describe_change, erase_sizes, key_sizes, symbolic_dims
+from fulmen.frontend.global_guard import GlobalGuard
 from fulmen.frontend.tracing import InputSpec, _has_proxy, trace_program
 from fulmen.transforms.autocast import current_policies
 
@@ -28,6 +29,8 @@ log = logging.getLogger("fulmen")
 
 #: How many distinct compilations of one function before fulmen warns that recompiles repeat.
 RECOMPILE_WARNING_THRESHOLD = 8
+# Programs kept per key for other values of the globals the code read (compiled before, reused when they return).
+_MAX_GLOBAL_VARIANTS = 8
 # Concrete keys that a dynamic entry served are added to the dictionary (so they hit without guard work) up to
 # this many keys per function.
 _MAX_ALIASES = 4096
@@ -42,6 +45,8 @@ class CacheEntry:
     symbolic: SymbolicSizes | None = None  # set for an entry compiled with dynamic sizes
     pattern: Any = None  # its key with the dynamic sizes erased
     written: frozenset[int] = frozenset()  # positions of the inputs the program writes to
+    globals_guard: GlobalGuard | None = None  # the globals and closure variables the traced code read
+    check_globals: Callable[[], bool] | None = None  # globals_guard.check, or None when nothing is read
 
 
 @dataclass
@@ -134,6 +139,8 @@ class JittedFunction:
         self._stats = CompileStats()
         self._last_key = None
         self._stats_entry: CacheEntry | None = None  # the compilation the statistics describe
+        self._variants: dict[Any, list[CacheEntry]] = {}  # key -> entries compiled for other global values
+        self._guard_reads = True  # check the globals and closures the code read (the Dynamo backend: Dynamo does)
         functools.update_wrapper(self, fn, updated=())
 
     # ---- the call path (keep it short: it runs on every call) ----
@@ -149,6 +156,8 @@ class JittedFunction:
                 return self.fn(*args, **kwargs)
         else:
             stats.cache_hits += 1
+            if entry.check_globals is not None and not entry.check_globals():
+                entry = self._globals_changed(key, entry, args, kwargs, flat)
         if entry.spec.captured:
             flat += entry.spec.captured
         if entry.written and aliases_written_input(flat, entry.written, self._n_state()):
@@ -174,7 +183,22 @@ class JittedFunction:
             p.requires_grad for p in flat_proxies)
 
     def _trace(self, args, kwargs, sizes=None) -> tuple[Trace, InputSpec]:
-        return trace_program(self.fn, args, kwargs, sizes=sizes)
+        return trace_program(self.fn, args, kwargs, sizes=sizes, guard_reads=self.fn if self._guard_reads else None)
+
+    def _globals_changed(self, key, entry: CacheEntry, args, kwargs, flat) -> CacheEntry:
+        """A global or closure variable the program's code read has another value now: a program compiled for
+        the current values, or a new compilation."""
+        variants = self._variants.setdefault(key, [])
+        variants.append(entry)
+        for other in variants:
+            if other.check_globals():
+                variants.remove(other)
+                self._cache[key] = other
+                return other
+        if len(variants) > _MAX_GLOBAL_VARIANTS:
+            del variants[0]
+        self._stats.cache_hits -= 1
+        return self._compile(key, args, kwargs, flat, reason=entry.globals_guard.explain())
 
     # ---- a key not in the cache: a dynamic entry whose guards hold, or a compilation ----
     def _miss(self, key, args, kwargs, flat: list[torch.Tensor]) -> CacheEntry | None:
@@ -186,12 +210,13 @@ class JittedFunction:
         for entry in self._dynamic_entries:
             if erase_sizes(key, entry.symbolic.dims) != entry.pattern:
                 continue
-            if entry.symbolic.guard(flat):
+            if entry.symbolic.guard(flat) and (entry.check_globals is None or entry.check_globals()):
                 self._stats.cache_hits += 1
                 if len(self._cache) < _MAX_ALIASES:
                     self._cache[key] = entry  # these exact sizes hit the dictionary from now on
                 return entry
-            failed = entry
+            if entry.check_globals is None or entry.check_globals():
+                failed = entry
         guard_failure = None
         if failed is not None:
             guard_failure = ("the guards of the entry compiled with dynamic sizes failed: "
@@ -219,13 +244,13 @@ class JittedFunction:
         return symbolic_dims(history.changed, sizes), texts
 
     def _compile(self, key, args, kwargs, flat: list[torch.Tensor] | None = None,
-                 guard_failure: str | None = None) -> CacheEntry:
+                 guard_failure: str | None = None, reason: str | None = None) -> CacheEntry:
         stats = self._stats
         stats.cache_misses += 1
         sizes = key_sizes(key)
         dims, notes = self._dynamic_dims(key, sizes) if flat is not None else ({}, [])
         if self._compilations:
-            reason = self._describe_key_change(self._last_key, key)
+            reason = reason or self._describe_key_change(self._last_key, key)
             if notes:
                 reason = "; ".join(notes)
             elif guard_failure:
@@ -316,7 +341,8 @@ class JittedFunction:
             program.run = _without_autocast(program.run, autocast_devices)
         done = time.perf_counter()
         entry = CacheEntry(program=program, spec=spec, computation_trace=trace,
-                           prologue=_prologue_trace(trace, key, symbolic), written=written_inputs(trace))
+                           prologue=_prologue_trace(trace, key, symbolic, spec.guard), written=written_inputs(trace),
+                           globals_guard=spec.guard, check_globals=spec.guard.check if spec.guard else None)
         stats.last_trace_time_ms = (traced - start) * 1e3
         stats._last_compile_time_ms = (done - start) * 1e3
         stats.last_prologue_traces = [entry.prologue] if entry.prologue is not None else []
@@ -383,7 +409,8 @@ def _short(k) -> str:
     return text if len(text) < 120 else text[:117] + "..."
 
 
-def _prologue_trace(trace: Trace, key, symbolic: SymbolicSizes | None = None) -> Trace:
+def _prologue_trace(trace: Trace, key, symbolic: SymbolicSizes | None = None,
+                    guard: GlobalGuard | None = None) -> Trace:
     """A readable record of what a later call must match to reuse this compilation."""
     from fulmen.core.symbol import Symbol
 
@@ -400,6 +427,9 @@ def _prologue_trace(trace: Trace, key, symbolic: SymbolicSizes | None = None) ->
     grad, default_dtype, cpu_ac, cuda_ac, *_ = key[1]
     pro.bound_symbols.append(state.bind(output=None, grad_enabled=grad, default_dtype=default_dtype,
                                         autocast_cpu=cpu_ac, autocast_cuda=cuda_ac))
+    if guard is not None:  # the globals and closure variables the traced code read
+        check = Symbol(name="check_globals", id="check_globals", is_prim=True, module="prologue")
+        pro.bound_symbols.append(check.bind(guard.describe(), output=None))
     pro.provenance = "Prologue (what a call must match to reuse the compiled program)"
     return pro
 

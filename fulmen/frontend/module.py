@@ -155,6 +155,8 @@ class _ModuleProgram(JittedFunction):
                 return self.module(*args, **kwargs)
         else:
             self._stats.cache_hits += 1
+            if entry.check_globals is not None and not entry.check_globals():
+                entry = self._globals_changed(key, entry, args, kwargs, flat)
         if entry.spec.captured:
             flat += entry.spec.captured
         if entry.written and aliases_written_input(flat, entry.written, len(state.unique_slots)):
@@ -208,7 +210,7 @@ class _ModuleProgram(JittedFunction):
 
         names = _arg_names(module.forward, args, kwargs)
         return trace_program(forward, args, kwargs, state=named, fn_name="computation", arg_names=names,
-                             sizes=sizes)
+                             sizes=sizes, guard_reads=module.forward if self._guard_reads else None)
 
     def _build_entry(self, key, args, kwargs, symbolic):
         entry = super()._build_entry(key, args, kwargs, symbolic)

@@ -20,6 +20,7 @@ from fulmen.core import langctx
 from fulmen.core.codeutils import sanitize_name
 from fulmen.core.proxies import Proxy, TensorProxy, is_library_file, latest
 from fulmen.core.trace import Trace, get_tracectx, tracectx
+from fulmen.frontend.global_guard import GlobalGuard, ReadRecorder, build_guard
 from fulmen.torch.fallback import opaque_symbol
 from fulmen.transforms.autocast import current_policies
 from fulmen.transforms.grad_rules import is_random_op
@@ -31,6 +32,7 @@ class InputSpec:
 
     tensor_proxies: list[TensorProxy] = field(default_factory=list)
     captured: list[torch.Tensor] = field(default_factory=list)  # closure/global tensors, passed after the args
+    guard: GlobalGuard | None = None  # the globals and closure variables the traced code read
 
 
 def _arg_names(fn: Callable, args: tuple, kwargs: dict) -> list[str]:
@@ -234,12 +236,14 @@ def _recording_autograd_functions():
 def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[str] | None = None,
                   fn_name: str = "computation",
                   state: list[tuple[str, torch.Tensor]] | None = None,
-                  sizes: list | None = None) -> tuple[Trace, InputSpec]:
+                  sizes: list | None = None, guard_reads: Callable | None = None) -> tuple[Trace, InputSpec]:
     """Trace ``fn(*args, **kwargs)``: tensors become proxies, every torch call becomes a bound symbol.
 
     ``state`` (a module's parameters and buffers, by name) becomes the first inputs; ``fn`` then receives
     the list of their proxies as its first argument. ``sizes`` gives the shape of each tensor input in flat
     order (state first), with ``torch.SymInt`` for dynamic dimensions (``fulmen.frontend.dynamic``).
+    ``guard_reads`` (the user's function) asks for ``spec.guard``: a check of the globals and closure variables the
+    user's code read (``fulmen.frontend.global_guard``).
     """
     trace = Trace(fn_name)
     spec = InputSpec()
@@ -256,11 +260,20 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     trace.args = list(spec.tensor_proxies)
     trace.capture = _Capture(trace, spec)
     trace.autocast = _AutocastPolicies()
-    with tracectx(trace), _UserTorchCalls(trace), _compiling(), _recording_autograd_functions():
-        result = fn(*proxy_args, **proxy_kwargs)
-        result = trace.capture(result) if isinstance(result, torch.Tensor) else result
-        result = _resolve_outputs(result)
-        result = _write_back_mutated_inputs(trace, result)
+    recorder = trace.on_user_op = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
+    try:
+        with tracectx(trace), _UserTorchCalls(trace), _compiling(), _recording_autograd_functions():
+            result = fn(*proxy_args, **proxy_kwargs)
+            result = trace.capture(result) if isinstance(result, torch.Tensor) else result
+            result = _resolve_outputs(result)
+            result = _write_back_mutated_inputs(trace, result)
+    finally:
+        trace.on_user_op = None
+        if recorder is not None:
+            recorder.close()
+    if recorder is not None:
+        names = [p.name for p in trace.args[len(trace.args) - len(spec.captured):]]
+        spec.guard = build_guard(recorder, list(zip(names, spec.captured)))
     trace.capture = None
     trace.autocast = []
     trace.output = result

@@ -1,0 +1,419 @@
+"""Guards on the globals and closure variables a traced function read.
+
+A compiled program has the values that the user's Python code read while tracing baked in: ``x * SCALE``
+records the number, ``x + W`` reads that tensor object, ``ACT(x)`` traces that function. When the user rebinds
+such a name, eager runs the new value; the compiled program would not. So tracing records which user code ran
+(``ReadRecorder``), and ``build_guard`` turns what that code can read from its module globals and closure cells
+into one generated function that a call checks before reusing the program. A failed check recompiles (and the
+program compiled for the old values stays cached, for when they come back).
+
+What is found: the names each user code object that issued a torch call refers to (``co_names``, including its
+comprehensions and nested functions), followed into the user functions and methods (through ``self``) those
+names reach, a few levels deep. What is compared:
+
+- numbers, strings, ``None``, dtypes, devices, enums, and tuples, lists and dicts of those (up to 64 items):
+  by type and value (so ``SIZES.append(3)`` is seen);
+- modules (``torch``, ``math``): not at all;
+- anything else (tensors, functions, classes, modules' ``nn.Module`` objects, other objects): by identity, and
+  for a plain object (a config), the attributes the code names whose values are simple, by value
+  (``cfg.dropout = 0.2`` is seen).
+
+Code in torch, fulmen and installed packages (site-packages, the standard library) is not followed: its globals
+are not the user's to change between calls.
+"""
+
+from __future__ import annotations
+
+import dis
+import enum
+import functools
+import logging
+import os
+import sys
+import sysconfig
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fulmen.core.proxies import is_library_file
+from fulmen.frontend import module_guard
+
+log = logging.getLogger("fulmen")
+
+#: How many items a list, tuple or dict may hold to be compared by value (larger ones: by identity).
+MAX_VALUE_ITEMS = 64
+_MAX_DEPTH = 4  # how far calls are followed from the code that ran
+
+_SCALARS = (int, float, bool, str, bytes, complex, type(None))
+_ATOMS = (torch.dtype, torch.device, torch.memory_format, torch.layout, enum.Enum)
+_MISSING = object()
+
+
+def _installed_dirs() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    dirs = {os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    return tuple(d + os.sep for d in dirs)
+
+
+_INSTALLED = _installed_dirs()
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_user_file(filename: str) -> bool:
+    if is_library_file(filename):
+        return False
+    if filename.startswith("<"):  # exec'd code, notebooks ("<ipython-input-...>"), but not frozen stdlib modules
+        return not filename.startswith("<frozen")
+    return not os.path.realpath(filename).startswith(_INSTALLED)
+
+
+def _is_user_function(f: Any) -> bool:
+    return isinstance(f, types.FunctionType) and _is_user_file(f.__code__.co_filename)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# while tracing: which user code ran
+
+
+class ReadRecorder:
+    """Called at every torch call user code makes while tracing; records the user frames on the stack (up to the
+    tracer's own frame), once each."""
+
+    def __init__(self, fn: Callable, boundary):
+        self.fn = fn
+        self._seen = {boundary}  # frames already walked (held until the trace ends: ids of dead frames are reused)
+        self.codes: dict[types.CodeType, tuple[dict, type | None]] = {}  # code -> (its globals, type of its self)
+        self.selves: dict[tuple, tuple[types.CodeType, Any]] = {}  # each method frame's code and self
+
+    def __call__(self) -> None:
+        frame = sys._getframe(1)
+        seen = self._seen
+        while frame is not None and frame not in seen:
+            seen.add(frame)
+            code = frame.f_code
+            if _is_user_file(code.co_filename):
+                owner = None
+                if code.co_argcount and code.co_varnames[0] == "self":
+                    instance = frame.f_locals.get("self")
+                    owner = type(instance)
+                    self.selves.setdefault((id(instance), code), (code, instance))
+                self.codes.setdefault(code, (frame.f_globals, owner))
+            frame = frame.f_back
+
+    def close(self) -> None:
+        """Let go of the frames walked (the codes and selves stay, for ``build_guard``)."""
+        self._seen = set()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# after tracing: what that code can read, and the guard
+
+
+class _Item:
+    """One thing to check: where it is read from (``source``: a ``"key"`` of the dictionary ``holder`` -- module
+    globals, an object's ``__dict__`` --, a closure ``"cell"``, or the captured ``"tensor"`` itself), and ``how`` it
+    is compared with ``value``: ``"=="`` (type and value), ``"is"`` (identity), ``"module"`` (identity, and the
+    module's structure and tensors: ``value`` is a ``_ModuleWatch``) or ``"meta"`` (a tensor's metadata)."""
+
+    __slots__ = ("where", "source", "holder", "name", "value", "how")
+
+    def __init__(self, where: str, source: str, holder: Any, name: str, value: Any, how: str):
+        self.where, self.source, self.holder, self.name, self.value, self.how = where, source, holder, name, value, how
+
+    def read(self) -> Any:
+        if self.source == "key":
+            return self.holder.get(self.name, _MISSING)
+        if self.source == "cell":
+            try:
+                return self.holder.cell_contents
+            except ValueError:  # an empty cell
+                return _MISSING
+        return _tensor_meta(self.holder)
+
+    def holds(self) -> bool:
+        value = self.read()
+        if self.how == "module":
+            return value is self.value.module and self.value()
+        return value is self.value if self.how == "is" else _same(value, self.value)
+
+
+def _tensor_meta(t: torch.Tensor) -> tuple:
+    return (t.shape, t.dtype, t.device, t.requires_grad)
+
+
+class _ModuleWatch:
+    """A module that the traced code reached through a global or closure: the program captured its parameters and
+    buffers as they were, so a changed tree (a replaced parameter, a new submodule, ``eval()``) must recompile.
+    Checked in full only after ``module_guard``'s epoch moved, as for jitted modules."""
+
+    def __init__(self, module: torch.nn.Module):
+        module_guard.install()
+        self.module = module
+        self.state = self._state()
+        self.epoch = module_guard.epoch
+
+    def _state(self) -> tuple:
+        tensors = [t for m in self.module.modules() for d in (m._parameters, m._buffers) for t in d.values()]
+        return module_guard.snapshot(self.module), tuple(id(t) for t in tensors)
+
+    def __call__(self) -> bool:
+        if module_guard.epoch == self.epoch:
+            return True
+        if self._state() != self.state:
+            return False
+        self.epoch = module_guard.epoch
+        return True
+
+
+def _simple(v: Any, budget: list[int]) -> bool:
+    """Whether ``v`` is compared by value: scalars, atoms, and small tuples, lists and dicts of them."""
+    budget[0] -= 1
+    if budget[0] < 0:
+        return False
+    t = type(v)
+    if t in _SCALARS or isinstance(v, _ATOMS):
+        return True
+    if t in (tuple, list, frozenset, set):
+        return all(_simple(x, budget) for x in v)
+    if t is dict:
+        return all(_simple(k, budget) and _simple(x, budget) for k, x in v.items())
+    return False
+
+
+def _copy(v: Any) -> Any:
+    t = type(v)
+    if t is list:
+        return [_copy(x) for x in v]
+    if t is dict:
+        return {k: _copy(x) for k, x in v.items()}
+    if t is set:
+        return set(v)
+    return v
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal with equal types all the way down (``1`` and ``1.0`` trace differently); NaN equals NaN."""
+    t = type(a)
+    if t is not type(b):
+        return False
+    if t in (tuple, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if t is dict:
+        return a.keys() == b.keys() and all(_same(x, b[k]) for k, x in a.items())
+    if t is float and a != a:
+        return b != b
+    return a == b
+
+
+def _plain_object(v: Any) -> bool:
+    """A config-like object whose attributes are worth comparing (not a class, function, module or tensor)."""
+    return (isinstance(getattr(v, "__dict__", None), dict) and not isinstance(
+        v, (type, types.FunctionType, types.MethodType, types.ModuleType, torch.nn.Module, torch.Tensor)))
+
+
+class _Collector:
+    def __init__(self):
+        self.items: list[_Item] = []
+        self._keys: set = set()
+        self._codes: set = set()
+
+    def add(self, where: str, source: str, holder: Any, name: str, value: Any, names: frozenset[str]) -> None:
+        key = (source, id(holder), name)
+        if key in self._keys or isinstance(value, types.ModuleType):
+            return
+        self._keys.add(key)
+        if _simple(value, [MAX_VALUE_ITEMS]):
+            self.items.append(_Item(where, source, holder, name, _copy(value), "=="))
+        elif isinstance(value, torch.nn.Module):
+            self.items.append(_Item(where, source, holder, name, _ModuleWatch(value), "module"))
+        else:
+            self.items.append(_Item(where, source, holder, name, value, "is"))
+            if _plain_object(value):  # a config object: the attributes this code names
+                for attr in sorted(names & vars(value).keys()):
+                    v = vars(value)[attr]
+                    if _simple(v, [MAX_VALUE_ITEMS]):
+                        self.add(f"the attribute {attr} of {where}", "key", vars(value), attr, v, frozenset())
+
+    def code(self, code: types.CodeType, globals_: dict, owner: type | None, depth: int) -> None:
+        if (code, id(globals_), owner) in self._codes or depth > _MAX_DEPTH:
+            return
+        self._codes.add((code, id(globals_), owner))
+        names = _names(code)
+        module = globals_.get("__name__", "?")
+        for name in sorted(names):
+            value = globals_.get(name, _MISSING)
+            if value is _MISSING:
+                continue
+            self.add(f"the global {name} (module {module})", "key", globals_, name, value, names)
+            if _is_user_function(value):
+                self.function(value, depth + 1)
+        if owner is not None:  # self.helper(): the methods this code names, on the class of its self
+            for name in sorted(names):
+                method = _class_attr(owner, name)
+                if _is_user_function(method):
+                    self.code(method.__code__, method.__globals__, owner, depth + 1)
+
+    def function(self, fn: types.FunctionType, depth: int, owner: type | None = None) -> None:
+        names = _names(fn.__code__)
+        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+            try:
+                value = cell.cell_contents
+            except ValueError:
+                continue
+            self.add(f"the closure variable {name} of {fn.__qualname__}", "cell", cell, name, value, names)
+            if _is_user_function(value):
+                self.function(value, depth + 1)
+        self.code(fn.__code__, fn.__globals__, owner, depth)
+
+
+def _names(code: types.CodeType) -> frozenset[str]:
+    """The global and attribute names a code object and the code nested in it (comprehensions, lambdas) use."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return frozenset(names)
+
+
+def _class_attr(cls: type, name: str) -> Any:
+    for klass in cls.__mro__:
+        if name in klass.__dict__:
+            return klass.__dict__[name]
+    return None
+
+
+def _root_function(fn: Any) -> tuple[types.FunctionType | None, type | None]:
+    """The user function behind ``fn``, and the class of its ``self`` when it is a bound method."""
+    owner = type(fn.__self__) if isinstance(fn, types.MethodType) else None
+    fn = getattr(fn, "__func__", fn)
+    return (fn, owner) if _is_user_function(fn) else (None, None)
+
+
+class GlobalGuard:
+    """``guard()`` is True while every global and closure value the traced code read is what it was."""
+
+    def __init__(self, items: list[_Item]):
+        self.items = items
+        self.check = _generate(items)
+
+    def __call__(self) -> bool:
+        return self.check()
+
+    def explain(self) -> str:
+        for item in self.items:
+            if not item.holds():
+                now = item.read()
+                if now is _MISSING:
+                    return f"{item.where} was deleted"
+                if item.how == "module" and now is item.value.module:
+                    return f"{item.where} changed ({_module_change(item.value)})"
+                if item.how in ("is", "module"):
+                    return f"{item.where} was rebound to another {type(now).__name__} object"
+                if item.how == "meta":
+                    return f"{item.where} changed from {_short_meta(item.value)} to {_short_meta(now)}"
+                return f"{item.where} changed from {_short(item.value)} to {_short(now)}"
+        return "a global or closure variable changed"
+
+    def describe(self) -> list[str]:
+        """One line per value checked, for the prologue trace."""
+        lines = []
+        for item in self.items:
+            if item.how == "meta":
+                lines.append(f"{item.where}: {_short_meta(item.value)}")
+            elif item.how == "module":
+                lines.append(f"{item.where} is {type(item.value.module).__name__} (structure and tensors unchanged)")
+            else:
+                lines.append(f"{item.where} {'is' if item.how == 'is' else '=='} {_short(item.value)}")
+        return lines
+
+
+def _module_change(watch: _ModuleWatch) -> str:
+    snapshot, tensors = watch._state()
+    if snapshot != watch.state[0]:
+        return module_guard.describe_change(watch.state[0], snapshot)
+    return "a parameter or buffer was replaced by another tensor"
+
+
+def _short_meta(meta: tuple) -> str:
+    shape, dtype, device, requires_grad = meta
+    grad = ", requiring grad" if requires_grad else ""
+    return f"{str(dtype).removeprefix('torch.')}{list(shape)} on {device}{grad}"
+
+
+def _short(v: Any) -> str:
+    text = repr(v) if not isinstance(v, torch.Tensor) else f"tensor{tuple(v.shape)}"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _generate(items: list[_Item]) -> Callable[[], bool]:
+    """One function comparing every item: about 30 ns each on the per-call path."""
+    env: dict[str, Any] = {"_MISSING": _MISSING, "_same": _same}
+    terms = []
+    for i, item in enumerate(items):
+        env[f"h{i}"], env[f"v{i}"] = item.holder, item.value
+        # a missing name or an empty cell raises, and the guard fails
+        read = {"key": f"h{i}[{item.name!r}]", "cell": f"h{i}.cell_contents", "tensor": f"h{i}"}[item.source]
+        if item.how == "is":
+            terms.append(f"{read} is v{i}")
+        elif item.how == "module":
+            env[f"m{i}"] = item.value.module
+            terms.append(f"({read} is m{i} and v{i}())")
+        elif item.how == "meta":
+            shape, dtype, device, requires_grad = item.value
+            env[f"s{i}"], env[f"d{i}"], env[f"e{i}"], env[f"r{i}"] = shape, dtype, device, requires_grad
+            terms.append(f"(h{i}.shape == s{i} and h{i}.dtype is d{i} and h{i}.requires_grad is r{i} "
+                         f"and h{i}.device == e{i})")
+        elif type(item.value) in _SCALARS or isinstance(item.value, _ATOMS):
+            env[f"t{i}"] = type(item.value)
+            same = f"x == v{i}" if item.value == item.value else "x != x"  # NaN is NaN
+            terms.append(f"(type(x := {read}) is t{i} and {same})")
+        else:
+            terms.append(f"_same({read}, v{i})")
+    body = "\n        and ".join(terms) or "True"
+    source = f"def guard():\n    try:\n        return ({body})\n    except Exception:\n        return False\n"
+    exec(compile(source, "<fulmen global guard>", "exec"), env)
+    return env["guard"]
+
+
+def build_guard(recorder: ReadRecorder, captured: list[tuple[str, torch.Tensor]]) -> GlobalGuard | None:
+    """The guard for what the code recorded while tracing can read, and for the metadata of the tensors the
+    program captured (``captured``: their names in the trace, and the tensors); None when there is nothing to
+    check."""
+    collector = _Collector()
+    for name, t in captured:  # read by identity on every call, but traced for this shape, dtype and device
+        collector.items.append(_Item(f"the captured tensor {name}", "tensor", t, name, _tensor_meta(t), "meta"))
+    root, owner = _root_function(recorder.fn)
+    if root is not None:
+        collector.function(root, 0, owner)
+    for code, (globals_, owner) in recorder.codes.items():
+        collector.code(code, globals_, owner, 0)
+    for code, instance in recorder.selves.values():  # self.config.dropout: a config object held by self
+        attrs = getattr(instance, "__dict__", None)
+        if isinstance(attrs, dict):
+            names = _names(code)
+            for name in sorted(names & attrs.keys()):
+                if _plain_object(attrs[name]):
+                    collector.add(f"the attribute {name} of a {type(instance).__name__}", "key", attrs, name,
+                                  attrs[name], names)
+    recorder.close()
+    recorder.selves = {}
+    _warn_on_global_writes(recorder.codes)
+    return GlobalGuard(collector.items) if collector.items else None
+
+
+_warned_writes: set = set()
+_STORE_GLOBAL = dis.opmap["STORE_GLOBAL"]
+
+
+def _warn_on_global_writes(codes) -> None:
+    for code in codes:
+        if code in _warned_writes or _STORE_GLOBAL not in code.co_code[::2]:  # the opcodes: dis is far slower
+            continue
+        stored = sorted({ins.argval for ins in dis.get_instructions(code) if ins.opname == "STORE_GLOBAL"})
+        if stored:
+            _warned_writes.add(code)
+            log.warning("fulmen: %s assigns the global(s) %s while being traced; the compiled program does not "
+                        "repeat Python side effects, so later calls do not assign them", code.co_qualname,
+                        ", ".join(stored))
