@@ -401,3 +401,72 @@ def test_returning_a_mutated_input_returns_the_callers_tensor():
         assert out is x
         out.mul_(10)
         assert_close(x, torch.full((4, 4), 10.0))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# out=
+
+
+def test_out_argument_writes_an_input_and_a_local_tensor():
+    def f(a, b, o):
+        torch.add(a, b, out=o)
+        local = torch.empty(3, 4, dtype=torch.float64)
+        torch.mul(o, 2, out=local)
+        return local + 1, o
+
+    a, b = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    check(f, a, b, torch.zeros(3, 4, dtype=torch.float64))
+
+
+def test_out_argument_of_a_view_and_of_a_reduction():
+    def f(a, o):
+        torch.sum(a, 1, out=o[1])  # a view of the input: the write reaches o
+        return torch.exp(a, out=torch.empty_like(a)).sum() + o
+
+    check(f, torch.randn(3, 4, dtype=torch.float64), torch.zeros(2, 3, dtype=torch.float64))
+
+
+def test_out_argument_casts_and_returns_named_tuples():
+    def f(a):
+        v, i = torch.empty(3, dtype=torch.float64), torch.empty(3, dtype=torch.long)
+        r = torch.max(a, 1, out=(v, i))
+        as_float = torch.empty(3, 4, dtype=torch.float64)
+        torch.add(a.long(), 1, out=as_float)  # Long -> Double is a cast torch allows
+        return r.values * 2, r.indices, v, i, as_float
+
+    check(f, torch.randn(3, 4, dtype=torch.float64))
+
+
+def test_out_argument_errors_as_eager():
+    a = torch.randn(3, 4, dtype=torch.float64)
+
+    def narrowing(a):
+        return torch.add(a, 1, out=torch.empty(3, 4, dtype=torch.long))
+
+    with pytest.raises(RuntimeError, match="result type Double can't be cast to the desired output type Long"):
+        narrowing(a)
+    with pytest.raises(RuntimeError, match="result type Double can't be cast to the desired output type Long"):
+        fulmen.jit(narrowing)(a)
+
+    def with_grad(a, o):
+        return torch.mul(a, 2, out=o)
+
+    w = a.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="don't support automatic differentiation"):
+        with_grad(w, torch.empty(3, 4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="don't support automatic differentiation"):
+        fulmen.jit(with_grad)(w, torch.empty(3, 4, dtype=torch.float64))
+
+    def resized(a):
+        return torch.exp(a, out=torch.empty(0, dtype=torch.float64))
+
+    with pytest.raises(NotImplementedError, match="eager PyTorch would resize it"):
+        fulmen.jit(resized)(a)
+
+
+def test_out_argument_of_an_op_without_a_rule():
+    def f(a, o):
+        torch.special.i1e(a, out=o)  # no torch-language rule: an opaque op, then the copy into o
+        return o * 2
+
+    check(f, torch.randn(3, 4, dtype=torch.float64), torch.zeros(3, 4, dtype=torch.float64))

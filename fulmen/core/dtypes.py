@@ -121,3 +121,15 @@ def python_type_dtype(x: bool | int | float | complex) -> torch.dtype:
     if isinstance(x, numbers.Complex):
         return corresponding_complex_dtype(torch.get_default_dtype())
     raise TypeError(f"Expected a number, but got {type(x).__name__}")
+
+
+_SCALAR_TYPE_NAMES = {
+    torch.bool: "Bool", torch.uint8: "Byte", torch.int8: "Char", torch.int16: "Short", torch.int32: "Int",
+    torch.int64: "Long", torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float32: "Float",
+    torch.float64: "Double", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
+}
+
+
+def scalar_type_name(d: torch.dtype) -> str:
+    """The name PyTorch's error messages give a dtype (``Float``, ``Long``)."""
+    return _SCALAR_TYPE_NAMES.get(d, str(d).replace("torch.", ""))

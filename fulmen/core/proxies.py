@@ -258,6 +258,8 @@ class TensorProxy(Proxy):
         fn = langctx.torch_functions.get(func)
         if fn is None:
             fn = langctx.fallback[0](func)
+        if kwargs and kwargs.get("out") is not None:
+            return call_with_out(fn, func, args, kwargs)
         return fn(*args, **(kwargs or {}))
 
     def __getattr__(self, name: str):
@@ -317,3 +319,38 @@ def has_symbolic(bsym: Any) -> bool:
     from fulmen.core.symbolic import contains_symbolic
 
     return contains_symbolic((bsym.args, bsym.kwargs)) or contains_symbolic(bsym.output)
+
+
+def call_with_out(fn, func, args: tuple, kwargs: dict) -> Any:
+    """``torch.f(..., out=t)``: the result computed as without ``out``, then copied into ``t`` in place (cast to its
+    dtype where torch allows the cast), and ``t`` returned; ``out=(a, b)`` for ops with several results."""
+    kwargs = dict(kwargs)
+    out = kwargs.pop("out")
+    name = getattr(func, "__name__", str(func))
+    if torch.is_grad_enabled() and any(getattr(a, "requires_grad", False) for a in (*args, *kwargs.values())):
+        raise RuntimeError(f"{name}(): functions with out=... arguments don't support automatic differentiation, "
+                           "but one of the arguments requires grad.")
+    result = fn(*args, **kwargs)
+    outs, results = (out, result) if isinstance(out, (tuple, list)) else ((out,), (result,))
+    if not isinstance(results, (tuple, list)) or len(outs) != len(results):
+        raise TypeError(f"{name}(): out= must hold {len(results) if isinstance(results, (tuple, list)) else 1} "
+                        f"tensor(s), got {len(outs)}")
+    for o, r in zip(outs, results):
+        if not isinstance(o, (TensorProxy, torch.Tensor)):
+            raise TypeError(f"{name}(): argument 'out' must be Tensor, not {type(o).__name__}")
+        if tuple(o.shape) != tuple(r.shape):
+            raise NotImplementedError(
+                f"{name}(): out= holds a tensor of shape {list(o.shape)} but the result has shape {list(r.shape)}; "
+                "eager PyTorch would resize it, which fulmen.jit does not support. Pass a tensor of the result's "
+                "shape, or use the returned tensor instead of out=.")
+        have, want = dtypes.to_torch_dtype(r.dtype), dtypes.to_torch_dtype(o.dtype)
+        if not torch.can_cast(have, want):
+            raise RuntimeError(f"result type {dtypes.scalar_type_name(have)} can't be cast to the desired output type "
+                               f"{dtypes.scalar_type_name(want)}")
+        langctx.method("copy_")(o, r)
+    if hasattr(result, "n_fields"):  # torch.max(..., out=(v, i)) returns torch.return_types.max of the out tensors
+        return type(result)(outs)
+    if hasattr(result, "_fields"):
+        return type(result)(*outs)
+    return out
+

@@ -15,10 +15,10 @@ import torch
 from fulmen import clang, prims
 from fulmen.clang import maybe_convert_to_dtype
 from fulmen.core import dtypes
+from fulmen.core.dtypes import scalar_type_name
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import OpTags
 from fulmen.core.utils import canonicalize_dim, check, prod
-from fulmen.torch.reductions import scalar_type_name
 from fulmen.torch.registry import torchsymbol
 
 __all__ = [

@@ -22,6 +22,7 @@ import torch
 from fulmen import clang, prims
 from fulmen.clang import maybe_convert_to_dtype
 from fulmen.core import dtypes
+from fulmen.core.dtypes import scalar_type_name
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import OpTags
 from fulmen.core.utils import canonicalize_dim, check
@@ -37,17 +38,6 @@ __all__ = [
 _RED = (OpTags.REDUCTION,)
 
 #: The names torch's error messages use for dtypes ("Got: Long").
-_SCALAR_TYPE_NAMES = {
-    torch.bool: "Bool", torch.uint8: "Byte", torch.int8: "Char", torch.int16: "Short", torch.int32: "Int",
-    torch.int64: "Long", torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float32: "Float",
-    torch.float64: "Double", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
-}
-
-
-def scalar_type_name(d: torch.dtype) -> str:
-    return _SCALAR_TYPE_NAMES.get(d, str(d).replace("torch.", ""))
-
-
 # ---- helpers shared by the reductions ----
 
 def _check_tensor(a, op: str) -> None:
