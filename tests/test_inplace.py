@@ -470,3 +470,87 @@ def test_out_argument_of_an_op_without_a_rule():
         return o * 2
 
     check(f, torch.randn(3, 4, dtype=torch.float64), torch.zeros(3, 4, dtype=torch.float64))
+
+
+def test_out_argument_of_a_creation_op_into_a_global_buffer():
+    buffer = torch.empty(3, dtype=torch.float64)
+
+    def f(x):
+        torch.arange(3, out=buffer)  # no traced argument: routed by fulmen's torch-function mode
+        return x + buffer
+
+    x = torch.randn(3, dtype=torch.float64)
+    torch.testing.assert_close(fulmen.jit(f)(x), x + torch.arange(3.0, dtype=torch.float64))
+    torch.testing.assert_close(buffer, torch.arange(3.0, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# views made by ops without a rule, and complex views
+
+
+def test_update_through_a_view_made_by_an_op_without_a_rule():
+    def f(x):
+        flat = torch.ravel(x)  # an opaque op whose result eager makes a view of x
+        flat[1:3] = 7.0
+        same = torch.resolve_neg(x)  # returns x itself in eager
+        same.mul_(2)
+        return x * 1, flat
+
+    check(f, torch.randn(2, 3, dtype=torch.float64))
+
+
+def test_update_of_the_input_reaches_a_view_made_by_an_op_without_a_rule():
+    def f(x):
+        flat = torch.ravel(x)
+        x.add_(1)
+        return flat * 1
+
+    check(f, torch.randn(2, 3, dtype=torch.float64))
+
+
+def test_updates_through_complex_views():
+    def parts(c):
+        c.real.mul_(2)
+        c.imag.add_(1)
+        return c * 1, c.real, torch.imag(c)
+
+    def conjugated(c):
+        y = torch.conj(c)
+        y.add_(1j)  # c gets conj(y)
+        a = c.adjoint()
+        a[0, 0] = 5 + 2j
+        return c.clone(), y, c.mH, c.H
+
+    def real_input(r):
+        y = r.conj()  # r itself
+        y.add_(1)
+        z = r.real  # r itself
+        z.mul_(3)
+        return r * 1, torch.conj_physical(r)
+
+    c = torch.randn(3, 3, dtype=torch.complex128)
+    check(parts, c)
+    check(conjugated, c)
+    check(real_input, torch.randn(3, 3, dtype=torch.float64))
+
+
+def test_complex_conjugation_ops_and_their_gradients():
+    c = torch.randn(4, dtype=torch.complex128, requires_grad=True)
+
+    def f(c):
+        return (torch.conj(c) * c.real).abs().sum() + torch.vdot(c, c * 2).real + c.imag.sum() + \
+            torch.conj_physical(c).imag.sum() + c.reshape(2, 2).adjoint().real.sum()
+
+    torch.testing.assert_close(fulmen.jit(f)(c), f(c))
+    expected = torch.autograd.grad(f(c), c)[0]
+    torch.testing.assert_close(torch.autograd.grad(fulmen.jit(f)(c), c)[0], expected)
+
+
+def test_write_through_a_value_changing_view_without_a_rule_is_refused():
+    def f(x):
+        y = torch._neg_view(x)  # eager: a view holding -x (the negative bit), no fulmen rule
+        y.add_(1)
+        return x * 1
+
+    with pytest.raises(NotImplementedError, match="could not reach the input"):
+        fulmen.jit(f)(torch.randn(3, dtype=torch.float64))

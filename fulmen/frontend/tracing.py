@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 from fulmen import prims
 from fulmen.core import langctx
 from fulmen.core.codeutils import sanitize_name
-from fulmen.core.proxies import Proxy, TensorProxy, is_library_file, latest
+from fulmen.core.proxies import Proxy, TensorProxy, call_with_out, is_library_file, latest
 from fulmen.core.trace import Trace, get_tracectx, tracectx
 from fulmen.frontend.global_guard import GlobalGuard, ReadRecorder, build_guard
 from fulmen.torch.fallback import opaque_symbol
@@ -144,7 +144,10 @@ class _UserTorchCalls(TorchFunctionMode):
             elif (fn is not None or is_random_op(func)) and not _called_by_fulmen():
                 # a random op with no rule (torch.randperm) is an opaque op that draws on every call, not a
                 # constant drawn once while tracing
-                return (fn if fn is not None else opaque_symbol(func))(*args, **kwargs)
+                fn = fn if fn is not None else opaque_symbol(func)
+                if kwargs.get("out") is not None:  # torch.zeros(3, out=buffer): written in place, as eager
+                    return call_with_out(fn, func, args, kwargs)
+                return fn(*args, **kwargs)
         return func(*args, **kwargs)
 
 

@@ -21,7 +21,7 @@ from fulmen.core.devices import to_torch_device
 from fulmen.core.proxies import DataDependentError, TensorProxy, _user_location
 from fulmen.core.symbol import OpTags, Symbol
 from fulmen.core.trace import get_tracectx
-from fulmen.torch.registry import torch_id
+from fulmen.torch.registry import link_views, torch_id
 
 _opaque: dict[Any, Symbol] = {}
 # torch logs fake-tensor failures at ERROR level before fulmen recovers from them (see _run_on_zeros)
@@ -35,13 +35,18 @@ def _to_fake(mode, x):
     return x
 
 
-def _fake_meta(func: Callable, name: str) -> Callable:
+def _fake_meta(func: Callable, name: str, views: bool = False) -> Callable:
+    """The meta function of an opaque op: its outputs' metadata from running it on fake tensors. With ``views``,
+    outputs that eager returns as views of the first argument (``torch.ravel``, ``torch.conj`` of a real tensor)
+    are recorded as views of it, so in-place updates of either reach the other."""
+
     def meta(*args, **kwargs):
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         # a trace with symbolic sizes: fake tensors get the same symbols, and the op's checks record guards
         env = _shape_env_of((args, kwargs))
         mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=env)
+        fargs = ()
         try:
             # autocast casts are explicit in the trace and generated code runs without autocast
             with mode, torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
@@ -69,10 +74,40 @@ def _fake_meta(func: Callable, name: str) -> Callable:
             return x
 
         if type(out).__module__ == "torch.return_types":  # keep .values / .indices, as eager does
-            return type(out)(tuple(to_proxy(x) for x in out))
-        return tree_map(to_proxy, out)
+            result = type(out)(tuple(to_proxy(x) for x in out))
+        else:
+            result = tree_map(to_proxy, out)
+        if views and fargs and isinstance(fargs[0], torch.Tensor):
+            _link_aliases(func, args, kwargs, fargs[0], out, result)
+        return result
 
     return meta
+
+
+def _link_aliases(func: Callable, args, kwargs, base: torch.Tensor, out, result) -> None:
+    """Record the outputs that eager makes views of ``base`` as views of the first argument."""
+    fakes = out if isinstance(out, (tuple, list)) else (out,)
+    which = [i for i, o in enumerate(fakes) if isinstance(o, torch.Tensor) and (o is base or o._base is base)]
+    if not which:
+        return
+    # a write through a view with another dtype, or one that conjugates or negates lazily, cannot be scattered
+    # element by element into the base (that only moves elements): refuse it rather than write wrong values
+    transforms = any(fakes[i].dtype != base.dtype or fakes[i].is_conj() != base.is_conj()
+                     or fakes[i].is_neg() != base.is_neg() for i in which)
+    unview = _refuse_write(func) if transforms else None
+    link_views(opaque_symbol(func), args, kwargs, result, which if isinstance(out, (tuple, list)) else None,
+               unview)
+
+
+def _refuse_write(func: Callable) -> Callable:
+    def unview(new):
+        raise NotImplementedError(
+            f"an in-place update of the result of {torch_id(func)}, a view of its input holding other values "
+            "(another dtype, or conjugated) that fulmen.jit has no rule for: the update could not reach the input."
+            f"\n  at {_user_location()}\n"
+            "Update a copy (.clone()) instead, or use torch.compile(model, backend=\"fulmen\").")
+
+    return unview
 
 
 def _shape_env_of(x: Any):
@@ -108,7 +143,7 @@ def opaque_symbol(func: Callable) -> Symbol:
     if sym is None:
         full = torch_id(func)
         module, _, name = full.rpartition(".")
-        sym = Symbol(name=name, meta=_fake_meta(func, full), id=f"fallback:{full}", is_prim=True,
+        sym = Symbol(name=name, meta=_fake_meta(func, full, views=True), id=f"fallback:{full}", is_prim=True,
                      tags=(OpTags.FALLBACK,), module=module or None, torch_fns=(func,))
         sym.extra["torch_impl"] = func
         sym.extra["skip_meta_check"] = False

@@ -170,10 +170,10 @@ def dot(input, tensor):
 
 @torchsymbol(torch.vdot, torch.Tensor.vdot, method_name="vdot", tags=_MM)
 def vdot(input, other):
-    """dot(conj(input), other); fulmen supports real tensors (where it is dot)."""
+    """dot(conj(input), other): for real tensors, dot."""
     _check_tensors("vdot", input, other)
-    check(not dtypes.is_complex_dtype(input.dtype), lambda: "vdot of complex tensors is not supported by fulmen "
-          "(there is no conj prim yet)", NotImplementedError)
+    if dtypes.is_complex_dtype(input.dtype):
+        input = prims.conj(input)
     return dot(input, other)
 
 

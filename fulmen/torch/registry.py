@@ -43,20 +43,30 @@ def torch_id(fn: Callable) -> str:
 
 def _record_view(bsym: BoundSymbol) -> None:
     """Remember that the output is a view of the first argument, so in-place updates reach the base."""
-    base = bsym.args[0] if bsym.args else None
+    link_views(bsym.sym, bsym.args, bsym.kwargs, bsym.output)
+
+
+def link_views(sym: Symbol, args: tuple, kwargs: dict, output, which: Sequence[int] | None = None,
+               unview: Callable | None = None) -> None:
+    """Make ``output`` (the outputs at positions ``which`` of a tuple output; all when None) views of ``args[0]``:
+    each is remade by calling ``sym`` on the base's new value after the base changes in place, and a write to
+    it is scattered into the base (or given to ``unview``, see ``fulmen.torch.inplace.mutate``)."""
+    base = args[0] if args else None
     if not isinstance(base, TensorProxy):
         return
-    sym, rest, kwargs = bsym.sym, bsym.args[1:], bsym.kwargs
-    outs = bsym.output if isinstance(bsym.output, (tuple, list)) else (bsym.output,)
+    rest = args[1:]
+    outs = output if isinstance(output, (tuple, list)) else (output,)
     for i, out in enumerate(outs):
-        if not isinstance(out, TensorProxy) or out is base:
+        if not isinstance(out, TensorProxy) or out is base or (which is not None and i not in which):
             continue
-        if isinstance(bsym.output, (tuple, list)):
+        if isinstance(output, (tuple, list)):
             def remake(new_base, _i=i):
                 return sym(new_base, *rest, **kwargs)[_i]
         else:
             def remake(new_base):
                 return sym(new_base, *rest, **kwargs)
+        if unview is not None:
+            remake.unview = unview
         out._view_of = (base, remake)
         if base._views is None:
             base._views = []

@@ -29,7 +29,7 @@ from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 from fulmen.core.symbolic import INT_TYPES
 from fulmen.core.utils import canonicalize_dim, check, contiguous_strides, prod
 from fulmen.torch.fallback import opaque_symbol
-from fulmen.torch.registry import _record_view, torchsymbol
+from fulmen.torch.registry import _record_view, register_function, torchsymbol
 
 __all__ = [
     "view", "reshape", "view_as", "reshape_as", "permute", "transpose", "swapaxes", "swapdims", "t", "T", "mT",
@@ -296,14 +296,34 @@ def mT(a):
     return clang.transpose(a, -2, -1)
 
 
-@view_symbol(torch.Tensor.adjoint, torch.adjoint, id="torch.adjoint", method_name="adjoint", tags=_SHAPE)
 def adjoint(a):
-    """``torch.adjoint``: the conjugate transpose of the last two dims (real tensors only here)."""
+    """``torch.adjoint``: the conjugate transpose of the last two dims; a view of ``a`` (through ``mT`` and
+    ``conj``), so writes through it reach ``a`` conjugated back."""
+    check(isinstance(a, TensorProxy), lambda: f"adjoint(): argument 'input' must be Tensor, not {type(a).__name__}",
+          TypeError)
     check(a.ndim >= 2, lambda: f"tensor.adjoint() is only supported on matrices or batches of matrices. Got "
           f"{a.ndim}-D tensor.", RuntimeError)
-    check(not a.dtype.is_complex, lambda: "fulmen's torch.adjoint supports real tensors only (complex conjugation "
-          "is not a view fulmen can express)", NotImplementedError)
-    return clang.transpose(a, -2, -1)
+    t = mT(a)
+    return conj(t) if a.dtype.is_complex else t
+
+
+register_function((torch.Tensor.adjoint, torch.adjoint), adjoint, method_names=("adjoint",))
+
+
+def _mH(a):
+    check(a.ndim >= 2, lambda: f"tensor.mH is only supported on matrices or batches of matrices. Got {a.ndim}-D "
+          "tensor.", RuntimeError)
+    return adjoint(a)
+
+
+def _H(a):
+    check(a.ndim in (0, 2), lambda: f"tensor.H is only supported on matrices (2-D tensors). Got {a.ndim}-D tensor.",
+          RuntimeError)
+    return adjoint(a) if a.ndim == 2 else conj(a)
+
+
+langctx.properties["mH"] = _mH
+langctx.properties["H"] = _H
 
 
 @view_symbol(torch.Tensor.movedim, torch.movedim, torch.moveaxis, torch.Tensor.moveaxis, id="torch.movedim",
@@ -686,8 +706,54 @@ def detach(a):
     return out
 
 
-# ``Tensor.data`` reads as ``detach()`` (the same memory, no history); ``.real``/``.imag`` as the torch functions
-# (which return a real tensor itself for ``.real``, as eager does)
+# ``Tensor.data`` reads as ``detach()`` (the same memory, no history)
 langctx.properties["data"] = detach
-langctx.properties["real"] = torch.real
-langctx.properties["imag"] = torch.imag
+
+
+# ---------------------------------------------------------------------------------------------------------
+# complex views: conj, real, imag (eager shares memory; a write through them reaches the input)
+
+
+@view_symbol(torch.conj, torch.Tensor.conj, id="torch.conj", method_name="conj", tags=_SHAPE,
+             unview=lambda new: prims.conj(new) if new.dtype.is_complex else new, torch_executable=False)
+def conj(a):
+    """``torch.conj``: the complex conjugate, a view of ``a`` (``a`` itself for a real tensor).
+
+    It runs as its decomposition (``prims.conj``, which conjugates physically): a tensor with torch's lazy
+    conjugate bit would reach ops that refuse it (``view_as_real``), and fulmen values need no laziness.
+    """
+    check(isinstance(a, TensorProxy), lambda: f"conj(): argument 'input' must be Tensor, not {type(a).__name__}",
+          TypeError)
+    return prims.conj(a) if a.dtype.is_complex else prims.reshape(a, tuple(a.shape))
+
+
+@view_symbol(torch.conj_physical, torch.Tensor.conj_physical, id="torch.conj_physical",
+             method_name="conj_physical", tags=_SHAPE, unview=lambda new: new)
+def conj_physical(a):
+    """``torch.conj_physical``: the complex conjugate as a new tensor (``a`` itself for a real tensor)."""
+    check(isinstance(a, TensorProxy), lambda: "conj_physical(): argument 'input' must be Tensor, not "
+          f"{type(a).__name__}", TypeError)
+    return prims.conj(a) if a.dtype.is_complex else prims.reshape(a, tuple(a.shape))
+
+
+def real(a):
+    """``torch.real`` / ``Tensor.real``: the real parts, a view of ``a`` (``a`` itself for a real tensor)."""
+    check(isinstance(a, TensorProxy), lambda: f"real(): argument 'input' must be Tensor, not {type(a).__name__}",
+          TypeError)
+    if not a.dtype.is_complex:
+        return a
+    return select(view_as_real(a), -1, 0)
+
+
+def imag(a):
+    """``torch.imag`` / ``Tensor.imag``: the imaginary parts, a view of a complex ``a``."""
+    check(isinstance(a, TensorProxy), lambda: f"imag(): argument 'input' must be Tensor, not {type(a).__name__}",
+          TypeError)
+    check(a.dtype.is_complex, lambda: "imag is not implemented for tensors with non-complex dtypes.", RuntimeError)
+    return select(view_as_real(a), -1, 1)
+
+
+register_function((torch.real,), real)
+register_function((torch.imag,), imag)
+langctx.properties["real"] = real
+langctx.properties["imag"] = imag
