@@ -308,3 +308,62 @@ def test_buffer_assigned_in_a_training_forward_matches_eager():
         eager(x).square().sum().backward()
         torch.testing.assert_close(m.last, eager.last)
         torch.testing.assert_close(m.fc.weight.grad, eager.fc.weight.grad)
+
+
+class _Recorder(nn.Module):
+    """Keeps its last activation on a plain attribute, as models that expose attention maps do."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4, dtype=torch.float64)
+        self.last = None
+
+    def forward(self, x):
+        y = self.fc(x)
+        self.last = y.detach() * 2
+        return y.relu()
+
+
+def test_tensor_assigned_to_a_plain_attribute_is_set_on_every_call():
+    torch.manual_seed(0)
+    m = nn.Sequential(_Recorder(), nn.Tanh())
+    jm = fulmen.jit(m)
+    for _ in range(3):
+        x = _x(2, 4)
+        torch.testing.assert_close(jm(x), m(x))
+        got = m[0].last
+        assert type(got) is torch.Tensor  # a real tensor, never a tracing placeholder
+        torch.testing.assert_close(got, m[0].fc(x).detach() * 2)
+    # the attribute is a program output, not structure: a train/eval round trip reuses the programs
+    m.eval()
+    jm(_x(2, 4))
+    m.train()
+    jm(_x(2, 4))
+    assert fulmen.cache_misses(jm) == 2
+
+
+def test_state_read_and_reassigned_in_forward_asks_for_a_buffer():
+    class Running(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.total = torch.zeros(4, dtype=torch.float64)  # a plain attribute, not a buffer
+
+        def forward(self, x):
+            self.total = self.total + x.sum(0)
+            return x * 2
+
+    m = Running()
+    with pytest.raises(NotImplementedError, match="register_buffer"):
+        fulmen.jit(m)(_x(2, 4))
+    assert type(m.total) is torch.Tensor and m.total.abs().sum() == 0  # left as it was
+
+
+def test_python_attribute_changed_while_tracing_warns(caplog):
+    class Counting(nn.Module):
+        def forward(self, x):
+            self.calls = getattr(self, "calls", 0) + 1
+            return x + 1
+
+    with caplog.at_level("WARNING", logger="fulmen"):
+        fulmen.jit(Counting())(_x(2))
+    assert any("changed the attribute 'calls'" in r.getMessage() for r in caplog.records)

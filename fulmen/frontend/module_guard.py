@@ -193,12 +193,24 @@ def _module_entry(name: str, mod: nn.Module, tensor_index: dict[int, int]) -> tu
             slots.append((key, None if t is None else tensor_index.setdefault(id(t), len(tensor_index))))
         slots.append(None)
     attrs = []
+    outputs = _program_outputs.get(mod, ())
     for key, v in mod.__dict__.items():
+        if key in outputs:
+            continue
         recorded = attribute_value(v)
         if recorded is not _MISSING:
             attrs.append((key, recorded))
     hooks = tuple(tuple(getattr(mod, h, ())) for h in _HOOK_DICTS)
     return (name, identity(mod), type(mod), tuple(slots), tuple(attrs), hooks)
+
+
+#: module -> names of plain tensor attributes that a compiled forward assigns on every call (``self.last = y``):
+#: program outputs, not structure, so snapshots leave them out
+_program_outputs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def mark_program_output(mod: nn.Module, name: str) -> None:
+    _program_outputs.setdefault(mod, set()).add(name)
 
 
 def _watch(mod: nn.Module) -> None:
