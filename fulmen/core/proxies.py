@@ -353,4 +353,3 @@ def call_with_out(fn, func, args: tuple, kwargs: dict) -> Any:
     if hasattr(result, "_fields"):
         return type(result)(*outs)
     return out
-

@@ -46,7 +46,6 @@ class CacheEntry:
     pattern: Any = None  # its key with the dynamic sizes erased
     written: frozenset[int] = frozenset()  # positions of the inputs the program writes to
     globals_guard: GlobalGuard | None = None  # the globals and closure variables the traced code read
-    check_globals: Callable[[], bool] | None = None  # globals_guard.check, or None when nothing is read
 
 
 @dataclass
@@ -156,7 +155,7 @@ class JittedFunction:
                 return self.fn(*args, **kwargs)
         else:
             stats.cache_hits += 1
-            if entry.check_globals is not None and not entry.check_globals():
+            if entry.globals_guard is not None and not entry.globals_guard.check():
                 entry = self._globals_changed(key, entry, args, kwargs, flat)
         if entry.spec.captured:
             flat += entry.spec.captured
@@ -191,7 +190,7 @@ class JittedFunction:
         variants = self._variants.setdefault(key, [])
         variants.append(entry)
         for other in variants:
-            if other.check_globals():
+            if other.globals_guard.check():
                 variants.remove(other)
                 self._cache[key] = other
                 return other
@@ -210,12 +209,13 @@ class JittedFunction:
         for entry in self._dynamic_entries:
             if erase_sizes(key, entry.symbolic.dims) != entry.pattern:
                 continue
-            if entry.symbolic.guard(flat) and (entry.check_globals is None or entry.check_globals()):
+            globals_hold = entry.globals_guard is None or entry.globals_guard.check()
+            if globals_hold and entry.symbolic.guard(flat):
                 self._stats.cache_hits += 1
                 if len(self._cache) < _MAX_ALIASES:
                     self._cache[key] = entry  # these exact sizes hit the dictionary from now on
                 return entry
-            if entry.check_globals is None or entry.check_globals():
+            if globals_hold:
                 failed = entry
         guard_failure = None
         if failed is not None:
@@ -342,7 +342,7 @@ class JittedFunction:
         done = time.perf_counter()
         entry = CacheEntry(program=program, spec=spec, computation_trace=trace,
                            prologue=_prologue_trace(trace, key, symbolic, spec.guard), written=written_inputs(trace),
-                           globals_guard=spec.guard, check_globals=spec.guard.check if spec.guard else None)
+                           globals_guard=spec.guard)
         stats.last_trace_time_ms = (traced - start) * 1e3
         stats._last_compile_time_ms = (done - start) * 1e3
         stats.last_prologue_traces = [entry.prologue] if entry.prologue is not None else []

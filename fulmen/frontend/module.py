@@ -29,6 +29,7 @@ from fulmen.frontend.tracing import _arg_names, trace_program
 log = logging.getLogger("fulmen")
 _MISSING = object()
 
+
 class _ModuleState:
     """Where every parameter and buffer lives: (module, dict name, key), tied tensors counted once.
 
@@ -198,7 +199,7 @@ class _ModuleProgram(JittedFunction):
                 return self.module(*args, **kwargs)
         else:
             self._stats.cache_hits += 1
-            if entry.check_globals is not None and not entry.check_globals():
+            if entry.globals_guard is not None and not entry.globals_guard.check():
                 entry = self._globals_changed(key, entry, args, kwargs, flat)
         if entry.spec.captured:
             flat += entry.spec.captured
@@ -220,13 +221,14 @@ class _ModuleProgram(JittedFunction):
         return len(self.state.unique_slots)
 
     def _describe_key_change(self, old, new) -> str:
-        if old is not None and old[1] == new[1] and old[0][0] != new[0][0]:
-            snapshots = self.state.snapshots
-            return module_guard.describe_change(snapshots[old[0][0]], snapshots[new[0][0]])
-        if old is not None and old[1] == new[1] and old[0][1] != new[0][1]:
-            return "a parameter or buffer changed shape, dtype, device or requires_grad"
-        if old is not None and old[1] == new[1]:
-            old, new = (old[0][2], old[1]), (new[0][2], new[1])
+        if old is not None and old[1] == new[1]:  # same global state: (structure, state tensors, arguments)
+            (old_version, old_state, old_args), (new_version, new_state, new_args) = old[0], new[0]
+            if old_version != new_version:
+                snapshots = self.state.snapshots
+                return module_guard.describe_change(snapshots[old_version], snapshots[new_version])
+            if old_state != new_state:
+                return "a parameter or buffer changed shape, dtype, device or requires_grad"
+            old, new = (old_args, old[1]), (new_args, new[1])
         return super()._describe_key_change(old, new)
 
     def _trace(self, args, kwargs, sizes=None):

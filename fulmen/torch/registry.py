@@ -70,7 +70,9 @@ def link_views(sym: Symbol, args: tuple, kwargs: dict, output, which: Sequence[i
         out._view_of = (base, remake)
         if base._views is None:
             base._views = []
-        base._views.append(out)
+        # once: an opaque op inside a view op's decomposition (view_as_real's) links the same output first
+        if not any(v is out for v in base._views):
+            base._views.append(out)
 
 
 def torchsymbol(

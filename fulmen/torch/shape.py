@@ -29,7 +29,7 @@ from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 from fulmen.core.symbolic import INT_TYPES
 from fulmen.core.utils import canonicalize_dim, check, contiguous_strides, prod
 from fulmen.torch.fallback import opaque_symbol
-from fulmen.torch.registry import _record_view, register_function, torchsymbol
+from fulmen.torch.registry import link_views, register_function, torchsymbol
 
 __all__ = [
     "view", "reshape", "view_as", "reshape_as", "permute", "transpose", "swapaxes", "swapdims", "t", "T", "mT",
@@ -88,7 +88,7 @@ def _on_meta(fn, args, kwargs):
     return fn(*margs, **{k: _to_meta(v) for k, v in kwargs.items()}), margs[0]
 
 
-def _view_hook(bsym: BoundSymbol) -> None:
+def _view_hook(bsym: BoundSymbol, unview=None) -> None:
     """After a view op is recorded: link its outputs to the input when eager would alias them, keep strides."""
     base = bsym.args[0] if bsym.args else None
     if not isinstance(base, TensorProxy):
@@ -98,26 +98,16 @@ def _view_hook(bsym: BoundSymbol) -> None:
     try:
         out, mbase = _on_meta(fn, bsym.args, bsym.kwargs)
     except Exception:  # eager layout unknown (e.g. an argument meta tensors cannot take): assume a plain view
-        _record_view(bsym)
+        link_views(sym, bsym.args, bsym.kwargs, bsym.output, unview=unview)
         return
     outs = bsym.output if isinstance(bsym.output, (tuple, list)) else (bsym.output,)
     mouts = out if isinstance(out, (tuple, list)) else (out,)
     pairs = [(p, m) for p, m in zip(outs, mouts) if isinstance(p, TensorProxy) and isinstance(m, torch.Tensor)]
     if sym.extra.get("always_alias") or any(m is mbase or m._base is mbase for _, m in pairs):
-        _record_view(bsym)
+        link_views(sym, bsym.args, bsym.kwargs, bsym.output, unview=unview)
     for p, m in pairs:
         if p is not base:
             _set_strides(p, m.stride())
-
-
-def _unview_hook(unview):
-    def hook(bsym: BoundSymbol) -> None:
-        _view_hook(bsym)
-        out = bsym.output
-        if isinstance(out, TensorProxy) and out._view_of is not None:
-            out._view_of[1].unview = unview  # read by fulmen.torch.inplace.mutate
-
-    return hook
 
 
 def check_viewable(fn, a: TensorProxy, *args, **kwargs) -> None:
@@ -135,7 +125,7 @@ def view_symbol(*torch_fns, meta_fn=None, always_alias: bool = False, unview=Non
 
     def decorator(fn) -> Symbol:
         sym = torchsymbol(*torch_fns, is_view=True, **kwargs)(fn)
-        sym.post_hook = _view_hook if unview is None else _unview_hook(unview)
+        sym.post_hook = _view_hook if unview is None else lambda bsym: _view_hook(bsym, unview)
         if meta_fn is not None:
             sym.extra["meta_fn"] = meta_fn
         sym.extra["always_alias"] = always_alias
