@@ -22,6 +22,7 @@ from fulmen.frontend.cache import aliases_written_input, args_key, global_state_
 from fulmen.frontend.compile import CompiledProgram, compile_inference
 from fulmen.frontend.dynamic import SizeHistory, SymbolicSizes, describe_change, erase_sizes, key_sizes, symbolic_dims
 from fulmen.frontend.global_guard import GlobalGuard
+from fulmen.frontend.module_writes import assigning
 from fulmen.frontend.tracing import InputSpec, _has_proxy, trace_program
 from fulmen.transforms.autocast import current_policies
 
@@ -339,6 +340,8 @@ class JittedFunction:
             program = compile_inference(trace, self.executors, cuda_graphs=graph_name)
         if autocast_devices:
             program.run = _without_autocast(program.run, autocast_devices)
+        if spec.attributes:  # the program returns (result, module attribute values): every call assigns them
+            program.run = assigning(program.run, spec.attributes)
         done = time.perf_counter()
         entry = CacheEntry(program=program, spec=spec, computation_trace=trace,
                            prologue=_prologue_trace(trace, key, symbolic, spec.guard), written=written_inputs(trace),

@@ -121,53 +121,19 @@ class _ModuleState:
             changed.append((i, value))
         return changed
 
-    def assigned_attributes(self, before: dict[int, dict]) -> list[tuple[nn.Module, str, TensorProxy]]:
-        """While tracing, after ``forward`` ran: (module, name, value) for every plain attribute ``forward`` set to a
-        traced tensor (``self.attn_map = weights``), each restored to what it held before (``before``: each
-        module's ``__dict__``, copied before the call), so no proxy stays on the module."""
-        capture = get_tracectx().capture
-        assigned = []
-        for name, mod in self.root.named_modules():
-            old_dict = before.get(id(mod), {})
-            for key, value in list(mod.__dict__.items()):
-                if not isinstance(value, TensorProxy):
-                    if old_dict.get(key, _MISSING) is not value and not isinstance(value, torch.Tensor):
-                        log.warning("fulmen: %s.forward changed the attribute %r of %s while being traced; the "
-                                    "compiled program does not repeat Python side effects, so later calls leave "
-                                    "it as it is", type(mod).__name__, key, name or "the module")
-                    continue
-                old = old_dict.get(key, _MISSING)
-                if old is _MISSING:
-                    del mod.__dict__[key]
-                else:
-                    mod.__dict__[key] = old
-                if isinstance(old, torch.Tensor) and id(old) in capture.by_id:
-                    raise NotImplementedError(
-                        f"{type(mod).__name__}.forward reads the tensor attribute {key!r} of {name or 'the module'} "
-                        "and assigns it a new tensor (state carried between calls); fulmen.jit keeps such state in "
-                        f"buffers: register it with self.register_buffer({key!r}, tensor, persistent=False) in "
-                        "__init__, and forward's assignment then updates it on every call.")
-                assigned.append((mod, key, value))
-        return assigned
-
-    def rebind(self, rebinds: tuple[tuple[int, bool], ...], attributes: tuple[tuple[nn.Module, str], ...],
-               result) -> Any:
-        """After a call whose program returns ``(result, new buffer and attribute values)``: assign them, as eager
-        did (attributes straight into the module's ``__dict__``: no structure change to watch)."""
+    def rebind(self, rebinds: tuple[tuple[int, bool], ...], result) -> Any:
+        """After a call whose program returns ``(result, new buffer values)``: assign them, as eager did."""
         out, values = result
         for (i, tied), t in zip(rebinds, values):
             mod, dict_name, key, _ = self.slots[i]
             getattr(mod, dict_name)[key] = t
             if tied:  # the slot no longer shares its tensor with the other slots it shared it with
                 self.epoch = -1
-        for (mod, key), t in zip(attributes, values[len(rebinds):]):
-            mod.__dict__[key] = t
         return out
 
-    def mark_outputs(self, attributes: tuple[tuple[nn.Module, str], ...]) -> None:
-        """Leave the attributes a program assigns out of the snapshots, keeping the current structure's version."""
-        for mod, key in attributes:
-            module_guard.mark_program_output(mod, key)
+    def keep_version(self) -> None:
+        """A program's tracing marked attributes as program outputs (``module_writes``), which snapshots leave out:
+        the snapshot without them names the same structure, so it keeps the version."""
         snapshot = module_guard.snapshot(self.root)
         if snapshot != self.snapshot and self.snapshot is not None:
             self._versions[snapshot] = self.version
@@ -238,38 +204,34 @@ class _ModuleProgram(JittedFunction):
         named = list(zip(state.names, state.tensors()))
         module = self.module
         self._traced_rebinds = ()
-        self._traced_attributes = ()
         counts: dict[int, int] = {}
         for *_, index in state.slots:
             counts[index] = counts.get(index, 0) + 1
 
         def forward(state_proxies, *a, **k):
-            before = {id(m): dict(m.__dict__) for m in module.modules()}
             with state.swapped(state_proxies):
                 out = module(*a, **k)
                 reassigned = state.reassigned_buffers(state_proxies)
-                assigned = state.assigned_attributes(before)
-            if not reassigned and not assigned:
+            if not reassigned:
                 return out
-            # the program also returns the buffers' and attributes' new values; the call assigns them
-            # (_ModuleState.rebind)
+            # the program also returns the buffers' new values; the call assigns them (_ModuleState.rebind)
             capture = get_tracectx().capture
             self._traced_rebinds = tuple((i, counts[state.slots[i][3]] > 1) for i, _ in reassigned)
-            self._traced_attributes = tuple((mod, key) for mod, key, _ in assigned)
-            return out, [capture(v) for _, v in reassigned] + [capture(v) for _, _, v in assigned]
+            return out, [capture(v) for _, v in reassigned]
 
         names = _arg_names(module.forward, args, kwargs)
         return trace_program(forward, args, kwargs, state=named, fn_name="computation", arg_names=names,
-                             sizes=sizes, guard_reads=module.forward if self._guard_reads else None)
+                             sizes=sizes, guard_reads=module.forward if self._guard_reads else None,
+                             own=list(module.modules()))
 
     def _build_entry(self, key, args, kwargs, symbolic):
-        entry = super()._build_entry(key, args, kwargs, symbolic)
-        rebinds, attributes = self._traced_rebinds, self._traced_attributes
-        if rebinds or attributes:  # the program returns (result, new values): every call assigns them, as eager did
+        entry = super()._build_entry(key, args, kwargs, symbolic)  # assigns the module attributes on every call
+        rebinds = self._traced_rebinds
+        if rebinds:  # the program returns (result, new buffer values): every call assigns them, as eager did
             run, state = entry.program.run, self.state
-            entry.program.run = lambda flat: state.rebind(rebinds, attributes, run(flat))
-            if attributes:
-                state.mark_outputs(attributes)
+            entry.program.run = lambda flat: state.rebind(rebinds, run(flat))
+        if entry.spec.attributes:
+            self.state.keep_version()
         return entry
 
 

@@ -14,10 +14,14 @@ What a snapshot holds, for every module in the tree: its identity and class, the
 buffers (which slots hold the same tensor, not the tensors themselves: a replaced parameter of the same
 shape reuses the program), its plain attributes of simple types (bool, int, float, str, bytes, None, enums,
 ``torch.dtype``/``torch.device``, classes, tuples of these; tensors, functions and modules by identity),
-``training``, and the ids of its forward and backward hooks; plus the global module hooks. Not seen: a
+``training``, and the ids of its forward and backward hooks; plus the global module hooks. Attributes that
+compiled programs assign on every call are outputs, not structure (``mark_program_output``). Not seen: a
 list, dict or other object changed in place (``self.sizes.append(3)``, ``self.config.dropout = 0.2``),
 globals a ``forward`` reads, and writes straight into ``module._parameters`` / ``_buffers`` / ``_modules``
 that bypass the methods above (a new tensor there is still read, as it is read on every call).
+
+While fulmen traces, the ``__setattr__``/``__delattr__`` wrappers also report each write to ``write_recorder``
+(``fulmen.frontend.module_writes``).
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ epoch = 0
 # (weakly: an id leaves the set when its module dies, so a new object at that address is not taken for it)
 _watched: dict[int, weakref.ref] = {}
 _installed = False
+#: While fulmen traces: called with (module, name) before every attribute write or delete on any module
+#: (``fulmen.frontend.module_writes``); None otherwise.
+write_recorder = None
 
 
 def _bump() -> None:
@@ -67,6 +74,8 @@ def _on_setattr(method):
     # the bump is skipped (is_compiling() is a constant there), so it inlines just the original.
     @functools.wraps(method)
     def __setattr__(self, name, value):
+        if write_recorder is not None:
+            write_recorder(self, name)
         method(self, name, value)
         if not torch.compiler.is_compiling() and id(self) in _watched:
             _bump()
@@ -78,6 +87,8 @@ def _on_setattr(method):
 def _on_delattr(method):
     @functools.wraps(method)
     def __delattr__(self, name):
+        if write_recorder is not None:
+            write_recorder(self, name)
         method(self, name)
         if not torch.compiler.is_compiling() and id(self) in _watched:
             _bump()
@@ -193,9 +204,14 @@ def _module_entry(name: str, mod: nn.Module, tensor_index: dict[int, int]) -> tu
             slots.append((key, None if t is None else tensor_index.setdefault(id(t), len(tensor_index))))
         slots.append(None)
     attrs = []
-    outputs = _program_outputs.get(mod, ())
+    outputs = _program_outputs.get(mod, {})
     for key, v in mod.__dict__.items():
-        if key in outputs:
+        last = outputs.get(key, _MISSING)
+        if last is not _MISSING and (last is _UNREAD or last is v):
+            # a program output, not structure; one that code may read counts as such only while it holds what the
+            # program assigned (before that, its None or absence may have chosen a branch of the trace)
+            if last is v:
+                attrs.append((key, "program output"))
             continue
         recorded = attribute_value(v)
         if recorded is not _MISSING:
@@ -204,13 +220,37 @@ def _module_entry(name: str, mod: nn.Module, tensor_index: dict[int, int]) -> tu
     return (name, identity(mod), type(mod), tuple(slots), tuple(attrs), hooks)
 
 
-#: module -> names of plain tensor attributes that a compiled forward assigns on every call (``self.last = y``):
-#: program outputs, not structure, so snapshots leave them out
+#: module -> {name: the tensor a program last assigned} for the plain attributes that compiled programs assign on
+#: every call (``self.last = y``); ``_UNREAD`` for those no code reads, left out of snapshots altogether
 _program_outputs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_UNREAD = object()
+_UNASSIGNED = object()
 
 
-def mark_program_output(mod: nn.Module, name: str) -> None:
-    _program_outputs.setdefault(mod, set()).add(name)
+def mark_program_output(mod: nn.Module, name: str, read: bool) -> None:
+    """``mod.name`` is assigned by a compiled program on every call; ``read``: some code may read it."""
+    outputs = _program_outputs.setdefault(mod, {})
+    last = outputs.get(name, _MISSING)
+    if last is _MISSING or (read and last is _UNREAD):
+        outputs[name] = _UNASSIGNED if read else _UNREAD
+
+
+def program_outputs(mod: nn.Module) -> dict:
+    """The dictionary ``assign_program_output`` keeps for ``mod``."""
+    return _program_outputs.setdefault(mod, {})
+
+
+def assign_program_output(mod: nn.Module, outputs: dict, name: str, value: Any) -> None:
+    """Set ``mod.name`` to what a compiled program returned for it (straight into ``__dict__``: no structure
+    change); where code may read it and it held something else before (None, nothing, the user's tensor), the
+    module's snapshot changes, so the epoch moves and the next call looks."""
+    attrs = mod.__dict__
+    last = outputs.get(name, _UNREAD)
+    if last is not _UNREAD:
+        if attrs.get(name, _MISSING) is not last and id(mod) in _watched:
+            _bump()
+        outputs[name] = value
+    attrs[name] = value
 
 
 def _watch(mod: nn.Module) -> None:

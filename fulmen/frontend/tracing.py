@@ -7,7 +7,7 @@ import inspect
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +21,7 @@ from fulmen.core.codeutils import sanitize_name
 from fulmen.core.proxies import Proxy, TensorProxy, call_with_out, is_library_file, latest
 from fulmen.core.trace import Trace, get_tracectx, tracectx
 from fulmen.frontend.global_guard import GlobalGuard, ReadRecorder, build_guard
+from fulmen.frontend.module_writes import ModuleWrites, check_no_proxies_left
 from fulmen.torch.fallback import opaque_symbol
 from fulmen.transforms.autocast import current_policies
 from fulmen.transforms.grad_rules import is_random_op
@@ -33,6 +34,8 @@ class InputSpec:
     tensor_proxies: list[TensorProxy] = field(default_factory=list)
     captured: list[torch.Tensor] = field(default_factory=list)  # closure/global tensors, passed after the args
     guard: GlobalGuard | None = None  # the globals and closure variables the traced code read
+    # module attributes the program assigns (fulmen.frontend.module_writes): it returns (result, their values)
+    attributes: tuple[tuple[torch.nn.Module, str], ...] = ()
 
 
 def _arg_names(fn: Callable, args: tuple, kwargs: dict) -> list[str]:
@@ -239,14 +242,16 @@ def _recording_autograd_functions():
 def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[str] | None = None,
                   fn_name: str = "computation",
                   state: list[tuple[str, torch.Tensor]] | None = None,
-                  sizes: list | None = None, guard_reads: Callable | None = None) -> tuple[Trace, InputSpec]:
+                  sizes: list | None = None, guard_reads: Callable | None = None,
+                  own: Sequence[torch.nn.Module] = ()) -> tuple[Trace, InputSpec]:
     """Trace ``fn(*args, **kwargs)``: tensors become proxies, every torch call becomes a bound symbol.
 
     ``state`` (a module's parameters and buffers, by name) becomes the first inputs; ``fn`` then receives
     the list of their proxies as its first argument. ``sizes`` gives the shape of each tensor input in flat
     order (state first), with ``torch.SymInt`` for dynamic dimensions (``fulmen.frontend.dynamic``).
     ``guard_reads`` (the user's function) asks for ``spec.guard``: a check of the globals and closure variables the
-    user's code read (``fulmen.frontend.global_guard``).
+    user's code read (``fulmen.frontend.global_guard``). ``own``: the jitted module's tree, whose parameters and
+    buffers are inputs (writes to other modules: ``fulmen.frontend.module_writes``).
     """
     trace = Trace(fn_name)
     spec = InputSpec()
@@ -265,9 +270,16 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     trace.autocast = _AutocastPolicies()
     recorder = trace.on_user_op = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
     try:
-        with tracectx(trace), _UserTorchCalls(trace), _compiling(), _recording_autograd_functions():
+        with tracectx(trace), _UserTorchCalls(trace), _compiling(), _recording_autograd_functions(), \
+                ModuleWrites() as writes:
             result = fn(*proxy_args, **proxy_kwargs)
             result = trace.capture(result) if isinstance(result, torch.Tensor) else result
+            attributes = writes.settle(frozenset(map(id, own)), trace.capture.by_id,
+                                       recorder.codes if recorder is not None else ())
+            check_no_proxies_left(own)
+            if attributes:  # the program also returns them; every call assigns them (module_writes.assigning)
+                spec.attributes = tuple((mod, name) for mod, name, _, _ in attributes)
+                result = (result, [value for *_, value in attributes])
             result = _resolve_outputs(result)
             result = _write_back_mutated_inputs(trace, result)
     finally:

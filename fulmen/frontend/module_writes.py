@@ -1,0 +1,245 @@
+"""What traced code writes to ``nn.Module`` attributes, and what the compiled program does about it.
+
+Any module can be written to while fulmen traces: the jitted module's own submodules, and modules a plain jitted
+function reaches (a global model, a module passed as an argument). ``nn.Module.__setattr__`` and ``__delattr__``
+(wrapped by ``module_guard``) report each write to the ``ModuleWrites`` recorder of the tracing thread, which keeps
+the first value each (module, name) held. After the traced function returned, ``settle`` puts every module back as
+it was and decides, name by name:
+
+- a traced tensor assigned to a plain attribute (``self.attn_map = weights``) is a program output: the program
+  returns it and every call assigns it (``assigning``), as eager does. The snapshot of the module's structure
+  leaves it out (``module_guard.mark_program_output``), so train/eval round trips reuse programs. Where some code
+  may read the name (``if self.cache is None: ...``), the trace may have branched on its old value: it counts as
+  an output only while it holds what a program assigned, and a call that finds anything else recompiles;
+- a traced tensor replacing a tensor the trace read is state carried between calls (the program would keep
+  reading the tensor it captured): an error that asks for a buffer;
+- a parameter or buffer reassigned on a module that is not the jitted module's (whose buffers are program inputs,
+  handled by ``fulmen.frontend.module``): an error, restoring it;
+- any other value: a warning (later calls do not repeat Python side effects), the value left as set.
+
+When tracing fails, every write is undone: the user's modules are left as they were before the call.
+"""
+
+from __future__ import annotations
+
+import dis
+import functools
+import logging
+import sys
+import threading
+import types
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fulmen.core.proxies import Proxy, TensorProxy
+from fulmen.frontend import module_guard
+
+log = logging.getLogger("fulmen")
+_MISSING = object()
+_DICTS = ("_parameters", "_buffers", "_modules")
+
+
+def _locate(mod: nn.Module, name: str) -> tuple[str, Any]:
+    """Where ``mod.name`` lives (one of ``_DICTS``, ``"__dict__"`` or ``"missing"``) and its value."""
+    attrs = mod.__dict__
+    for dict_name in _DICTS:
+        d = attrs.get(dict_name)
+        if d is not None and name in d:
+            return dict_name, d[name]
+    if name in attrs:
+        return "__dict__", attrs[name]
+    return "missing", _MISSING
+
+
+def _put(mod: nn.Module, name: str, where: str, value: Any) -> None:
+    """Set ``mod.name`` back to ``value`` in ``where`` (``"missing"``: remove it), bypassing ``__setattr__``."""
+    now, _ = _locate(mod, name)
+    if now != "missing":
+        del (mod.__dict__ if now == "__dict__" else mod.__dict__[now])[name]
+    if where != "missing":
+        (mod.__dict__ if where == "__dict__" else mod.__dict__[where])[name] = value
+
+
+def _initializing(frame, mod: nn.Module) -> bool:
+    """Whether the write comes from ``mod``'s ``__init__`` (a module the traced code creates), a few calls up."""
+    for _ in range(8):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "__init__" and frame.f_locals.get("self") is mod:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class ModuleWrites:
+    """Records, for the thread tracing, the value each written (module, name) held before its first write, and
+    which code wrote it. Modules created while tracing are the traced code's own: not recorded."""
+
+    def __init__(self):
+        self._thread = threading.get_ident()
+        self._before: dict[tuple[int, str], tuple[nn.Module, str, str, Any, str]] = {}
+        self._new: dict[int, nn.Module] = {}  # held until the trace ends, so their ids are not reused
+        self._saved = None
+
+    def __call__(self, mod: nn.Module, name: str) -> None:
+        if threading.get_ident() != self._thread or (id(mod), name) in self._before or id(mod) in self._new:
+            return
+        writer = sys._getframe(2)  # 1: nn.Module.__setattr__ (module_guard's wrapper)
+        if _initializing(writer, mod):
+            self._new[id(mod)] = mod
+            return
+        self._before[(id(mod), name)] = (mod, name, *_locate(mod, name), writer.f_code.co_qualname)
+
+    def __enter__(self) -> ModuleWrites:
+        module_guard.install()
+        self._saved = module_guard.write_recorder
+        module_guard.write_recorder = self
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        module_guard.write_recorder = self._saved
+        if exc_type is not None:  # the call failed: leave every module as it was before it
+            self.undo()
+
+    def undo(self) -> None:
+        for mod, name, where, old, _ in self._before.values():
+            if not isinstance(old, Proxy):  # a jitted module's parameter or buffer, swapped for its proxy: put back
+                _put(mod, name, where, old)  # by fulmen.frontend.module
+
+    def settle(self, own: frozenset[int], captured: Iterable[int], codes: Iterable[types.CodeType]
+               ) -> list[tuple[nn.Module, str, bool, TensorProxy]]:
+        """After the traced call: restore what the program must not leave set, raise for what it cannot compile,
+        and return the program outputs (module, name, whether code may read it, traced value). ``own``: ids of the
+        jitted module's tree; ``captured``: ids of the tensors the trace captured; ``codes``: the user code that
+        ran."""
+        captured = set(captured)
+        outputs = []
+        try:
+            for mod, name, where, old, writer in self._before.values():
+                now, new = _locate(mod, name)
+                if new is old and now == where:
+                    continue
+                if "_parameters" in (where, now) or "_buffers" in (where, now):
+                    if id(mod) in own:
+                        continue  # a program input: fulmen.frontend.module assigns or rejects it
+                    _put(mod, name, where, old)
+                    what = "parameter" if "_parameters" in (where, now) else "buffer"
+                    raise NotImplementedError(
+                        f"{writer} assigned the {what} {name!r} of a {type(mod).__name__} that is not the "
+                        f"module fulmen.jit compiles; such a module's {what}s are read as they are when traced. "
+                        f"Update it in place (self.{name}.copy_(...)), or compile the module itself: "
+                        "fulmen.jit(module).")
+                if isinstance(new, TensorProxy) and now == "__dict__":
+                    _put(mod, name, where, old)
+                    if isinstance(old, torch.Tensor) and id(old) in captured:
+                        raise NotImplementedError(
+                            f"{writer} reads the tensor attribute {name!r} of a {type(mod).__name__} and assigns it "
+                            "a new tensor "
+                            "(state carried between calls); fulmen.jit keeps such state in buffers: register it "
+                            f"with self.register_buffer({name!r}, tensor, persistent=False) in __init__; "
+                            "fulmen.jit(module) then updates the buffer on every call.")
+                    outputs.append((mod, name, _may_read(type(mod), name, codes), new))
+                    continue
+                if _has_proxy(new):  # a traced number or a container of traced values: nothing real to keep
+                    _put(mod, name, where, old)
+                elif isinstance(new, torch.Tensor) and not isinstance(new, nn.Parameter):
+                    continue  # a real tensor (not computed by the trace): the program leaves it as it is
+                log.warning("fulmen: %s changed the attribute %r of a %s while being traced; the compiled program "
+                            "does not repeat Python side effects, so later calls leave it as it is",
+                            writer, name, type(mod).__name__)
+        except BaseException:
+            self.undo()
+            raise
+        for mod, name, read, _ in outputs:
+            module_guard.mark_program_output(mod, name, read)
+        return outputs
+
+
+def _has_proxy(x: Any) -> bool:
+    if isinstance(x, Proxy):
+        return True
+    if isinstance(x, (tuple, list)):
+        return any(_has_proxy(v) for v in x)
+    if isinstance(x, dict):
+        return any(_has_proxy(v) for v in x.values())
+    return False
+
+
+def check_no_proxies_left(modules: Iterable[nn.Module]) -> None:
+    """A traced tensor written straight into a module's ``__dict__`` (not through ``setattr``) is not seen by the
+    recorder: remove it and raise rather than leave a placeholder on the user's module."""
+    for mod in modules:
+        for name, value in list(mod.__dict__.items()):
+            if isinstance(value, Proxy):
+                del mod.__dict__[name]
+                raise NotImplementedError(
+                    f"{type(mod).__name__} wrote a traced tensor into its __dict__[{name!r}] directly; fulmen.jit "
+                    f"follows attribute writes made with setattr: write self.{name} = ... instead.")
+
+
+# ---- which names code may read ----
+
+_LOADS = frozenset(("LOAD_ATTR", "LOAD_METHOD"))
+
+
+@functools.lru_cache(maxsize=4096)
+def _code_reads(code: types.CodeType) -> frozenset[str]:
+    """The attribute names ``code`` (and the code nested in it) loads, and the strings it holds (``getattr(self,
+    "cache", None)``, ``hasattr``)."""
+    names = set()
+    for ins in dis.get_instructions(code):
+        if ins.opname in _LOADS or (ins.opname == "LOAD_CONST" and isinstance(ins.argval, str)):
+            names.add(ins.argval)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_reads(const)
+    return frozenset(names)
+
+
+def _functions(value: Any) -> list[Callable]:
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    if isinstance(value, property):
+        return [f for f in (value.fget, value.fset, value.fdel) if f is not None]
+    value = getattr(value, "__wrapped__", value)
+    return [value] if isinstance(value, types.FunctionType) else []
+
+
+@functools.lru_cache(maxsize=1024)
+def _class_reads(cls: type) -> frozenset[str]:
+    """What the methods of ``cls`` and its bases (not PyTorch's) may read."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass is object or (klass.__module__ or "").startswith("torch."):
+            continue
+        for value in vars(klass).values():
+            for f in _functions(value):
+                names |= _code_reads(f.__code__)
+    return frozenset(names)
+
+
+def _may_read(cls: type, name: str, codes: Iterable[types.CodeType]) -> bool:
+    """Whether some code may read ``name``: a method of the module's class, or user code that ran while tracing
+    (a parent module's ``forward`` reading ``self.block.cache``)."""
+    return name in _class_reads(cls) or any(name in _code_reads(code) for code in codes)
+
+
+# ---- every call ----
+
+
+def assigning(run: Callable, outputs: tuple[tuple[nn.Module, str], ...]) -> Callable:
+    """``run`` (a program returning ``(result, attribute values)``) assigning each value to its module attribute,
+    as the eager call did, and returning the result."""
+    slots = [(mod, module_guard.program_outputs(mod), name) for mod, name in outputs]
+    assign = module_guard.assign_program_output
+
+    def run_and_assign(flat):
+        result, values = run(flat)
+        for (mod, last, name), value in zip(slots, values):
+            assign(mod, last, name, value)
+        return result
+
+    return run_and_assign
