@@ -232,3 +232,48 @@ def test_config_object_held_by_a_module():
     m[1].cfg = types.SimpleNamespace(scale=3.0)  # a config object replaced on one block
     torch.testing.assert_close(jm(x), m(x))
     assert fulmen.cache_misses(jm) == 3
+
+
+_RNG_SOURCE = """
+import random
+from random import uniform
+
+def layer_drop(x):
+    if random.random() < 0.5:  # LayerDrop the Python way: frozen into the trace
+        return x
+    return x * 2
+
+def scaled(x):
+    return x * uniform(0.5, 1.5)
+
+def with_torch(x):  # drawn on every call: nothing to warn about
+    return x * torch.rand(()) + x.sum() * 0.0
+
+def not_a_draw(x):  # the module named, no generator call
+    return x * random.__name__.count("r")
+"""
+
+
+@pytest.mark.parametrize("name, draw", [("layer_drop", "random.random"), ("scaled", "random.uniform"),
+                                        ("with_torch", None), ("not_a_draw", None)])
+def test_python_random_draws_while_traced_warn(caplog, name, draw):
+    fn = _namespace(_RNG_SOURCE)[name]
+    with caplog.at_level(logging.WARNING, logger="fulmen"):
+        fulmen.jit(fn)(_x(3))
+    warned = [r.getMessage() for r in caplog.records if "draws with" in r.getMessage()]
+    if draw is None:
+        assert not warned
+    else:
+        assert len(warned) == 1 and f"draws with {draw}" in warned[0] and "torch.rand" in warned[0]
+
+
+def test_numpy_random_draws_while_traced_warn(caplog):
+    np = pytest.importorskip("numpy")
+    ns = _namespace("def noisy(x):\n    return x * float(np.random.rand())\n\n"
+                    "def seeded(x):\n    return x + float(rng.normal())\n")
+    ns["np"], ns["rng"] = np, np.random.default_rng(0)
+    with caplog.at_level(logging.WARNING, logger="fulmen"):
+        fulmen.jit(ns["noisy"])(_x(3))
+        fulmen.jit(ns["seeded"])(_x(3))
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    assert "draws with numpy.random.rand" in messages and "Generator's normal" in messages

@@ -29,6 +29,7 @@ import enum
 import functools
 import logging
 import os
+import random
 import sys
 import sysconfig
 import types
@@ -246,6 +247,7 @@ class _Collector:
             value = globals_.get(name, _MISSING)
             if value is _MISSING:
                 continue
+            _warn_on_python_rng(code, name, value)
             self.add(f"the global {name} (module {module})", "key", globals_, name, value, names)
             if _is_user_function(value):
                 self.function(value, depth + 1)
@@ -413,3 +415,67 @@ def _warn_on_global_writes(codes) -> None:
             log.warning("fulmen: %s assigns the global(s) %s while being traced; the compiled program does not "
                         "repeat Python side effects, so later calls do not assign them", code.co_qualname,
                         ", ".join(stored))
+
+
+# Python's and NumPy's random number generators: a draw while tracing is a constant of the compiled program
+_PYTHON_RNG_CALLS = frozenset(("random", "uniform", "randint", "randrange", "choice", "choices", "shuffle", "sample",
+                               "gauss", "normalvariate", "betavariate", "expovariate", "triangular", "getrandbits"))
+_NUMPY_RNG_CALLS = _PYTHON_RNG_CALLS | frozenset(("rand", "randn", "random_sample", "normal", "binomial",
+                                                  "permutation", "integers", "standard_normal", "bernoulli"))
+_warned_rng: set = set()
+
+
+@functools.lru_cache(maxsize=4096)
+def _attribute_chains(code: types.CodeType) -> frozenset[tuple[str, ...]]:
+    """``(global, attribute, ...)`` for each ``np.random.rand``-like load in ``code`` and the code nested in it."""
+    chains, chain = set(), None
+    for ins in dis.get_instructions(code):
+        if ins.opname == "LOAD_GLOBAL":
+            chain = (ins.argval,)
+        elif chain is not None and ins.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+            chain += (ins.argval,)
+        elif ins.opname not in ("CACHE", "EXTENDED_ARG"):
+            if chain is not None:
+                chains.add(chain)
+            chain = None
+    if chain is not None:
+        chains.add(chain)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            chains |= _attribute_chains(const)
+    return frozenset(chains)
+
+
+def _python_rng(code: types.CodeType, name: str, value: Any) -> str | None:
+    """What the global ``name`` (holding ``value``) lets ``code`` draw outside torch, if anything: ``random.random``,
+    ``from random import uniform``, ``np.random.rand``, a generator object's methods."""
+    numpy = sys.modules.get("numpy")
+    generators = (random.Random,) if numpy is None else (random.Random, numpy.random.RandomState,
+                                                        numpy.random.Generator)
+    owner = getattr(value, "__self__", None)
+    if isinstance(owner, generators) or (numpy is not None and owner is numpy.random.mtrand):
+        return f"{type(owner).__module__}.{getattr(value, '__name__', 'draw')}"
+    for chain in _attribute_chains(code):
+        if chain[0] != name:
+            continue
+        if value is random and chain[1:2] and chain[1] in _PYTHON_RNG_CALLS:
+            return "random." + chain[1]
+        if numpy is not None and value is numpy and chain[1:2] == ("random",) and chain[2:3] \
+                and chain[2] in _NUMPY_RNG_CALLS:
+            return "numpy.random." + chain[2]
+        if isinstance(value, generators) and chain[1:2] and chain[1] in _NUMPY_RNG_CALLS:
+            return f"a {type(value).__name__}'s {chain[1]}"
+    return None
+
+
+def _warn_on_python_rng(code: types.CodeType, name: str, value: Any) -> None:
+    if (code, name) in _warned_rng or isinstance(value, _SCALARS):
+        return
+    draw = _python_rng(code, name, value)
+    if draw is not None:
+        _warned_rng.add((code, name))
+        log.warning("fulmen: %s draws with %s (Python's or NumPy's generator, through the global %r) while being "
+                    "traced; the compiled program keeps the number drawn then, it does not draw a new one on every "
+                    "call. Draw with torch (torch.rand, torch.randint, torch.randperm), which the program repeats "
+                    "on every call, or draw outside the compiled function and pass the result in.",
+                    code.co_qualname, draw, name)
