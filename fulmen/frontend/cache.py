@@ -1,8 +1,8 @@
 """Cache keys: everything a compiled program depends on, computed cheaply on every call.
 
-A key holds each tensor's shape, dtype, device and requires_grad, the values of non-tensor arguments,
-the structure of containers, and the global state tracing read: grad mode, autocast and the default
-dtype. Tensors found along the way are collected in call order; they are the program's inputs.
+A key holds each tensor's shape, dtype, device and requires_grad (and a lazy conjugate or negative bit), the
+values of non-tensor arguments, the structure of containers, and the global state tracing read: grad mode,
+autocast and the default dtype. Tensors found along the way are collected in call order; they are the program's inputs.
 
 A key says nothing about inputs sharing memory: a program is traced as if they did not. For a program that
 writes to its inputs that matters (``f(x, x)`` writing to its first argument and reading its second), so such
@@ -38,7 +38,11 @@ def value_key(x: Any, flat: list[torch.Tensor]) -> Any:
     t = type(x)
     if t is _Tensor or t is _Parameter or isinstance(x, _Tensor):
         flat.append(x)
-        return (x.shape, x.dtype, x.device, x.requires_grad)
+        dtype = x.dtype
+        # a lazy view (z.conj(), z.conj().imag) flips values with a bit that compiled code would ignore
+        if x.is_neg() or (dtype.is_complex and x.is_conj()):
+            return (x.shape, (dtype, "conj" if x.is_conj() else "neg"), x.device, x.requires_grad)
+        return (x.shape, dtype, x.device, x.requires_grad)
     if t in (int, float, bool, str) or x is None:
         return (t, x)
     if t is tuple or t is list:
@@ -56,6 +60,46 @@ def value_key(x: Any, flat: list[torch.Tensor]) -> Any:
         # An unhashable object is keyed by identity: a different object recompiles. (Mutating it in place
         # between calls is not seen; pass such values as tensors or hashable values.)
         return (t, "id", id(x))
+
+
+def state_key(tensors: list[torch.Tensor], flat: list[torch.Tensor]) -> tuple:
+    """The key of a module's parameters and buffers (never lazy conjugate or negative views)."""
+    flat += tensors
+    return tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors)
+
+
+def lazy_view_inputs(key: Any, found: list[int] | None = None, counter: list[int] | None = None) -> list[int]:
+    """Positions, among the flat inputs, of the tensors whose key says they carry a lazy conjugate or negative bit
+    (``value_key``): a program gets them resolved (``resolve_conj``/``resolve_neg``)."""
+    found = found if found is not None else []
+    counter = counter if counter is not None else [0]
+    if type(key) is tuple and len(key) == 4 and type(key[0]) is torch.Size:
+        if type(key[1]) is tuple:
+            found.append(counter[0])
+        counter[0] += 1
+    elif type(key) is tuple:
+        for v in key:
+            lazy_view_inputs(v, found, counter)
+    return found
+
+
+def resolving_lazy_views(run, positions: list[int], written: frozenset[int]):
+    """``run`` given resolved copies of the inputs at ``positions`` (conjugate or negative views, whose bit compiled
+    code would ignore); those the program writes to are copied back into the caller's tensors, as eager writes
+    through such views."""
+
+    def run_resolved(flat):
+        flat = list(flat)
+        originals = [flat[i] for i in positions]
+        for i in positions:
+            flat[i] = flat[i].resolve_conj().resolve_neg()
+        result = run(flat)
+        for i, original in zip(positions, originals):
+            if i in written:
+                original.copy_(flat[i])
+        return result
+
+    return run_resolved
 
 
 def args_key(args: tuple, kwargs: dict, flat: list[torch.Tensor]) -> tuple:

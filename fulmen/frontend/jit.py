@@ -18,7 +18,14 @@ from fulmen.executors.base import Executor, resolve_executors
 from fulmen.executors.inductor_compile import COMPILE_MODES, call_leaving_a_core, compile_mode_set
 from fulmen.frontend import dynamic as dynamic_sizes
 from fulmen.frontend import warm_start
-from fulmen.frontend.cache import aliases_written_input, args_key, global_state_key, written_inputs
+from fulmen.frontend.cache import (
+    aliases_written_input,
+    args_key,
+    global_state_key,
+    lazy_view_inputs,
+    resolving_lazy_views,
+    written_inputs,
+)
 from fulmen.frontend.compile import CompiledProgram, compile_inference
 from fulmen.frontend.dynamic import SizeHistory, SymbolicSizes, describe_change, erase_sizes, key_sizes, symbolic_dims
 from fulmen.frontend.global_guard import GlobalGuard
@@ -346,6 +353,9 @@ class JittedFunction:
         entry = CacheEntry(program=program, spec=spec, computation_trace=trace,
                            prologue=_prologue_trace(trace, key, symbolic, spec.guard), written=written_inputs(trace),
                            globals_guard=spec.guard)
+        lazy_views = lazy_view_inputs(key)
+        if lazy_views:
+            program.run = resolving_lazy_views(program.run, lazy_views, entry.written)
         stats.last_trace_time_ms = (traced - start) * 1e3
         stats._last_compile_time_ms = (done - start) * 1e3
         stats.last_prologue_traces = [entry.prologue] if entry.prologue is not None else []

@@ -22,7 +22,7 @@ from fulmen.core.trace import get_tracectx
 from fulmen.executors.base import Executor
 from fulmen.executors.inductor_compile import call_leaving_a_core
 from fulmen.frontend import module_guard
-from fulmen.frontend.cache import aliases_written_input, args_key, global_state_key
+from fulmen.frontend.cache import aliases_written_input, args_key, global_state_key, state_key
 from fulmen.frontend.jit import JittedFunction
 from fulmen.frontend.tracing import _arg_names, trace_program
 
@@ -156,7 +156,7 @@ class _ModuleProgram(JittedFunction):
                 return self._materialize(args, kwargs)
         tensors = state.tensors()
         flat: list[torch.Tensor] = []
-        key = (state.version, args_key((tensors,), {}, flat), args_key(args, kwargs, flat)), global_state_key()
+        key = (state.version, state_key(tensors, flat), args_key(args, kwargs, flat)), global_state_key()
         entry = self._cache.get(key)
         self._stats.calls += 1
         if entry is None:
