@@ -592,3 +592,30 @@ def test_gradient_flows_through_a_negative_bit_input():
     jitted = fulmen.jit(f, compile="sync")
     for _ in range(3):  # the first call runs on PyTorch's autograd, later ones on the compiled backward
         torch.testing.assert_close(torch.autograd.grad(jitted(c.conj().imag), c)[0], expected)
+
+
+def test_resolve_conj_and_resolve_neg_copy_exactly_when_eager_does():
+    # eager copies when the tensor carries the lazy bit (after conj(), conj().imag) and aliases otherwise, so a
+    # write to the result reaches the input only in the second case
+    def resolved_conj(x):
+        y = x.conj().resolve_conj()
+        y.add_(1)
+        return x * 1, y
+
+    def resolved_neg(x):
+        y = x.conj().imag.resolve_neg()
+        y.mul_(2)
+        return x * 1, y
+
+    def plain(x):
+        y = x.resolve_conj().resolve_neg()  # no bit: x itself
+        y.add_(1)
+        return x * 1, y
+
+    def conj_twice(x):
+        y = x.conj().conj().resolve_conj()  # the bits cancel: a view of x
+        y.add_(1)
+        return x * 1, y
+
+    for fn in (resolved_conj, resolved_neg, plain, conj_twice):
+        check(fn, torch.randn(3, dtype=torch.complex128))

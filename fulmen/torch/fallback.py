@@ -14,14 +14,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from fulmen.core import langctx
 from fulmen.core.devices import to_torch_device
 from fulmen.core.proxies import DataDependentError, TensorProxy, _user_location
 from fulmen.core.symbol import OpTags, Symbol
 from fulmen.core.trace import get_tracectx
-from fulmen.torch.registry import link_views, torch_id
+from fulmen.torch.registry import link_views, set_lazy_bits, torch_id, with_lazy_bits
 
 _opaque: dict[Any, Symbol] = {}
 # torch logs fake-tensor failures at ERROR level before fulmen recovers from them (see _run_on_zeros)
@@ -31,7 +31,8 @@ logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
 def _to_fake(mode, x):
     if isinstance(x, TensorProxy):
         t = torch.empty(tuple(x.shape), dtype=x.dtype, device=to_torch_device(x.device))
-        return t.requires_grad_(x.requires_grad) if x.dtype.is_floating_point or x.dtype.is_complex else t
+        t = t.requires_grad_(x.requires_grad) if x.dtype.is_floating_point or x.dtype.is_complex else t
+        return with_lazy_bits(t, x)
     return x
 
 
@@ -79,6 +80,9 @@ def _fake_meta(func: Callable, name: str, views: bool = False) -> Callable:
             result = tree_map(to_proxy, out)
         if views and fargs and isinstance(fargs[0], torch.Tensor):
             _link_aliases(func, args, kwargs, fargs[0], out, result)
+            for fake, proxy in zip(tree_leaves(out), tree_leaves(result)):
+                if isinstance(fake, torch.Tensor) and isinstance(proxy, TensorProxy):
+                    set_lazy_bits(proxy, fake.is_conj(), fake.is_neg())
         return result
 
     return meta

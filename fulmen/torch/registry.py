@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -39,6 +40,44 @@ def torch_id(fn: Callable) -> str:
     qual = getattr(fn, "__qualname__", None) or repr(fn)
     module = getattr(fn, "__module__", None)
     return f"{module}.{qual}" if module else qual
+
+
+# ---- lazy bits: z.conj() and z.conj().imag are views that eager marks (conjugate, negative) instead of copying;
+# fulmen computes their values physically, but which later ops alias or copy (resolve_conj, resolve_neg) and
+# which writes reach the base depend on the marks, so proxies remember them (meta and fake tensors get them).
+
+#: id(proxy) -> (weak reference to it, is_conj, is_neg); proxies not listed carry neither bit
+_lazy_bits: dict[int, tuple[weakref.ref, bool, bool]] = {}
+
+
+def lazy_bits(p: TensorProxy) -> tuple[bool, bool]:
+    """(is_conj, is_neg) of the tensor eager PyTorch would have for ``p``."""
+    entry = _lazy_bits.get(id(p))
+    return (entry[1], entry[2]) if entry is not None and entry[0]() is p else (False, False)
+
+
+def set_lazy_bits(p: TensorProxy, conj: bool, neg: bool) -> None:
+    key = id(p)
+    if conj or neg:
+        _lazy_bits[key] = (weakref.ref(p, lambda r, key=key: _forget_bits(key, r)), conj, neg)
+    else:
+        _lazy_bits.pop(key, None)
+
+
+def _forget_bits(key: int, ref: weakref.ref) -> None:
+    entry = _lazy_bits.get(key)
+    if entry is not None and entry[0] is ref:
+        del _lazy_bits[key]
+
+
+def with_lazy_bits(t: torch.Tensor, p: TensorProxy) -> torch.Tensor:
+    """The meta or fake tensor ``t`` standing for ``p``, marked with ``p``'s bits."""
+    conj, neg = lazy_bits(p)
+    if conj:
+        torch._C._set_conj(t, True)
+    if neg:
+        torch._C._set_neg(t, True)
+    return t
 
 
 def _record_view(bsym: BoundSymbol) -> None:

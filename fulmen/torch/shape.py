@@ -29,7 +29,7 @@ from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 from fulmen.core.symbolic import INT_TYPES
 from fulmen.core.utils import canonicalize_dim, check, contiguous_strides, prod
 from fulmen.torch.fallback import opaque_symbol
-from fulmen.torch.registry import link_views, register_function, torchsymbol
+from fulmen.torch.registry import lazy_bits, link_views, register_function, set_lazy_bits, torchsymbol, with_lazy_bits
 
 __all__ = [
     "view", "reshape", "view_as", "reshape_as", "permute", "transpose", "swapaxes", "swapdims", "t", "T", "mT",
@@ -76,7 +76,7 @@ def _set_strides(p: TensorProxy, strides: tuple[int, ...]) -> None:
 
 def _to_meta(x):
     if isinstance(x, TensorProxy):
-        return torch.empty_strided(tuple(x.shape), strides_of(x), dtype=x.dtype, device="meta")
+        return with_lazy_bits(torch.empty_strided(tuple(x.shape), strides_of(x), dtype=x.dtype, device="meta"), x)
     if type(x) in (tuple, list):
         return type(x)(_to_meta(v) for v in x)
     return x
@@ -108,6 +108,7 @@ def _view_hook(bsym: BoundSymbol, unview=None) -> None:
     for p, m in pairs:
         if p is not base:
             _set_strides(p, m.stride())
+            set_lazy_bits(p, m.is_conj(), m.is_neg())
 
 
 def check_viewable(fn, a: TensorProxy, *args, **kwargs) -> None:
@@ -732,7 +733,9 @@ def real(a):
           TypeError)
     if not a.dtype.is_complex:
         return a
-    return select(view_as_real(a), -1, 0)
+    out = select(view_as_real(a), -1, 0)
+    set_lazy_bits(out, False, lazy_bits(a)[1])  # a conjugate's real parts are its own
+    return out
 
 
 def imag(a):
@@ -740,7 +743,10 @@ def imag(a):
     check(isinstance(a, TensorProxy), lambda: f"imag(): argument 'input' must be Tensor, not {type(a).__name__}",
           TypeError)
     check(a.dtype.is_complex, lambda: "imag is not implemented for tensors with non-complex dtypes.", RuntimeError)
-    return select(view_as_real(a), -1, 1)
+    out = select(view_as_real(a), -1, 1)
+    conj, neg = lazy_bits(a)
+    set_lazy_bits(out, False, conj != neg)  # eager: a conjugate's imaginary parts are a negative view
+    return out
 
 
 register_function((torch.real,), real)
