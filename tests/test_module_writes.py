@@ -203,3 +203,22 @@ def test_tensor_written_straight_into_dict_raises_instead_of_leaking():
     with pytest.raises(NotImplementedError, match="self.kept = "):
         fulmen.jit(m)(_x(3))
     assert "kept" not in m.__dict__
+
+
+def test_container_of_traced_tensors_on_an_attribute_is_not_kept_and_warns(caplog):
+    class Pairs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pair = None
+
+        def forward(self, x):
+            y = x * 2
+            self.pair = (y, 3)  # only tensors themselves become program outputs
+            return y + 1
+
+    m = Pairs()
+    with caplog.at_level("WARNING", logger="fulmen"):
+        x = _x(3)
+        torch.testing.assert_close(fulmen.jit(m)(x), x * 2 + 1)
+    assert m.pair is None and _no_proxies(m)
+    assert any("'pair'" in r.getMessage() and "traced values" in r.getMessage() for r in caplog.records)

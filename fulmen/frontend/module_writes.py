@@ -137,19 +137,21 @@ class ModuleWrites:
                     if isinstance(old, torch.Tensor) and id(old) in captured:
                         raise NotImplementedError(
                             f"{writer} reads the tensor attribute {name!r} of a {type(mod).__name__} and assigns it "
-                            "a new tensor "
-                            "(state carried between calls); fulmen.jit keeps such state in buffers: register it "
-                            f"with self.register_buffer({name!r}, tensor, persistent=False) in __init__; "
-                            "fulmen.jit(module) then updates the buffer on every call.")
+                            "a new tensor (state carried between calls); fulmen.jit keeps such state in buffers: "
+                            f"register it with self.register_buffer({name!r}, tensor, persistent=False) in "
+                            "__init__; fulmen.jit(module) then updates the buffer on every call.")
                     outputs.append((mod, name, _may_read(type(mod), name, codes), new))
                     continue
                 if _has_proxy(new):  # a traced number or a container of traced values: nothing real to keep
                     _put(mod, name, where, old)
-                elif isinstance(new, torch.Tensor) and not isinstance(new, nn.Parameter):
-                    continue  # a real tensor (not computed by the trace): the program leaves it as it is
-                log.warning("fulmen: %s changed the attribute %r of a %s while being traced; the compiled program "
-                            "does not repeat Python side effects, so later calls leave it as it is",
-                            writer, name, type(mod).__name__)
+                    log.warning("fulmen: %s set the attribute %r of a %s to a %s holding traced values; fulmen.jit "
+                                "returns only tensors assigned to attributes, so it is left as it was. Assign the "
+                                "tensors themselves, or return the value.", writer, name, type(mod).__name__,
+                                type(new).__name__)
+                elif not isinstance(new, torch.Tensor):  # a real tensor (not computed by the trace) stays as set
+                    log.warning("fulmen: %s changed the attribute %r of a %s while being traced; the compiled "
+                                "program does not repeat Python side effects, so later calls leave it as it is",
+                                writer, name, type(mod).__name__)
         except BaseException:
             self.undo()
             raise
