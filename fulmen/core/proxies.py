@@ -99,7 +99,7 @@ class TensorProxy(Proxy):
         out = TensorProxy(like=a, dtype=torch.float32)
     """
 
-    __slots__ = ("shape", "dtype", "device", "requires_grad", "_latest", "_view_of", "_views", "_origin")
+    __slots__ = ("shape", "dtype", "device", "requires_grad", "_latest", "_view_of", "_views", "_origin", "_lazy_bits")
 
     def __init__(
         self,
@@ -128,6 +128,7 @@ class TensorProxy(Proxy):
         self._view_of = None  # (base proxy, fn(base) -> this view) for views made by view ops
         self._views = None
         self._origin = None
+        self._lazy_bits = None  # (is_conj, is_neg) for views eager marks lazily (fulmen.torch.registry.lazy_bits)
 
     # ---- metadata, as on torch.Tensor ----
     @property
@@ -353,3 +354,14 @@ def call_with_out(fn, func, args: tuple, kwargs: dict) -> Any:
     if hasattr(result, "_fields"):
         return type(result)(*outs)
     return out
+
+
+def has_proxy(x: Any) -> bool:
+    """Whether ``x`` is a proxy or a tuple, list or dict holding one (at any depth)."""
+    if isinstance(x, Proxy):
+        return True
+    if isinstance(x, (tuple, list)):
+        return any(has_proxy(v) for v in x)
+    if isinstance(x, dict):
+        return any(has_proxy(v) for v in x.values())
+    return False

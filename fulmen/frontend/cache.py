@@ -68,19 +68,26 @@ def state_key(tensors: list[torch.Tensor], flat: list[torch.Tensor]) -> tuple:
     return tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors)
 
 
-def lazy_view_inputs(key: Any, found: list[int] | None = None, counter: list[int] | None = None) -> list[int]:
-    """Positions, among the flat inputs, of the tensors whose key says they carry a lazy conjugate or negative bit
-    (``value_key``): a program gets them resolved (``resolve_conj``/``resolve_neg``)."""
-    found = found if found is not None else []
-    counter = counter if counter is not None else [0]
-    if type(key) is tuple and len(key) == 4 and type(key[0]) is torch.Size:
-        if type(key[1]) is tuple:
-            found.append(counter[0])
-        counter[0] += 1
+def is_tensor_key(x: Any) -> bool:
+    """Whether ``x`` is the part of a key describing one tensor (``value_key``)."""
+    return type(x) is tuple and len(x) == 4 and type(x[0]) is torch.Size
+
+
+def tensor_keys(key: Any, out: list | None = None) -> list[tuple]:
+    """The parts of a key describing tensors, in flat-input order."""
+    out = out if out is not None else []
+    if is_tensor_key(key):
+        out.append(key)
     elif type(key) is tuple:
         for v in key:
-            lazy_view_inputs(v, found, counter)
-    return found
+            tensor_keys(v, out)
+    return out
+
+
+def lazy_view_inputs(key: Any) -> list[int]:
+    """Positions, among the flat inputs, of the tensors whose key says they carry a lazy conjugate or negative bit
+    (``value_key``): a program gets them resolved (``resolve_conj``/``resolve_neg``)."""
+    return [i for i, k in enumerate(tensor_keys(key)) if type(k[1]) is tuple]
 
 
 def resolving_lazy_views(run, positions: list[int], written: frozenset[int]):

@@ -23,33 +23,21 @@ import torch
 
 from fulmen.core import symbolic
 from fulmen.core.utils import compiler_import_lock
+from fulmen.frontend.cache import is_tensor_key, tensor_keys
 
 #: Tests set this: a failure to compile with dynamic sizes raises instead of falling back to exact sizes.
 RAISE_ON_FAILURE = False
 
-_Size = torch.Size
-
-
-def _is_tensor_key(x: Any) -> bool:
-    return type(x) is tuple and len(x) == 4 and type(x[0]) is _Size
-
-
-def key_sizes(key: Any, out: list | None = None) -> list[torch.Size]:
+def key_sizes(key: Any) -> list[torch.Size]:
     """The sizes of the tensors a key describes, in flat-input order."""
-    out = out if out is not None else []
-    if _is_tensor_key(key):
-        out.append(key[0])
-    elif type(key) is tuple:
-        for v in key:
-            key_sizes(v, out)
-    return out
+    return [k[0] for k in tensor_keys(key)]
 
 
 def erase_sizes(key: Any, dims: dict[int, frozenset] | None, counter: list | None = None) -> Any:
     """The key with the sizes of ``dims`` (flat tensor index -> dims) replaced by None; with ``dims=None``
     every size is erased and only the rank is kept (what must match for sizes to be made dynamic)."""
     counter = counter if counter is not None else [0]
-    if _is_tensor_key(key):
+    if is_tensor_key(key):
         i = counter[0]
         counter[0] += 1
         shape = key[0]

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from fulmen.core.proxies import has_proxy
 from fulmen.core.trace import Trace, get_tracectx
 from fulmen.core.utils import compiler_import_lock
 from fulmen.executors.base import Executor, resolve_executors
@@ -30,7 +31,7 @@ from fulmen.frontend.compile import CompiledProgram, compile_inference
 from fulmen.frontend.dynamic import SizeHistory, SymbolicSizes, describe_change, erase_sizes, key_sizes, symbolic_dims
 from fulmen.frontend.global_guard import GlobalGuard
 from fulmen.frontend.module_writes import assigning
-from fulmen.frontend.tracing import InputSpec, _has_proxy, trace_program
+from fulmen.frontend.tracing import InputSpec, trace_program
 from fulmen.transforms.autocast import current_policies
 
 log = logging.getLogger("fulmen")
@@ -211,7 +212,7 @@ class JittedFunction:
     def _miss(self, key, args, kwargs, flat: list[torch.Tensor]) -> CacheEntry | None:
         """The entry for a key not in the cache; None when this is a call inside another fulmen trace (a jitted
         function or module called by one being traced), which then runs the original on the proxies."""
-        if get_tracectx() is not None and _has_proxy((args, kwargs, flat)):
+        if get_tracectx() is not None and has_proxy((args, kwargs, flat)):
             return None
         failed = None
         for entry in self._dynamic_entries:

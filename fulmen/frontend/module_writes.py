@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fulmen.core.proxies import Proxy, TensorProxy
+from fulmen.core.proxies import Proxy, TensorProxy, has_proxy
 from fulmen.frontend import module_guard
 
 log = logging.getLogger("fulmen")
@@ -142,7 +142,7 @@ class ModuleWrites:
                             "__init__; fulmen.jit(module) then updates the buffer on every call.")
                     outputs.append((mod, name, _may_read(type(mod), name, codes), new))
                     continue
-                if _has_proxy(new):  # a traced number or a container of traced values: nothing real to keep
+                if has_proxy(new):  # a traced number or a container of traced values: nothing real to keep
                     _put(mod, name, where, old)
                     log.warning("fulmen: %s set the attribute %r of a %s to a %s holding traced values; fulmen.jit "
                                 "returns only tensors assigned to attributes, so it is left as it was. Assign the "
@@ -158,16 +158,6 @@ class ModuleWrites:
         for mod, name, read, _ in outputs:
             module_guard.mark_program_output(mod, name, read)
         return outputs
-
-
-def _has_proxy(x: Any) -> bool:
-    if isinstance(x, Proxy):
-        return True
-    if isinstance(x, (tuple, list)):
-        return any(_has_proxy(v) for v in x)
-    if isinstance(x, dict):
-        return any(_has_proxy(v) for v in x.values())
-    return False
 
 
 def check_no_proxies_left(modules: Iterable[nn.Module]) -> None:

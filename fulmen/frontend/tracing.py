@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 from fulmen import prims
 from fulmen.core import langctx
 from fulmen.core.codeutils import sanitize_name
-from fulmen.core.proxies import Proxy, TensorProxy, call_with_out, is_library_file, latest
+from fulmen.core.proxies import Proxy, TensorProxy, call_with_out, has_proxy, is_library_file, latest
 from fulmen.core.trace import Trace, get_tracectx, tracectx
 from fulmen.frontend.global_guard import GlobalGuard, ReadRecorder, build_guard
 from fulmen.frontend.module_writes import ModuleWrites, check_no_proxies_left
@@ -98,16 +98,6 @@ class _Capture:
         return x
 
 
-def _has_proxy(x: Any) -> bool:
-    if isinstance(x, Proxy):
-        return True
-    if isinstance(x, (tuple, list)):
-        return any(_has_proxy(v) for v in x)
-    if isinstance(x, dict):
-        return any(_has_proxy(v) for v in x.values())
-    return False
-
-
 _FULMEN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # fulmen's own layers; code elsewhere in the package (fulmen/bench models, examples) counts as user code
 _INTERNAL = tuple(os.path.join(_FULMEN_DIR, d) for d in ("core", "torch", "prims", "clang.py", "transforms",
@@ -141,7 +131,7 @@ class _UserTorchCalls(TorchFunctionMode):
         trc = get_tracectx()
         if trc is self.trace and len(trc.scopes) == 1:  # user code, not a meta or a decomposition
             fn = langctx.torch_functions.get(func)
-            if _has_proxy((args, kwargs)):
+            if has_proxy((args, kwargs)):
                 if fn is not None and func in _DATA_ARGUMENT:
                     return fn(*args, **kwargs)  # torch parses their data as a sequence, never dispatching on a proxy
             elif (fn is not None or is_random_op(func)) and not _called_by_fulmen():
@@ -202,7 +192,7 @@ def _apply(cls, *args, **kwargs):  # named "apply" below: Dynamo recognizes Func
     """``torch.autograd.Function.apply`` while some thread traces. On this thread's proxies the call is recorded as
     one opaque symbol that keeps the Function's backward; anything else (other threads, real or fake tensors,
     the recorded call itself) runs as PyTorch's apply."""
-    if getattr(_tracing, "depth", 0) and _has_proxy((args, kwargs)):
+    if getattr(_tracing, "depth", 0) and has_proxy((args, kwargs)):
         from fulmen.torch.fallback import autograd_function_symbol
 
         if cls is _ReentrantCheckpoint:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -46,28 +45,14 @@ def torch_id(fn: Callable) -> str:
 # fulmen computes their values physically, but which later ops alias or copy (resolve_conj, resolve_neg) and
 # which writes reach the base depend on the marks, so proxies remember them (meta and fake tensors get them).
 
-#: id(proxy) -> (weak reference to it, is_conj, is_neg); proxies not listed carry neither bit
-_lazy_bits: dict[int, tuple[weakref.ref, bool, bool]] = {}
-
 
 def lazy_bits(p: TensorProxy) -> tuple[bool, bool]:
     """(is_conj, is_neg) of the tensor eager PyTorch would have for ``p``."""
-    entry = _lazy_bits.get(id(p))
-    return (entry[1], entry[2]) if entry is not None and entry[0]() is p else (False, False)
+    return p._lazy_bits or (False, False)
 
 
 def set_lazy_bits(p: TensorProxy, conj: bool, neg: bool) -> None:
-    key = id(p)
-    if conj or neg:
-        _lazy_bits[key] = (weakref.ref(p, lambda r, key=key: _forget_bits(key, r)), conj, neg)
-    else:
-        _lazy_bits.pop(key, None)
-
-
-def _forget_bits(key: int, ref: weakref.ref) -> None:
-    entry = _lazy_bits.get(key)
-    if entry is not None and entry[0] is ref:
-        del _lazy_bits[key]
+    p._lazy_bits = (conj, neg)
 
 
 def with_lazy_bits(t: torch.Tensor, p: TensorProxy) -> torch.Tensor:
