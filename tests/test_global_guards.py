@@ -145,6 +145,56 @@ def test_config_object_attribute_and_list_changed_in_place():
     assert fulmen.cache_misses(j) == 3
 
 
+
+def test_config_attribute_read_with_getattr_and_a_string_name():
+    ns = _namespace(
+        "def f(x):\n"
+        "    y = x * getattr(cfg, 'scale', 1.0)\n"
+        "    if hasattr(cfg, 'shift'):\n"
+        "        y = y + cfg.shift\n"
+        "    return y * getattr(cfg, 'gain', 1.0)\n")
+    ns["cfg"] = types.SimpleNamespace(scale=2.0)
+    j, x = fulmen.jit(ns["f"]), _x(4)
+    torch.testing.assert_close(j(x), ns["f"](x))
+    j(x)
+    assert _counts(j) == (1, 1)
+    guard_lines = "\n".join(str(t) for t in fulmen.last_prologue_traces(j))
+    assert "the attribute shift of the global cfg (module ?) is not set" in guard_lines
+    ns["cfg"].scale = 3.0  # named only by a string: still checked by value
+    torch.testing.assert_close(j(x), x * 3.0)
+    assert "scale" in fulmen.compile_stats(j).last_recompile_reason
+    ns["cfg"].shift = 1.0  # was absent when traced: hasattr now takes the other branch
+    torch.testing.assert_close(j(x), x * 3.0 + 1.0)
+    reason = fulmen.compile_stats(j).last_recompile_reason
+    assert "shift" in reason and "was set to 1.0" in reason
+    ns["cfg"].gain = 0.5  # getattr's default was used when traced
+    torch.testing.assert_close(j(x), (x * 3.0 + 1.0) * 0.5)
+    del ns["cfg"].gain, ns["cfg"].shift
+    ns["cfg"].scale = 2.0  # back to the first configuration: its program is reused
+    misses = fulmen.cache_misses(j)
+    torch.testing.assert_close(j(x), x * 2.0)
+    assert fulmen.cache_misses(j) == misses
+
+
+def test_config_attribute_read_with_getattr_in_a_module_method():
+    class Block(nn.Module):
+        def __init__(self, cfg):
+            super().__init__()
+            self.cfg = cfg
+
+        def forward(self, x):
+            return x * getattr(self.cfg, "scale", 1.0)
+
+    cfg = types.SimpleNamespace()
+    m = Block(cfg)
+    jm, x = fulmen.jit(m), _x(3)
+    torch.testing.assert_close(jm(x), x)
+    cfg.scale = 4.0
+    torch.testing.assert_close(jm(x), x * 4.0)
+    cfg.scale = 5.0
+    torch.testing.assert_close(jm(x), x * 5.0)
+    assert fulmen.cache_misses(jm) == 3
+
 def test_global_tensor_rebound_and_changed_requires_grad():
     ns = _namespace("def f(x):\n    return (x * W).sum()\n")
     ns["W"] = torch.ones(4, dtype=torch.float64)

@@ -16,7 +16,9 @@ names reach, a few levels deep. What is compared:
 - modules (``torch``, ``math``): not at all;
 - anything else (tensors, functions, classes, modules' ``nn.Module`` objects, other objects): by identity, and
   for a plain object (a config), the attributes the code names whose values are simple, by value
-  (``cfg.dropout = 0.2`` is seen).
+  (``cfg.dropout = 0.2`` is seen). The code names an attribute with ``cfg.dropout``, or with a string constant
+  (``getattr(cfg, "dropout", 0.0)``): when the code calls ``getattr`` or ``hasattr``, an attribute named by a
+  constant that the object did not have is checked to stay absent (setting ``cfg.dropout`` later is seen).
 
 Code in torch, fulmen and installed packages (site-packages, the standard library) is not followed: its globals
 are not the user's to change between calls.
@@ -116,7 +118,8 @@ class _Item:
     """One thing to check: where it is read from (``source``: a ``"key"`` of the dictionary ``holder`` -- module
     globals, an object's ``__dict__`` --, a closure ``"cell"``, or the captured ``"tensor"`` itself), and ``how`` it
     is compared with ``value``: ``"=="`` (type and value), ``"is"`` (identity), ``"module"`` (identity, and the
-    module's structure and tensors: ``value`` is a ``_ModuleWatch``) or ``"meta"`` (a tensor's metadata)."""
+    module's structure and tensors: ``value`` is a ``_ModuleWatch``), ``"meta"`` (a tensor's metadata) or
+    ``"absent"`` (the key must stay missing)."""
 
     __slots__ = ("where", "source", "holder", "name", "value", "how")
 
@@ -135,6 +138,8 @@ class _Item:
 
     def holds(self) -> bool:
         value = self.read()
+        if self.how == "absent":
+            return value is _MISSING
         if self.how == "module":
             return value is self.value.module and self.value()
         return value is self.value if self.how == "is" else _same(value, self.value)
@@ -220,7 +225,10 @@ class _Collector:
         self._keys: set = set()
         self._codes: set = set()
 
-    def add(self, where: str, source: str, holder: Any, name: str, value: Any, names: frozenset[str]) -> None:
+    def add(self, where: str, source: str, holder: Any, name: str, value: Any, names: frozenset[str],
+            absent: frozenset[str] = frozenset()) -> None:
+        """Check ``value``, read from ``holder``; ``names`` are the attributes the reading code names, ``absent``
+        those it may look up dynamically (``getattr(cfg, "name", default)``), checked to stay missing."""
         key = (source, id(holder), name)
         if key in self._keys or isinstance(value, types.ModuleType):
             return
@@ -232,23 +240,32 @@ class _Collector:
         else:
             self.items.append(_Item(where, source, holder, name, value, "is"))
             if _plain_object(value):  # a config object: the attributes this code names
-                for attr in sorted(names & vars(value).keys()):
-                    v = vars(value)[attr]
-                    if _simple(v, [MAX_VALUE_ITEMS]):
-                        self.add(f"the attribute {attr} of {where}", "key", vars(value), attr, v, frozenset())
+                self.attributes(where, vars(value), names, absent)
+
+    def attributes(self, where: str, attrs: dict, names: frozenset[str], absent: frozenset[str]) -> None:
+        for attr in sorted(names & attrs.keys()):
+            v = attrs[attr]
+            if _simple(v, [MAX_VALUE_ITEMS]):
+                self.add(f"the attribute {attr} of {where}", "key", attrs, attr, v, frozenset())
+        for attr in sorted(absent - attrs.keys()):
+            key = ("key", id(attrs), attr)
+            if key not in self._keys:
+                self._keys.add(key)
+                self.items.append(_Item(f"the attribute {attr} of {where}", "key", attrs, attr, None, "absent"))
 
     def code(self, code: types.CodeType, globals_: dict, owner: type | None, depth: int) -> None:
         if (code, id(globals_), owner) in self._codes or depth > _MAX_DEPTH:
             return
         self._codes.add((code, id(globals_), owner))
         names = _names(code)
+        attrs, absent = _attribute_names(code)
         module = globals_.get("__name__", "?")
         for name in sorted(names):
             value = globals_.get(name, _MISSING)
             if value is _MISSING:
                 continue
             _warn_on_python_rng(code, name, value)
-            self.add(f"the global {name} (module {module})", "key", globals_, name, value, names)
+            self.add(f"the global {name} (module {module})", "key", globals_, name, value, attrs, absent)
             if _is_user_function(value):
                 self.function(value, depth + 1)
         if owner is not None:  # self.helper(): the methods this code names, on the class of its self
@@ -258,13 +275,13 @@ class _Collector:
                     self.code(method.__code__, method.__globals__, owner, depth + 1)
 
     def function(self, fn: types.FunctionType, depth: int, owner: type | None = None) -> None:
-        names = _names(fn.__code__)
+        attrs, absent = _attribute_names(fn.__code__)
         for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
             try:
                 value = cell.cell_contents
             except ValueError:
                 continue
-            self.add(f"the closure variable {name} of {fn.__qualname__}", "cell", cell, name, value, names)
+            self.add(f"the closure variable {name} of {fn.__qualname__}", "cell", cell, name, value, attrs, absent)
             if _is_user_function(value):
                 self.function(value, depth + 1)
         self.code(fn.__code__, fn.__globals__, owner, depth)
@@ -277,6 +294,27 @@ def _names(code: types.CodeType) -> frozenset[str]:
         if isinstance(const, types.CodeType):
             names |= _names(const)
     return frozenset(names)
+
+
+_DYNAMIC_LOOKUPS = frozenset(("getattr", "hasattr"))
+
+
+@functools.lru_cache(maxsize=4096)
+def _attribute_names(code: types.CodeType) -> tuple[frozenset[str], frozenset[str]]:
+    """The attribute names a code object (and the code nested in it) may read from an object: the names it uses
+    (``cfg.dropout``) and its identifier string constants (``getattr(cfg, "dropout", 0.0)``); and the constants
+    alone when it calls ``getattr`` or ``hasattr`` (names whose absence it may test), else nothing."""
+    names = _names(code)
+    constants = frozenset(_string_constants(code))
+    return names | constants, constants if names & _DYNAMIC_LOOKUPS else frozenset()
+
+
+def _string_constants(code: types.CodeType) -> set[str]:
+    found = {c for c in code.co_consts if isinstance(c, str) and c.isidentifier()}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            found |= _string_constants(const)
+    return found
 
 
 def _class_attr(cls: type, name: str) -> Any:
@@ -304,6 +342,8 @@ class GlobalGuard:
         for item in self.items:
             if not item.holds():
                 now = item.read()
+                if item.how == "absent":
+                    return f"{item.where} was set to {_short(now)}"
                 if now is _MISSING:
                     return f"{item.where} was deleted"
                 if item.how == "module" and now is item.value.module:
@@ -323,6 +363,8 @@ class GlobalGuard:
                 lines.append(f"{item.where}: {_short_meta(item.value)}")
             elif item.how == "module":
                 lines.append(f"{item.where} is {type(item.value.module).__name__} (structure and tensors unchanged)")
+            elif item.how == "absent":
+                lines.append(f"{item.where} is not set")
             else:
                 lines.append(f"{item.where} {'is' if item.how == 'is' else '=='} {_short(item.value)}")
         return lines
@@ -356,6 +398,8 @@ def _generate(items: list[_Item]) -> Callable[[], bool]:
         read = {"key": f"h{i}[{item.name!r}]", "cell": f"h{i}.cell_contents", "tensor": f"h{i}"}[item.source]
         if item.how == "is":
             terms.append(f"{read} is v{i}")
+        elif item.how == "absent":
+            terms.append(f"{item.name!r} not in h{i}")
         elif item.how == "module":
             env[f"m{i}"] = item.value.module
             terms.append(f"({read} is m{i} and v{i}())")
@@ -391,11 +435,11 @@ def build_guard(recorder: ReadRecorder, captured: list[tuple[str, torch.Tensor]]
     for code, instance in recorder.selves.values():  # self.config.dropout: a config object held by self
         attrs = getattr(instance, "__dict__", None)
         if isinstance(attrs, dict):
-            names = _names(code)
+            names, absent = _attribute_names(code)
             for name in sorted(names & attrs.keys()):
                 if _plain_object(attrs[name]):
                     collector.add(f"the attribute {name} of a {type(instance).__name__}", "key", attrs, name,
-                                  attrs[name], names)
+                                  attrs[name], names, absent)
     recorder.selves = {}
     _warn_on_global_writes(recorder.codes)
     return GlobalGuard(collector.items) if collector.items else None
