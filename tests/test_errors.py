@@ -155,6 +155,39 @@ def test_tracing_works_again_after_a_failure():
     assert "def computation(a)" in str(fulmen.last_traces(f)[0])
 
 
+
+class _BuildsALayerEachCall(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        norm = nn.LayerNorm(3)  # offending: module built in forward
+        return norm(self.fc(x))
+
+
+def test_a_module_built_inside_the_traced_code_names_the_users_line():
+    model = _BuildsALayerEachCall()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    jm = fulmen.jit(model)
+    for _ in range(2):  # the same clear error again: the failed trace left nothing half-done
+        with pytest.raises(NotImplementedError) as excinfo:
+            jm(torch.randn(2, 3))
+        message = str(excinfo.value)
+        line = _line_of(_BuildsALayerEachCall.forward, "offending: module built in forward")
+        assert f"{THIS_FILE}\", line {line}" in message
+        assert "nn.Parameter" in message and "outside the compiled function" in message
+    assert isinstance(model.fc.weight, nn.Parameter) and list(model.state_dict()) == list(state)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, state[k], rtol=0, atol=0)
+
+    def loose_parameter(x):
+        return x * nn.Parameter(torch.ones(3))  # offending: parameter
+
+    with pytest.raises(NotImplementedError, match="nn.Parameter") as excinfo:
+        fulmen.jit(loose_parameter)(torch.randn(3))
+    assert f"line {_line_of(loose_parameter, 'offending: parameter')}" in str(excinfo.value)
+
 # ---------------------------------------------------------------------------------------------------------------
 # bad op arguments: same exception type as eager, bad values in the message, inputs untouched
 # ---------------------------------------------------------------------------------------------------------------

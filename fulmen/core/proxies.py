@@ -208,6 +208,19 @@ class TensorProxy(Proxy):
         return None
 
     @property
+    def _is_param(self) -> bool:  # read by torch.nn.Parameter's path for tensor-like data
+        return False
+
+    @_is_param.setter
+    def _is_param(self, value: bool) -> None:
+        raise NotImplementedError(
+            f"nn.Parameter(...) is created from the traced tensor {self.name} ({self.type_string()}) inside a "
+            f"function fulmen traces.\n  at {_user_location()}\nA module built inside the compiled function "
+            "(nn.Linear(4, 4)(x) in forward) would create new parameters on every call, which the compiled program "
+            "cannot hand out to an optimizer. Build the module once, outside the compiled function (in your model's "
+            "__init__), and call it inside.")
+
+    @property
     def is_leaf(self) -> bool:
         # as autograd: a tensor that does not require grad, or one that requires it and was given as a leaf
         return not self.requires_grad or self._origin == "input-leaf"
