@@ -195,6 +195,54 @@ def test_config_attribute_read_with_getattr_in_a_module_method():
     torch.testing.assert_close(jm(x), x * 5.0)
     assert fulmen.cache_misses(jm) == 3
 
+
+def test_long_flat_containers_are_compared_by_value():
+    ns = _namespace("def f(x):\n    return x * WEIGHTS[3] + CFG['shift']\n")
+    ns["WEIGHTS"] = [float(i) for i in range(1000)]
+    ns["CFG"] = {f"k{i}": i for i in range(200)} | {"shift": 0.5}
+    j, x = fulmen.jit(ns["f"]), _x(4)
+    torch.testing.assert_close(j(x), x * 3.0 + 0.5)
+    j(x)
+    assert _counts(j) == (1, 1)
+    ns["WEIGHTS"][3] = 7.0  # in place, in a list longer than the 64 items compared item by item
+    torch.testing.assert_close(j(x), x * 7.0 + 0.5)
+    reason = fulmen.compile_stats(j).last_recompile_reason
+    assert "WEIGHTS" in reason and "1000 items" in reason
+    ns["CFG"]["shift"] = 1.5
+    torch.testing.assert_close(j(x), x * 7.0 + 1.5)
+    ns["WEIGHTS"].append(1.0)
+    torch.testing.assert_close(j(x), x * 7.0 + 1.5)
+    assert fulmen.cache_misses(j) == 4
+    ns["WEIGHTS"].pop()  # back to the second program's values
+    j(x)
+    assert fulmen.cache_misses(j) == 4
+
+
+def test_named_entries_of_a_dict_holding_tensors():
+    ns = _namespace("def f(x):\n    return x * CFG['scale'] + CFG['W'] + CFG.get('bias', 0.0)\n")
+    ns["CFG"] = {"scale": 2.0, "W": torch.ones(4, dtype=torch.float64), "unused": 1}
+    j, x = fulmen.jit(ns["f"]), _x(4)
+    torch.testing.assert_close(j(x), ns["f"](x))
+    ns["CFG"]["unused"] = 2  # not named by the code: the program is reused
+    j(x)
+    assert _counts(j) == (1, 1)
+    ns["CFG"]["scale"] = 3.0
+    torch.testing.assert_close(j(x), ns["f"](x))
+    assert "the entry scale of the global CFG" in fulmen.compile_stats(j).last_recompile_reason
+    ns["CFG"]["bias"] = 1.0  # missing when traced: .get took its default
+    torch.testing.assert_close(j(x), ns["f"](x))
+    assert "the entry bias of the global CFG (module ?) was set to 1.0" in fulmen.compile_stats(j).last_recompile_reason
+    assert fulmen.cache_misses(j) == 3
+
+
+def test_a_container_too_long_to_compare_warns(caplog):
+    ns = _namespace("def f(x):\n    return x * TABLE[5]\n")
+    ns["TABLE"] = list(range(5000))
+    x = _x(3)
+    with caplog.at_level(logging.WARNING, logger="fulmen"):
+        torch.testing.assert_close(fulmen.jit(ns["f"])(x), x * 5)
+    assert "TABLE" in caplog.text and "5000 items" in caplog.text and "identity only" in caplog.text
+
 def test_global_tensor_rebound_and_changed_requires_grad():
     ns = _namespace("def f(x):\n    return (x * W).sum()\n")
     ns["W"] = torch.ones(4, dtype=torch.float64)
