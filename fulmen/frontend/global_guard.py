@@ -128,8 +128,9 @@ class _Item:
     """One thing to check: where it is read from (``source``: a ``"key"`` of the dictionary ``holder`` -- module
     globals, an object's ``__dict__`` --, a closure ``"cell"``, or the captured ``"tensor"`` itself), and ``how`` it
     is compared with ``value``: ``"=="`` (type and value), ``"is"`` (identity), ``"module"`` (identity, and the
-    module's structure and tensors: ``value`` is a ``_ModuleWatch``), ``"meta"`` (a tensor's metadata) or
-    ``"absent"`` (the key must stay missing)."""
+    module's structure and tensors: ``value`` is a ``_ModuleWatch``), ``"meta"`` (a tensor's metadata),
+    ``"absent"`` (the key must stay missing) or ``"flat"`` (a long flat container: ``value`` is its type and a
+    copy, compared with one ``==``)."""
 
     __slots__ = ("where", "source", "holder", "name", "value", "how")
 
@@ -352,7 +353,8 @@ def _warn_identity_only(where: str, value: Any) -> None:
 def _attribute_names(code: types.CodeType) -> tuple[frozenset[str], frozenset[str]]:
     """The attribute names a code object (and the code nested in it) may read from an object: the names it uses
     (``cfg.dropout``) and its identifier string constants (``getattr(cfg, "dropout", 0.0)``); and the constants
-    alone when it calls ``getattr`` or ``hasattr`` (names whose absence it may test), else nothing."""
+    alone when it calls ``getattr``, ``hasattr`` or a ``get`` method (names whose absence it may test), else
+    nothing."""
     names = _names(code)
     constants = frozenset(_string_constants(code))
     return names | constants, constants if names & _DYNAMIC_LOOKUPS else frozenset()
