@@ -154,7 +154,7 @@ class _Item:
         if self.how == "module":
             return value is self.value.module and self.value()
         if self.how == "flat":
-            return type(value) is self.value[0] and _flat_key(value) == self.value
+            return type(value) is self.value[0] and value == self.value[1]
         return value is self.value if self.how == "is" else _same(value, self.value)
 
 
@@ -356,16 +356,18 @@ def _attribute_names(code: types.CodeType) -> tuple[frozenset[str], frozenset[st
     alone when it calls ``getattr``, ``hasattr`` or a ``get`` method (names whose absence it may test), else
     nothing."""
     names = _names(code)
-    constants = frozenset(_string_constants(code))
+    constants = string_constants(code)
     return names | constants, constants if names & _DYNAMIC_LOOKUPS else frozenset()
 
 
-def _string_constants(code: types.CodeType) -> set[str]:
+@functools.lru_cache(maxsize=4096)
+def string_constants(code: types.CodeType) -> frozenset[str]:
+    """The string constants of ``code`` and the code nested in it that could name an attribute or a key."""
     found = {c for c in code.co_consts if isinstance(c, str) and c.isidentifier()}
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            found |= _string_constants(const)
-    return found
+            found |= string_constants(const)
+    return frozenset(found)
 
 
 def _class_attr(cls: type, name: str) -> Any:

@@ -36,6 +36,7 @@ from torch import nn
 
 from fulmen.core.proxies import Proxy, TensorProxy, has_proxy
 from fulmen.frontend import module_guard
+from fulmen.frontend.global_guard import string_constants
 
 log = logging.getLogger("fulmen")
 _MISSING = object()
@@ -110,11 +111,11 @@ class ModuleWrites:
                 _put(mod, name, where, old)  # by fulmen.frontend.module
 
     def settle(self, own: frozenset[int], captured: Iterable[int], codes: Iterable[types.CodeType]
-               ) -> list[tuple[nn.Module, str, bool, TensorProxy]]:
+               ) -> list[tuple[nn.Module, str, TensorProxy]]:
         """After the traced call: restore what the program must not leave set, raise for what it cannot compile,
-        and return the program outputs (module, name, whether code may read it, traced value). ``own``: ids of the
-        jitted module's tree; ``captured``: ids of the tensors the trace captured; ``codes``: the user code that
-        ran."""
+        and return the program outputs (module, name, traced value), marked as such in ``module_guard``. ``own``:
+        ids of the jitted module's tree; ``captured``: ids of the tensors the trace captured; ``codes``: the user
+        code that ran."""
         captured = set(captured)
         outputs = []
         try:
@@ -157,7 +158,7 @@ class ModuleWrites:
             raise
         for mod, name, read, _ in outputs:
             module_guard.mark_program_output(mod, name, read)
-        return outputs
+        return [(mod, name, value) for mod, name, _, value in outputs]
 
 
 def check_no_proxies_left(modules: Iterable[nn.Module]) -> None:
@@ -179,16 +180,13 @@ _LOADS = frozenset(("LOAD_ATTR", "LOAD_METHOD"))
 
 @functools.lru_cache(maxsize=4096)
 def _code_reads(code: types.CodeType) -> frozenset[str]:
-    """The attribute names ``code`` (and the code nested in it) loads, and the strings it holds (``getattr(self,
-    "cache", None)``, ``hasattr``)."""
-    names = set()
-    for ins in dis.get_instructions(code):
-        if ins.opname in _LOADS or (ins.opname == "LOAD_CONST" and isinstance(ins.argval, str)):
-            names.add(ins.argval)
+    """The attribute names ``code`` (and the code nested in it) loads, and the names its string constants hold
+    (``getattr(self, "cache", None)``, ``hasattr``)."""
+    names = {ins.argval for ins in dis.get_instructions(code) if ins.opname in _LOADS}
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             names |= _code_reads(const)
-    return frozenset(names)
+    return frozenset(names) | string_constants(code)
 
 
 def _functions(value: Any) -> list[Callable]:

@@ -268,7 +268,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
                                        recorder.codes if recorder is not None else ())
             check_no_proxies_left(own)
             if attributes:  # the program also returns them; every call assigns them (module_writes.assigning)
-                spec.attributes = tuple((mod, name) for mod, name, _, _ in attributes)
+                spec.attributes = tuple((mod, name) for mod, name, _ in attributes)
                 result = (result, [value for *_, value in attributes])
             result = _resolve_outputs(result)
             result = _write_back_mutated_inputs(trace, result)
