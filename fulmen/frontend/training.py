@@ -33,6 +33,7 @@ from fulmen.executors.inductor_compile import call_leaving_a_core, compile_mode,
 from fulmen.frontend.compile import CompiledProgram, compile_inference, execution_pipeline
 from fulmen.frontend.cudagraphs import GraphedProgram, graphed
 from fulmen.transforms.accumulate import accumulate_embedding_grads
+from fulmen.transforms.scale_pushdown import push_scale_past_matmuls
 from fulmen.transforms.split import ForwardBackward, split_forward_backward
 
 
@@ -87,7 +88,7 @@ class _Runtime:
         everything = (True,) * len(self.differentiable)
         try:
             start = time.perf_counter()
-            trace = accumulate_embedding_grads(self.fb.backward_trace(present))
+            trace = push_scale_past_matmuls(accumulate_embedding_grads(self.fb.backward_trace(present)))
             self.timings["backward_split"] = self.timings.get("backward_split", 0.0) + (
                 time.perf_counter() - start) * 1e3
             timings: dict[str, float] = {}
