@@ -85,6 +85,9 @@ def _numel(p: TensorProxy) -> int | None:
 def push_scale_past_matmuls(trace: Trace) -> Trace:
     """The rewrite described in the module docstring, applied to every candidate of ``trace``'s top level."""
     bsyms = trace.bound_symbols
+    candidates = [(b, found) for b in bsyms if (found := _scalar_product(b)) is not None]
+    if not candidates:
+        return trace
     readers: dict[str, list[BoundSymbol]] = {}
     for b in bsyms:
         for p in dict.fromkeys(x.name for x in b.flat_args):
@@ -94,11 +97,7 @@ def push_scale_past_matmuls(trace: Trace) -> Trace:
     dropped: set[int] = set()
     scaled: dict[int, tuple[int, TensorProxy]] = {}  # matmul bsym id -> (operand position, scalar)
     swap: dict[str, Proxy] = {}  # the removed products' names -> their inputs
-    for b in bsyms:
-        found = _scalar_product(b)
-        if found is None or id(b) in scaled:
-            continue
-        a, s = found
+    for b, (a, s) in candidates:
         products = _matmul_readers(b.output.name, readers, returned)
         if not products or any(id(m) in scaled for m, _ in products):
             continue
@@ -118,9 +117,10 @@ def push_scale_past_matmuls(trace: Trace) -> Trace:
         for b in bsyms:
             if id(b) in dropped:
                 continue
-            b_args = b.from_bsym_swap_proxies(swap, skip_output=True)
+            reads = b.from_bsym_swap_proxies(swap, skip_output=True) if any(
+                p.name in swap for p in b.flat_args) else b
             plan = scaled.get(id(b))
-            new.extend(_scaled_product(trace, b_args, *plan) if plan else (b_args,))
+            new.extend(_scaled_product(trace, reads, *plan) if plan else (reads,))
     return trace.derive("Scalar factors moved past matrix products", new)
 
 
