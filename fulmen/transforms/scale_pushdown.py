@@ -40,6 +40,11 @@ _SHAPE_ONLY = {prims.reshape.id, prims.transpose.id}
 _DTYPES = (torch.float32, torch.float64)
 
 
+def _numel(p: TensorProxy) -> int | None:
+    """``p``'s element count, or None when a size is symbolic."""
+    return p.numel() if all(isinstance(d, int) for d in p.shape) else None
+
+
 def _scalar_product(b: BoundSymbol) -> tuple[TensorProxy, TensorProxy] | None:
     """``(a, s)`` when ``b`` is ``mul(a, s)`` of a float32/float64 tensor ``a`` and a 0-d tensor ``s`` of the same
     dtype and device, whose result has ``a``'s shape; else None."""
@@ -50,7 +55,7 @@ def _scalar_product(b: BoundSymbol) -> tuple[TensorProxy, TensorProxy] | None:
         if (isinstance(a, TensorProxy) and isinstance(s, TensorProxy) and isinstance(out, TensorProxy)
                 and s.ndim == 0 and a.ndim >= 1 and a.dtype in _DTYPES and s.dtype == a.dtype == out.dtype
                 and str(s.device) == str(a.device) == str(out.device)
-                and tuple(a.shape) == tuple(out.shape) and all(isinstance(d, int) for d in a.shape)):
+                and tuple(a.shape) == tuple(out.shape) and _numel(a) is not None):
             return a, s
     return None
 
@@ -77,10 +82,6 @@ def _matmul_readers(root: str, readers: dict[str, list[BoundSymbol]], returned: 
     if any(sum(getattr(x, "name", None) in seen for x in b.args) != 1 for b, _ in found):
         return None
     return found
-
-
-def _numel(p: TensorProxy) -> int | None:
-    return p.numel() if all(isinstance(d, int) for d in p.shape) else None
 
 
 def push_scale_past_matmuls(trace: Trace) -> Trace:
