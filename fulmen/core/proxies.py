@@ -16,6 +16,7 @@ import torch
 
 from fulmen.core import dtypes, langctx
 from fulmen.core.devices import Device, to_device
+from fulmen.core.tracectx import get_tracectx
 
 
 class DataDependentError(RuntimeError):
@@ -63,8 +64,6 @@ class Proxy:
 
     def __init__(self, name: str | None = None, prefix: str = "t"):
         if name is None:
-            from fulmen.core.trace import get_tracectx
-
             trc = get_tracectx()
             name = trc.make_name(prefix) if trc is not None else f"_{prefix}{id(self):x}"
         self.name = name

@@ -15,6 +15,7 @@ import torch
 
 from fulmen.core.codeutils import Printer, outputs_of, type_comment
 from fulmen.core.proxies import Proxy, TensorProxy, latest
+from fulmen.core.tracectx import get_tracectx
 
 
 class OpTags(Enum):
@@ -83,8 +84,6 @@ class Symbol:
         return f"{self.module}.{self.name}" if self.module else self.name
 
     def __call__(self, *args, **kwargs):
-        from fulmen.core.trace import get_tracectx
-
         trc = get_tracectx()
         if trc is None:
             raise SymbolCalledOutsideTracing(

@@ -11,21 +11,7 @@ from fulmen.core.codeutils import Printer, outputs_of, sanitize_name, type_comme
 from fulmen.core.proxies import Proxy, TensorProxy
 from fulmen.core.symbol import BoundSymbol
 from fulmen.core.symbolic import SymbolBinder
-
-_tracectx_stack: list[Trace] = []
-
-
-def get_tracectx() -> Trace | None:
-    return _tracectx_stack[-1] if _tracectx_stack else None
-
-
-@contextlib.contextmanager
-def tracectx(trace: Trace) -> Iterator[Trace]:
-    _tracectx_stack.append(trace)
-    try:
-        yield trace
-    finally:
-        _tracectx_stack.pop()
+from fulmen.core.tracectx import get_tracectx, tracectx  # noqa: F401  (where callers have always found them)
 
 
 class Trace:

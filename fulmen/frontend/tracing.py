@@ -83,6 +83,12 @@ class _Capture:
         self.by_id: dict[int, TensorProxy] = {}
 
     def __call__(self, x):
+        kind = type(x)
+        if kind is tuple or kind is list:  # a symbol's arguments, shapes: rebuilt only when a tensor is inside
+            for v in x:
+                if type(v) not in _PLAIN:
+                    return kind(self(v) for v in x)
+            return x if kind is tuple else x.copy()  # a list is copied: the caller may change theirs later
         if isinstance(x, torch.Tensor):
             p = self.by_id.get(id(x))
             if p is None:
@@ -93,10 +99,11 @@ class _Capture:
                 self.spec.tensor_proxies.append(p)
                 self.trace.args.append(p)
             return latest(p)  # its value now, after in-place updates
-        if type(x) in (tuple, list):
-            return type(x)(self(v) for v in x)
         return x
 
+
+#: Values that hold no tensor: ``_Capture`` passes tuples and lists of them through as they are.
+_PLAIN = frozenset((TensorProxy, int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size))
 
 _FULMEN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # fulmen's own layers; code elsewhere in the package (fulmen/bench models, examples) counts as user code
@@ -132,8 +139,10 @@ class _UserTorchCalls(TorchFunctionMode):
         if trc is self.trace and len(trc.scopes) == 1:  # user code, not a meta or a decomposition
             fn = langctx.torch_functions.get(func)
             if has_proxy((args, kwargs)):
-                if fn is not None and func in _DATA_ARGUMENT:
-                    return fn(*args, **kwargs)  # torch parses their data as a sequence, never dispatching on a proxy
+                if fn is not None and (func in _DATA_ARGUMENT or (types == (TensorProxy,) and "out" not in kwargs)):
+                    # _DATA_ARGUMENT: torch parses their data as a sequence, never dispatching on a proxy. Otherwise
+                    # what func(*args) would reach through torch's dispatch (TensorProxy.__torch_function__), at once
+                    return fn(*args, **kwargs)
             elif (fn is not None or is_random_op(func)) and not _called_by_fulmen():
                 # a random op with no rule (torch.randperm) is an opaque op that draws on every call, not a
                 # constant drawn once while tracing

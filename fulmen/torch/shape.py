@@ -83,9 +83,13 @@ def _to_meta(x):
 
 
 def _on_meta(fn, args, kwargs):
-    """Run ``fn`` on meta tensors laid out as eager would lay out the proxies: (meta output, meta input 0)."""
-    margs = [_to_meta(a) for a in args]
-    return fn(*margs, **{k: _to_meta(v) for k, v in kwargs.items()}), margs[0]
+    """Run ``fn`` on meta tensors laid out as eager would lay out the proxies: (meta output, meta input 0).
+
+    Torch function handling is off meanwhile: only meta tensors are involved, and the tracer's mode would
+    otherwise see each of these calls: it doubled what a view op costs while tracing."""
+    with torch._C.DisableTorchFunction():
+        margs = [_to_meta(a) for a in args]
+        return fn(*margs, **{k: _to_meta(v) for k, v in kwargs.items()}), margs[0]
 
 
 def _view_hook(bsym: BoundSymbol, unview=None) -> None:
@@ -102,13 +106,15 @@ def _view_hook(bsym: BoundSymbol, unview=None) -> None:
         return
     outs = bsym.output if isinstance(bsym.output, (tuple, list)) else (bsym.output,)
     mouts = out if isinstance(out, (tuple, list)) else (out,)
-    pairs = [(p, m) for p, m in zip(outs, mouts) if isinstance(p, TensorProxy) and isinstance(m, torch.Tensor)]
-    if sym.extra.get("always_alias") or any(m is mbase or m._base is mbase for _, m in pairs):
+    with torch._C.DisableTorchFunction():  # meta tensors only (see _on_meta)
+        layouts = [(p, m.stride(), m.is_conj(), m.is_neg(), m is mbase or m._base is mbase)
+                   for p, m in zip(outs, mouts) if isinstance(p, TensorProxy) and isinstance(m, torch.Tensor)]
+    if sym.extra.get("always_alias") or any(aliases for *_, aliases in layouts):
         link_views(sym, bsym.args, bsym.kwargs, bsym.output, unview=unview)
-    for p, m in pairs:
+    for p, strides, conj, neg, _ in layouts:
         if p is not base:
-            _set_strides(p, m.stride())
-            set_lazy_bits(p, m.is_conj(), m.is_neg())
+            _set_strides(p, strides)
+            set_lazy_bits(p, conj, neg)
 
 
 def check_viewable(fn, a: TensorProxy, *args, **kwargs) -> None:
