@@ -105,6 +105,11 @@ class Symbol:
             args, kwargs = self.normalize(args, kwargs)
         if self.meta is None:
             raise NotImplementedError(f"{self.qualified_name} has no meta function and cannot be traced")
+        # a call user code made: the same call (by metadata) made earlier in the trace may be copied
+        call = trc.replay.lookup(self, args, kwargs) if len(trc.scopes) == 1 and trc.replay is not None else None
+        if call is not None and call.bsym is not None:
+            trc.scopes[-1].append(call.bsym)
+            return call.bsym.output
         if self.is_prim:
             trc.scopes.append([])  # a prim's meta records nothing; the extra scope marks "inside a meta"
             try:
@@ -124,6 +129,8 @@ class Symbol:
         trc.scopes[-1].append(bsym)
         if self.post_hook is not None:
             self.post_hook(bsym)
+        if call is not None:
+            call.remember(bsym)
         return out
 
     def bind(self, *args, output: Any, subsymbols: Sequence[BoundSymbol] = (), **kwargs) -> BoundSymbol:

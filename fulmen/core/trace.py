@@ -35,11 +35,13 @@ class Trace:
         self.provenance: str | None = None
         self.elapsed_ms: float | None = None
         self.has_mutations = False
+        self.mutations = 0  # in-place updates recorded so far (fulmen.torch.inplace.mutate, register_hook)
         self.claims: dict[int, Any] = {}
         self.unused_outputs: set[str] | None = None  # printed as "_" (set by del_last_used)
         self.capture = None  # frontend hook turning real tensors met while tracing into inputs
         self.autocast: list = []  # autocast policies applied to outermost calls (fulmen.transforms.autocast)
         self.on_user_op = None  # called at each torch call user code makes (frontend.global_guard)
+        self.replay = None  # frontend hook copying decompositions recorded earlier (fulmen.frontend.replay)
 
     # ---- names ----
     def make_name(self, prefix: str = "t") -> str:

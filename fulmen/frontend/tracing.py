@@ -22,6 +22,7 @@ from fulmen.core.proxies import Proxy, TensorProxy, call_with_out, has_proxy, is
 from fulmen.core.trace import Trace, get_tracectx, tracectx
 from fulmen.frontend.global_guard import GlobalGuard, ReadRecorder, build_guard
 from fulmen.frontend.module_writes import ModuleWrites, check_no_proxies_left
+from fulmen.frontend.replay import Replays
 from fulmen.torch.fallback import opaque_symbol
 from fulmen.transforms.autocast import current_policies
 from fulmen.transforms.grad_rules import is_random_op
@@ -123,6 +124,9 @@ def _called_by_fulmen() -> bool:
 
 
 _DATA_ARGUMENT = frozenset((torch.as_tensor, torch.tensor, torch.asarray))
+
+#: Off: every call user code makes runs its decomposition, none is copied (``fulmen.frontend.replay``).
+REPLAY = True
 
 
 class _UserTorchCalls(TorchFunctionMode):
@@ -267,6 +271,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     trace.args = list(spec.tensor_proxies)
     trace.capture = _Capture(trace, spec)
     trace.autocast = _AutocastPolicies()
+    trace.replay = Replays(trace) if REPLAY else None
     recorder = trace.on_user_op = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
     try:
         with tracectx(trace), _UserTorchCalls(trace), _compiling(), _recording_autograd_functions(), \
@@ -289,6 +294,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
         names = [p.name for p in trace.args[len(trace.args) - len(spec.captured):]]
         spec.guard = build_guard(recorder, list(zip(names, spec.captured)))
     trace.capture = None
+    trace.replay = None
     trace.autocast = []
     trace.output = result
     trace.provenance = None

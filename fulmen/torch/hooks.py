@@ -72,6 +72,7 @@ def register_hook(t: TensorProxy, hook: Callable) -> _TracedHookHandle:
     hooked = opaque_symbol(grad_hook)(current, hook)
     trc.has_mutations = True  # later uses of `t` read `hooked` (proxies.latest)
     current._latest = hooked
+    trc.mutations += 1
     hooked._view_of, hooked._views = current._view_of, current._views
     return _TracedHookHandle()
 

@@ -62,6 +62,7 @@ def mutate(target: TensorProxy, new_value, *, _from_view: TensorProxy | None = N
     if new is current:  # nothing was computed (x.add_(0) folded away): the value is unchanged
         return target
     current._latest = new
+    trc.mutations += 1
     new._view_of, new._views = current._view_of, current._views
     if current._view_of is not None:
         base, remake = current._view_of

@@ -36,7 +36,7 @@ __all__ = [
     "adjoint", "squeeze", "unsqueeze", "expand", "expand_as", "broadcast_to", "broadcast_tensors", "cat",
     "concatenate", "stack", "hstack", "vstack", "split", "split_with_sizes", "chunk", "unbind", "tensor_split",
     "flatten", "unflatten", "narrow", "select", "movedim", "diagonal", "unfold", "contiguous", "clone", "detach",
-    "as_strided", "view_as_real", "view_as_complex", "strides_of", "view_symbol", "sizes_arg", "fresh",
+    "as_strided", "view_as_real", "view_as_complex", "strides_of", "layout_of", "view_symbol", "sizes_arg", "fresh",
 ]
 
 _SHAPE = (OpTags.SHAPE_OP,)
@@ -61,6 +61,14 @@ def strides_of(p: TensorProxy) -> tuple[int, ...]:
     if entry is not None and entry[0]() is p:
         return entry[1]
     return contiguous_strides(p.shape)
+
+
+def layout_of(p: TensorProxy) -> tuple[int, ...] | None:
+    """``strides_of(p)``, or None when ``p`` is contiguous for want of any other record (the common case, told
+    apart without computing contiguous strides)."""
+    if p._view_of is None and id(p) not in _strides:
+        return None
+    return strides_of(p)
 
 
 def _set_strides(p: TensorProxy, strides: tuple[int, ...]) -> None:
