@@ -172,13 +172,12 @@ class _Recipe:
     """A recorded call compiled for copying: its values become slots (the arguments first, then the values the
     decomposition made, in the order it made them) and each bound symbol a tuple of how to rebuild its parts."""
 
-    __slots__ = ("n_tensors", "fresh", "root")
+    __slots__ = ("fresh", "root")
 
     def __init__(self, bsym: BoundSymbol, tensors: list[TensorProxy], made: dict[int, tuple]):
         slots = {id(t): i for i, t in enumerate(tensors)}
         for i, key in enumerate(made):
             slots[key] = len(tensors) + i
-        self.n_tensors = len(tensors)
         self.fresh = list(made.values())
         self.root = _compile(bsym, slots)
 
