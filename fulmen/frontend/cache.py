@@ -11,15 +11,22 @@ a program checks, per call, whether an input it writes to shares memory with ano
 
 from __future__ import annotations
 
+import enum
+import functools
+import logging
+import math
+import sys
 from typing import Any
 
 import torch
 
+from fulmen.core.proxies import Proxy
 from fulmen.core.trace import Trace
 from fulmen.transforms.passes import overwritten_inputs
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
+log = logging.getLogger("fulmen")
 
 
 def global_state_key() -> tuple:
@@ -34,7 +41,11 @@ def global_state_key() -> tuple:
 
 
 def value_key(x: Any, flat: list[torch.Tensor]) -> Any:
-    """A hashable description of ``x``; tensors are appended to ``flat``."""
+    """A hashable description of ``x``; tensors are appended to ``flat``.
+
+    Two arguments get equal keys only when traced code reading them would read the same values: a float by its
+    value, sign and NaN-ness (``0.0`` and ``-0.0`` differ, NaN equals NaN), an object by a snapshot of its contents
+    (``content_key``), never by an address that a freed object's successor can reuse."""
     t = type(x)
     if t is _Tensor or t is _Parameter or isinstance(x, _Tensor):
         flat.append(x)
@@ -43,23 +54,136 @@ def value_key(x: Any, flat: list[torch.Tensor]) -> Any:
         if x.is_neg() or (dtype.is_complex and x.is_conj()):
             return (x.shape, (dtype, "conj" if x.is_conj() else "neg"), x.device, x.requires_grad)
         return (x.shape, dtype, x.device, x.requires_grad)
-    if t in (int, float, bool, str) or x is None:
+    if t is int or t is bool or t is str or x is None:
         return (t, x)
+    if t is float:
+        return (float, x) if x == x and x != 0.0 else _float_key(x)
     if t is tuple or t is list:
-        return (t, tuple(value_key(v, flat) for v in x))
+        return (t, tuple([value_key(v, flat) for v in x]))
     if t is dict:
-        return (dict, tuple((k, value_key(v, flat)) for k, v in x.items()))
-    if isinstance(x, tuple):  # namedtuple
-        return (t, tuple(value_key(v, flat) for v in x))
-    if isinstance(x, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
+        return (dict, tuple([(k if type(k) is str else content_key(k), value_key(v, flat)) for k, v in x.items()]))
+    if isinstance(x, _ATOMS):
         return x
+    if isinstance(x, (tuple, list)) and not isinstance(x, torch.Size):  # namedtuples and subclasses: proxify's walk
+        return (t, tuple([value_key(v, flat) for v in x]))
+    if isinstance(x, dict):
+        return (t, tuple([(k if type(k) is str else content_key(k), value_key(v, flat)) for k, v in x.items()]))
+    return content_key(x)
+
+
+_ATOMS = (torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
+def _float_key(x: float) -> tuple:
+    # 0.0 == -0.0 and NaN != NaN: keyed by text and sign bit so that -0.0 gets its own entry and NaN hits
+    return (type(x), repr(float(x)), math.copysign(1.0, x))
+
+
+class _Ref:
+    """A key part that is an object's identity. It holds the object, so its address cannot be reused by another
+    object while the key exists (a cache entry)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _Ref and other.obj is self.obj
+
+    def __repr__(self) -> str:
+        return f"<the {type(self.obj).__name__} object at {id(self.obj):#x}>"
+
+
+#: How many values a snapshot of one argument's contents may hold, and how deep it follows attributes; beyond
+#: that the argument is keyed by identity (logged: changing it in place between calls is then not seen).
+MAX_CONTENT_ITEMS = 1024
+MAX_CONTENT_DEPTH = 6
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def content_key(x: Any) -> Any:
+    """A hashable snapshot of the value of ``x`` as Python code can read it: the contents of sets, bytearrays and
+    NumPy arrays, the attributes of instances of user classes (dataclasses, configs), recursively. Tensors inside
+    are keyed by identity: traced code reads them as captured inputs, by identity."""
+    try:
+        return _content(x, [MAX_CONTENT_ITEMS], 0)
+    except _TooLarge:
+        _warn_identity(x)
+        return _Ref(x)
+
+
+def _content(x: Any, budget: list[int], depth: int) -> Any:
+    budget[0] -= 1
+    if budget[0] < 0 or depth > MAX_CONTENT_DEPTH:
+        raise _TooLarge
+    t = type(x)
+    if t is int or t is bool or t is str or t is bytes or x is None:
+        return (t, x)
+    if isinstance(x, float):
+        return (t, x) if x == x and x != 0.0 else _float_key(x)
+    if isinstance(x, (int, str, bytes)):  # subclasses (IntEnum, a str enum): by type and value
+        return (t, x)
+    if isinstance(x, complex):
+        return (t, _content(x.real, budget, depth), _content(x.imag, budget, depth))
+    if isinstance(x, _Tensor) or isinstance(x, Proxy):
+        return _Ref(x)
+    if isinstance(x, (tuple, list, set, frozenset)):  # in iteration order: the order traced code sees
+        return (t, tuple([_content(v, budget, depth + 1) for v in x]))
+    if isinstance(x, dict):
+        return (t, tuple([(_content(k, budget, depth + 1), _content(v, budget, depth + 1)) for k, v in x.items()]))
+    if isinstance(x, bytearray):
+        return (t, bytes(x))
+    if isinstance(x, _ATOMS) or isinstance(x, enum.Enum):
+        return x
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(x, (numpy.ndarray, numpy.generic)):
+        budget[0] -= x.nbytes // 8
+        if budget[0] < 0:
+            raise _TooLarge
+        return (t, x.dtype.str, x.shape, x.tobytes())
+    if t.__flags__ & _HEAPTYPE and not isinstance(x, (torch.nn.Module, type)):  # an instance of a user class
+        attrs = getattr(x, "__dict__", None)
+        items = [] if attrs is None else [(k, _content(v, budget, depth + 1)) for k, v in attrs.items()]
+        for name in _slots(t):
+            v = getattr(x, name, _Ref)  # an unset slot: _Ref, the class, as a marker
+            items.append((name, _Ref if v is _Ref else _content(v, budget, depth + 1)))
+        return (t, tuple(items))
     try:
         hash(x)
-        return (t, x)
-    except TypeError:
-        # An unhashable object is keyed by identity: a different object recompiles. (Mutating it in place
-        # between calls is not seen; pass such values as tensors or hashable values.)
-        return (t, "id", id(x))
+    except TypeError:  # an object whose contents cannot be read: by identity
+        raise _TooLarge from None
+    return (t, x)  # functions, classes, modules, C objects: by hash and equality (held by the key)
+
+
+_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined by Python code
+
+
+@functools.lru_cache(maxsize=1024)
+def _slots(cls: type) -> tuple[str, ...]:
+    names = []
+    for klass in cls.__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        names += [slots] if isinstance(slots, str) else [s for s in slots if s not in ("__dict__", "__weakref__")]
+    return tuple(names)
+
+
+_warned_identity: set[type] = set()
+
+
+def _warn_identity(x: Any) -> None:
+    if type(x) not in _warned_identity:
+        _warned_identity.add(type(x))
+        log.warning("fulmen: an argument of type %s is keyed by identity (its contents are too large, too deep or "
+                    "cannot be read: more than %d values or %d levels): a new object recompiles, but changing this "
+                    "one in place between calls is not seen. Pass the values the function reads as tensors or "
+                    "numbers instead.", type(x).__name__, MAX_CONTENT_ITEMS, MAX_CONTENT_DEPTH)
 
 
 def state_key(tensors: list[torch.Tensor], flat: list[torch.Tensor]) -> tuple:
