@@ -25,19 +25,26 @@ from fulmen.frontend.cache import (
     global_state_key,
     lazy_view_inputs,
     resolving_lazy_views,
+    tensor_keys,
     written_inputs,
 )
 from fulmen.frontend.compile import CompiledProgram, compile_inference
 from fulmen.frontend.dynamic import SizeHistory, SymbolicSizes, describe_change, erase_sizes, key_sizes, symbolic_dims
 from fulmen.frontend.global_guard import GlobalGuard
 from fulmen.frontend.module_writes import assigning
-from fulmen.frontend.tracing import InputSpec, trace_program
+from fulmen.frontend.prologue import Prologue, build_prologue
+from fulmen.frontend.tracing import InputSpec, _arg_names, trace_program
 from fulmen.transforms.autocast import current_policies
 
 log = logging.getLogger("fulmen")
 
-#: How many distinct compilations of one function before fulmen warns that recompiles repeat.
+#: How many distinct compilations of one function before fulmen warns (once) that recompiles repeat.
 RECOMPILE_WARNING_THRESHOLD = 8
+#: How many recompilations one argument's changing non-tensor value may cause (as torch.compile's recompile_limit);
+#: after that, calls with a new value of it run eagerly (logged once), and the values compiled stay compiled.
+RECOMPILE_LIMIT = 8
+#: How many compiled programs one function keeps; beyond that the oldest is dropped (and recompiled if needed).
+MAX_CACHE_ENTRIES = 256
 # Programs kept per key for other values of the globals the code read (compiled before, reused when they return).
 _MAX_GLOBAL_VARIANTS = 8
 # Concrete keys that a dynamic entry served are added to the dictionary (so they hit without guard work) up to
@@ -50,7 +57,10 @@ class CacheEntry:
     program: CompiledProgram
     spec: InputSpec
     computation_trace: Trace
-    prologue: Trace | None = None
+    prologue: Prologue | None = None  # the check a call must pass to reuse the program (set by _compile)
+    check: Callable | None = None  # prologue.check: the flat inputs, or None
+    key: Any = None  # the key it was compiled for
+    n_guards: int = 0  # how many size guards its prologue checks (symbolic entries)
     symbolic: SymbolicSizes | None = None  # set for an entry compiled with dynamic sizes
     pattern: Any = None  # its key with the dynamic sizes erased
     written: frozenset[int] = frozenset()  # positions of the inputs the program writes to
@@ -145,7 +155,11 @@ class JittedFunction:
         self._histories: dict[Any, SizeHistory] = {}
         self._compilations = 0
         self._stats = CompileStats()
-        self._last_key = None
+        self._last_key = None  # the key of the last compilation
+        self._last_entry: CacheEntry | None = None  # the entry the last call ran: its prologue is tried first
+        self._compiled: dict[Any, None] = {}  # keys of the compiled entries, oldest first (MAX_CACHE_ENTRIES)
+        self._recompiles: dict[Any, int] = {}  # argument position or keyword -> recompiles its value caused
+        self._warned_recompiles = False
         self._stats_entry: CacheEntry | None = None  # the compilation the statistics describe
         self._variants: dict[Any, list[CacheEntry]] = {}  # key -> entries compiled for other global values
         self._guard_reads = True  # check the globals and closures the code read (the Dynamo backend: Dynamo does)
@@ -153,24 +167,45 @@ class JittedFunction:
 
     # ---- the call path (keep it short: it runs on every call) ----
     def __call__(self, *args, **kwargs):
-        flat: list[torch.Tensor] = []
-        key = (args_key(args, kwargs, flat), global_state_key())
-        entry = self._cache.get(key)
         stats = self._stats
         stats.calls += 1
-        if entry is None:
-            entry = self._miss(key, args, kwargs, flat)
-            if entry is None:  # called on an outer fulmen trace's proxies: traced as part of it
+        entry = self._last_entry
+        flat = entry.check(args, kwargs) if entry is not None else None  # the prologue of the last entry run
+        if flat is None:
+            key_flat: list[torch.Tensor] = []
+            key = (args_key(args, kwargs, key_flat), global_state_key())
+            entry, flat = self._find(key, args, kwargs, key_flat, (args, kwargs))
+            if entry is None:  # called on an outer fulmen trace's proxies, or a value past RECOMPILE_LIMIT
                 return self.fn(*args, **kwargs)
         else:
             stats.cache_hits += 1
-            if entry.globals_guard is not None and not entry.globals_guard.check():
-                entry = self._globals_changed(key, entry, args, kwargs, flat)
-        if entry.spec.captured:
-            flat += entry.spec.captured
         if entry.written and aliases_written_input(flat, entry.written, self._n_state()):
             return self._run_eagerly(args, kwargs)
         return call_leaving_a_core(entry.program.run, flat)  # a flag read, unless regions are compiling
+
+    def _find(self, key, args, kwargs, flat: list[torch.Tensor], inputs: tuple) -> tuple[CacheEntry | None, list]:
+        """The entry for a call whose key is ``key`` and the flat inputs its prologue returned (``inputs``: the
+        prologue's arguments); (None, []) when the call runs the original function instead (``_miss``)."""
+        entry = self._cache.get(key)
+        if entry is not None:
+            checked = entry.check(*inputs)
+            if checked is not None:
+                self._stats.cache_hits += 1
+                self._last_entry = entry
+                return entry, checked
+            entry = self._globals_changed(key, entry, args, kwargs, flat, inputs)
+        else:
+            entry = self._miss(key, args, kwargs, flat, inputs)
+            if entry is None:
+                return None, []
+        checked = entry.check(*inputs)
+        if checked is None:  # a program's prologue rejects the call it was just compiled or chosen for: a bug
+            log.warning("fulmen: %s: the prologue of the program compiled for this call rejects it; running the "
+                        "function eagerly. Please report this with the prologue:\n%s", _display_name(self.fn),
+                        entry.prologue)
+            return None, []
+        self._last_entry = entry
+        return entry, checked
 
     def _run_eagerly(self, args, kwargs):
         """The call's inputs share memory and the program writes to one of them; it was traced as if they did not
@@ -193,44 +228,71 @@ class JittedFunction:
     def _trace(self, args, kwargs, sizes=None) -> tuple[Trace, InputSpec]:
         return trace_program(self.fn, args, kwargs, sizes=sizes, guard_reads=self.fn if self._guard_reads else None)
 
-    def _globals_changed(self, key, entry: CacheEntry, args, kwargs, flat) -> CacheEntry:
-        """A global or closure variable the program's code read has another value now: a program compiled for
-        the current values, or a new compilation."""
+    def _globals_changed(self, key, entry: CacheEntry, args, kwargs, flat, inputs: tuple) -> CacheEntry:
+        """The key matched but the entry's prologue failed: a global or closure variable the program's code read
+        has another value now. A program compiled for the current values, or a new compilation."""
         variants = self._variants.setdefault(key, [])
         variants.append(entry)
         for other in variants:
-            if other.globals_guard.check():
+            if other.check(*inputs) is not None:
                 variants.remove(other)
                 self._cache[key] = other
+                self._stats.cache_hits += 1
                 return other
         if len(variants) > _MAX_GLOBAL_VARIANTS:
             del variants[0]
-        self._stats.cache_hits -= 1
-        return self._compile(key, args, kwargs, flat, reason=entry.globals_guard.explain())
+        guard = entry.globals_guard
+        reason = guard.explain() if guard is not None and not guard.check() else "a check of its prologue failed"
+        return self._compile(key, args, kwargs, flat, reason=reason)
 
     # ---- a key not in the cache: a dynamic entry whose guards hold, or a compilation ----
-    def _miss(self, key, args, kwargs, flat: list[torch.Tensor]) -> CacheEntry | None:
-        """The entry for a key not in the cache; None when this is a call inside another fulmen trace (a jitted
-        function or module called by one being traced), which then runs the original on the proxies."""
+    def _miss(self, key, args, kwargs, flat: list[torch.Tensor], inputs: tuple) -> CacheEntry | None:
+        """The entry for a key not in the cache; None when the original function runs instead: a call inside
+        another fulmen trace (a jitted function or module called by one being traced), which then runs on the
+        proxies, or a new value of an argument that already caused RECOMPILE_LIMIT recompilations."""
         if get_tracectx() is not None and has_proxy((args, kwargs, flat)):
             return None
         failed = None
         for entry in self._dynamic_entries:
             if erase_sizes(key, entry.symbolic.dims) != entry.pattern:
                 continue
-            globals_hold = entry.globals_guard is None or entry.globals_guard.check()
-            if globals_hold and entry.symbolic.guard(flat):
+            if len(entry.symbolic.env.guards) != entry.n_guards:  # sizes compared after compilation: more guards
+                self._set_prologue(entry, entry.key, args, kwargs)
+            if entry.check(*inputs) is not None:
                 self._stats.cache_hits += 1
                 if len(self._cache) < _MAX_ALIASES:
                     self._cache[key] = entry  # these exact sizes hit the dictionary from now on
                 return entry
-            if globals_hold:
+            if entry.globals_guard is None or entry.globals_guard.check():
                 failed = entry
         guard_failure = None
         if failed is not None:
             guard_failure = ("the guards of the entry compiled with dynamic sizes failed: "
                              + failed.symbolic.explain(flat))
+        changed = self._changed_value(self._last_key, key)
+        if changed is not None and self._recompiles.get(changed, 0) >= RECOMPILE_LIMIT:
+            self._warn_recompile_limit(changed, key, args, kwargs)
+            return None
         return self._compile(key, args, kwargs, flat, guard_failure)
+
+    def _changed_value(self, old, new) -> int | str | None:
+        """The argument (position, or keyword) whose non-tensor value differs between two keys that agree
+        everywhere else; None when they differ in anything else."""
+        if old is None or old[1] != new[1]:
+            return None
+        return _changed_value(old[0], new[0])
+
+    def _warn_recompile_limit(self, changed: int | str, key, args, kwargs) -> None:
+        warned = self.__dict__.setdefault("_warned_limit", set())
+        if changed in warned:
+            return
+        warned.add(changed)
+        name = _argument_name(self.fn, args, kwargs, changed)
+        log.warning("fulmen: %s has been recompiled %d times because the value of its argument %s changed, and "
+                    "compiled code is specialized on that value; from now on a call with a new value of it runs "
+                    "eagerly (not compiled), and the values compiled so far still run compiled. Pass the value as "
+                    "a tensor (torch.tensor(value)) so that one compilation serves every value.",
+                    _display_name(self.fn), self._recompiles[changed], name)
 
     def _dynamic_dims(self, key, sizes) -> tuple[dict[int, frozenset], list[str]]:
         """The dims to make symbolic for this call, and a note for each dim newly seen changing size."""
@@ -265,10 +327,15 @@ class JittedFunction:
             elif guard_failure:
                 reason = f"{reason} ({guard_failure})"
             stats.last_recompile_reason = reason
-            if self._compilations >= RECOMPILE_WARNING_THRESHOLD:
-                log.warning("fulmen: %s has been compiled %d times; the latest recompile was caused by %s",
+            changed = self._changed_value(self._last_key, key) if flat is not None else None
+            if changed is not None:  # RECOMPILE_LIMIT: _miss counts these
+                self._recompiles[changed] = self._recompiles.get(changed, 0) + 1
+            elif self._compilations >= RECOMPILE_WARNING_THRESHOLD and not self._warned_recompiles:
+                self._warned_recompiles = True
+                log.warning("fulmen: %s has been compiled %d times; the latest recompile was caused by %s. Each "
+                            "distinct key compiles once (see docs/recompilation.md); up to %d programs are kept.",
                             getattr(self.fn, "__name__", self.fn), self._compilations + 1,
-                            stats.last_recompile_reason)
+                            stats.last_recompile_reason, MAX_CACHE_ENTRIES)
         self._compilations += 1
         entry = None
         if dims:
@@ -286,9 +353,45 @@ class JittedFunction:
             history = self._histories.get(erase_sizes(key, None)) if self.dynamic is not False else None
             if history is not None and history.names is None:
                 history.names = [p.name for p in entry.computation_trace.args]
-        self._cache[key] = entry
+        self._set_prologue(entry, key, args, kwargs)
+        self._remember(key, entry)
         self._last_key = key
         return entry
+
+    _prologue_of_module = False
+
+    def _set_prologue(self, entry: CacheEntry, key, args, kwargs) -> None:
+        """Generate the entry's prologue: the check, printed by ``last_prologue_traces``, that a call must pass."""
+        names = _arg_names(self.fn, args, kwargs)
+        entry.key = key
+        entry.prologue = build_prologue(key, names, module=self._prologue_of_module, symbolic=entry.symbolic,
+                                        guard=entry.globals_guard, captured=entry.spec.captured)
+        entry.check = entry.prologue.check
+        entry.n_guards = len(entry.symbolic.env.guards) if entry.symbolic is not None else 0
+        if entry is self._stats_entry:
+            self._stats.last_prologue_traces = [entry.prologue]
+
+    def _remember(self, key, entry: CacheEntry) -> None:
+        """Cache a compiled entry, dropping the oldest beyond MAX_CACHE_ENTRIES (with the keys that alias it)."""
+        self._cache[key] = entry
+        self._compiled.pop(key, None)
+        self._compiled[key] = None
+        if len(self._compiled) <= MAX_CACHE_ENTRIES:
+            return
+        oldest = next(iter(self._compiled))
+        del self._compiled[oldest]
+        dropped = self._cache.pop(oldest, None)
+        self._variants.pop(oldest, None)
+        if dropped is not None:
+            for k in [k for k, e in self._cache.items() if e is dropped]:
+                del self._cache[k]
+            self._dynamic_entries = [e for e in self._dynamic_entries if e is not dropped]
+            if self._last_entry is dropped:
+                self._last_entry = None
+        if not getattr(self, "_warned_eviction", False):
+            self._warned_eviction = True
+            log.warning("fulmen: %s has more than %d compiled programs; the oldest are dropped from now on (a call "
+                        "that needs one again recompiles it)", _display_name(self.fn), MAX_CACHE_ENTRIES)
 
     def _describe_key_change(self, old, new) -> str:
         return _describe_key_change(old, new)
@@ -351,15 +454,13 @@ class JittedFunction:
         if spec.attributes:  # the program returns (result, module attribute values): every call assigns them
             program.run = assigning(program.run, spec.attributes)
         done = time.perf_counter()
-        entry = CacheEntry(program=program, spec=spec, computation_trace=trace,
-                           prologue=_prologue_trace(trace, key, symbolic, spec.guard), written=written_inputs(trace),
+        entry = CacheEntry(program=program, spec=spec, computation_trace=trace, written=written_inputs(trace),
                            globals_guard=spec.guard)
         lazy_views = lazy_view_inputs(key)
         if lazy_views:
             program.run = resolving_lazy_views(program.run, lazy_views, entry.written)
         stats.last_trace_time_ms = (traced - start) * 1e3
         stats._last_compile_time_ms = (done - start) * 1e3
-        stats.last_prologue_traces = [entry.prologue] if entry.prologue is not None else []
         self._record(entry)
         stats._settle = program.extra.get("settle")  # set while the first call runs on PyTorch autograd
         self._stats_entry = entry
@@ -418,34 +519,38 @@ def _describe_key_change(old, new) -> str:
     return "a changed argument"
 
 
+def _changed_value(old_args: tuple, new_args: tuple) -> int | str | None:
+    """The first argument (position, or keyword) whose key differs between two call keys, when what differs is a
+    non-tensor value (the tensors in it are described alike); None otherwise."""
+    if len(old_args) != len(new_args):
+        return None
+    for i, (a, b) in enumerate(zip(old_args, new_args)):
+        if a == b:
+            continue
+        if type(a) is tuple and a[:1] == ("kwargs",) and type(b) is tuple and b[:1] == ("kwargs",):
+            if len(a) != len(b):
+                return None
+            for (name, x), (other, y) in zip(a[1:], b[1:]):
+                if name != other:
+                    return None
+                if x != y:
+                    return name if tensor_keys(x) == tensor_keys(y) else None
+            return None
+        return i if tensor_keys(a) == tensor_keys(b) else None
+    return None
+
+
+def _argument_name(fn, args: tuple, kwargs: dict, changed: int | str) -> str:
+    """``'scale' (argument 1)``: the parameter's name when the signature says it."""
+    if isinstance(changed, str):
+        return repr(changed)
+    names = _arg_names(fn, args, kwargs)
+    return f"{names[changed]!r} (argument {changed})" if changed < len(names) else f"{changed}"
+
+
 def _short(k) -> str:
     text = repr(k)
     return text if len(text) < 120 else text[:117] + "..."
-
-
-def _prologue_trace(trace: Trace, key, symbolic: SymbolicSizes | None = None,
-                    guard: GlobalGuard | None = None) -> Trace:
-    """A readable record of what a later call must match to reuse this compilation."""
-    from fulmen.core.symbol import Symbol
-
-    pro = Trace("prologue")
-    pro.args = list(trace.args)
-    check = Symbol(name="check_tensor_metadata", id="check_tensor_metadata", is_prim=True, module="prologue")
-    for p in trace.args:
-        pro.bound_symbols.append(check.bind(p, tuple(p.shape), str(p.device), p.dtype, p.requires_grad,
-                                            output=None))
-    if symbolic is not None:  # the relations tracing assumed between the dynamic sizes (the cache's guards)
-        guards = Symbol(name="check_sizes", id="check_sizes", is_prim=True, module="prologue")
-        pro.bound_symbols.append(guards.bind(symbolic.guard_source(), output=None))
-    state = Symbol(name="check_global_state", id="check_global_state", is_prim=True, module="prologue")
-    grad, default_dtype, cpu_ac, cuda_ac, *_ = key[1]
-    pro.bound_symbols.append(state.bind(output=None, grad_enabled=grad, default_dtype=default_dtype,
-                                        autocast_cpu=cpu_ac, autocast_cuda=cuda_ac))
-    if guard is not None:  # the globals and closure variables the traced code read
-        check = Symbol(name="check_globals", id="check_globals", is_prim=True, module="prologue")
-        pro.bound_symbols.append(check.bind(guard.describe(), output=None))
-    pro.provenance = "Prologue (what a call must match to reuse the compiled program)"
-    return pro
 
 
 def get_stats(fn) -> CompileStats:

@@ -23,7 +23,7 @@ from fulmen.executors.base import Executor
 from fulmen.executors.inductor_compile import call_leaving_a_core
 from fulmen.frontend import module_guard
 from fulmen.frontend.cache import aliases_written_input, args_key, global_state_key, state_key
-from fulmen.frontend.jit import JittedFunction
+from fulmen.frontend.jit import JittedFunction, _changed_value
 from fulmen.frontend.tracing import _arg_names, trace_program
 
 log = logging.getLogger("fulmen")
@@ -148,6 +148,8 @@ class _ModuleProgram(JittedFunction):
         self.module = module
         self.state = _ModuleState(module)
 
+    _prologue_of_module = True  # its prologue is prologue(version, params, args, kwargs)
+
     def __call__(self, *args, **kwargs):
         state = self.state
         if state.epoch != module_guard.epoch:  # something changed some watched module: is this tree different?
@@ -155,20 +157,17 @@ class _ModuleProgram(JittedFunction):
             if state.lazy:
                 return self._materialize(args, kwargs)
         tensors = state.tensors()
-        flat: list[torch.Tensor] = []
-        key = (state.version, state_key(tensors, flat), args_key(args, kwargs, flat)), global_state_key()
-        entry = self._cache.get(key)
         self._stats.calls += 1
-        if entry is None:
-            entry = self._miss(key, args, kwargs, flat)
-            if entry is None:  # called on an outer fulmen trace's proxies: traced as part of it
+        entry = self._last_entry
+        flat = entry.check(state.version, tensors, args, kwargs) if entry is not None else None
+        if flat is None:
+            key_flat: list[torch.Tensor] = []
+            key = (state.version, state_key(tensors, key_flat), args_key(args, kwargs, key_flat)), global_state_key()
+            entry, flat = self._find(key, args, kwargs, key_flat, (state.version, tensors, args, kwargs))
+            if entry is None:  # called on an outer fulmen trace's proxies, or a value past RECOMPILE_LIMIT
                 return self.module(*args, **kwargs)
         else:
             self._stats.cache_hits += 1
-            if entry.globals_guard is not None and not entry.globals_guard.check():
-                entry = self._globals_changed(key, entry, args, kwargs, flat)
-        if entry.spec.captured:
-            flat += entry.spec.captured
         if entry.written and aliases_written_input(flat, entry.written, len(state.unique_slots)):
             return self._run_eagerly(args, kwargs)
         return call_leaving_a_core(entry.program.run, flat)  # a flag read, unless regions are compiling
@@ -185,6 +184,11 @@ class _ModuleProgram(JittedFunction):
 
     def _n_state(self) -> int:
         return len(self.state.unique_slots)
+
+    def _changed_value(self, old, new):
+        if old is None or old[1] != new[1] or old[0][:2] != new[0][:2]:  # global state, structure, parameters
+            return None
+        return _changed_value(old[0][2], new[0][2])
 
     def _describe_key_change(self, old, new) -> str:
         if old is not None and old[1] == new[1]:  # same global state: (structure, state tensors, arguments)

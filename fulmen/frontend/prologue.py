@@ -1,0 +1,252 @@
+"""The prologue: what a call must match to reuse a compiled program, as Python source that is the check that runs.
+
+A cache entry's prologue is generated from the key it was compiled for (``fulmen.frontend.cache``), one check
+per fact of the key: each tensor's type, shape, dtype, device, ``requires_grad`` and lazy conjugate/negative
+bit; each non-tensor value; the structure of containers and of the call (how many arguments, which keywords);
+for a module, the version of its structure and its parameters' and buffers' metadata; the global state (grad
+mode, default dtype, autocast); then the guards tracing recorded (the relations between dynamic sizes, the
+globals and closure variables the code read). ``fulmen.last_prologue_traces(f)`` prints the very string that
+is compiled and called on every call that reuses the program: ``prologue(...)`` returns the program's flat
+tensor inputs, or None when a check fails. The cache's dictionary lookup by key only finds the candidate.
+
+Values reach the source through a constants table (``c0``, ``c1``, ...), never as text: only ints, bools and
+None are written literally; comments show values shortened to one line.
+"""
+
+from __future__ import annotations
+
+import builtins
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fulmen.core.codeutils import sanitize_name
+from fulmen.frontend.cache import content_key, is_tensor_key, value_key
+
+_LITERAL = (int, bool, type(None))
+_HEADER = ("# Constructed by prologue: what a call must match to reuse the compiled program.\n"
+           "# This source is the check that runs: it is compiled once and called on every call that reuses the\n"
+           "# program; it returns the program's tensor inputs, or None (the call misses and compiles).\n")
+
+
+def _short(v: Any) -> str:
+    text = " ".join(repr(v).split())
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _dict_keys(d: dict) -> tuple:
+    """The keys of a dict as its cache key holds them."""
+    return tuple([k if type(k) is str else content_key(k) for k in d])
+
+
+def _key_of(v: Any) -> Any:
+    """The key of a value that holds no tensor input (``value_key`` with nowhere to put tensors)."""
+    return value_key(v, [])
+
+
+class Prologue:
+    """``source`` is the prologue's text; ``check`` is the function that text defines."""
+
+    def __init__(self, source: str, env: dict[str, Any]):
+        self.source = source
+        exec(compile(source, "<fulmen prologue>", "exec"), env)
+        self.check: Callable = env["prologue"]
+
+    def __str__(self) -> str:
+        return self.source
+
+    __repr__ = __str__
+
+
+class _Writer:
+    def __init__(self, dims: dict[int, frozenset]):
+        self.dims = dims  # flat input -> its dynamic dims
+        self.env: dict[str, Any] = {"Tensor": torch.Tensor, "math": math, "torch": torch, "_dict_keys": _dict_keys,
+                                    "_key_of": _key_of}
+        self.lines: list[str] = []
+        self.flat: list[str] = []  # the expressions of the tensor inputs, in order
+        self.names: set[str] = set(self.env) | {"args", "kwargs", "params", "version", "prologue"}
+        self._consts: dict[Any, str] = {}
+        self._keep: list[Any] = []
+
+    def name(self, hint: str) -> str:
+        base = sanitize_name(hint)
+        name, i = base, 0
+        while name in self.names:
+            i += 1
+            name = f"{base}_{i}"
+        self.names.add(name)
+        return name
+
+    def const(self, value: Any, hint: str | None = None) -> str:
+        if type(value) in _LITERAL:
+            return repr(value)
+        if isinstance(value, type) and getattr(builtins, value.__name__, None) is value:
+            return value.__name__  # int, float, tuple, dict, ...
+        ident = (type(value), value) if isinstance(value, (torch.dtype, torch.device, type)) else id(value)
+        name = self._consts.get(ident)
+        if name is None:
+            name = self._consts[ident] = self.name(hint or f"c{len(self._consts)}")
+            self.env[name] = value
+            self._keep.append(value)  # ids stay unique while the table is built
+        return name
+
+    def check(self, condition: str, comment: str | None = None) -> None:
+        if comment:
+            self.lines.append(f"# {comment}")
+        self.lines.append(f"if not ({condition}):")
+        self.lines.append("    return None")
+
+    # ---- one fact of a key, read from the expression ``expr`` ----
+    def value(self, key: Any, expr: str, label: str) -> None:
+        if is_tensor_key(key):
+            self.tensor(key, expr, label)
+            return
+        if type(key) is tuple and len(key) == 2 and isinstance(key[0], type):
+            t, inner = key
+            if t in (int, bool, str, type(None)):
+                self.check(f"type({expr}) is {self.const(t)} and {expr} == {self.const(inner)}",
+                           f"{label}: {_short(inner)}")
+                return
+            if t is float:  # a nonzero number (0.0, -0.0 and NaN have a key of three parts: _key_of below)
+                self.check(f"type({expr}) is float and {expr} == {self.const(inner)}", f"{label}: {_short(inner)}")
+                return
+            if issubclass(t, (tuple, list)) and t is not torch.Size and type(inner) is tuple:
+                self.sequence(t, inner, expr, label)
+                return
+            if issubclass(t, dict) and type(inner) is tuple:
+                self.mapping(t, inner, expr, label)
+                return
+        # a float 0.0, -0.0 or NaN, an atom (dtype, device), an object keyed by its contents or identity
+        if type(key) is tuple and len(key) == 3 and key[0] is float:
+            shown = f"float {key[1]} (compared by sign and NaN-ness)"
+        elif type(key) is tuple and len(key) == 2 and isinstance(key[0], type):
+            shown = f"a {key[0].__name__} equal in contents to {_short(key[1])}"
+        else:
+            shown = _short(key)
+        self.check(f"_key_of({expr}) == {self.const(key)}", f"{label}: {shown}")
+
+    def sequence(self, t: type, keys: tuple, expr: str, label: str) -> None:
+        self.check(f"type({expr}) is {self.const(t)} and len({expr}) == {len(keys)}",
+                   f"{label}: a {t.__name__} of {len(keys)}")
+        if keys:
+            names = [self.name(f"{label}_{i}") for i in range(len(keys))]
+            self.lines.append(f"{', '.join(names)}{',' if len(names) == 1 else ''} = {expr}")
+            for k, name in zip(keys, names):
+                self.value(k, name, name)
+
+    def mapping(self, t: type, items: tuple, expr: str, label: str) -> None:
+        keys = tuple(k for k, _ in items)
+        self.check(f"type({expr}) is {self.const(t)} and _dict_keys({expr}) == {self.const(keys)}",
+                   f"{label}: a {t.__name__} with keys {_short(keys)}")
+        if items:
+            names = [self.name(f"{label}_{k}" if type(k) is str else f"{label}_{i}") for i, (k, _) in enumerate(items)]
+            self.lines.append(f"{', '.join(names)}{',' if len(names) == 1 else ''} = {expr}.values()")
+            for (_, k), name in zip(items, names):
+                self.value(k, name, name)
+
+    def tensor(self, key: tuple, expr: str, label: str) -> None:
+        shape, dtype, device, requires_grad = key
+        lazy = None
+        if type(dtype) is tuple:
+            dtype, lazy = dtype
+        index = len(self.flat)
+        self.flat.append(expr)
+        dynamic = self.dims.get(index)
+        if dynamic:
+            sizes = [f"{expr}.shape[{d}] == {s}" for d, s in enumerate(shape) if d not in dynamic]
+            shape_test = " and ".join([f"len({expr}.shape) == {len(shape)}", *sizes])
+            shown = ", ".join("?" if d in dynamic else str(s) for d, s in enumerate(shape))
+        else:
+            shape_test = f"{expr}.shape == {tuple(int(s) for s in shape)!r}"
+            shown = ", ".join(str(s) for s in shape)
+        dtype_name = self.const(dtype, str(dtype).removeprefix("torch."))
+        device_name = self.const(device, f"{device.type}{device.index if device.index is not None else ''}")
+        if lazy == "conj":
+            bits = f"{expr}.is_conj()"
+        elif lazy == "neg":
+            bits = f"{expr}.is_neg() and not {expr}.is_conj()" if dtype.is_complex else f"{expr}.is_neg()"
+        else:
+            bits = f"not {expr}.is_neg()" + (f" and not {expr}.is_conj()" if dtype.is_complex else "")
+        grad = ", requires_grad" if requires_grad else ""
+        self.check(f"isinstance({expr}, Tensor) and {shape_test} and {expr}.dtype is {dtype_name} "
+                   f"and {expr}.device == {device_name} and {expr}.requires_grad is {requires_grad} and {bits}",
+                   f"{label}: {device} {str(dtype).removeprefix('torch.')}[{shown}]{grad}"
+                   + (f", a lazy {'conjugate' if lazy == 'conj' else 'negative'} view" if lazy else ""))
+
+    def call(self, args_key: tuple, arg_names: list[str]) -> None:
+        """The arguments of the call: ``args`` and ``kwargs``."""
+        kwargs_part = args_key[-1] if args_key and type(args_key[-1]) is tuple and args_key[-1][:1] == ("kwargs",) \
+            else None
+        positional = args_key[:-1] if kwargs_part is not None else args_key
+        self.check(f"len(args) == {len(positional)}", f"{len(positional)} positional argument(s)")
+        names = [self.name(arg_names[i] if i < len(arg_names) else f"arg{i}") for i in range(len(positional))]
+        if names:
+            self.lines.append(f"{', '.join(names)}{',' if len(names) == 1 else ''} = args")
+        for k, name in zip(positional, names):
+            self.value(k, name, name)
+        if kwargs_part is None:
+            self.check("not kwargs", "no keyword arguments")
+            return
+        items = kwargs_part[1:]
+        keys = tuple(k for k, _ in items)
+        self.check(f"tuple(kwargs) == {self.const(keys)}", f"keyword arguments {_short(keys)}")
+        knames = [self.name(k) for k in keys]
+        self.lines.append(f"{', '.join(knames)}{',' if len(knames) == 1 else ''} = kwargs.values()")
+        for (_, k), name in zip(items, knames):
+            self.value(k, name, name)
+
+    def global_state(self, state: tuple) -> None:
+        grad, default_dtype, cpu_ac, cuda_ac, cpu_dtype, cuda_dtype = state
+        env = self.env
+        env.update(is_grad_enabled=torch.is_grad_enabled, get_default_dtype=torch.get_default_dtype,
+                   is_autocast_enabled=torch.is_autocast_enabled, get_autocast_dtype=torch.get_autocast_dtype)
+        terms = [f"is_grad_enabled() is {grad}",
+                 f"get_default_dtype() is {self.const(default_dtype, str(default_dtype).removeprefix('torch.'))}",
+                 f"is_autocast_enabled('cpu') is {cpu_ac}", f"is_autocast_enabled('cuda') is {cuda_ac}"]
+        for device, enabled, dtype in (("cpu", cpu_ac, cpu_dtype), ("cuda", cuda_ac, cuda_dtype)):
+            if enabled:
+                name = self.const(dtype, str(dtype).removeprefix("torch."))
+                terms.append(f"get_autocast_dtype('{device}') is {name}")
+        self.check(" and ".join(terms), "global state: grad mode, default dtype, autocast")
+
+
+def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, symbolic=None, guard=None,
+                   captured: list[torch.Tensor] = ()) -> Prologue:
+    """The prologue of the entry compiled for ``key``. A function's is ``prologue(args, kwargs)``; a module's
+    (``module=True``, key ``((version, parameter keys, call key), global state)``) is
+    ``prologue(version, params, args, kwargs)``. ``symbolic`` (dynamic sizes) replaces the exact dynamic sizes by
+    its guards; ``guard`` checks the globals the code read; ``captured`` tensors are appended to the inputs."""
+    w = _Writer(symbolic.dims if symbolic is not None else {})
+    call_key, state = key
+    if module:
+        version, param_keys, call_key = call_key
+        w.check(f"version == {version}", "the module tree's structure (fulmen.frontend.module_guard) is the one traced")
+        w.check(f"len(params) == {len(param_keys)}", f"{len(param_keys)} parameter(s) and buffer(s)")
+        names = [w.name(f"p{i}") for i in range(len(param_keys))]
+        if names:
+            w.lines.append(f"{', '.join(names)}{',' if len(names) == 1 else ''} = params")
+        for k, name in zip(param_keys, names):
+            w.value(k, name, name)
+    w.call(call_key, arg_names)
+    w.global_state(state)
+    flat = list(w.flat)
+    if symbolic is not None:  # the relations tracing assumed between the dynamic sizes
+        for sym, i, d in symbolic.symbols:
+            w.lines.append(f"{sym} = {flat[i]}.shape[{d}]")
+        w.check(symbolic.guard_source(), "the guards on the dynamic sizes")
+    if guard is not None:
+        w.env["check_globals"] = guard.check
+        comment = "the globals and closure variables the traced code read:\n# " + "\n# ".join(
+            " ".join(line.split()) for line in guard.describe())
+        w.check("check_globals()", comment)
+    if captured:
+        flat.append(f"*{w.const(list(captured), 'captured')}")
+    w.lines.append(f"return [{', '.join(flat)}]")
+    signature = "version, params, args, kwargs" if module else "args, kwargs"
+    body = "\n".join("        " + line for line in w.lines)
+    # an exception while checking (a size guard dividing by zero, an object that cannot be read) is a miss
+    source = f"{_HEADER}def prologue({signature}):\n    try:\n{body}\n    except Exception:\n        return None\n"
+    return Prologue(source, w.env)
