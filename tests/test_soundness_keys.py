@@ -2,14 +2,21 @@
 and stops recompiling for an argument that changes on every call (fulmen/frontend/jit.py), and the printed prologue
 is the check that runs (fulmen/frontend/prologue.py)."""
 
+import contextlib
 import dataclasses
+import gc
+import linecache
+import logging
 import math
+import sys
+import tracemalloc
 
 import numpy as np
 import pytest
 import torch
 
 import fulmen
+import fulmen.frontend.jit
 
 
 def _jit(fn, **kw):
@@ -123,3 +130,212 @@ def test_nan_hits_the_cache(wrap):
     for _ in range(4):
         jf(x, wrap(float("nan")))  # a new NaN object each call
     assert fulmen.cache_misses(jf) == 1
+
+
+# ---- the recompile limit and the cache bound ----
+
+def test_a_float_that_changes_every_call_stops_recompiling_and_memory_stays_flat(caplog):
+    def scaled(x, scale):
+        return x * scale
+
+    jf, x = _jit(scaled), torch.ones(3)
+    with caplog.at_level(logging.WARNING, logger="fulmen"):
+        for i in range(1, 1001):
+            torch.testing.assert_close(jf(x, float(i)), x * float(i))
+        gc.collect()
+        tracemalloc.start()
+        objects = len(gc.get_objects())
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(1001, 10001):
+            jf(x, float(i))
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        more_objects = len(gc.get_objects()) - objects
+    assert fulmen.cache_misses(jf) == 1 + fulmen.frontend.jit.RECOMPILE_LIMIT
+    assert len(jf._cache) == 1 + fulmen.frontend.jit.RECOMPILE_LIMIT
+    assert grown < 64 * 1024, f"{grown} bytes more after 9,000 calls"
+    assert more_objects < 100, f"{more_objects} more objects after 9,000 calls"
+    warnings = [r.getMessage() for r in caplog.records if r.name == "fulmen" and r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "'scale' (argument 1)" in warnings[0] and "eagerly" in warnings[0] and "tensor" in warnings[0]
+    torch.testing.assert_close(jf(x, 2.0), x * 2.0)  # a value compiled before still hits
+    assert fulmen.cache_misses(jf) == 1 + fulmen.frontend.jit.RECOMPILE_LIMIT
+
+
+def test_a_keyword_that_changes_every_call_is_named(caplog):
+    jf, x = _jit(lambda x, *, gain: x * gain), torch.ones(2)
+    with caplog.at_level(logging.WARNING, logger="fulmen"):
+        for i in range(20):
+            torch.testing.assert_close(jf(x, gain=float(i)), x * float(i))
+    warnings = [r.getMessage() for r in caplog.records if r.name == "fulmen" and r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "'gain'" in warnings[0]
+
+
+def test_changing_shapes_keep_compiling_within_the_bound(monkeypatch):
+    monkeypatch.setattr(fulmen.frontend.jit, "MAX_CACHE_ENTRIES", 4)
+    jf = _jit(lambda x: x * 2, dynamic=False)
+    for n in [*range(1, 11), 1, 2]:  # 1 and 2 were dropped: compiled again
+        x = torch.ones(n)
+        torch.testing.assert_close(jf(x), x * 2)
+        assert len(jf._cache) <= 4
+    assert fulmen.cache_misses(jf) == 12
+
+
+# ---- the printed prologue is the check that runs ----
+
+SCALE = 2.0
+
+
+def _program(x, n, s, pair, *rest, mode="a"):
+    y = x * n + s * SCALE + pair[0] * pair[1]
+    return y if mode == "a" else -y
+
+
+def _calling(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, and the code objects of the prologues that ran during it."""
+    ran = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith("<fulmen prologue"):
+            ran.append(frame.f_code)
+
+    sys.setprofile(profile)
+    try:
+        out = fn(*args, **kwargs)
+    finally:
+        sys.setprofile(None)
+    return out, ran
+
+
+def _assert_runs_what_it_prints(jf, *args, **kwargs):
+    jf(*args, **kwargs)
+    printed = str(fulmen.last_prologue_traces(jf)[0])
+    out, ran = _calling(jf, *args, **kwargs)  # a hit
+    assert len(ran) == 1
+    assert "".join(linecache.getlines(ran[0].co_filename)) == printed  # the text of the function that ran
+    assert "def prologue(" in printed
+    return out, printed
+
+
+def test_the_printed_prologue_is_the_source_of_the_check_that_ran():
+    x, y = torch.randn(2, 3), torch.randn(3)
+    jf = _jit(_program)
+    out, printed = _assert_runs_what_it_prints(jf, x, 3, 0.5, (y, 2), mode="b")
+    torch.testing.assert_close(out, _program(x, 3, 0.5, (y, 2), mode="b"))
+    for expected in ("x: cpu float32[2, 3]", "n: 3", "s: 0.5", "pair: a tuple of 2", "pair_1: 2", "'mode'",
+                     "global state", "check_globals()", "the global SCALE"):
+        assert expected in printed, expected
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh())
+    out, printed = _assert_runs_what_it_prints(_jit(model), x)
+    torch.testing.assert_close(out, model(x))
+    assert "version == " in printed and "cpu float32[4, 3], requires_grad" in printed
+
+    jd = _jit(lambda a, b: a @ b, dynamic=True)
+    a, b = torch.randn(3, 5), torch.randn(5, 2)
+    out, printed = _assert_runs_what_it_prints(jd, a, b)
+    torch.testing.assert_close(out, a @ b)
+    assert "a: cpu float32[?, ?]" in printed and "the guards on the dynamic sizes" in printed
+
+
+def _failing_check(check, inputs) -> str:
+    """The line of the prologue ``check`` that rejects ``inputs``."""
+    lines = []
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not check.__code__:
+            return None
+        if event == "line":
+            lines.append(frame.f_lineno)
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        assert check(*inputs) is None
+    finally:
+        sys.settrace(None)
+    text = [linecache.getline(check.__code__.co_filename, n).strip() for n in lines]
+    checks = [t for t in text if t.startswith("if not (")]
+    return checks[-1]
+
+
+def _violations(x, y):
+    """Calls of _program, each breaking one fact its prologue checks (the first call is the one compiled)."""
+    base = dict(args=(x, 3, 0.5, (y, 2)), kwargs=dict(mode="a"))
+
+    def changed(*args, **kwargs):
+        return dict(args=args, kwargs=kwargs)
+
+    yield "compiled", base, contextlib.nullcontext()
+    yield "one more argument", changed(x, 3, 0.5, (y, 2), 7, mode="a"), contextlib.nullcontext()
+    yield "shape", changed(torch.randn(3, 3), 3, 0.5, (y, 2), mode="a"), contextlib.nullcontext()
+    yield "dtype", changed(x.double(), 3, 0.5, (y, 2), mode="a"), contextlib.nullcontext()
+    yield "requires_grad", changed(x.detach().requires_grad_(), 3, 0.5, (y, 2), mode="a"), contextlib.nullcontext()
+    yield "lazy negative view", changed(torch._neg_view(-x), 3, 0.5, (y, 2), mode="a"), contextlib.nullcontext()
+    yield "a float for an int", changed(x, 3.0, 0.5, (y, 2), mode="a"), contextlib.nullcontext()
+    yield "another float", changed(x, 3, 0.25, (y, 2), mode="a"), contextlib.nullcontext()
+    yield "a list for a tuple", changed(x, 3, 0.5, [y, 2], mode="a"), contextlib.nullcontext()
+    yield "inner tensor", changed(x, 3, 0.5, (y[:1], 2), mode="a"), contextlib.nullcontext()
+    yield "inner int", changed(x, 3, 0.5, (y, 5), mode="a"), contextlib.nullcontext()
+    yield "no keyword", changed(x, 3, 0.5, (y, 2)), contextlib.nullcontext()
+    yield "keyword value", changed(x, 3, 0.5, (y, 2), mode="b"), contextlib.nullcontext()
+    yield "grad mode", base, torch.no_grad()
+    yield "default dtype", base, _default_dtype(torch.float64)
+    yield "autocast", base, torch.autocast("cpu", dtype=torch.bfloat16)
+    yield "global", base, _global_scale(3.0)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@contextlib.contextmanager
+def _global_scale(value):
+    global SCALE
+    previous, SCALE = SCALE, value
+    try:
+        yield
+    finally:
+        SCALE = previous
+
+
+def test_a_call_that_breaks_any_printed_check_recompiles_and_matches_eager():
+    x, y = torch.randn(2, 3), torch.randn(3)
+    jf = _jit(_program, dynamic=False)
+    failed = set()
+    check = None
+    for what, call, context in _violations(x, y):
+        misses = fulmen.cache_misses(jf)
+        with context:
+            if check is not None:
+                failed.add(_failing_check(check, (call["args"], call["kwargs"])))
+            out = jf(*call["args"], **call["kwargs"])
+            torch.testing.assert_close(out, _program(*call["args"], **call["kwargs"]), msg=what)
+        if check is None:
+            printed, check = str(fulmen.last_prologue_traces(jf)[0]), jf._last_entry.check
+        else:
+            assert fulmen.cache_misses(jf) == misses + 1, what
+    checks = {line.strip() for line in printed.splitlines() if line.strip().startswith("if not (")}
+    assert failed == checks, f"checks no call broke: {checks - failed}"
+
+
+def test_a_size_that_breaks_the_printed_size_guard_recompiles():
+    def f(a):
+        return a[:4] * 2 if a.shape[0] > 4 else a * 3
+
+    jf = _jit(f, dynamic=True)
+    a = torch.randn(6, 2)
+    torch.testing.assert_close(jf(a), f(a))
+    check, printed = jf._last_entry.check, str(fulmen.last_prologue_traces(jf)[0])
+    assert "the guards on the dynamic sizes" in printed
+    b = torch.randn(3, 2)
+    assert "s" in _failing_check(check, ((b,), {}))  # the size guard, not the tensor's metadata
+    torch.testing.assert_close(jf(b), f(b))
+    assert fulmen.cache_misses(jf) == 2

@@ -16,7 +16,10 @@ None are written literally; comments show values shortened to one line.
 from __future__ import annotations
 
 import builtins
+import itertools
+import linecache
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +29,7 @@ from fulmen.core.codeutils import sanitize_name
 from fulmen.frontend.cache import content_key, is_tensor_key, value_key
 
 _LITERAL = (int, bool, type(None))
+_counter = itertools.count()
 _HEADER = ("# Constructed by prologue: what a call must match to reuse the compiled program.\n"
            "# This source is the check that runs: it is compiled once and called on every call that reuses the\n"
            "# program; it returns the program's tensor inputs, or None (the call misses and compiles).\n")
@@ -51,8 +55,12 @@ class Prologue:
 
     def __init__(self, source: str, env: dict[str, Any]):
         self.source = source
-        exec(compile(source, "<fulmen prologue>", "exec"), env)
+        # registered with linecache under a name of its own: tracebacks and inspect.getsource show this text
+        filename = f"<fulmen prologue {next(_counter)}>"
+        linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+        exec(compile(source, filename, "exec"), env)
         self.check: Callable = env["prologue"]
+        weakref.finalize(self, linecache.cache.pop, filename, None)
 
     def __str__(self) -> str:
         return self.source
