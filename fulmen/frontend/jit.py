@@ -360,12 +360,17 @@ class JittedFunction:
 
     _prologue_of_module = False
 
+    def _state_names(self) -> list[str]:
+        """The names of a module's parameters and buffers, in the order of the flat inputs."""
+        return []
+
     def _set_prologue(self, entry: CacheEntry, key, args, kwargs) -> None:
         """Generate the entry's prologue: the check, printed by ``last_prologue_traces``, that a call must pass."""
         names = _arg_names(self.fn, args, kwargs)
         entry.key = key
-        entry.prologue = build_prologue(key, names, module=self._prologue_of_module, symbolic=entry.symbolic,
-                                        guard=entry.globals_guard, captured=entry.spec.captured)
+        entry.prologue = build_prologue(key, names, module=self._prologue_of_module, param_names=self._state_names(),
+                                        symbolic=entry.symbolic, guard=entry.globals_guard,
+                                        captured=entry.spec.captured)
         entry.check = entry.prologue.check
         entry.n_guards = len(entry.symbolic.env.guards) if entry.symbolic is not None else 0
         if entry is self._stats_entry:

@@ -185,6 +185,9 @@ class _ModuleProgram(JittedFunction):
     def _n_state(self) -> int:
         return len(self.state.unique_slots)
 
+    def _state_names(self) -> list[str]:
+        return self.state.names
+
     def _changed_value(self, old, new):
         if old is None or old[1] != new[1] or old[0][:2] != new[0][:2]:  # global state, structure, parameters
             return None

@@ -221,19 +221,20 @@ class _Writer:
         self.check(" and ".join(terms), "global state: grad mode, default dtype, autocast")
 
 
-def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, symbolic=None, guard=None,
-                   captured: list[torch.Tensor] = ()) -> Prologue:
+def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, param_names: list[str] = (),
+                   symbolic=None, guard=None, captured: list[torch.Tensor] = ()) -> Prologue:
     """The prologue of the entry compiled for ``key``. A function's is ``prologue(args, kwargs)``; a module's
     (``module=True``, key ``((version, parameter keys, call key), global state)``) is
-    ``prologue(version, params, args, kwargs)``. ``symbolic`` (dynamic sizes) replaces the exact dynamic sizes by
-    its guards; ``guard`` checks the globals the code read; ``captured`` tensors are appended to the inputs."""
+    ``prologue(version, params, args, kwargs)``, ``param_names`` naming the parameters and buffers. ``symbolic``
+    (dynamic sizes) replaces the exact dynamic sizes by its guards; ``guard`` checks the globals the code read;
+    ``captured`` tensors are appended to the inputs."""
     w = _Writer(symbolic.dims if symbolic is not None else {})
     call_key, state = key
     if module:
         version, param_keys, call_key = call_key
         w.check(f"version == {version}", "the module tree's structure (fulmen.frontend.module_guard) is the one traced")
         w.check(f"len(params) == {len(param_keys)}", f"{len(param_keys)} parameter(s) and buffer(s)")
-        names = [w.name(f"p{i}") for i in range(len(param_keys))]
+        names = [w.name(param_names[i] if i < len(param_names) else f"p{i}") for i in range(len(param_keys))]
         if names:
             w.lines.append(f"{', '.join(names)}{',' if len(names) == 1 else ''} = params")
         for k, name in zip(param_keys, names):
