@@ -78,6 +78,7 @@ class _Writer:
         self.names: set[str] = set(self.env) | {"args", "kwargs", "params", "version", "prologue"}
         self._consts: dict[Any, str] = {}
         self._keep: list[Any] = []
+        self._n_unnamed = 0
 
     def name(self, hint: str) -> str:
         base = sanitize_name(hint)
@@ -96,14 +97,16 @@ class _Writer:
         ident = (type(value), value) if isinstance(value, (torch.dtype, torch.device, type)) else id(value)
         name = self._consts.get(ident)
         if name is None:
-            name = self._consts[ident] = self.name(hint or f"c{len(self._consts)}")
+            if hint is None:
+                hint, self._n_unnamed = f"c{self._n_unnamed}", self._n_unnamed + 1
+            name = self._consts[ident] = self.name(hint)
             self.env[name] = value
             self._keep.append(value)  # ids stay unique while the table is built
         return name
 
     def check(self, condition: str, comment: str | None = None) -> None:
         if comment:
-            self.lines.append(f"# {comment}")
+            self.lines += [f"# {line}" for line in comment.split("\n")]
         self.lines.append(f"if not ({condition}):")
         self.lines.append("    return None")
 
@@ -248,7 +251,7 @@ def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, para
         w.check(symbolic.guard_source(), "the guards on the dynamic sizes")
     if guard is not None:
         w.env["check_globals"] = guard.check
-        comment = "the globals and closure variables the traced code read:\n# " + "\n# ".join(
+        comment = "the globals and closure variables the traced code read:\n" + "\n".join(
             " ".join(line.split()) for line in guard.describe())
         w.check("check_globals()", comment)
     if captured:
