@@ -140,6 +140,8 @@ def _content(x: Any, budget: list[int], depth: int) -> Any:
         return (t, tuple([(_content(k, budget, depth + 1), _content(v, budget, depth + 1)) for k, v in x.items()]))
     if isinstance(x, bytearray):
         return (t, bytes(x))
+    if t is slice:  # unhashable before Python 3.12
+        return (t, _content(x.start, budget, depth), _content(x.stop, budget, depth), _content(x.step, budget, depth))
     if isinstance(x, _ATOMS) or isinstance(x, enum.Enum):
         return x
     numpy = sys.modules.get("numpy")

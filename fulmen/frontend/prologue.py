@@ -158,7 +158,8 @@ class _Writer:
             for (_, k), name in zip(items, names):
                 self.value(k, name, name)
 
-    def tensor(self, key: tuple, expr: str, label: str) -> None:
+    def tensor(self, key: tuple, expr: str, label: str, bits: bool = True) -> None:
+        """``bits=False``: the lazy conjugate and negative bits are not part of the key (a module's parameters)."""
         shape, dtype, device, requires_grad = key
         lazy = None
         if type(dtype) is tuple:
@@ -175,16 +176,16 @@ class _Writer:
             shown = ", ".join(str(s) for s in shape)
         dtype_name = self.const(dtype, str(dtype).removeprefix("torch."))
         device_name = self.const(device, f"{device.type}{device.index if device.index is not None else ''}")
+        terms = [f"isinstance({expr}, Tensor)", shape_test, f"{expr}.dtype is {dtype_name}",
+                 f"{expr}.device == {device_name}", f"{expr}.requires_grad is {requires_grad}"]
         if lazy == "conj":
-            bits = f"{expr}.is_conj()"
+            terms.append(f"{expr}.is_conj()")
         elif lazy == "neg":
-            bits = f"{expr}.is_neg() and not {expr}.is_conj()" if dtype.is_complex else f"{expr}.is_neg()"
-        else:
-            bits = f"not {expr}.is_neg()" + (f" and not {expr}.is_conj()" if dtype.is_complex else "")
+            terms += [f"{expr}.is_neg()"] + ([f"not {expr}.is_conj()"] if dtype.is_complex else [])
+        elif bits:
+            terms += [f"not {expr}.is_neg()"] + ([f"not {expr}.is_conj()"] if dtype.is_complex else [])
         grad = ", requires_grad" if requires_grad else ""
-        self.check(f"isinstance({expr}, Tensor) and {shape_test} and {expr}.dtype is {dtype_name} "
-                   f"and {expr}.device == {device_name} and {expr}.requires_grad is {requires_grad} and {bits}",
-                   f"{label}: {device} {str(dtype).removeprefix('torch.')}[{shown}]{grad}"
+        self.check(" and ".join(terms), f"{label}: {device} {str(dtype).removeprefix('torch.')}[{shown}]{grad}"
                    + (f", a lazy {'conjugate' if lazy == 'conj' else 'negative'} view" if lazy else ""))
 
     def call(self, args_key: tuple, arg_names: list[str]) -> None:
@@ -241,7 +242,7 @@ def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, para
         if names:
             w.lines.append(f"{', '.join(names)}{',' if len(names) == 1 else ''} = params")
         for k, name in zip(param_keys, names):
-            w.value(k, name, name)
+            w.tensor(k, name, name, bits=False)
     w.call(call_key, arg_names)
     w.global_state(state)
     flat = list(w.flat)
