@@ -321,7 +321,7 @@ class JittedFunction:
         sizes = key_sizes(key)
         dims, notes = self._dynamic_dims(key, sizes) if flat is not None else ({}, [])
         if self._compilations:
-            reason = reason or self._describe_key_change(self._last_key, key)
+            reason = reason or self._describe_key_change(self._last_key, key, _arg_names(self.fn, args, kwargs))
             if notes:
                 reason = "; ".join(notes)
             elif guard_failure:
@@ -398,8 +398,8 @@ class JittedFunction:
             log.warning("fulmen: %s has more than %d compiled programs; the oldest are dropped from now on (a call "
                         "that needs one again recompiles it)", _display_name(self.fn), MAX_CACHE_ENTRIES)
 
-    def _describe_key_change(self, old, new) -> str:
-        return _describe_key_change(old, new)
+    def _describe_key_change(self, old, new, names: list[str] = ()) -> str:
+        return _describe_key_change(old, new, names)
 
     def _compile_symbolic(self, key, args, kwargs, flat, sizes, dims) -> CacheEntry:
         # A ShapeEnv imports parts of Dynamo, AOTAutograd and torch.export as it goes, which the background
@@ -507,20 +507,22 @@ def _without_autocast(run: Callable, device_types: list[str]) -> Callable:
     return run_without_autocast
 
 
-def _describe_key_change(old, new) -> str:
+def _describe_key_change(old, new, names: list[str] = ()) -> str:
     if old is None:
         return "a first call"
     (old_args, old_state), (new_args, new_state) = old, new
     if old_state != new_state:
-        names = ["grad mode", "default dtype", "CPU autocast", "CUDA autocast", "CPU autocast dtype",
+        parts = ["grad mode", "default dtype", "CPU autocast", "CUDA autocast", "CPU autocast dtype",
                  "CUDA autocast dtype"]
-        changed = [n for n, a, b in zip(names, old_state, new_state) if a != b]
+        changed = [n for n, a, b in zip(parts, old_state, new_state) if a != b]
         return "a change of " + ", ".join(changed)
     if len(old_args) != len(new_args):
         return f"a different number of arguments ({len(old_args)} -> {len(new_args)})"
     for i, (a, b) in enumerate(zip(old_args, new_args)):
         if a != b:
-            return f"argument {i} changed from {_short(a)} to {_short(b)}"
+            keywords = type(a) is tuple and a[:1] == ("kwargs",)
+            name = f" ({names[i]})" if i < len(names) and not keywords else ""
+            return f"argument {i}{name} changed from {_short(a)} to {_short(b)}"
     return "a changed argument"
 
 

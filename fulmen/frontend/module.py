@@ -193,7 +193,7 @@ class _ModuleProgram(JittedFunction):
             return None
         return _changed_value(old[0][2], new[0][2])
 
-    def _describe_key_change(self, old, new) -> str:
+    def _describe_key_change(self, old, new, names=()) -> str:
         if old is not None and old[1] == new[1]:  # same global state: (structure, state tensors, arguments)
             (old_version, old_state, old_args), (new_version, new_state, new_args) = old[0], new[0]
             if old_version != new_version:
@@ -202,7 +202,7 @@ class _ModuleProgram(JittedFunction):
             if old_state != new_state:
                 return "a parameter or buffer changed shape, dtype, device or requires_grad"
             old, new = (old_args, old[1]), (new_args, new[1])
-        return super()._describe_key_change(old, new)
+        return super()._describe_key_change(old, new, names)
 
     def _trace(self, args, kwargs, sizes=None):
         # the slots are those the call's key was computed from (revalidate refreshed them when the tree changed)
