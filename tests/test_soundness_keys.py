@@ -339,3 +339,23 @@ def test_a_size_that_breaks_the_printed_size_guard_recompiles():
     assert "s" in _failing_check(check, ((b,), {}))  # the size guard, not the tensor's metadata
     torch.testing.assert_close(jf(b), f(b))
     assert fulmen.cache_misses(jf) == 2
+
+
+def test_a_module_call_that_breaks_its_printed_checks_recompiles():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Dropout(0.5))
+    jm, x = _jit(model), torch.randn(2, 3)
+    with torch.no_grad():
+        model.eval()
+        torch.testing.assert_close(jm(x), model(x))
+        check, printed = jm._fulmen_jitted._last_entry.check, str(fulmen.last_prologue_traces(jm)[0])
+        state = jm._fulmen_jitted.state
+        assert "0_weight: cpu float32[4, 3], requires_grad" in printed
+        model[0].weight.requires_grad_(False)  # the parameter's check
+        assert "0_weight" in _failing_check(check, (state.version, state.tensors(), (x,), {}))
+        torch.testing.assert_close(jm(x), model(x))
+        model.train()  # the structure's version: dropout is on
+        out = jm(x)
+        assert fulmen.cache_misses(jm) == 3
+        assert "version ==" in _failing_check(check, (state.version, state.tensors(), (x,), {}))
+        dense = model[0](x)
+        torch.testing.assert_close(torch.where(out == 0, 0.0, 2 * dense), out)
