@@ -147,7 +147,7 @@ def _content(x: Any, budget: list[int], depth: int) -> Any:
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(x, (numpy.ndarray, numpy.generic)):
         budget[0] -= x.nbytes // 8
-        if budget[0] < 0:
+        if budget[0] < 0 or x.dtype.hasobject:  # an array of Python objects: its bytes are their addresses
             raise _TooLarge
         return (t, x.dtype.str, x.shape, x.tobytes())
     if t.__flags__ & _HEAPTYPE and not isinstance(x, (torch.nn.Module, type)):  # an instance of a user class
