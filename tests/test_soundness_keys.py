@@ -75,6 +75,19 @@ def test_an_object_holding_a_new_tensor_recompiles():
     torch.testing.assert_close(jf(x, c), x + 5.0)
 
 
+def test_an_object_too_large_to_snapshot_is_held_by_identity_and_never_hits_stale(caplog):
+    jf, x = _jit(lambda x, c: x * c.scale), torch.ones(())
+    with caplog.at_level(logging.WARNING, logger="fulmen"):
+        results = []
+        for v in range(1, 6):  # each freed after its call: an address key alone would hit stale
+            big = Plain(float(v))
+            big.table = list(range(5000))
+            results.append(jf(x, big).item())
+    assert results == [1.0, 2.0, 3.0, 4.0, 5.0]
+    warnings = [r.getMessage() for r in caplog.records if "keyed by identity" in r.getMessage()]
+    assert len(warnings) == 1 and "Plain" in warnings[0]
+
+
 @pytest.mark.parametrize("make", [lambda v: {v, v + 1}, lambda v: frozenset({float(v)}), lambda v: bytearray([v])],
                          ids=["set", "frozenset", "bytearray"])
 def test_containers_are_keyed_by_contents(make):
