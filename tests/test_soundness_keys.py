@@ -195,6 +195,19 @@ def test_changing_shapes_keep_compiling_within_the_bound(monkeypatch):
     assert fulmen.cache_misses(jf) == 12
 
 
+def test_the_cache_drops_the_least_recently_used_program(monkeypatch):
+    monkeypatch.setattr(fulmen.frontend.jit, "MAX_CACHE_ENTRIES", 3)
+    jf = _jit(lambda x: x * 2, dynamic=False)
+    for n in (1, 2, 3, 1, 4):  # 1 was used again after 2 and 3: 2 is dropped for 4
+        jf(torch.ones(n))
+    assert fulmen.cache_misses(jf) == 4
+    jf(torch.ones(1))
+    jf(torch.ones(3))
+    assert fulmen.cache_misses(jf) == 4
+    jf(torch.ones(2))
+    assert fulmen.cache_misses(jf) == 5
+
+
 # ---- the printed prologue is the check that runs ----
 
 SCALE = 2.0

@@ -43,7 +43,8 @@ RECOMPILE_WARNING_THRESHOLD = 8
 #: How many recompilations one argument's changing non-tensor value may cause (as torch.compile's recompile_limit);
 #: after that, calls with a new value of it run eagerly (logged once), and the values compiled stay compiled.
 RECOMPILE_LIMIT = 8
-#: How many compiled programs one function keeps; beyond that the oldest is dropped (and recompiled if needed).
+#: How many compiled programs one function keeps; beyond that the least recently used is dropped (and compiled
+#: again if a call needs it).
 MAX_CACHE_ENTRIES = 256
 # Programs kept per key for other values of the globals the code read (compiled before, reused when they return).
 _MAX_GLOBAL_VARIANTS = 8
@@ -157,7 +158,7 @@ class JittedFunction:
         self._stats = CompileStats()
         self._last_key = None  # the key of the last compilation
         self._last_entry: CacheEntry | None = None  # the entry the last call ran: its prologue is tried first
-        self._compiled: dict[Any, None] = {}  # keys of the compiled entries, oldest first (MAX_CACHE_ENTRIES)
+        self._compiled: dict[Any, None] = {}  # keys of the compiled entries, least recently used first
         self._recompiles: dict[Any, int] = {}  # argument position or keyword -> recompiles its value caused
         self._warned_recompiles = False
         self._stats_entry: CacheEntry | None = None  # the compilation the statistics describe
@@ -192,6 +193,10 @@ class JittedFunction:
             if checked is not None:
                 self._stats.cache_hits += 1
                 self._last_entry = entry
+                compiled = self._compiled
+                if entry.key in compiled:  # least recently used is dropped first (MAX_CACHE_ENTRIES)
+                    del compiled[entry.key]
+                    compiled[entry.key] = None
                 return entry, checked
             entry = self._globals_changed(key, entry, args, kwargs, flat, inputs)
         else:
@@ -377,7 +382,9 @@ class JittedFunction:
             self._stats.last_prologue_traces = [entry.prologue]
 
     def _remember(self, key, entry: CacheEntry) -> None:
-        """Cache a compiled entry, dropping the oldest beyond MAX_CACHE_ENTRIES (with the keys that alias it)."""
+        """Cache a compiled entry, dropping the least recently used beyond MAX_CACHE_ENTRIES (with the keys that
+        alias it). A call that reuses the entry of the call before it does not reorder them; any other reuse looks
+        the entry up by key (``_find``), which marks it used."""
         self._cache[key] = entry
         self._compiled.pop(key, None)
         self._compiled[key] = None
@@ -395,8 +402,8 @@ class JittedFunction:
                 self._last_entry = None
         if not getattr(self, "_warned_eviction", False):
             self._warned_eviction = True
-            log.warning("fulmen: %s has more than %d compiled programs; the oldest are dropped from now on (a call "
-                        "that needs one again recompiles it)", _display_name(self.fn), MAX_CACHE_ENTRIES)
+            log.warning("fulmen: %s has more than %d compiled programs; the least recently used are dropped from now "
+                        "on (a call that needs one again compiles it again)", _display_name(self.fn), MAX_CACHE_ENTRIES)
 
     def _describe_key_change(self, old, new, names: list[str] = ()) -> str:
         return _describe_key_change(old, new, names)
