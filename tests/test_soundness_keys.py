@@ -385,3 +385,35 @@ def test_a_module_call_that_breaks_its_printed_checks_recompiles():
         assert "version ==" in _failing_check(check, (state.version, state.tensors(), (x,), {}))
         dense = model[0](x)
         torch.testing.assert_close(torch.where(out == 0, 0.0, 2 * dense), out)
+
+
+def _calls():
+    x = torch.randn(2, 3)
+    values = [1, 2, True, 1.0, 0.0, -0.0, float("nan"), -float("nan"), "a", None, x, x.double(), torch.randn(3, 2),
+              x.detach().requires_grad_(), torch._neg_view(x), torch.randn(2, dtype=torch.complex64).conj(),
+              (x, 1), (x, 1.0), [x, 1], (x, (1, 2)), {"a": x}, {"b": x}, {"a": x, "b": 1}, Cfg(1.0), Cfg(-0.0),
+              FrozenCfg(0.0), Plain(2.0), {1, 2}, frozenset({3}), bytearray(b"a"), np.array([1.0]),
+              np.array([1.0], dtype=np.float32), torch.float32, torch.device("cpu"), slice(1, 2), math.inf]
+    calls = []
+    for v in values:
+        calls += [((x, v), {}), ((x,), {"k": v}), ((x, v, v), {})]
+    return calls + [((), {}), ((x,), {"k": 1, "j": 2}), ((x,), {"j": 2, "k": 1})]
+
+
+def test_a_prologue_accepts_exactly_the_calls_whose_key_is_its_key():
+    # the dictionary lookup by key is a fast first step only while it agrees with the prologue that runs
+    from fulmen.frontend.cache import args_key, global_state_key
+    from fulmen.frontend.prologue import build_prologue
+
+    calls = _calls()
+    keyed = []
+    for args, kwargs in calls:
+        flat = []
+        keyed.append(((args_key(args, kwargs, flat), global_state_key()), flat))
+    for (args, kwargs), (key, flat) in zip(calls, keyed):
+        check = build_prologue(key, [f"a{i}" for i in range(len(args))]).check
+        for (other_args, other_kwargs), (other_key, other_flat) in zip(calls, keyed):
+            accepted = check(other_args, other_kwargs)
+            assert (accepted is not None) == (other_key == key), (args, kwargs, other_args, other_kwargs)
+            if accepted is not None:
+                assert len(accepted) == len(other_flat) and all(a is b for a, b in zip(accepted, other_flat))
