@@ -480,6 +480,7 @@ def _generate(items: list[_Item]) -> Callable[[], bool]:
     body = "\n        and ".join(terms) or "True"
     source = f"def guard():\n    try:\n        return ({body})\n    except Exception:\n        return False\n"
     exec(compile(source, "<fulmen global guard>", "exec"), env)
+    env["guard"].source = source  # the prologue prints this text and runs it (fulmen.frontend.prologue)
     return env["guard"]
 
 

@@ -234,6 +234,20 @@ def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, para
     ``captured`` tensors are appended to the inputs."""
     w = _Writer(symbolic.dims if symbolic is not None else {})
     call_key, state = key
+    preamble = ""
+    if guard is not None:  # the globals and closure variables the traced code read (fulmen.frontend.global_guard)
+        comment = "".join(f"# {' '.join(line.split())}\n" for line in guard.describe())
+        guard_source = getattr(guard.check, "source", None)
+        if guard_source is not None and guard_source.startswith("def guard():"):  # printed here, and run from here
+            guard_env = {k: v for k, v in guard.check.__globals__.items() if k != "__builtins__"}
+            w.names |= set(guard_env) | {"check_globals"}
+            w.env.update(guard_env)
+            preamble = ("# the globals and closure variables the traced code read:\n" + comment
+                        + guard_source.replace("def guard():", "def check_globals():", 1) + "\n\n")
+        else:
+            w.names.add("check_globals")
+            w.env["check_globals"] = guard.check
+            preamble = "# check_globals() compares the globals and closure variables the traced code read:\n" + comment
     if module:
         version, param_keys, call_key = call_key
         w.check(f"version == {version}", "the module tree's structure (fulmen.frontend.module_guard) is the one traced")
@@ -251,15 +265,13 @@ def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, para
             w.lines.append(f"{sym} = {flat[i]}.shape[{d}]")
         w.check(symbolic.guard_source(), "the guards on the dynamic sizes")
     if guard is not None:
-        w.env["check_globals"] = guard.check
-        comment = "the globals and closure variables the traced code read:\n" + "\n".join(
-            " ".join(line.split()) for line in guard.describe())
-        w.check("check_globals()", comment)
+        w.check("check_globals()", "the globals and closure variables the traced code read (above)")
     if captured:
         flat.append(f"*{w.const(list(captured), 'captured')}")
     w.lines.append(f"return [{', '.join(flat)}]")
     signature = "version, params, args, kwargs" if module else "args, kwargs"
     body = "\n".join("        " + line for line in w.lines)
     # an exception while checking (a size guard dividing by zero, an object that cannot be read) is a miss
-    source = f"{_HEADER}def prologue({signature}):\n    try:\n{body}\n    except Exception:\n        return None\n"
+    source = (f"{_HEADER}{preamble}def prologue({signature}):\n    try:\n{body}\n    except Exception:\n"
+              "        return None\n")
     return Prologue(source, w.env)
