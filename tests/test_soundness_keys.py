@@ -195,6 +195,15 @@ def test_changing_shapes_keep_compiling_within_the_bound(monkeypatch):
     assert fulmen.cache_misses(jf) == 12
 
 
+def test_new_ranks_keep_the_size_histories_within_the_bound(monkeypatch):
+    monkeypatch.setattr(fulmen.frontend.jit, "MAX_CACHE_ENTRIES", 4)
+    jf = _jit(lambda x: x * 2)
+    for rank in range(1, 11):
+        x = torch.ones((2,) * rank)
+        torch.testing.assert_close(jf(x), x * 2)
+    assert len(jf._cache) <= 4 and len(jf._histories) <= 4
+
+
 def test_the_cache_drops_the_least_recently_used_program(monkeypatch):
     monkeypatch.setattr(fulmen.frontend.jit, "MAX_CACHE_ENTRIES", 3)
     jf = _jit(lambda x: x * 2, dynamic=False)

@@ -306,6 +306,8 @@ class JittedFunction:
         structure = erase_sizes(key, None)
         history = self._histories.get(structure)
         if history is None:
+            if len(self._histories) >= MAX_CACHE_ENTRIES:  # bounded as the cache is: forget the oldest structure
+                del self._histories[next(iter(self._histories))]
             history = self._histories[structure] = SizeHistory(list(sizes))
             if self.dynamic:
                 n_state = self._n_state()
