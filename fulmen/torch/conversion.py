@@ -139,7 +139,7 @@ def copy_(a, src, non_blocking: builtins.bool = False):
         # ``a`` gets its own copy: were ``src`` itself ``a``'s new value, both would follow one chain of values
         # and a later in-place update of either would show in the other
         src = clone(src)
-    return mutate(a, src)
+    return mutate(a, src, overwrites=True)
 
 
 register_function(tensor_methods("copy_"), copy_, method_names=["copy_"])

@@ -16,6 +16,7 @@ from fulmen import clang, prims
 from fulmen.core.proxies import TensorProxy, latest
 from fulmen.core.trace import get_tracectx
 from fulmen.core.utils import check
+from fulmen.torch.registry import torchsymbol
 
 
 def scatter_into(base: TensorProxy, select: Callable[[TensorProxy], TensorProxy], values) -> TensorProxy:
@@ -40,8 +41,26 @@ def scatter_into(base: TensorProxy, select: Callable[[TensorProxy], TensorProxy]
     return clang.reshape(flat, base.shape)
 
 
-def mutate(target: TensorProxy, new_value, *, _from_view: TensorProxy | None = None) -> TensorProxy:
-    """Make ``new_value`` (cast and broadcast to ``target``) the current value of ``target``; returns target."""
+@torchsymbol(id="ltorch.overwritten")
+def overwritten(new: TensorProxy, old: TensorProxy, keeps_gradient: bool) -> TensorProxy:
+    """``new``'s values as the value an in-place op gave the tensor that held ``old``, for autograd.
+
+    Eager autograd keeps a tensor's history through an in-place op where the new value alone would lose it:
+    written under ``torch.no_grad()`` (``keeps_gradient``: the gradient of the result reaches ``old`` unchanged,
+    as for ``w.add_(u)`` inside ``no_grad``), or overwritten by values that do not depend on it (``zero_``,
+    ``fill_``, ``copy_``: the result still requires grad and ``old`` receives a zero gradient). The gradient
+    rule is in ``fulmen.transforms.grad_rules``.
+    """
+    out = prims.reshape(new, tuple(new.shape))
+    out.requires_grad = True
+    return out
+
+
+def mutate(target: TensorProxy, new_value, *, overwrites: bool = False,
+           _from_view: TensorProxy | None = None) -> TensorProxy:
+    """Make ``new_value`` (cast and broadcast to ``target``) the current value of ``target``; returns target.
+
+    ``overwrites``: the new value replaces the old one instead of being computed from it (``copy_``, ``fill_``)."""
     trc = get_tracectx()
     check(trc is not None, lambda: "in-place operations can only be traced", RuntimeError)
     trc.has_mutations = True
@@ -61,6 +80,10 @@ def mutate(target: TensorProxy, new_value, *, _from_view: TensorProxy | None = N
         raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
     if new is current:  # nothing was computed (x.add_(0) folded away): the value is unchanged
         return target
+    grad_enabled = torch.is_grad_enabled()
+    if current.requires_grad and (not grad_enabled or overwrites or not isinstance(new_value, TensorProxy)):
+        with torch.enable_grad():  # recorded as differentiable even inside no_grad: it carries the history on
+            new = overwritten(new, current, not grad_enabled)
     current._latest = new
     trc.mutations += 1
     new._view_of, new._views = current._view_of, current._views
@@ -68,14 +91,18 @@ def mutate(target: TensorProxy, new_value, *, _from_view: TensorProxy | None = N
         base, remake = current._view_of
         unview = getattr(remake, "unview", None)
         new_base = unview(new) if unview is not None else scatter_into(latest(base), remake, new)
-        mutate(base, new_base, _from_view=current)
+        mutate(base, new_base, _from_view=current)  # computed from the base's old value
     if current._views:
         views = list(current._views)  # remake() below registers each refreshed value as a view of `new` too
         for view in views:
             if view is _from_view or latest(view) is new:
                 continue
             base_view, remake = view._view_of
-            refreshed = remake(new)
+            if grad_enabled or not new.requires_grad:
+                refreshed = remake(new)
+            else:  # a view keeps its history through a write under no_grad, as the base does
+                with torch.enable_grad():
+                    refreshed = remake(new)
             view_now = latest(view)
             if view_now is not refreshed:
                 view_now._latest = refreshed

@@ -183,9 +183,10 @@ def _dirty_outputs(trace: Trace, requires: list[bool], written: dict[str, Tensor
     dirty: list[tuple[int, int]] = []
     index = {p.name: i for i, p in enumerate(outputs)}
     taken: set[int] = set()
+    kept = _history_kept(trace)
     for j, (a, rg) in enumerate(zip(trace.args, requires)):
         new = written.get(a.name) if rg else None
-        if new is None:
+        if new is None or kept.get(new.name) == a.name:
             continue
         k = index.setdefault(new.name, len(outputs))
         if k == len(outputs):
@@ -197,6 +198,13 @@ def _dirty_outputs(trace: Trace, requires: list[bool], written: dict[str, Tensor
         taken.add(k)
         dirty.append((j, k))
     return dirty
+
+
+def _history_kept(trace: Trace) -> dict[str, str]:
+    """``{new value: input name}`` for inputs written only under ``torch.no_grad()``: as in eager, such a tensor keeps
+    its autograd history (a leaf stays a leaf), so it is not an output marked dirty."""
+    return {b.output.name: b.args[1].name for b in trace.bound_symbols
+            if b.sym.id == "ltorch.overwritten" and b.args[2] and isinstance(b.args[1], TensorProxy)}
 
 
 def _alias_roots(leaves: Sequence[BoundSymbol], names: Iterable[str]) -> dict[str, str]:

@@ -1,0 +1,130 @@
+"""In-place operations and aliasing as eager PyTorch has them: autograd history kept through in-place updates,
+errors where eager raises, and the caller's tensors (values, metadata, memory) as eager leaves them.
+
+Each case runs eagerly and through ``fulmen.jit`` on separate copies of the inputs and compares the results, the
+inputs afterwards, and the gradients (with the torch executor alone and with the default executors).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fulmen
+from fulmen.testing import assert_close
+
+EXECUTORS = [pytest.param(["torch"], id="torch"), pytest.param(None, id="default")]
+
+
+def _copies(args):
+    return [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def check_against_eager(fn, *args, executors=None, grad=True):
+    """``fn(*args)`` eager vs compiled (compiling call and cached call): outputs, requires_grad, inputs afterwards,
+    and the gradients of every input that requires grad (of the sum of the floating outputs)."""
+    eager_args = _copies(args)
+    expected = fn(*eager_args)
+    eager_outs = torch.utils._pytree.tree_leaves(expected)
+    if grad:
+        _backward(eager_outs)
+    jfn = fulmen.jit(fn, executors=executors)
+    for _ in range(2):
+        run_args = _copies(args)
+        out = jfn(*run_args)
+        assert_close(out, expected)
+        outs = torch.utils._pytree.tree_leaves(out)
+        assert [o.requires_grad for o in outs] == [o.requires_grad for o in eager_outs]
+        assert_close([a.detach() for a in run_args], [a.detach() for a in eager_args])
+        if grad:
+            _backward(outs)
+            for a, e in zip(run_args, eager_args):
+                if isinstance(a, torch.Tensor) and a.requires_grad:
+                    assert (a.grad is None) == (e.grad is None)
+                    if e.grad is not None:
+                        assert_close(a.grad, e.grad)
+    return jfn
+
+
+def _backward(outs):
+    outs = [o for o in outs if o.requires_grad]
+    if outs:
+        torch.autograd.backward([o.sum() for o in outs])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# autograd history through in-place updates
+
+
+@pytest.mark.parametrize("executors", EXECUTORS)
+def test_update_of_a_leaf_under_no_grad(executors):
+    def f(x, w):
+        y = x + w
+        with torch.no_grad():
+            w.add_(1)
+        return y + x * w
+
+    check_against_eager(f, torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True),
+                        executors=executors)
+
+
+def test_update_of_a_parameter_under_no_grad_in_forward():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4))
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.w.mul_(0.5)
+            return (x * self.w).sum()
+
+    torch.manual_seed(0)
+    eager, compiled = Model(), Model()
+    compiled.load_state_dict(eager.state_dict())
+    jitted = fulmen.jit(compiled, executors=["torch"])
+    for _ in range(2):
+        x = torch.randn(4)
+        expected, out = eager(x), jitted(x)
+        assert_close(out, expected)
+        expected.backward()
+        out.backward()
+        assert compiled.w.is_leaf
+        assert_close(compiled.w.detach(), eager.w.detach())
+        assert_close(compiled.w.grad, eager.w.grad)
+
+
+@pytest.mark.parametrize("executors", EXECUTORS)
+def test_update_of_a_view_of_a_leaf_under_no_grad(executors):
+    def f(x):
+        v = x[1:]
+        with torch.no_grad():
+            x.mul_(2)
+        return v * x[:-1]
+
+    check_against_eager(f, torch.randn(5, requires_grad=True), executors=executors)
+
+
+@pytest.mark.parametrize("executors", EXECUTORS)
+@pytest.mark.parametrize("overwrite", ["zero_", "fill_", "fill_tensor", "copy_", "copy_broadcast"])
+def test_overwritten_value_keeps_requires_grad_and_gets_zero_gradient(overwrite, executors):
+    def f(x, s):
+        y = x * 2
+        if overwrite == "zero_":
+            y.zero_()
+        elif overwrite == "fill_":
+            y.fill_(3.0)
+        elif overwrite == "fill_tensor":
+            y.fill_(s.sum().detach())
+        elif overwrite == "copy_":
+            y.copy_(s.detach())
+        else:
+            y[1:].copy_(s[0].detach())
+        return y
+
+    check_against_eager(f, torch.randn(2, 3, requires_grad=True), torch.randn(2, 3), executors=executors)
+
+
+def test_clone_zero_requires_grad():
+    check_against_eager(lambda x: x.clone().zero_(), torch.randn(3, requires_grad=True), executors=["torch"])
