@@ -128,3 +128,47 @@ def test_overwritten_value_keeps_requires_grad_and_gets_zero_gradient(overwrite,
 
 def test_clone_zero_requires_grad():
     check_against_eager(lambda x: x.clone().zero_(), torch.randn(3, requires_grad=True), executors=["torch"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# out= tensors of another dtype: eager's rule differs by op
+
+
+def _index(n):
+    return torch.zeros(n, 2, dtype=torch.long)
+
+
+_OUT_DTYPE_CASES = {
+    "gather": (lambda x, o: torch.gather(x, 0, _index(2), out=o), torch.float64),
+    "aminmax": (lambda x, o: torch.aminmax(x, out=(o[0], o[1])), torch.float64),
+    "complex": (lambda x, o: torch.complex(x, x, out=o), torch.complex128),
+    "multinomial": (lambda x, o: torch.multinomial(x.abs() + 0.1, 1, out=o), torch.int32),
+    "where": (lambda x, o: torch.where(x > 0, x, -x, out=o), torch.float64),
+}
+
+
+@pytest.mark.parametrize("op", sorted(_OUT_DTYPE_CASES))
+def test_out_of_a_dtype_eager_refuses_raises_as_eager(op):
+    fn, dtype = _OUT_DTYPE_CASES[op]
+    x = torch.rand(2, 2)
+    out = (torch.empty((), dtype=dtype), torch.empty((), dtype=dtype)) if op == "aminmax" else torch.empty(
+        2, 1 if op == "multinomial" else 2, dtype=dtype)
+    with pytest.raises(RuntimeError) as eager_error:
+        fn(x, out)
+    message = str(eager_error.value).split("\n")[0]
+    with pytest.raises(RuntimeError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        fulmen.jit(fn, executors=["torch"])(x, out)
+
+
+def test_out_of_a_dtype_eager_casts_into_still_works():
+    def f(x, o, s):
+        torch.add(x, 1, out=o)
+        torch.sum(x, 0, out=s)
+        return o, s
+
+    x = torch.randn(3, 4)
+    eager = f(x, torch.empty(3, 4, dtype=torch.float64), torch.empty(4, dtype=torch.float64))
+    compiled = fulmen.jit(f, executors=["torch"])(x, torch.empty(3, 4, dtype=torch.float64),
+                                                   torch.empty(4, dtype=torch.float64))
+    assert [t.dtype for t in compiled] == [torch.float64, torch.float64]
+    assert_close(compiled, eager)

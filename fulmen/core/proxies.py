@@ -348,9 +348,15 @@ def call_with_out(fn, func, args: tuple, kwargs: dict) -> Any:
     if not isinstance(results, (tuple, list)) or len(outs) != len(results):
         raise TypeError(f"{name}(): out= must hold {len(results) if isinstance(results, (tuple, list)) else 1} "
                         f"tensor(s), got {len(outs)}")
-    for o, r in zip(outs, results):
+    for o in outs:
         if not isinstance(o, (TensorProxy, torch.Tensor)):
             raise TypeError(f"{name}(): argument 'out' must be Tensor, not {type(o).__name__}")
+    from fulmen.core.out_dtypes import out_dtype_error
+
+    refused = out_dtype_error(func, args, kwargs, outs, results, not isinstance(out, (tuple, list)))
+    if refused is not None:
+        raise RuntimeError(f"{name}(): {refused}")
+    for o, r in zip(outs, results):
         if tuple(o.shape) != tuple(r.shape):
             raise NotImplementedError(
                 f"{name}(): out= holds a tensor of shape {list(o.shape)} but the result has shape {list(r.shape)}; "
