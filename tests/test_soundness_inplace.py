@@ -172,3 +172,57 @@ def test_out_of_a_dtype_eager_casts_into_still_works():
                                                    torch.empty(4, dtype=torch.float64))
     assert [t.dtype for t in compiled] == [torch.float64, torch.float64]
     assert_close(compiled, eager)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# in-place changes of shape and strides: the caller's tensor would keep its old layout, so they are refused
+
+
+_METADATA_CHANGES = {
+    "squeeze_": (lambda x: x.squeeze_(), (3, 1)),
+    "squeeze_dim": (lambda x: x.squeeze_(1), (3, 1)),
+    "unsqueeze_": (lambda x: x.unsqueeze_(0), (3,)),
+    "t_": (lambda x: x.t_(), (2, 3)),
+    "transpose_": (lambda x: x.transpose_(0, 1), (2, 3)),
+    "swapdims_": (lambda x: x.swapdims_(0, 1), (2, 3)),
+    "swapaxes_": (lambda x: x.swapaxes_(0, 1), (2, 3)),
+    "resize_": (lambda x: x.resize_(6), (2, 3)),
+    "as_strided_": (lambda x: x.as_strided_((3, 2), (1, 3)), (2, 3)),
+    "set_": (lambda x: x.set_(x.flatten()), (2, 3)),
+    "on_a_local": (lambda x: (x * 2).unsqueeze_(0), (3,)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_METADATA_CHANGES))
+def test_in_place_change_of_shape_or_strides_is_refused_naming_the_line(case):
+    fn, shape = _METADATA_CHANGES[case]
+    x = torch.randn(shape)
+    before = x.clone()
+    with pytest.raises(NotImplementedError, match=r"in place, which fulmen.jit does not support(.|\n)*"
+                       r"test_soundness_inplace.py"):
+        fulmen.jit(fn, executors=["torch"])(x)
+    assert x.shape == before.shape and torch.equal(x, before)
+
+
+@pytest.mark.parametrize("fn, shape", [(lambda x: x.squeeze_().add_(1), (2, 3)),
+                                       (lambda x: x.resize_(2, 3).mul_(2), (2, 3)),
+                                       (lambda x: x.t_().add_(1), (4,)),
+                                       (lambda x: x.transpose_(1, -1).add_(1), (2, 3))],
+                         ids=["squeeze_", "resize_", "t_", "transpose_"])
+def test_in_place_shape_ops_that_change_nothing_run(fn, shape):
+    x = torch.randn(shape)
+    eager_x = x.clone()
+    expected = fn(eager_x)
+    out = fulmen.jit(fn, executors=["torch"])(x)
+    assert out is x
+    assert_close(x, eager_x)
+    assert_close(out, expected)
+
+
+def test_assigning_data_is_refused_naming_the_line():
+    def f(x, y):
+        x.data = y
+        return x + 1
+
+    with pytest.raises(NotImplementedError, match=r"Tensor.data of x(.|\n)*test_soundness_inplace.py(.|\n)*x.data = y"):
+        fulmen.jit(f, executors=["torch"])(torch.randn(3), torch.randn(3))

@@ -203,6 +203,18 @@ class TensorProxy(Proxy):
             "[p.grad for p in params]) instead of reading them inside the compiled function.")
 
     @property
+    def data(self):
+        return langctx.properties["data"](self)
+
+    @data.setter
+    def data(self, value) -> None:
+        raise NotImplementedError(
+            f"Tensor.data of {self.name} ({self.type_string()}) is assigned inside a function fulmen traces.\n"
+            f"  at {_user_location()}\nThe assignment makes the tensor share another tensor's memory and metadata, "
+            "which the compiled program cannot give the caller's tensor. For new values of the same shape write "
+            "`with torch.no_grad(): x.copy_(value)`; otherwise assign .data outside the compiled function.")
+
+    @property
     def grad_fn(self):
         return None
 

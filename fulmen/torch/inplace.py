@@ -13,10 +13,10 @@ from collections.abc import Callable
 import torch
 
 from fulmen import clang, prims
-from fulmen.core.proxies import TensorProxy, latest
+from fulmen.core.proxies import TensorProxy, _user_location, latest
 from fulmen.core.trace import get_tracectx
 from fulmen.core.utils import check
-from fulmen.torch.registry import torchsymbol
+from fulmen.torch.registry import register_function, tensor_methods, torchsymbol
 
 
 def scatter_into(base: TensorProxy, select: Callable[[TensorProxy], TensorProxy], values) -> TensorProxy:
@@ -117,3 +117,55 @@ def setitem(a: TensorProxy, key, value) -> None:
 
     getitem = langctx.method("__getitem__")
     mutate(a, scatter_into(latest(a), lambda base: getitem(base, key), value))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# in-place changes of shape and strides
+
+#: In-place ops that change a tensor's shape or strides rather than its values (eager gives the caller's tensor
+#: object the new layout); the out-of-place form each suggests.
+_METADATA_OPS = {"squeeze_": "x = x.squeeze(...)", "unsqueeze_": "x = x.unsqueeze(...)", "t_": "x = x.t()",
+                 "transpose_": "x = x.transpose(...)", "swapdims_": "x = x.swapdims(...)",
+                 "swapaxes_": "x = x.swapaxes(...)", "resize_": "x = x.reshape(...) or a new tensor",
+                 "resize_as_": "x = x.reshape_as(...) or a new tensor", "as_strided_": "x = x.as_strided(...)",
+                 "set_": "x = source"}
+
+
+def _metadata_op(name: str):
+    def changes_metadata(a, *args, **kwargs):
+        """Refused: a proxy's shape is fixed when it is made (it is the same Python object before and after, as
+        the user's tensor is), so the layout eager gives the tensor in place cannot be followed."""
+        if _leaves_shape(name, a, args, kwargs):
+            return a
+        raise NotImplementedError(
+            f"Tensor.{name}() changes the shape or strides of tensor {getattr(a, 'name', '?')} in place, which "
+            f"fulmen.jit does not support: the caller's tensor would keep its old layout.\n  at {_user_location()}\n"
+            f"Use the out-of-place form and its result instead ({_METADATA_OPS[name]}).")
+
+    changes_metadata.__name__ = name
+    return changes_metadata
+
+
+def _leaves_shape(name: str, a, args, kwargs) -> bool:
+    """Whether ``a.<name>(*args)`` changes nothing: a squeeze of no size-1 dim, a resize to the current shape."""
+    if not isinstance(a, TensorProxy):
+        return False
+    shape = tuple(a.shape)
+    if name == "squeeze_":
+        dims = args[0] if args else kwargs.get("dim")
+        dims = range(a.ndim) if dims is None else ((dims,) if isinstance(dims, int) else dims)
+        return all(shape[d] != 1 for d in dims)
+    if name == "t_":
+        return a.ndim < 2
+    if name in ("transpose_", "swapdims_", "swapaxes_") and len(args) == 2 and not kwargs:
+        return a.ndim == 0 or args[0] % a.ndim == args[1] % a.ndim
+    if name == "resize_" and not kwargs:
+        size = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else args
+        return tuple(size) == shape
+    if name == "resize_as_" and not kwargs and args:
+        return tuple(args[0].shape) == shape
+    return False
+
+
+for _name in _METADATA_OPS:
+    register_function(tensor_methods(_name), _metadata_op(_name), method_names=[_name])
