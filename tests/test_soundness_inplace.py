@@ -226,3 +226,48 @@ def test_assigning_data_is_refused_naming_the_line():
 
     with pytest.raises(NotImplementedError, match=r"Tensor.data of x(.|\n)*test_soundness_inplace.py(.|\n)*x.data = y"):
         fulmen.jit(f, executors=["torch"])(torch.randn(3), torch.randn(3))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# returned views of inputs written in place share the caller's memory, as eager's do
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _views_after_update(x):
+    x.add_(1)
+    return x[0], x.t()[1:], x.unsqueeze(0)[:, 2:4], x * 2
+
+
+def _view_taken_before_update(x):
+    v = x[1]
+    x.mul_(2)
+    return v
+
+
+def _view_of_an_updated_view(x):
+    v = x[1]
+    v.add_(1)
+    return v[1:]
+
+
+@pytest.mark.parametrize("executors", EXECUTORS)
+@pytest.mark.parametrize("fn", [_views_after_update, _view_taken_before_update, _view_of_an_updated_view])
+def test_returned_view_of_an_updated_input_shares_its_memory(fn, executors):
+    jfn = fulmen.jit(fn, executors=executors)
+    for make in (lambda b: b[:2], lambda b: b[:, :4].t(), lambda b: b[:, ::2]):  # contiguous or not
+        base = torch.randn(4, 8)
+        x, eager_x = make(base.clone()), make(base.clone())
+        expected = torch.utils._pytree.tree_leaves(fn(eager_x))
+        out = torch.utils._pytree.tree_leaves(jfn(x))
+        assert_close(out, expected)
+        assert_close(x, eager_x)
+        for o, e in zip(out, expected):
+            assert _shares_memory(o, x) == _shares_memory(e, eager_x)
+            assert (o.shape, o.stride(), o.storage_offset()) == (e.shape, e.stride(), e.storage_offset())
+            if _shares_memory(o, x):  # a write through the result reaches the caller's tensor
+                o.fill_(7.0)
+                e.fill_(7.0)
+                assert_close(x, eager_x)
