@@ -271,3 +271,55 @@ def test_returned_view_of_an_updated_input_shares_its_memory(fn, executors):
                 o.fill_(7.0)
                 e.fill_(7.0)
                 assert_close(x, eager_x)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a source that shares part of the memory written: eager refuses, so does fulmen
+
+
+def _update_through_an_older_view(x):
+    v = x.t()
+    x.add_(1)
+    return x.copy_(v)
+
+
+_OVERLAPS = {
+    "copy_transpose": (lambda x: x.copy_(x.t()), True),
+    "add_transpose": (lambda x: x.add_(x.t()), True),
+    "copy_broadcast_row": (lambda x: x.copy_(x[0]), True),
+    "mul_broadcast_row": (lambda x: x.mul_(x[0]), True),
+    "shift": (lambda x: x[1:].copy_(x[:-1]), True),
+    "older_view": (_update_through_an_older_view, True),
+    "local_value": (lambda x: _local(x), True),
+    "out_transpose": (lambda x: torch.add(x, 1, out=x.t()), True),
+    "setitem_shift": (lambda x: x.__setitem__(slice(1, None), x[:-1]), True),
+    "setitem_advanced": (lambda x: x.__setitem__([0, 1], x[1:3]), True),
+    # eager accepts these
+    "other_row": (lambda x: x[0].copy_(x[1]), False),
+    "itself": (lambda x: x.add_(x), False),
+    "same_view": (lambda x: x.copy_(x[:, :]), False),
+    "out_itself": (lambda x: torch.add(x, 1, out=x), False),
+    "out_other_row": (lambda x: torch.add(x[0], 1, out=x[1]), False),
+    "setitem_other_row": (lambda x: x.__setitem__(0, x[1]), False),
+}
+
+
+def _local(x):
+    y = x * 2
+    return y.copy_(y.t())
+
+
+@pytest.mark.parametrize("case", sorted(_OVERLAPS))
+def test_source_overlapping_the_written_memory_raises_as_eager(case):
+    fn, refused = _OVERLAPS[case]
+    x = torch.randn(3, 3)
+    eager_x = x.clone()
+    if refused:
+        with pytest.raises(RuntimeError, match="some elements of the input tensor and the written-to tensor"):
+            fn(eager_x)
+        with pytest.raises(RuntimeError, match="some elements of the input tensor and the written-to tensor"):
+            fulmen.jit(fn, executors=["torch"])(x)
+    else:
+        expected = fn(eager_x)
+        assert_close(fulmen.jit(fn, executors=["torch"])(x), expected)
+        assert_close(x, eager_x)

@@ -368,6 +368,10 @@ def call_with_out(fn, func, args: tuple, kwargs: dict) -> Any:
     refused = out_dtype_error(func, args, kwargs, outs, results, not isinstance(out, (tuple, list)))
     if refused is not None:
         raise RuntimeError(f"{name}(): {refused}")
+    inputs = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, TensorProxy)]
+    for check_out in langctx.out_checks:
+        for o in outs:
+            check_out(name, o, *inputs)
     for o, r in zip(outs, results):
         if tuple(o.shape) != tuple(r.shape):
             raise NotImplementedError(

@@ -16,6 +16,7 @@ from fulmen import clang, prims
 from fulmen.core.proxies import TensorProxy, _user_location, latest
 from fulmen.core.trace import get_tracectx
 from fulmen.core.utils import check
+from fulmen.torch.overlap import check_no_partial_overlap
 from fulmen.torch.registry import register_function, tensor_methods, torchsymbol
 
 
@@ -116,6 +117,9 @@ def setitem(a: TensorProxy, key, value) -> None:
     from fulmen.core import langctx
 
     getitem = langctx.method("__getitem__")
+    if isinstance(value, TensorProxy) and value._view_of is not None:  # eager refuses a value overlapping the target
+        target = getitem(latest(a), key)  # recorded only to be compared; dead code elimination drops it
+        check_no_partial_overlap("", target if target._view_of is not None else a, value)
     mutate(a, scatter_into(latest(a), lambda base: getitem(base, key), value))
 
 

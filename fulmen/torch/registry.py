@@ -91,6 +91,7 @@ def link_views(sym: Symbol, args: tuple, kwargs: dict, output, which: Sequence[i
                 return sym(new_base, *rest, **kwargs)
         if unview is not None:
             remake.unview = unview
+        remake.view_call = (sym, rest, kwargs, i if isinstance(output, (tuple, list)) else None)  # fulmen.torch.overlap
         out._view_of = (base, remake)
         if base._views is None:
             base._views = []
