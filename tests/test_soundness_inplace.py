@@ -323,3 +323,88 @@ def test_source_overlapping_the_written_memory_raises_as_eager(case):
         expected = fn(eager_x)
         assert_close(fulmen.jit(fn, executors=["torch"])(x), expected)
         assert_close(x, eager_x)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a value saved for the backward and overwritten in place afterwards: eager's backward refuses it
+
+
+def _saved_by_sin(x):
+    y = x * 1
+    z = y.sin()
+    y.add_(1)
+    return z
+
+
+def _saved_by_mul_then_updated_under_no_grad(x, w):
+    y = x * w
+    with torch.no_grad():
+        w.add_(1)
+    return y
+
+
+def _saved_then_relu_in_place(x):
+    y = x * 2
+    z = y.sin()
+    torch.nn.functional.relu(y, inplace=True)
+    return z + y
+
+
+def _saved_by_pow(x):
+    y = x * 1
+    z = y.pow(2)
+    y.mul_(2)
+    return z + y
+
+
+def _saved_by_log(x):
+    x = x.abs() + 1
+    y = x.log()
+    x.mul_(2)
+    return y
+
+
+def _result_saved_by_exp(x):
+    x = x * 1
+    y = x.exp()  # eager saves the result, not x
+    x.mul_(2)
+    return y
+
+
+def _not_saved_by_add(x):
+    y = x * 1
+    z = y + 1
+    y.add_(1)
+    return z * y
+
+
+def _own_result_of_exp_(x):
+    y = x * 1
+    y.exp_()
+    return y
+
+
+def _not_saved_by_scaling(x):
+    y = x * 1
+    z = y * 3
+    y.zero_()
+    return z + y
+
+
+@pytest.mark.parametrize("executors", EXECUTORS)
+@pytest.mark.parametrize("fn, n_args, refused", [
+    (_saved_by_sin, 1, True), (_saved_by_mul_then_updated_under_no_grad, 2, True), (_saved_then_relu_in_place, 1, True),
+    (_saved_by_pow, 1, True), (_saved_by_log, 1, True), (_result_saved_by_exp, 1, False),
+    (_not_saved_by_add, 1, False), (_own_result_of_exp_, 1, False), (_not_saved_by_scaling, 1, False)],
+    ids=lambda v: getattr(v, "__name__", str(v)))
+def test_backward_through_a_saved_value_overwritten_in_place_raises_as_eager(fn, n_args, refused, executors):
+    args = [torch.randn(3, requires_grad=True) for _ in range(n_args)]
+    if not refused:
+        check_against_eager(fn, *args, executors=executors)
+        return
+    jfn = fulmen.jit(fn, executors=executors)
+    for run in (fn, jfn, jfn):
+        out = run(*_copies(args))  # the forward runs, as in eager
+        with pytest.raises(RuntimeError, match="one of the variables needed for gradient computation has been "
+                                               "modified by an inplace operation"):
+            out.sum().backward()

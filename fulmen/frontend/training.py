@@ -214,6 +214,8 @@ class FulmenFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         runtime: _Runtime = ctx.runtime
+        if runtime.fb.modified_saved is not None:
+            raise RuntimeError(runtime.fb.modified_saved)
         listed = ctx.fulmen_saved
         if listed is None:
             raise RuntimeError(

@@ -81,6 +81,7 @@ def mutate(target: TensorProxy, new_value, *, overwrites: bool = False,
         raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
     if new is current:  # nothing was computed (x.add_(0) folded away): the value is unchanged
         return target
+    trc.overwritten.append((current, new, len(trc.scopes[0])))  # autograd's saved-tensor check (transforms.split)
     grad_enabled = torch.is_grad_enabled()
     if current.requires_grad and (not grad_enabled or overwrites or not isinstance(new_value, TensorProxy)):
         with torch.enable_grad():  # recorded as differentiable even inside no_grad: it carries the history on

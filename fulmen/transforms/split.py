@@ -127,6 +127,8 @@ class ForwardBackward:
     # inputs that require grad but that no gradient reaches: passed detached, so that autograd adds no edge to their
     # history (which may be freed already; eager never visits it either)
     unreached: list[int] = field(default_factory=list)
+    # eager's error for a backward that needs a value an in-place op overwrote after an op saved it, or None
+    modified_saved: str | None = None
 
     def backward_trace(self, present: tuple[bool, ...] | None = None) -> Trace:
         """The backward for cotangents given only for ``present`` differentiable outputs (all by default)."""
@@ -207,6 +209,56 @@ def _history_kept(trace: Trace) -> dict[str, str]:
             if b.sym.id == "ltorch.overwritten" and b.args[2] and isinstance(b.args[1], TensorProxy)}
 
 
+def _modified_saved_value(trace: Trace, joint: Joint, executors: Sequence, context: Trace) -> str | None:
+    """Eager's error when an op's backward needs a value that a later in-place op overwrote (``y = x.sin();
+    x.add_(1)``): eager saved the tensor, its version changed, and the backward refuses it. Functionally the old
+    value is still at hand, but the program must fail where eager fails. The in-place op's own computation of the
+    new value is exempt (eager's in-place kernels save what they need), and so is everything it is computed from."""
+    bsyms = trace.bound_symbols
+    producer = {p.name: i for i, b in enumerate(bsyms) for p in b.flat_proxy_outs}
+    readers: dict[str, list[int]] = {}
+    for i, b in enumerate(bsyms):
+        for p in b.flat_args:
+            readers.setdefault(p.name, []).append(i)
+    for old, new, position in trace.overwritten:
+        earlier = [i for i in readers.get(old.name, ()) if i < position]
+        if not earlier:
+            continue
+        first, computing_new, stack = earlier[0], set(), [new.name]
+        while stack:  # what the new value is computed from, back to the first reader of the old one
+            i = producer.get(stack.pop())
+            if i is not None and i >= first and i not in computing_new:
+                computing_new.add(i)
+                stack.extend(p.name for p in bsyms[i].flat_args)
+        for i in earlier:
+            b = bsyms[i]
+            if i in computing_new or b.no_grad or not any(p.name in joint.active for p in b.flat_proxy_outs):
+                continue
+            if old.name in _read_by_backward(b, joint.active, executors, context):
+                return (f"one of the variables needed for gradient computation has been modified by an inplace "
+                        f"operation: {old.name} ({old.type_string()}), saved by {b.sym.qualified_name} to compute "
+                        "its gradient, was overwritten in place afterwards (as in eager, a backward through it "
+                        "fails). Clone the tensor before the in-place operation, or update a copy.")
+    return None
+
+
+def _read_by_backward(bsym: BoundSymbol, active: set[str], executors: Sequence, context: Trace) -> list[str]:
+    """The forward values the backward of ``bsym`` alone reads (worked out in a scratch trace, then dropped)."""
+    scratch = Trace("saved_check", parent=context)
+    body: list[BoundSymbol] = []
+    with tracectx(scratch):
+        joint = linearize([bsym], set(active), executors)
+        outs = [p for p in bsym.flat_proxy_outs if p.name in joint.active]
+        cts = {p.name: TensorProxy(like=p, prefix="ct", requires_grad=False) for p in outs}
+        scratch.scopes.append(body)
+        try:
+            reached = backward_pass(joint, cts)
+        finally:
+            scratch.scopes.pop()
+    grads = [g.name for name, g in reached.items() if name in active and name not in cts]
+    return forward_values_read(prune(body, grads), set(cts), also_read=grads)
+
+
 def _alias_roots(leaves: Sequence[BoundSymbol], names: Iterable[str]) -> dict[str, str]:
     """``{value: the one of names it may share memory with}`` for ``names`` and the views of them: an executor may
     return ``x[0]`` as a view of ``x``, so a write into ``x`` changes it too."""
@@ -257,6 +309,8 @@ def split_forward_backward(trace: Trace, executors: Sequence, *, recompute: bool
         return None
     fb = ForwardBackward(forward=trace, outputs=outputs, differentiable=differentiable, saved=[], joint=joint,
                          context=context, input_requires_grad=requires, dirty=dirty)
+    if trace.overwritten:
+        fb.modified_saved = _modified_saved_value(trace, joint, executors, context)
     everything = (True,) * len(differentiable)
     bw, body, cts, grads, needed = _emit_backward(fb, everything)  # the full backward decides what is saved
     leaves = _leaves(joint.nodes)
