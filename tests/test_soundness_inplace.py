@@ -106,6 +106,28 @@ def test_update_of_a_view_of_a_leaf_under_no_grad(executors):
     check_against_eager(f, torch.randn(5, requires_grad=True), executors=executors)
 
 
+def _zeroed_through_detach(x):
+    x.detach().zero_()
+    return x * 2 + 1
+
+
+def _updated_through_detach(x):
+    y = x * 3
+    y.detach().add_(1)
+    return y * x
+
+
+def _scaled_through_data(x):
+    x.data.mul_(2)
+    return x * x
+
+
+@pytest.mark.parametrize("executors", EXECUTORS)
+@pytest.mark.parametrize("fn", [_zeroed_through_detach, _updated_through_detach, _scaled_through_data])
+def test_write_through_a_detached_alias_keeps_the_history(fn, executors):
+    check_against_eager(fn, torch.randn(3, requires_grad=True), executors=executors)
+
+
 @pytest.mark.parametrize("executors", EXECUTORS)
 @pytest.mark.parametrize("overwrite", ["zero_", "fill_", "fill_tensor", "copy_", "copy_broadcast"])
 def test_overwritten_value_keeps_requires_grad_and_gets_zero_gradient(overwrite, executors):

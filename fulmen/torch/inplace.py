@@ -47,9 +47,10 @@ def overwritten(new: TensorProxy, old: TensorProxy, keeps_gradient: bool) -> Ten
     """``new``'s values as the value an in-place op gave the tensor that held ``old``, for autograd.
 
     Eager autograd keeps a tensor's history through an in-place op where the new value alone would lose it:
-    written under ``torch.no_grad()`` (``keeps_gradient``: the gradient of the result reaches ``old`` unchanged,
-    as for ``w.add_(u)`` inside ``no_grad``), or overwritten by values that do not depend on it (``zero_``,
-    ``fill_``, ``copy_``: the result still requires grad and ``old`` receives a zero gradient). The gradient
+    written where autograd does not see it (``keeps_gradient``: the gradient of the result reaches ``old``
+    unchanged, as for ``w.add_(u)`` inside ``no_grad`` or ``w.detach().zero_()``), or overwritten by values that
+    do not depend on it (``zero_``, ``fill_``, ``copy_``: the result still requires grad and ``old`` receives a
+    zero gradient). The gradient
     rule is in ``fulmen.transforms.grad_rules``.
     """
     out = prims.reshape(new, tuple(new.shape))
@@ -83,9 +84,11 @@ def mutate(target: TensorProxy, new_value, *, overwrites: bool = False,
         return target
     trc.overwritten.append((current, new, len(trc.scopes[0])))  # autograd's saved-tensor check (transforms.split)
     grad_enabled = torch.is_grad_enabled()
-    if current.requires_grad and (not grad_enabled or overwrites or not isinstance(new_value, TensorProxy)):
+    # a write autograd does not see: under no_grad, or through a view that does not require grad (x.detach(), x.data)
+    unseen = not grad_enabled or (_from_view is not None and not _from_view.requires_grad)
+    if current.requires_grad and (unseen or overwrites or not isinstance(new_value, TensorProxy)):
         with torch.enable_grad():  # recorded as differentiable even inside no_grad: it carries the history on
-            new = overwritten(new, current, not grad_enabled)
+            new = overwritten(new, current, unseen)
     current._latest = new
     trc.mutations += 1
     new._view_of, new._views = current._view_of, current._views
@@ -100,7 +103,7 @@ def mutate(target: TensorProxy, new_value, *, overwrites: bool = False,
             if view is _from_view or latest(view) is new:
                 continue
             base_view, remake = view._view_of
-            if grad_enabled or not new.requires_grad:
+            if not unseen or not new.requires_grad:
                 refreshed = remake(new)
             else:  # a view keeps its history through a write under no_grad, as the base does
                 with torch.enable_grad():
