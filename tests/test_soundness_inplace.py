@@ -430,3 +430,20 @@ def test_backward_through_a_saved_value_overwritten_in_place_raises_as_eager(fn,
         with pytest.raises(RuntimeError, match="one of the variables needed for gradient computation has been "
                                                "modified by an inplace operation"):
             out.sum().backward()
+
+
+def test_backward_of_an_output_that_does_not_reach_the_overwritten_value_runs():
+    def f(x, w):
+        y = x * 1
+        z = y.sin()  # saves y, which add_ then overwrites
+        y.add_(1)
+        return z, (w * 2).sum()
+
+    jfn = fulmen.jit(f, executors=["torch"])
+    for run in (f, jfn):
+        x, w = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+        z, loss = run(x, w)
+        loss.backward()  # eager runs this backward: it never reaches sin's
+        assert_close(w.grad, torch.full((3,), 2.0))
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            z.sum().backward()

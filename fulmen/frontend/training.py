@@ -214,8 +214,9 @@ class FulmenFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         runtime: _Runtime = ctx.runtime
-        if runtime.fb.modified_saved is not None:
-            raise RuntimeError(runtime.fb.modified_saved)
+        stale = runtime.fb.modified_saved
+        if stale is not None and any(grads[runtime.differentiable[k]] is not None for k in stale[1]):
+            raise RuntimeError(stale[0])
         listed = ctx.fulmen_saved
         if listed is None:
             raise RuntimeError(

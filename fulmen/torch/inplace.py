@@ -50,8 +50,7 @@ def overwritten(new: TensorProxy, old: TensorProxy, keeps_gradient: bool) -> Ten
     written where autograd does not see it (``keeps_gradient``: the gradient of the result reaches ``old``
     unchanged, as for ``w.add_(u)`` inside ``no_grad`` or ``w.detach().zero_()``), or overwritten by values that
     do not depend on it (``zero_``, ``fill_``, ``copy_``: the result still requires grad and ``old`` receives a
-    zero gradient). The gradient
-    rule is in ``fulmen.transforms.grad_rules``.
+    zero gradient). The gradient rule is in ``fulmen.transforms.grad_rules``.
     """
     out = prims.reshape(new, tuple(new.shape))
     out.requires_grad = True

@@ -127,8 +127,9 @@ class ForwardBackward:
     # inputs that require grad but that no gradient reaches: passed detached, so that autograd adds no edge to their
     # history (which may be freed already; eager never visits it either)
     unreached: list[int] = field(default_factory=list)
-    # eager's error for a backward that needs a value an in-place op overwrote after an op saved it, or None
-    modified_saved: str | None = None
+    # eager's error for a backward that needs a value an in-place op overwrote after an op saved it, and the outputs
+    # (positions in differentiable) whose backward goes through that op: None when there is none
+    modified_saved: tuple[str, frozenset[int]] | None = None
 
     def backward_trace(self, present: tuple[bool, ...] | None = None) -> Trace:
         """The backward for cotangents given only for ``present`` differentiable outputs (all by default)."""
@@ -209,7 +210,8 @@ def _history_kept(trace: Trace) -> dict[str, str]:
             if b.sym.id == "ltorch.overwritten" and b.args[2] and isinstance(b.args[1], TensorProxy)}
 
 
-def _modified_saved_value(trace: Trace, joint: Joint, executors: Sequence, context: Trace) -> str | None:
+def _modified_saved_value(trace: Trace, joint: Joint, executors: Sequence, context: Trace,
+                          outputs: list[TensorProxy], differentiable: list[int]) -> tuple[str, frozenset[int]] | None:
     """Eager's error when an op's backward needs a value that a later in-place op overwrote (``y = x.sin();
     x.add_(1)``): eager saved the tensor, its version changed, and the backward refuses it. Functionally the old
     value is still at hand, but the program must fail where eager fails. The in-place op's own computation of the
@@ -220,6 +222,7 @@ def _modified_saved_value(trace: Trace, joint: Joint, executors: Sequence, conte
     for i, b in enumerate(bsyms):
         for p in b.flat_args:
             readers.setdefault(p.name, []).append(i)
+    found = None
     for old, new, position in trace.overwritten:
         earlier = [i for i in readers.get(old.name, ()) if i < position]
         if not earlier:
@@ -235,11 +238,18 @@ def _modified_saved_value(trace: Trace, joint: Joint, executors: Sequence, conte
             if i in computing_new or b.no_grad or not any(p.name in joint.active for p in b.flat_proxy_outs):
                 continue
             if old.name in _read_by_backward(b, joint.active, executors, context):
-                return (f"one of the variables needed for gradient computation has been modified by an inplace "
-                        f"operation: {old.name} ({old.type_string()}), saved by {b.sym.qualified_name} to compute "
-                        "its gradient, was overwritten in place afterwards (as in eager, a backward through it "
-                        "fails). Clone the tensor before the in-place operation, or update a copy.")
-    return None
+                reached = {p.name for p in b.flat_proxy_outs}
+                for later in bsyms[i + 1:]:
+                    if any(p.name in reached for p in later.flat_args):
+                        reached.update(p.name for p in later.flat_proxy_outs)
+                through = frozenset(k for k, j in enumerate(differentiable) if outputs[j].name in reached)
+                message = found[0] if found is not None else (
+                    f"one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: {old.name} ({old.type_string()}), saved by {b.sym.qualified_name} to compute its "
+                    "gradient, was overwritten in place afterwards (as in eager, a backward through it fails). "
+                    "Clone the tensor before the in-place operation, or update a copy.")
+                found = (message, through | (found[1] if found is not None else frozenset()))
+    return found
 
 
 def _read_by_backward(bsym: BoundSymbol, active: set[str], executors: Sequence, context: Trace) -> list[str]:
@@ -310,7 +320,7 @@ def split_forward_backward(trace: Trace, executors: Sequence, *, recompute: bool
     fb = ForwardBackward(forward=trace, outputs=outputs, differentiable=differentiable, saved=[], joint=joint,
                          context=context, input_requires_grad=requires, dirty=dirty)
     if trace.overwritten:
-        fb.modified_saved = _modified_saved_value(trace, joint, executors, context)
+        fb.modified_saved = _modified_saved_value(trace, joint, executors, context, outputs, differentiable)
     everything = (True,) * len(differentiable)
     bw, body, cts, grads, needed = _emit_backward(fb, everything)  # the full backward decides what is saved
     leaves = _leaves(joint.nodes)
