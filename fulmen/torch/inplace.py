@@ -4,6 +4,12 @@
 the Python object ``a`` read ``t`` (see ``proxies.latest``). Views made by view ops remember their base
 and how they were made, so updating a view updates its base (and the base's other views), as in eager.
 When the jitted function returns, inputs whose value changed are written back with ``prims.copy_``.
+
+Autograd sees these updates as eager's does: ``ltorch.overwritten`` carries a tensor's history through a write
+autograd does not record (under ``no_grad``, through ``detach()``) and through values that replace it (``zero_``);
+a source overlapping the memory written is refused (``fulmen.torch.overlap``), as is a backward through a value
+overwritten after an op saved it (``fulmen.transforms.split``). Ops that change a tensor's shape or strides in
+place (``squeeze_``, ``t_``, ...) are refused: a proxy keeps the shape it was made with.
 """
 
 from __future__ import annotations
