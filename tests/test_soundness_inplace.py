@@ -393,6 +393,30 @@ def _result_saved_by_exp(x):
     return y
 
 
+def _saved_as_the_other_operand(x):
+    y = x * 1
+    y.mul_(y)  # mul saves its other operand: the tensor the update then changes
+    return y
+
+
+def _saved_by_the_argument_of_the_update(x):
+    y = x * 1
+    y.add_(y.sin())
+    return y
+
+
+def _own_self_of_pow_(x):
+    y = x * 1
+    y.pow_(2)  # eager keeps what the in-place op itself needs of self
+    return y
+
+
+def _detached_argument_of_the_update(x):
+    y = x * 1
+    y.div_(y.detach() + 1)
+    return y
+
+
 def _not_saved_by_add(x):
     y = x * 1
     z = y + 1
@@ -417,6 +441,8 @@ def _not_saved_by_scaling(x):
 @pytest.mark.parametrize("fn, n_args, refused", [
     (_saved_by_sin, 1, True), (_saved_by_mul_then_updated_under_no_grad, 2, True), (_saved_then_relu_in_place, 1, True),
     (_saved_by_pow, 1, True), (_saved_by_log, 1, True), (_result_saved_by_exp, 1, False),
+    (_saved_as_the_other_operand, 1, True), (_saved_by_the_argument_of_the_update, 1, True),
+    (_own_self_of_pow_, 1, False), (_detached_argument_of_the_update, 1, False),
     (_not_saved_by_add, 1, False), (_own_result_of_exp_, 1, False), (_not_saved_by_scaling, 1, False)],
     ids=lambda v: getattr(v, "__name__", str(v)))
 def test_backward_through_a_saved_value_overwritten_in_place_raises_as_eager(fn, n_args, refused, executors):

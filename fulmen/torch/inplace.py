@@ -87,7 +87,7 @@ def mutate(target: TensorProxy, new_value, *, overwrites: bool = False,
         raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
     if new is current:  # nothing was computed (x.add_(0) folded away): the value is unchanged
         return target
-    trc.overwritten.append((current, new, len(trc.scopes[0])))  # autograd's saved-tensor check (transforms.split)
+    trc.overwritten.append((current, new, len(trc.scopes[0]), trc.inplace_start))  # autograd's saved-tensor check
     grad_enabled = torch.is_grad_enabled()
     # a write autograd does not see: under no_grad, or through a view that does not require grad (x.detach(), x.data)
     unseen = not grad_enabled or (_from_view is not None and not _from_view.requires_grad)

@@ -215,7 +215,7 @@ def _modified_saved_value(trace: Trace, joint: Joint, executors: Sequence, conte
     """Eager's error when an op's backward needs a value that a later in-place op overwrote (``y = x.sin();
     x.add_(1)``): eager saved the tensor, its version changed, and the backward refuses it. Functionally the old
     value is still at hand, but the program must fail where eager fails. The in-place op's own computation of the
-    new value is exempt (eager's in-place kernels save what they need), and so is everything it is computed from."""
+    new value from the tensor it updates is exempt: eager's in-place kernels save what they need of it."""
     bsyms = trace.bound_symbols
     producer = {p.name: i for i, b in enumerate(bsyms) for p in b.flat_proxy_outs}
     readers: dict[str, list[int]] = {}
@@ -223,19 +223,22 @@ def _modified_saved_value(trace: Trace, joint: Joint, executors: Sequence, conte
         for p in b.flat_args:
             readers.setdefault(p.name, []).append(i)
     found = None
-    for old, new, position in trace.overwritten:
+    for old, new, position, start in trace.overwritten:
         earlier = [i for i in readers.get(old.name, ()) if i < position]
         if not earlier:
             continue
-        first, computing_new, stack = earlier[0], set(), [new.name]
-        while stack:  # what the new value is computed from, back to the first reader of the old one
-            i = producer.get(stack.pop())
-            if i is not None and i >= first and i not in computing_new:
-                computing_new.add(i)
-                stack.extend(p.name for p in bsyms[i].flat_args)
+        if start is not None:  # the user's in-place call: its reads of the tensor it updates as self are exempt
+            own = {i for i in earlier if i >= start and not _reads_beyond_first(bsyms[i], old.name)}
+        else:  # an update made inside an op (inplace=True): everything the new value is computed from is exempt
+            own, stack = set(), [new.name]
+            while stack:
+                i = producer.get(stack.pop())
+                if i is not None and i >= earlier[0] and i not in own:
+                    own.add(i)
+                    stack.extend(p.name for p in bsyms[i].flat_args)
         for i in earlier:
             b = bsyms[i]
-            if i in computing_new or b.no_grad or not any(p.name in joint.active for p in b.flat_proxy_outs):
+            if i in own or b.no_grad or not any(p.name in joint.active for p in b.flat_proxy_outs):
                 continue
             if old.name in _read_by_backward(b, joint.active, executors, context):
                 reached = {p.name for p in b.flat_proxy_outs}
@@ -250,6 +253,12 @@ def _modified_saved_value(trace: Trace, joint: Joint, executors: Sequence, conte
                     "Clone the tensor before the in-place operation, or update a copy.")
                 found = (message, through | (found[1] if found is not None else frozenset()))
     return found
+
+
+def _reads_beyond_first(bsym: BoundSymbol, name: str) -> bool:
+    """Whether ``bsym`` reads the value ``name`` other than as its first argument (``y.mul_(y)``'s other operand)."""
+    rest = tree_flatten((bsym.args[1:], bsym.kwargs))[0]
+    return any(isinstance(p, Proxy) and p.name == name for p in rest)
 
 
 def _read_by_backward(bsym: BoundSymbol, active: set[str], executors: Sequence, context: Trace) -> list[str]:
