@@ -69,6 +69,18 @@ def test_update_of_a_leaf_under_no_grad(executors):
                         executors=executors)
 
 
+@pytest.mark.parametrize("executors", EXECUTORS)
+def test_several_updates_of_a_leaf_under_no_grad(executors):
+    def f(x, w):
+        with torch.no_grad():
+            w.add_(1)
+            w.mul_(2)
+        return (x * w).sum()
+
+    check_against_eager(f, torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True),
+                        executors=executors)
+
+
 def test_update_of_a_parameter_under_no_grad_in_forward():
     class Model(nn.Module):
         def __init__(self):

@@ -189,7 +189,7 @@ def _dirty_outputs(trace: Trace, requires: list[bool], written: dict[str, Tensor
     kept = _history_kept(trace)
     for j, (a, rg) in enumerate(zip(trace.args, requires)):
         new = written.get(a.name) if rg else None
-        if new is None or kept.get(new.name) == a.name:
+        if new is None or _kept_from(kept, new.name) == a.name:
             continue
         k = index.setdefault(new.name, len(outputs))
         if k == len(outputs):
@@ -204,10 +204,17 @@ def _dirty_outputs(trace: Trace, requires: list[bool], written: dict[str, Tensor
 
 
 def _history_kept(trace: Trace) -> dict[str, str]:
-    """``{new value: input name}`` for inputs written only under ``torch.no_grad()``: as in eager, such a tensor keeps
-    its autograd history (a leaf stays a leaf), so it is not an output marked dirty."""
+    """``{new value: old value}`` for writes autograd does not see (under ``torch.no_grad()``): as in eager, an input
+    written only so keeps its autograd history (a leaf stays a leaf), so it is not an output marked dirty."""
     return {b.output.name: b.args[1].name for b in trace.bound_symbols
             if b.sym.id == "ltorch.overwritten" and b.args[2] and isinstance(b.args[1], TensorProxy)}
+
+
+def _kept_from(kept: dict[str, str], name: str) -> str:
+    """The value a chain of history-keeping writes (several updates under no_grad) started from."""
+    while name in kept:
+        name = kept[name]
+    return name
 
 
 def _modified_saved_value(trace: Trace, joint: Joint, executors: Sequence, context: Trace,
