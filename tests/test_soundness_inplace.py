@@ -81,7 +81,8 @@ def test_several_updates_of_a_leaf_under_no_grad(executors):
                         executors=executors)
 
 
-def test_update_of_a_parameter_under_no_grad_in_forward():
+@pytest.mark.parametrize("executors", EXECUTORS)
+def test_update_of_a_parameter_under_no_grad_in_forward(executors):
     class Model(nn.Module):
         def __init__(self):
             super().__init__()
@@ -95,7 +96,7 @@ def test_update_of_a_parameter_under_no_grad_in_forward():
     torch.manual_seed(0)
     eager, compiled = Model(), Model()
     compiled.load_state_dict(eager.state_dict())
-    jitted = fulmen.jit(compiled, executors=["torch"])
+    jitted = fulmen.jit(compiled, executors=executors)
     for _ in range(2):
         x = torch.randn(4)
         expected, out = eager(x), jitted(x)

@@ -167,7 +167,7 @@ def _leaves_shape(name: str, a, args, kwargs) -> bool:
     if name == "squeeze_":
         dims = args[0] if args else kwargs.get("dim")
         dims = range(a.ndim) if dims is None else ((dims,) if isinstance(dims, int) else dims)
-        return all(shape[d] != 1 for d in dims)
+        return all(-a.ndim <= d < max(a.ndim, 1) and (not shape or shape[d] != 1) for d in dims)
     if name == "t_":
         return a.ndim < 2
     if name in ("transpose_", "swapdims_", "swapaxes_") and len(args) == 2 and not kwargs:
