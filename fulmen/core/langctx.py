@@ -17,6 +17,8 @@ properties: dict[str, Callable] = {}
 torch_functions: dict[Any, Callable] = {}
 #: Called with a torch callable that has no torch-language function; returns a callable that records it opaquely.
 fallback: list[Callable] = []
+#: Called as ``check(op name, out tensor, *inputs)`` before ``op(..., out=...)`` writes (eager's overlap check).
+out_checks: list[Callable] = []
 
 
 def method(name: str) -> Callable:

@@ -203,6 +203,18 @@ class TensorProxy(Proxy):
             "[p.grad for p in params]) instead of reading them inside the compiled function.")
 
     @property
+    def data(self):
+        return langctx.properties["data"](self)
+
+    @data.setter
+    def data(self, value) -> None:
+        raise NotImplementedError(
+            f"Tensor.data of {self.name} ({self.type_string()}) is assigned inside a function fulmen traces.\n"
+            f"  at {_user_location()}\nThe assignment makes the tensor share another tensor's memory and metadata, "
+            "which the compiled program cannot give the caller's tensor. For new values of the same shape write "
+            "`with torch.no_grad(): x.copy_(value)`; otherwise assign .data outside the compiled function.")
+
+    @property
     def grad_fn(self):
         return None
 
@@ -348,9 +360,19 @@ def call_with_out(fn, func, args: tuple, kwargs: dict) -> Any:
     if not isinstance(results, (tuple, list)) or len(outs) != len(results):
         raise TypeError(f"{name}(): out= must hold {len(results) if isinstance(results, (tuple, list)) else 1} "
                         f"tensor(s), got {len(outs)}")
-    for o, r in zip(outs, results):
+    for o in outs:
         if not isinstance(o, (TensorProxy, torch.Tensor)):
             raise TypeError(f"{name}(): argument 'out' must be Tensor, not {type(o).__name__}")
+    from fulmen.core.out_dtypes import out_dtype_error
+
+    refused = out_dtype_error(func, args, kwargs, outs, results, not isinstance(out, (tuple, list)))
+    if refused is not None:
+        raise RuntimeError(f"{name}(): {refused}")
+    inputs = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, TensorProxy)]
+    for check_out in langctx.out_checks:
+        for o in outs:
+            check_out(name, o, *inputs)
+    for o, r in zip(outs, results):
         if tuple(o.shape) != tuple(r.shape):
             raise NotImplementedError(
                 f"{name}(): out= holds a tensor of shape {list(o.shape)} but the result has shape {list(r.shape)}; "

@@ -36,6 +36,10 @@ class Trace:
         self.elapsed_ms: float | None = None
         self.has_mutations = False
         self.mutations = 0  # in-place updates recorded so far (fulmen.torch.inplace.mutate, register_hook)
+        # (old value, new value, index in bound_symbols, index where the user's in-place call began or None) of each
+        # in-place update (fulmen.torch.inplace.mutate)
+        self.overwritten: list[tuple[Any, Any, int, int | None]] = []
+        self.inplace_start: int | None = None  # set while a user's in-place call runs (fulmen.torch.registry)
         self.claims: dict[int, Any] = {}
         self.unused_outputs: set[str] | None = None  # printed as "_" (set by del_last_used)
         self.capture = None  # frontend hook turning real tensors met while tracing into inputs

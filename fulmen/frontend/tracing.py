@@ -350,8 +350,36 @@ def _write_back_mutated_inputs(trace: Trace, result: Any) -> Any:
     # symbols read the latest value of a mutated proxy; copy_ must name the caller's tensor itself
     trace.has_mutations = False
     try:
-        for new, p in changed:
-            prims.copy_(new, p)
+        written = {id(p): prims.copy_(new, p) for new, p in changed}
+        result = _views_of_written_inputs(result, changed, written)
     finally:
         trace.has_mutations = True
     return result
+
+
+def _views_of_written_inputs(result: Any, changed: list, written: dict[int, TensorProxy]) -> Any:
+    """Returned views of inputs that were written (``x.add_(1); return x[0]``) made again from the caller's tensor
+    after the write, so that, as in eager, the result shares its memory (unless autograd records the value)."""
+    owner = {}  # id of each value an input held -> the input
+    for _, p in changed:
+        v = p
+        while v is not None:
+            owner[id(v)] = p
+            v = v._latest
+
+    def remade(x):
+        if not isinstance(x, TensorProxy) or x._view_of is None or x.requires_grad:
+            return x
+        steps, v = [], x
+        while id(v) not in owner and v._view_of is not None:
+            v, remake = v._view_of
+            steps.append(remake)
+        p = owner.get(id(v))
+        if p is None or p.requires_grad:
+            return x
+        view = written[id(p)]
+        for remake in reversed(steps):
+            view = remake(view)
+        return view
+
+    return torch.utils._pytree.tree_map(remade, result)

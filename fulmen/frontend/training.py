@@ -214,6 +214,9 @@ class FulmenFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         runtime: _Runtime = ctx.runtime
+        stale = runtime.fb.modified_saved
+        if stale is not None and any(grads[runtime.differentiable[k]] is not None for k in stale[1]):
+            raise RuntimeError(stale[0])
         listed = ctx.fulmen_saved
         if listed is None:
             raise RuntimeError(

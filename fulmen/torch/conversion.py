@@ -16,6 +16,7 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import OpTags
 from fulmen.core.utils import check
 from fulmen.torch.inplace import mutate
+from fulmen.torch.overlap import check_no_partial_overlap
 from fulmen.torch.registry import register_function, tensor_methods, torchsymbol
 from fulmen.torch.shape import clone, contiguous
 
@@ -133,13 +134,14 @@ def copy_(a, src, non_blocking: builtins.bool = False):
     """``Tensor.copy_``: ``a`` (and what it views) takes ``src``'s values."""
     check(isinstance(src, TensorProxy), lambda: f"copy_(): argument 'src' (position 1) must be Tensor, not "
           f"{type(src).__name__}", TypeError)
+    check_no_partial_overlap("copy_", a, src)
     if src.device != a.device:
         src = prims.device_put(src, a.device)
     elif src.dtype == a.dtype and tuple(src.shape) == tuple(a.shape):
         # ``a`` gets its own copy: were ``src`` itself ``a``'s new value, both would follow one chain of values
         # and a later in-place update of either would show in the other
         src = clone(src)
-    return mutate(a, src)
+    return mutate(a, src, overwrites=True)
 
 
 register_function(tensor_methods("copy_"), copy_, method_names=["copy_"])

@@ -476,7 +476,7 @@ def fill(a, value):
 
 def fill_(a, value):
     """``Tensor.fill_``: every element of ``a`` (and of what ``a`` views) set to ``value``."""
-    return mutate(a, fill(a, value))
+    return mutate(a, fill(a, value), overwrites=True)
 
 
 def zero_(a):

@@ -15,6 +15,7 @@ from fulmen.core.symbol import OpTags
 from fulmen.core.symbolic import NUMBER_TYPES
 from fulmen.core.utils import check
 from fulmen.torch.inplace import mutate
+from fulmen.torch.overlap import check_no_partial_overlap
 from fulmen.torch.registry import register_function, tensor_methods, torchsymbol
 
 _EW = (OpTags.ELEMENTWISE,)
@@ -24,6 +25,7 @@ def inplace_variant(fn, name: str):
     """``name_`` for a functional ``fn``: same math, result cast back into ``a`` as torch does."""
 
     def inplace(a, *args, **kwargs):
+        check_no_partial_overlap(name + "_", a, *args, *kwargs.values())
         result = fn(a, *args, **kwargs)
         if isinstance(result, TensorProxy):
             check(torch.can_cast(result.dtype, a.dtype),

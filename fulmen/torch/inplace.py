@@ -4,6 +4,12 @@
 the Python object ``a`` read ``t`` (see ``proxies.latest``). Views made by view ops remember their base
 and how they were made, so updating a view updates its base (and the base's other views), as in eager.
 When the jitted function returns, inputs whose value changed are written back with ``prims.copy_``.
+
+Autograd sees these updates as eager's does: ``ltorch.overwritten`` carries a tensor's history through a write
+autograd does not record (under ``no_grad``, through ``detach()``) and through values that replace it (``zero_``);
+a source overlapping the memory written is refused (``fulmen.torch.overlap``), as is a backward through a value
+overwritten after an op saved it (``fulmen.transforms.split``). Ops that change a tensor's shape or strides in
+place (``squeeze_``, ``t_``, ...) are refused: a proxy keeps the shape it was made with.
 """
 
 from __future__ import annotations
@@ -13,9 +19,11 @@ from collections.abc import Callable
 import torch
 
 from fulmen import clang, prims
-from fulmen.core.proxies import TensorProxy, latest
+from fulmen.core.proxies import TensorProxy, _user_location, latest
 from fulmen.core.trace import get_tracectx
 from fulmen.core.utils import check
+from fulmen.torch.overlap import check_no_partial_overlap
+from fulmen.torch.registry import register_function, tensor_methods, torchsymbol
 
 
 def scatter_into(base: TensorProxy, select: Callable[[TensorProxy], TensorProxy], values) -> TensorProxy:
@@ -40,8 +48,26 @@ def scatter_into(base: TensorProxy, select: Callable[[TensorProxy], TensorProxy]
     return clang.reshape(flat, base.shape)
 
 
-def mutate(target: TensorProxy, new_value, *, _from_view: TensorProxy | None = None) -> TensorProxy:
-    """Make ``new_value`` (cast and broadcast to ``target``) the current value of ``target``; returns target."""
+@torchsymbol(id="ltorch.overwritten")
+def overwritten(new: TensorProxy, old: TensorProxy, keeps_gradient: bool) -> TensorProxy:
+    """``new``'s values as the value an in-place op gave the tensor that held ``old``, for autograd.
+
+    Eager autograd keeps a tensor's history through an in-place op where the new value alone would lose it:
+    written where autograd does not see it (``keeps_gradient``: the gradient of the result reaches ``old``
+    unchanged, as for ``w.add_(u)`` inside ``no_grad`` or ``w.detach().zero_()``), or overwritten by values that
+    do not depend on it (``zero_``, ``fill_``, ``copy_``: the result still requires grad and ``old`` receives a
+    zero gradient). The gradient rule is in ``fulmen.transforms.grad_rules``.
+    """
+    out = prims.reshape(new, tuple(new.shape))
+    out.requires_grad = True
+    return out
+
+
+def mutate(target: TensorProxy, new_value, *, overwrites: bool = False,
+           _from_view: TensorProxy | None = None) -> TensorProxy:
+    """Make ``new_value`` (cast and broadcast to ``target``) the current value of ``target``; returns target.
+
+    ``overwrites``: the new value replaces the old one instead of being computed from it (``copy_``, ``fill_``)."""
     trc = get_tracectx()
     check(trc is not None, lambda: "in-place operations can only be traced", RuntimeError)
     trc.has_mutations = True
@@ -61,6 +87,13 @@ def mutate(target: TensorProxy, new_value, *, _from_view: TensorProxy | None = N
         raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
     if new is current:  # nothing was computed (x.add_(0) folded away): the value is unchanged
         return target
+    trc.overwritten.append((current, new, len(trc.scopes[0]), trc.inplace_start))  # autograd's saved-tensor check
+    grad_enabled = torch.is_grad_enabled()
+    # a write autograd does not see: under no_grad, or through a view that does not require grad (x.detach(), x.data)
+    unseen = not grad_enabled or (_from_view is not None and not _from_view.requires_grad)
+    if current.requires_grad and (unseen or overwrites or not isinstance(new_value, TensorProxy)):
+        with torch.enable_grad():  # recorded as differentiable even inside no_grad: it carries the history on
+            new = overwritten(new, current, unseen)
     current._latest = new
     trc.mutations += 1
     new._view_of, new._views = current._view_of, current._views
@@ -68,14 +101,18 @@ def mutate(target: TensorProxy, new_value, *, _from_view: TensorProxy | None = N
         base, remake = current._view_of
         unview = getattr(remake, "unview", None)
         new_base = unview(new) if unview is not None else scatter_into(latest(base), remake, new)
-        mutate(base, new_base, _from_view=current)
+        mutate(base, new_base, _from_view=current)  # computed from the base's old value
     if current._views:
         views = list(current._views)  # remake() below registers each refreshed value as a view of `new` too
         for view in views:
             if view is _from_view or latest(view) is new:
                 continue
             base_view, remake = view._view_of
-            refreshed = remake(new)
+            if not unseen or not new.requires_grad:
+                refreshed = remake(new)
+            else:  # a view keeps its history through a write under no_grad, as the base does
+                with torch.enable_grad():
+                    refreshed = remake(new)
             view_now = latest(view)
             if view_now is not refreshed:
                 view_now._latest = refreshed
@@ -89,4 +126,59 @@ def setitem(a: TensorProxy, key, value) -> None:
     from fulmen.core import langctx
 
     getitem = langctx.method("__getitem__")
+    if isinstance(value, TensorProxy) and value._view_of is not None:  # eager refuses a value overlapping the target
+        target = getitem(latest(a), key)  # recorded only to be compared; dead code elimination drops it
+        check_no_partial_overlap("", target if target._view_of is not None else a, value)
     mutate(a, scatter_into(latest(a), lambda base: getitem(base, key), value))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# in-place changes of shape and strides
+
+#: In-place ops that change a tensor's shape or strides rather than its values (eager gives the caller's tensor
+#: object the new layout); the out-of-place form each suggests.
+_METADATA_OPS = {"squeeze_": "x = x.squeeze(...)", "unsqueeze_": "x = x.unsqueeze(...)", "t_": "x = x.t()",
+                 "transpose_": "x = x.transpose(...)", "swapdims_": "x = x.swapdims(...)",
+                 "swapaxes_": "x = x.swapaxes(...)", "resize_": "x = x.reshape(...) or a new tensor",
+                 "resize_as_": "x = x.reshape_as(...) or a new tensor", "as_strided_": "x = x.as_strided(...)",
+                 "set_": "x = source"}
+
+
+def _metadata_op(name: str):
+    def changes_metadata(a, *args, **kwargs):
+        """Refused: a proxy's shape is fixed when it is made (it is the same Python object before and after, as
+        the user's tensor is), so the layout eager gives the tensor in place cannot be followed."""
+        if _leaves_shape(name, a, args, kwargs):
+            return a
+        raise NotImplementedError(
+            f"Tensor.{name}() changes the shape or strides of tensor {getattr(a, 'name', '?')} in place, which "
+            f"fulmen.jit does not support: the caller's tensor would keep its old layout.\n  at {_user_location()}\n"
+            f"Use the out-of-place form and its result instead ({_METADATA_OPS[name]}).")
+
+    changes_metadata.__name__ = name
+    return changes_metadata
+
+
+def _leaves_shape(name: str, a, args, kwargs) -> bool:
+    """Whether ``a.<name>(*args)`` changes nothing: a squeeze of no size-1 dim, a resize to the current shape."""
+    if not isinstance(a, TensorProxy):
+        return False
+    shape = tuple(a.shape)
+    if name == "squeeze_":
+        dims = args[0] if args else kwargs.get("dim")
+        dims = range(a.ndim) if dims is None else ((dims,) if isinstance(dims, int) else dims)
+        return all(-a.ndim <= d < max(a.ndim, 1) and (not shape or shape[d] != 1) for d in dims)
+    if name == "t_":
+        return a.ndim < 2
+    if name in ("transpose_", "swapdims_", "swapaxes_") and len(args) == 2 and not kwargs:
+        return a.ndim == 0 or args[0] % a.ndim == args[1] % a.ndim
+    if name == "resize_" and not kwargs:
+        size = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else args
+        return tuple(size) == shape
+    if name == "resize_as_" and not kwargs and args:
+        return tuple(args[0].shape) == shape
+    return False
+
+
+for _name in _METADATA_OPS:
+    register_function(tensor_methods(_name), _metadata_op(_name), method_names=[_name])

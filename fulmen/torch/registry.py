@@ -9,6 +9,7 @@ import torch
 from fulmen.core import langctx
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
+from fulmen.core.tracectx import get_tracectx
 
 #: Every torch-language symbol by id (``"torch.add"``, ``"torch.nn.functional.relu"``, ``"torch.Tensor.view"``).
 symbols_by_id: dict[str, Symbol] = {}
@@ -91,6 +92,7 @@ def link_views(sym: Symbol, args: tuple, kwargs: dict, output, which: Sequence[i
                 return sym(new_base, *rest, **kwargs)
         if unview is not None:
             remake.unview = unview
+        remake.view_call = (sym, rest, kwargs, i if isinstance(output, (tuple, list)) else None)  # fulmen.torch.overlap
         out._view_of = (base, remake)
         if base._views is None:
             base._views = []
@@ -139,10 +141,31 @@ def torchsymbol(
 
 def register_function(torch_fns: Sequence[Callable], fn: Callable, *, method_names: Sequence[str] = ()) -> None:
     """Route torch callables to a plain function (not a symbol): in-place variants and Python-level helpers."""
+    if method_names and all(n.endswith("_") and not n.endswith("__") for n in method_names):
+        fn = _marking_start(fn)
     for tfn in torch_fns:
         langctx.torch_functions[tfn] = fn
     for name in method_names:
         langctx.methods[name] = fn
+
+
+def _marking_start(fn: Callable) -> Callable:
+    """``fn`` (an in-place variant) noting where in the trace the user's call began: autograd's check of values
+    saved and then overwritten tells the op's own reads of the tensor it updates from earlier ones by it."""
+
+    def inplace(*args, **kwargs):
+        trc = get_tracectx()
+        if trc is None or trc.inplace_start is not None or len(trc.scopes) != 1:
+            return fn(*args, **kwargs)
+        trc.inplace_start = len(trc.scopes[0])
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            trc.inplace_start = None
+
+    inplace.__name__, inplace.__qualname__, inplace.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
+    inplace.__wrapped__ = fn
+    return inplace
 
 
 def tensor_methods(*names: str) -> tuple:

@@ -290,6 +290,20 @@ def _matmul_rule(p: RuleArgs):
     return out
 
 
+@builtin_rule("ltorch.overwritten")
+def _overwritten_rule(p: RuleArgs):
+    """An in-place update autograd keeps the history of (``ltorch.overwritten``): the old value gets the result's
+    gradient unchanged (a write under ``no_grad``) or zeros (values that replace it), the new value its own."""
+    new, old, keeps_gradient = p[0], p[1], p[2]
+    out = prims.reshape(new, tuple(new.shape))
+    g = get_grad(out)
+    if needs_grad(old):
+        put_grad(old, g if keeps_gradient else clang.full(tuple(g.shape), 0, device=g.device, dtype=g.dtype))
+    if needs_grad(new) and not keeps_gradient:
+        put_grad(new, g)
+    return out
+
+
 def _pieces_rule(p: RuleArgs, *, stacked: bool = False):
     """split, chunk, tensor_split and unbind: the pieces cover the input along ``dim``, so its gradient is the
     pieces' cotangents concatenated (stacked for unbind), zeros for pieces that got none -- one ``cat``, as

@@ -127,6 +127,9 @@ class ForwardBackward:
     # inputs that require grad but that no gradient reaches: passed detached, so that autograd adds no edge to their
     # history (which may be freed already; eager never visits it either)
     unreached: list[int] = field(default_factory=list)
+    # eager's error for a backward that needs a value an in-place op overwrote after an op saved it, and the outputs
+    # (positions in differentiable) whose backward goes through that op: None when there is none
+    modified_saved: tuple[str, frozenset[int]] | None = None
 
     def backward_trace(self, present: tuple[bool, ...] | None = None) -> Trace:
         """The backward for cotangents given only for ``present`` differentiable outputs (all by default)."""
@@ -183,9 +186,10 @@ def _dirty_outputs(trace: Trace, requires: list[bool], written: dict[str, Tensor
     dirty: list[tuple[int, int]] = []
     index = {p.name: i for i, p in enumerate(outputs)}
     taken: set[int] = set()
+    kept = _history_kept(trace)
     for j, (a, rg) in enumerate(zip(trace.args, requires)):
         new = written.get(a.name) if rg else None
-        if new is None:
+        if new is None or _kept_from(kept, new.name) == a.name:
             continue
         k = index.setdefault(new.name, len(outputs))
         if k == len(outputs):
@@ -197,6 +201,88 @@ def _dirty_outputs(trace: Trace, requires: list[bool], written: dict[str, Tensor
         taken.add(k)
         dirty.append((j, k))
     return dirty
+
+
+def _history_kept(trace: Trace) -> dict[str, str]:
+    """``{new value: old value}`` for writes autograd does not see (under ``torch.no_grad()``): as in eager, an input
+    written only so keeps its autograd history (a leaf stays a leaf), so it is not an output marked dirty."""
+    return {b.output.name: b.args[1].name for b in trace.bound_symbols
+            if b.sym.id == "ltorch.overwritten" and b.args[2] and isinstance(b.args[1], TensorProxy)}
+
+
+def _kept_from(kept: dict[str, str], name: str) -> str:
+    """The value a chain of history-keeping writes (several updates under no_grad) started from."""
+    while name in kept:
+        name = kept[name]
+    return name
+
+
+def _modified_saved_value(trace: Trace, joint: Joint, executors: Sequence, context: Trace,
+                          outputs: list[TensorProxy], differentiable: list[int]) -> tuple[str, frozenset[int]] | None:
+    """Eager's error when an op's backward needs a value that a later in-place op overwrote (``y = x.sin();
+    x.add_(1)``): eager saved the tensor, its version changed, and the backward refuses it. Functionally the old
+    value is still at hand, but the program must fail where eager fails. The in-place op's own computation of the
+    new value from the tensor it updates is exempt: eager's in-place kernels save what they need of it."""
+    bsyms = trace.bound_symbols
+    producer = {p.name: i for i, b in enumerate(bsyms) for p in b.flat_proxy_outs}
+    readers: dict[str, list[int]] = {}
+    for i, b in enumerate(bsyms):
+        for p in b.flat_args:
+            readers.setdefault(p.name, []).append(i)
+    found = None
+    for old, new, position, start in trace.overwritten:
+        earlier = [i for i in readers.get(old.name, ()) if i < position]
+        if not earlier:
+            continue
+        if start is not None:  # the user's in-place call: its reads of the tensor it updates as self are exempt
+            own = {i for i in earlier if i >= start and not _reads_beyond_first(bsyms[i], old.name)}
+        else:  # an update made inside an op (inplace=True): everything the new value is computed from is exempt
+            own, stack = set(), [new.name]
+            while stack:
+                i = producer.get(stack.pop())
+                if i is not None and i >= earlier[0] and i not in own:
+                    own.add(i)
+                    stack.extend(p.name for p in bsyms[i].flat_args)
+        for i in earlier:
+            b = bsyms[i]
+            if i in own or b.no_grad or not any(p.name in joint.active for p in b.flat_proxy_outs):
+                continue
+            if old.name in _read_by_backward(b, joint.active, executors, context):
+                reached = {p.name for p in b.flat_proxy_outs}
+                for later in bsyms[i + 1:]:
+                    if any(p.name in reached for p in later.flat_args):
+                        reached.update(p.name for p in later.flat_proxy_outs)
+                through = frozenset(k for k, j in enumerate(differentiable) if outputs[j].name in reached)
+                message = found[0] if found is not None else (
+                    f"one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: {old.name} ({old.type_string()}), saved by {b.sym.qualified_name} to compute its "
+                    "gradient, was overwritten in place afterwards (as in eager, a backward through it fails). "
+                    "Clone the tensor before the in-place operation, or update a copy.")
+                found = (message, through | (found[1] if found is not None else frozenset()))
+    return found
+
+
+def _reads_beyond_first(bsym: BoundSymbol, name: str) -> bool:
+    """Whether ``bsym`` reads the value ``name`` other than as its first argument (``y.mul_(y)``'s other operand)."""
+    rest = tree_flatten((bsym.args[1:], bsym.kwargs))[0]
+    return any(isinstance(p, Proxy) and p.name == name for p in rest)
+
+
+def _read_by_backward(bsym: BoundSymbol, active: set[str], executors: Sequence, context: Trace) -> list[str]:
+    """The forward values the backward of ``bsym`` alone reads (worked out in a scratch trace, then dropped)."""
+    scratch = Trace("saved_check", parent=context)
+    body: list[BoundSymbol] = []
+    with tracectx(scratch):
+        joint = linearize([bsym], set(active), executors)
+        outs = [p for p in bsym.flat_proxy_outs if p.name in joint.active]
+        cts = {p.name: TensorProxy(like=p, prefix="ct", requires_grad=False) for p in outs}
+        scratch.scopes.append(body)
+        try:
+            reached = backward_pass(joint, cts)
+        finally:
+            scratch.scopes.pop()
+    grads = [g.name for name, g in reached.items() if name in active and name not in cts]
+    return forward_values_read(prune(body, grads), set(cts), also_read=grads)
 
 
 def _alias_roots(leaves: Sequence[BoundSymbol], names: Iterable[str]) -> dict[str, str]:
@@ -249,6 +335,8 @@ def split_forward_backward(trace: Trace, executors: Sequence, *, recompute: bool
         return None
     fb = ForwardBackward(forward=trace, outputs=outputs, differentiable=differentiable, saved=[], joint=joint,
                          context=context, input_requires_grad=requires, dirty=dirty)
+    if trace.overwritten:
+        fb.modified_saved = _modified_saved_value(trace, joint, executors, context, outputs, differentiable)
     everything = (True,) * len(differentiable)
     bw, body, cts, grads, needed = _emit_backward(fb, everything)  # the full backward decides what is saved
     leaves = _leaves(joint.nodes)
