@@ -256,7 +256,10 @@ class BoundSymbol:
             sub_printer = Printer({})
             for s in self.subsymbols:
                 for sl in s.python_lines(sub_printer):
-                    lines.append("  " + sl if sl.startswith(" ") else "  # " + sl)
+                    if sl.startswith(" "):
+                        lines.append("  " + sl)
+                    else:  # a custom python_printer's text may hold several lines: each stays a comment
+                        lines.extend("  # " + piece for piece in sl.splitlines())
         return lines
 
     def __str__(self) -> str:
