@@ -20,7 +20,7 @@ list, dict or other object changed in place (``self.sizes.append(3)``, ``self.co
 globals a ``forward`` reads, and writes straight into ``module._parameters`` / ``_buffers`` / ``_modules``
 that bypass the methods above (a new tensor there is still read, as it is read on every call).
 
-While fulmen traces, the ``__setattr__``/``__delattr__`` wrappers also report each write to ``write_recorder``
+While fulmen traces, the ``__setattr__``/``__delattr__`` wrappers also report each write to ``write_recorders``
 (``fulmen.frontend.module_writes``).
 """
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import threading
 import types
 import weakref
 from typing import Any
@@ -44,9 +45,9 @@ epoch = 0
 # (weakly: an id leaves the set when its module dies, so a new object at that address is not taken for it)
 _watched: dict[int, weakref.ref] = {}
 _installed = False
-#: While fulmen traces: called with (module, name) before every attribute write or delete on any module
-#: (``fulmen.frontend.module_writes``); None otherwise.
-write_recorder = None
+#: While fulmen traces, by tracing thread's id: called with (module, name) before every attribute write or delete
+#: that thread makes on any module (``fulmen.frontend.module_writes``). Empty when no thread traces.
+write_recorders: dict[int, Any] = {}
 
 
 def _bump() -> None:
@@ -74,8 +75,10 @@ def _on_setattr(method):
     # the bump is skipped (is_compiling() is a constant there), so it inlines just the original.
     @functools.wraps(method)
     def __setattr__(self, name, value):
-        if write_recorder is not None:
-            write_recorder(self, name)
+        if write_recorders:
+            recorder = write_recorders.get(threading.get_ident())
+            if recorder is not None:
+                recorder(self, name)
         method(self, name, value)
         if not torch.compiler.is_compiling() and id(self) in _watched:
             _bump()
@@ -87,8 +90,10 @@ def _on_setattr(method):
 def _on_delattr(method):
     @functools.wraps(method)
     def __delattr__(self, name):
-        if write_recorder is not None:
-            write_recorder(self, name)
+        if write_recorders:
+            recorder = write_recorders.get(threading.get_ident())
+            if recorder is not None:
+                recorder(self, name)
         method(self, name)
         if not torch.compiler.is_compiling() and id(self) in _watched:
             _bump()
