@@ -189,3 +189,26 @@ def test_module_writes_are_recorded_for_the_tracing_thread_only():
             assert m.last_scale == float(i + r)
 
     assert _run_threads(worker) == []
+
+
+def test_threads_settling_a_warm_started_training_program():
+    # a training program's first call runs on PyTorch autograd; the next calls, made by several threads at once,
+    # compile the real program once and every thread gets eager's value and gradient
+    for r in range(6):
+        jf = fulmen.jit(lambda x, w: _chain(x @ w, x @ w).sum(), executors=["torch"], compile="async")
+        x = torch.randn(3, 4, dtype=torch.float64)
+        w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+        ref = _chain(x @ w, x @ w).sum()
+        (ref_grad,) = torch.autograd.grad(ref, w)
+        jf(x, w)  # the first call
+
+        def worker(i):
+            for _ in range(3):
+                out = jf(x, w)
+                (grad,) = torch.autograd.grad(out, w)
+                torch.testing.assert_close(out, ref)
+                torch.testing.assert_close(grad, ref_grad)
+
+        assert _run_threads(worker) == []
+        assert fulmen.compile_stats(jf).pending_compilations == 0
+        assert "warm_start" in fulmen.compile_stats(jf).phase_times_ms  # the path this test is about was taken
