@@ -242,3 +242,19 @@ def test_sanitize_name():
     for raw in ("ｔ0", "a\u0301", "x.y", "名前", "①②", "__import__('os')"):
         name = sanitize_name(raw)
         assert name.isidentifier() and name == __import__("unicodedata").normalize("NFKC", name)
+
+
+def test_arguments_named_like_size_symbols_with_dynamic_sizes():
+    # traces with dynamic sizes bind ShapeEnv's symbols (s0, s1, ...) as locals: no input may take their names
+    names = [f"s{i}" for i in range(100)] + ["u0", "u1", "zf0"]
+    kw = {n: torch.randn(2 + i % 3) for i, n in enumerate(names)}
+
+    def f(**kw):
+        out = torch.zeros(())
+        for v in kw.values():
+            out = out + v.sum() * v.shape[0]
+        return out
+
+    got = fulmen.jit(f, executors=["torch"], dynamic=True)(**kw)
+    torch.testing.assert_close(got, f(**kw))
+    assert sanitize_name("s0") == "s0_" and sanitize_name("u12") == "u12_" and sanitize_name("s0x") == "s0x"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import builtins
 import keyword
 import math
+import re
 import unicodedata
 from collections.abc import Collection
 from numbers import Number
@@ -25,6 +26,10 @@ RESERVED_NAMES = frozenset(
     | set(dir(builtins))
 )
 
+#: The names PyTorch's ShapeEnv gives size symbols (``s0``, ``u3``, ``zf1``): traces with dynamic sizes bind them as
+#: locals (``s0 = x.shape[0]``), so no value may be named so.
+_SIZE_SYMBOL = re.compile(r"(?:s|u|zf|zuf)[0-9]+")
+
 #: Types whose ``repr`` is a Python literal that evaluates back to an equal value; only values of exactly these
 #: types are pasted into generated code as text (a subclass may override ``__repr__``).
 _LITERAL_TYPES = frozenset((bool, int, float, complex, str, type(None)))
@@ -32,7 +37,7 @@ _LITERAL_TYPES = frozenset((bool, int, float, complex, str, type(None)))
 
 def sanitize_name(name: str) -> str:
     """A legal identifier, in the form Python itself uses (NFKC-normalized: ``ｔ0`` is ``t0`` to Python), that
-    shadows neither keywords, builtins nor the modules traces use."""
+    shadows neither keywords, builtins, the modules traces use nor the size symbols of dynamic traces."""
     if not name.isascii():
         name = unicodedata.normalize("NFKC", name)
     if not name.isidentifier() or (not name.isascii() and unicodedata.normalize("NFKC", name) != name):
@@ -40,7 +45,7 @@ def sanitize_name(name: str) -> str:
         name = "".join(c if c.isascii() and (c.isalnum() or c == "_") else "_" for c in name) or "_"
         if name[0].isdigit():
             name = "_" + name
-    if keyword.iskeyword(name) or name in RESERVED_NAMES:
+    if keyword.iskeyword(name) or name in RESERVED_NAMES or _SIZE_SYMBOL.fullmatch(name):
         name = name + "_"
     return name
 
