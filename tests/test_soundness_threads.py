@@ -212,3 +212,30 @@ def test_threads_settling_a_warm_started_training_program():
         assert _run_threads(worker) == []
         assert fulmen.compile_stats(jf).pending_compilations == 0
         assert "warm_start" in fulmen.compile_stats(jf).phase_times_ms  # the path this test is about was taken
+
+
+def test_module_change_is_seen_while_another_thread_traces():
+    # fulmen sets torch.compiler's is_compiling flag (one for the process) while it traces; a structure change a
+    # thread makes meanwhile must still be noticed by that thread's jitted module
+    stop = threading.Event()
+
+    def tracer():
+        k = 0
+        while not stop.is_set():
+            k += 1
+            fulmen.jit(lambda x, k=k: _chain(x, x) * k, executors=["torch"])(torch.randn(3))
+
+    t = threading.Thread(target=tracer, daemon=True)
+    t.start()
+    try:
+        for _ in range(30):
+            m = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+            jm = fulmen.jit(m, executors=["torch"])
+            x = torch.randn(2, 4)
+            with torch.no_grad():
+                jm(x)
+                m[1] = nn.Tanh()  # the next call must not reuse the program compiled with ReLU
+                torch.testing.assert_close(jm(x), m(x))
+    finally:
+        stop.set()
+        t.join(timeout=60)

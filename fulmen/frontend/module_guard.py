@@ -48,11 +48,20 @@ _installed = False
 #: While fulmen traces, by tracing thread's id: called with (module, name) before every attribute write or delete
 #: that thread makes on any module (``fulmen.frontend.module_writes``). Empty when no thread traces.
 write_recorders: dict[int, Any] = {}
+#: Thread id -> how many fulmen traces that thread is inside (``fulmen.frontend.tracing`` sets torch.compiler's
+#: is_compiling flag for them).
+tracing_threads: dict[int, int] = {}
 
 
 def _bump() -> None:
     global epoch
     epoch += 1
+
+
+def _traced_elsewhere() -> bool:
+    """Whether torch.compiler's is_compiling flag, which is one for the process, may be on only because fulmen
+    traces in another thread: this thread is not tracing, and must record its changes."""
+    return bool(tracing_threads) and threading.get_ident() not in tracing_threads
 
 
 def _on_module(method):
@@ -61,7 +70,7 @@ def _on_module(method):
     @functools.wraps(method)
     def changing(self, *args, **kwargs):
         result = method(self, *args, **kwargs)
-        if not torch.compiler.is_compiling() and id(self) in _watched:
+        if (not torch.compiler.is_compiling() or _traced_elsewhere()) and id(self) in _watched:
             _bump()
         return result
 
@@ -72,7 +81,8 @@ def _on_module(method):
 def _on_setattr(method):
     # A code object of its own: Dynamo refuses to inline nn.Module methods whose code it does not know, except
     # __setattr__ and __delattr__, which it recognizes by identity -- and it compares code objects. Under Dynamo
-    # the bump is skipped (is_compiling() is a constant there), so it inlines just the original.
+    # the bump is skipped (is_compiling() is a constant there), so it inlines just the original. While fulmen
+    # traces (which sets the same flag), only the tracing thread skips it.
     @functools.wraps(method)
     def __setattr__(self, name, value):
         if write_recorders:
@@ -80,7 +90,7 @@ def _on_setattr(method):
             if recorder is not None:
                 recorder(self, name)
         method(self, name, value)
-        if not torch.compiler.is_compiling() and id(self) in _watched:
+        if (not torch.compiler.is_compiling() or _traced_elsewhere()) and id(self) in _watched:
             _bump()
 
     __setattr__.__fulmen_wrapped__ = method
@@ -95,7 +105,7 @@ def _on_delattr(method):
             if recorder is not None:
                 recorder(self, name)
         method(self, name)
-        if not torch.compiler.is_compiling() and id(self) in _watched:
+        if (not torch.compiler.is_compiling() or _traced_elsewhere()) and id(self) in _watched:
             _bump()
 
     __delattr__.__fulmen_wrapped__ = method

@@ -20,6 +20,7 @@ from fulmen.core import langctx
 from fulmen.core.codeutils import sanitize_name
 from fulmen.core.proxies import Proxy, TensorProxy, call_with_out, has_proxy, is_library_file, latest
 from fulmen.core.trace import Trace, get_tracectx, tracectx
+from fulmen.frontend import module_guard
 from fulmen.frontend.global_guard import GlobalGuard, ReadRecorder, build_guard
 from fulmen.frontend.module_writes import ModuleWrites, check_no_proxies_left
 from fulmen.frontend.replay import Replays
@@ -172,16 +173,22 @@ def _compiling():
     if not hasattr(torch.compiler, "_is_compiling_flag"):  # a private flag; torch releases without it trace as-is
         yield
         return
+    thread, threads = threading.get_ident(), module_guard.tracing_threads
     with _flag_lock:
         if _flag_users == 0:
             _flag_saved = torch.compiler._is_compiling_flag
         _flag_users += 1
+        threads[thread] = threads.get(thread, 0) + 1
         torch.compiler._is_compiling_flag = True
     try:
         yield
     finally:
         with _flag_lock:
             _flag_users -= 1
+            if threads[thread] == 1:
+                del threads[thread]
+            else:
+                threads[thread] -= 1
             if _flag_users == 0:
                 torch.compiler._is_compiling_flag = _flag_saved
 
