@@ -239,3 +239,22 @@ def test_module_change_is_seen_while_another_thread_traces():
     finally:
         stop.set()
         t.join(timeout=60)
+
+
+def test_threads_differentiating_convolutions():
+    # the convolution's VJP asks which gradients the walk wants; each thread's walk has its own answer
+    def worker(i):
+        for r in range(6):
+            def f(**kw):
+                y = torch.nn.functional.conv2d(kw[f"inp{i}_{r}"], kw[f"weight{i}_{r}"])
+                return _chain(y, y).sum()  # a long walk: the threads' walks overlap
+
+            x = torch.randn(1, 2, 5, 5, dtype=torch.float64, requires_grad=True)
+            w = torch.randn(3, 2, 3, 3, dtype=torch.float64, requires_grad=True)
+            kw = {f"inp{i}_{r}": x, f"weight{i}_{r}": w}
+            got = torch.autograd.grad(fulmen.jit(f, executors=["torch"])(**kw), (x, w))
+            want = torch.autograd.grad(f(**kw), (x, w))
+            for g, e in zip(got, want):
+                torch.testing.assert_close(g, e)
+
+    assert _run_threads(worker) == []
