@@ -15,7 +15,7 @@ import torch
 
 from fulmen.core.codeutils import Printer, outputs_of, type_comment
 from fulmen.core.proxies import Proxy, TensorProxy, latest
-from fulmen.core.tracectx import get_tracectx
+from fulmen.core.tracectx import current
 
 
 class OpTags(Enum):
@@ -84,7 +84,7 @@ class Symbol:
         return f"{self.module}.{self.name}" if self.module else self.name
 
     def __call__(self, *args, **kwargs):
-        trc = get_tracectx()
+        trc = current.trace  # get_tracectx(), inlined: this runs for every operation traced
         if trc is None:
             raise SymbolCalledOutsideTracing(
                 f"{self.qualified_name} was called outside of tracing. Symbols record operations into a trace; "

@@ -19,7 +19,10 @@ class _TraceState(threading.local):
     trace: Trace | None = None
 
 
-_state = _TraceState()
+#: ``current.trace``: the trace this thread is building, or None (``get_tracectx()``; the hottest callers,
+#: ``Symbol.__call__`` and ``Proxy.__init__``, read the attribute and save a call).
+current = _TraceState()
+_state = current
 
 
 def get_tracectx() -> Trace | None:
