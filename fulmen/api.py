@@ -57,11 +57,14 @@ class ProgramTrace(Trace):
         if "prims" in modules:
             lines.append("from fulmen import prims")
         lines.append("")
+        header = len(lines)
         if include_decorator:
             lines.append("@torch.no_grad()")
         lines.append(f"def {self.fn_name}({', '.join(self.signature_names())}):")
         for bsym in self.bound_symbols:
             lines.extend("  " + ln for ln in bsym.python_lines(printer))
+        if printer.constants:  # what each constant holds, for a reader
+            lines[header:header] = [*printer.constant_comments(), ""]
         return "\n".join(lines) + "\n"
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from fulmen.core import devices, dtypes
-from fulmen.core.codeutils import Printer, sanitize_name
+from fulmen.core.codeutils import Printer, comment_text, sanitize_name
 from fulmen.core.symbol import Symbol
 from fulmen.core.symbolic import SymbolBinder
 from fulmen.core.trace import Trace
@@ -34,11 +34,18 @@ def _resolve(qualified: str) -> Any:
     return obj
 
 
-class _ExecPrinter:
-    """Gives each executable symbol a printed name that resolves, in the generated module, to its impl."""
+def _is_dotted_identifier(qualified: str) -> bool:
+    return all(part.isascii() and part.isidentifier() for part in qualified.split("."))
 
-    def __init__(self, ctx: dict[str, Any]):
+
+class _ExecPrinter:
+    """Gives each executable symbol a printed name that resolves, in the generated module, to its impl: the
+    torch function it is (``torch.mul``), or a name bound to the impl in ``ctx`` that no value of the trace
+    (``reserved``) uses."""
+
+    def __init__(self, ctx: dict[str, Any], reserved: set[str]):
         self.ctx = ctx
+        self.reserved = reserved
         self.names: dict[int, str] = {}
 
     def name_for(self, sym: Symbol) -> str:
@@ -49,17 +56,19 @@ class _ExecPrinter:
         if sym.impl is None:
             raise RuntimeError(f"{qualified} has no implementation; claim the trace with executors before "
                                "generating code")
-        if sym.module and sym.module.split(".")[0] == "torch" and _resolve(qualified) is sym.impl:
+        if not _is_dotted_identifier(qualified):
+            name = None
+        elif sym.module and sym.module.split(".")[0] == "torch" and _resolve(qualified) is sym.impl:
             name = qualified
-        elif sym.module == "torchex":
-            from fulmen.executors.torchex import torchex_namespace
-
-            self.ctx["torchex"] = torchex_namespace
+        elif sym.module == "torchex" and getattr(_torchex_namespace(), sym.name, None) is sym.impl:
+            self.ctx["torchex"] = _torchex_namespace()
             name = qualified
         else:
+            name = None
+        if name is None:
             base = sanitize_name(sym.name)
             name, i = base, 0
-            while name in self.ctx and self.ctx[name] is not sym.impl:
+            while name in self.reserved or (name in self.ctx and self.ctx[name] is not sym.impl):
                 i += 1
                 name = f"{base}_{i}"
             self.ctx[name] = sym.impl
@@ -67,21 +76,51 @@ class _ExecPrinter:
         return name
 
 
+def _torchex_namespace():
+    from fulmen.executors.torchex import torchex_namespace  # core must not import executors at import time
+
+    return torchex_namespace
+
+
+_FIXED_GLOBALS = ("torch", "devices", "dtypes", "inf", "nan", "torchex")
+
+
+def _value_names(trace: Trace) -> set[str]:
+    """Every name the trace's values (its inputs and what each operation reads and defines) are bound to."""
+    names = set(trace.names)
+    names.update(p.name for p in trace.args)
+    for bsym in trace.bound_symbols:
+        names.update(p.name for p in bsym.flat_args)
+        names.update(p.name for p in bsym.flat_proxy_outs)
+    clash = names.intersection(_FIXED_GLOBALS)
+    if clash:  # sanitize_name keeps users' names off these; a transform that named a value so is a bug
+        raise RuntimeError(f"trace {trace.fn_name} names values {sorted(clash)}, which generated code needs for "
+                           "its own globals")
+    return names
+
+
 def python_source(trace: Trace, ctx: dict[str, Any] | None = None, *, comments: bool = True
                   ) -> tuple[str, dict[str, Any]]:
     """Source of an execution trace and the globals it needs (torch, implementations, constants). Without
-    ``comments`` the source leaves out type comments' companions: the decompositions under each call."""
+    ``comments`` the source leaves out type comments' companions: the decompositions under each call.
+
+    Values reach the code only as names bound in the returned namespace or as literals of plain builtin types
+    (``Printer``); every name is a legal identifier, distinct, after Python's NFKC normalization, from every
+    other name the code uses."""
     ctx = ctx if ctx is not None else {}
     ctx.update({"torch": torch, "devices": devices, "dtypes": dtypes, "inf": math.inf, "nan": math.nan})
-    printer = Printer(ctx)
-    names = _ExecPrinter(ctx)
+    reserved = _value_names(trace)
+    fn_name = sanitize_name(trace.fn_name)
+    reserved.add(fn_name)  # a global of the module: no constant or implementation may take its name
+    printer = Printer(ctx, reserved)
+    names = _ExecPrinter(ctx, reserved)
     lines: list[str] = []
     if trace.provenance:
         took = f" (took {trace.elapsed_ms:.0f} milliseconds)" if trace.elapsed_ms is not None else ""
-        lines.append(f"# Constructed by {trace.provenance}{took}")
+        lines.append(f"# Constructed by {comment_text(trace.provenance)}{took}")
     lines.append("import torch")
     lines.append("")
-    lines.append(f"def {trace.fn_name}({', '.join(trace.signature_names())}):")
+    lines.append(f"def {fn_name}({', '.join(trace.signature_names())}):")
     body: list[str] = []
     for a in trace.args:
         if hasattr(a, "type_string"):
@@ -96,7 +135,7 @@ def python_source(trace: Trace, ctx: dict[str, Any] | None = None, *, comments: 
             body.append("del " + ", ".join(p.name for p in bsym.flat_args))
             continue
         if bsym.sym.id == "comment":
-            body.append(f"# {bsym.args[0]}")
+            body.append(f"# {comment_text(str(bsym.args[0]), 10_000)}")
             continue
         body.extend(bsym.python_lines(printer, name=names.name_for(bsym.sym), unused=trace.unused_outputs,
                                       with_subsymbols=comments))
@@ -104,6 +143,8 @@ def python_source(trace: Trace, ctx: dict[str, Any] | None = None, *, comments: 
             body.extend(binder.lines_for([p for p in bsym.flat_proxy_outs if p.name not in unused]))
     binder.check(trace.output, "the return statement")
     body.append(f"return {printer(trace.output)}")
+    if printer.constants:  # after "import torch": what each constant holds, for a reader
+        lines[lines.index("import torch") + 1:lines.index("import torch") + 1] = ["", *printer.constant_comments()]
     lines.extend("  " + ln for ln in body)
     return "\n".join(lines) + "\n", ctx
 
@@ -116,6 +157,6 @@ def compile_trace(trace: Trace, *, comments: bool = True) -> tuple[Callable, str
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     code = compile(source, filename, "exec")
     exec(code, ctx)
-    fn = ctx[trace.fn_name]
+    fn = ctx[sanitize_name(trace.fn_name)]
     fn.__fulmen_source__ = source
     return fn, source

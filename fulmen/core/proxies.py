@@ -16,7 +16,7 @@ import torch
 
 from fulmen.core import dtypes, langctx
 from fulmen.core.devices import Device, to_device
-from fulmen.core.tracectx import get_tracectx
+from fulmen.core.tracectx import current
 
 
 class DataDependentError(RuntimeError):
@@ -64,7 +64,7 @@ class Proxy:
 
     def __init__(self, name: str | None = None, prefix: str = "t"):
         if name is None:
-            trc = get_tracectx()
+            trc = current.trace  # get_tracectx(), inlined: this runs for every value traced
             name = trc.make_name(prefix) if trc is not None else f"_{prefix}{id(self):x}"
         self.name = name
 

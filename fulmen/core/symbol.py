@@ -15,7 +15,7 @@ import torch
 
 from fulmen.core.codeutils import Printer, outputs_of, type_comment
 from fulmen.core.proxies import Proxy, TensorProxy, latest
-from fulmen.core.tracectx import get_tracectx
+from fulmen.core.tracectx import current
 
 
 class OpTags(Enum):
@@ -84,7 +84,7 @@ class Symbol:
         return f"{self.module}.{self.name}" if self.module else self.name
 
     def __call__(self, *args, **kwargs):
-        trc = get_tracectx()
+        trc = current.trace  # get_tracectx(), inlined: this runs for every operation traced
         if trc is None:
             raise SymbolCalledOutsideTracing(
                 f"{self.qualified_name} was called outside of tracing. Symbols record operations into a trace; "
@@ -256,7 +256,10 @@ class BoundSymbol:
             sub_printer = Printer({})
             for s in self.subsymbols:
                 for sl in s.python_lines(sub_printer):
-                    lines.append("  " + sl if sl.startswith(" ") else "  # " + sl)
+                    if sl.startswith(" "):
+                        lines.append("  " + sl)
+                    else:  # a custom python_printer's text may hold several lines: each stays a comment
+                        lines.extend("  # " + piece for piece in sl.splitlines())
         return lines
 
     def __str__(self) -> str:

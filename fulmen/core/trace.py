@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from fulmen.core.codeutils import Printer, outputs_of, sanitize_name, type_comment
+from fulmen.core.codeutils import Printer, comment_text, outputs_of, sanitize_name, type_comment
 from fulmen.core.proxies import Proxy, TensorProxy
 from fulmen.core.symbol import BoundSymbol
 from fulmen.core.symbolic import SymbolBinder
@@ -102,7 +102,7 @@ class Trace:
         lines: list[str] = []
         if self.provenance:
             took = f" (took {self.elapsed_ms:.0f} milliseconds)" if self.elapsed_ms is not None else ""
-            lines.append(f"# Constructed by {self.provenance}{took}")
+            lines.append(f"# Constructed by {comment_text(self.provenance)}{took}")
         lines.append("import torch")
         lines.append("from fulmen.core import devices, dtypes")
         if any(b.sym.module == "ltorch" for b in self.bound_symbols):
@@ -112,6 +112,7 @@ class Trace:
         if any(b.sym.module == "torchex" for b in self.bound_symbols):
             lines.append("from fulmen.executors.torchex import torchex_namespace as torchex")
         lines.append("")
+        imports_end = len(lines)
         if include_decorator:
             lines.append("@torch.no_grad()")
         sig = ", ".join(self.signature_names())
@@ -128,6 +129,8 @@ class Trace:
             if binder.needed:
                 body.extend(binder.lines_for(bsym.flat_proxy_outs))
         body.append(f"return {printer(self.output)}")
+        if printer.constants:  # what each constant holds, for a reader
+            lines[imports_end:imports_end] = [*printer.constant_comments(), ""]
         lines.extend("  " + ln for ln in body)
         return "\n".join(lines) + "\n"
 

@@ -1,27 +1,42 @@
-"""The trace being built: a stack, since tracing one function may trace another (a jitted module's call inside
-a jitted function). Its own module so that proxies and symbols, which ``fulmen.core.trace`` builds on, read it
-with a plain global lookup."""
+"""The trace being built, per thread: tracing one function may trace another (a jitted module's call inside a
+jitted function), and two threads may trace at once, each into its own trace. Its own module so that proxies
+and symbols, which ``fulmen.core.trace`` builds on, read it with a plain global lookup."""
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from fulmen.core.trace import Trace
 
-_tracectx_stack: list[Trace] = []
+
+class _TraceState(threading.local):
+    # the class attribute is each thread's starting value: a thread that never traced reads None without a
+    # per-thread __init__
+    trace: Trace | None = None
+
+
+#: ``current.trace``: the trace this thread is building, or None (``get_tracectx()``; the hottest callers,
+#: ``Symbol.__call__`` and ``Proxy.__init__``, read the attribute and save a call).
+current = _TraceState()
+_state = current
 
 
 def get_tracectx() -> Trace | None:
-    return _tracectx_stack[-1] if _tracectx_stack else None
+    """The trace this thread is building, or None."""
+    return _state.trace
 
 
 @contextlib.contextmanager
 def tracectx(trace: Trace) -> Iterator[Trace]:
-    _tracectx_stack.append(trace)
+    """Make ``trace`` this thread's current trace for the ``with`` block; the enclosing one comes back after."""
+    state = _state
+    outer = state.trace
+    state.trace = trace
     try:
         yield trace
     finally:
-        _tracectx_stack.pop()
+        state.trace = outer

@@ -453,12 +453,16 @@ def _generate(items: list[_Item]) -> Callable[[], bool]:
     terms = []
     for i, item in enumerate(items):
         env[f"h{i}"], env[f"v{i}"] = item.holder, item.value
-        # a missing name or an empty cell raises, and the guard fails
-        read = {"key": f"h{i}[{item.name!r}]", "cell": f"h{i}.cell_contents", "tensor": f"h{i}"}[item.source]
+        # a missing name or an empty cell raises, and the guard fails. A name is pasted as a literal only when it
+        # is a plain str (a str subclass in a namespace could print anything as its repr); else it is bound
+        key = repr(item.name) if type(item.name) is str else f"n{i}"
+        if key == f"n{i}":
+            env[key] = item.name
+        read = {"key": f"h{i}[{key}]", "cell": f"h{i}.cell_contents", "tensor": f"h{i}"}[item.source]
         if item.how == "is":
             terms.append(f"{read} is v{i}")
         elif item.how == "absent":
-            terms.append(f"{item.name!r} not in h{i}")
+            terms.append(f"{key} not in h{i}")
         elif item.how == "flat":
             kind, items = item.value
             env[f"t{i}"], env[f"v{i}"] = kind, items

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -164,6 +165,9 @@ class JittedFunction:
         self._stats_entry: CacheEntry | None = None  # the compilation the statistics describe
         self._variants: dict[Any, list[CacheEntry]] = {}  # key -> entries compiled for other global values
         self._guard_reads = True  # check the globals and closures the code read (the Dynamo backend: Dynamo does)
+        # held while a cache entry is filled (a miss traces and compiles): two threads that miss at once compile once;
+        # the hit path never takes it
+        self._lock = threading.RLock()
         functools.update_wrapper(self, fn, updated=())
 
     # ---- the call path (keep it short: it runs on every call) ----
@@ -236,6 +240,13 @@ class JittedFunction:
     def _globals_changed(self, key, entry: CacheEntry, args, kwargs, flat, inputs: tuple) -> CacheEntry:
         """The key matched but the entry's prologue failed: a global or closure variable the program's code read
         has another value now. A program compiled for the current values, or a new compilation."""
+        with self._lock:
+            current = self._cache.get(key)
+            if current is not entry and current is not None and current.check(*inputs) is not None:
+                return current  # another thread found or compiled the program for the current values meanwhile
+            return self._globals_changed_locked(key, entry, args, kwargs, flat, inputs)
+
+    def _globals_changed_locked(self, key, entry: CacheEntry, args, kwargs, flat, inputs: tuple) -> CacheEntry:
         variants = self._variants.setdefault(key, [])
         variants.append(entry)
         for other in variants:
@@ -257,6 +268,14 @@ class JittedFunction:
         proxies, or a new value of an argument that already caused RECOMPILE_LIMIT recompilations."""
         if get_tracectx() is not None and has_proxy((args, kwargs, flat)):
             return None
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is not None:  # another thread filled it while this one waited
+                self._stats.cache_hits += 1
+                return entry
+            return self._miss_locked(key, args, kwargs, flat, inputs)
+
+    def _miss_locked(self, key, args, kwargs, flat: list[torch.Tensor], inputs: tuple) -> CacheEntry | None:
         failed = None
         for entry in self._dynamic_entries:
             if erase_sizes(key, entry.symbolic.dims) != entry.pattern:

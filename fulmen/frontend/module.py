@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -28,6 +29,18 @@ from fulmen.frontend.tracing import _arg_names, trace_program
 
 log = logging.getLogger("fulmen")
 _MISSING = object()
+
+
+class _Swaps:
+    """While a module is traced, proxies stand in its parameter and buffer dictionaries, which every thread reads.
+
+    ``lock`` is held for as long (and while a module's cache entry is filled, which may trace); ``active`` counts
+    the swaps in force and ``seq`` each start and end of one: a call that read a module's tensors lock-free uses
+    what it read only when no swap was in force at the start and ``seq`` did not move meanwhile."""
+
+    lock = threading.RLock()
+    active = 0
+    seq = 0
 
 
 class _ModuleState:
@@ -85,14 +98,19 @@ class _ModuleState:
 
     @contextlib.contextmanager
     def swapped(self, proxies: Sequence) -> Iterator[None]:
-        saved = [(mod, dict_name, key, getattr(mod, dict_name)[key]) for mod, dict_name, key, _ in self.slots]
-        try:
-            for mod, dict_name, key, index in self.slots:
-                getattr(mod, dict_name)[key] = proxies[index]
-            yield
-        finally:
-            for mod, dict_name, key, t in saved:
-                getattr(mod, dict_name)[key] = t
+        with _Swaps.lock:
+            saved = [(mod, dict_name, key, getattr(mod, dict_name)[key]) for mod, dict_name, key, _ in self.slots]
+            _Swaps.seq += 1
+            _Swaps.active += 1
+            try:
+                for mod, dict_name, key, index in self.slots:
+                    getattr(mod, dict_name)[key] = proxies[index]
+                yield
+            finally:
+                for mod, dict_name, key, t in saved:
+                    getattr(mod, dict_name)[key] = t
+                _Swaps.active -= 1
+                _Swaps.seq += 1
 
     def reassigned_buffers(self, proxies: Sequence) -> list[tuple[int, Any]]:
         """While tracing, after ``forward`` ran on ``proxies``: (slot, new value) for every buffer ``forward``
@@ -152,11 +170,15 @@ class _ModuleProgram(JittedFunction):
 
     def __call__(self, *args, **kwargs):
         state = self.state
-        if state.epoch != module_guard.epoch:  # something changed some watched module: is this tree different?
-            state.revalidate()
-            if state.lazy:
-                return self._materialize(args, kwargs)
-        tensors = state.tensors()
+        seq = _Swaps.seq
+        if _Swaps.active or state.epoch != module_guard.epoch:
+            tensors = self._tensors_serialized()
+        else:
+            tensors = state.tensors()
+            if _Swaps.seq != seq:  # a module was being traced meanwhile: what was read may be its proxies
+                tensors = self._tensors_serialized()
+        if tensors is None:
+            return self._materialize(args, kwargs)
         self._stats.calls += 1
         entry = self._last_entry
         flat = entry.check(state.version, tensors, args, kwargs) if entry is not None else None
@@ -171,6 +193,19 @@ class _ModuleProgram(JittedFunction):
         if entry.written and aliases_written_input(flat, entry.written, len(state.unique_slots)):
             return self._run_eagerly(args, kwargs)
         return call_leaving_a_core(entry.program.run, flat)  # a flag read, unless regions are compiling
+
+    def _tensors_serialized(self) -> list[torch.Tensor] | None:
+        """The module's parameters and buffers, read while no thread has proxies in modules' dictionaries (this
+        thread's own trace may: the lock is reentrant), after revalidating the module tree when a watched module
+        changed; None for a lazy module's first call."""
+        state = self.state
+        with _Swaps.lock:
+            if state.epoch != module_guard.epoch:  # something changed some watched module: is this tree different?
+                with self._lock:
+                    state.revalidate()
+                if state.lazy:
+                    return None
+            return state.tensors()
 
     def _materialize(self, args, kwargs):
         """A lazy module (``nn.LazyLinear``) learns its parameters' shapes on its first call: run that one eagerly,
@@ -192,6 +227,16 @@ class _ModuleProgram(JittedFunction):
         if old is None or old[1] != new[1] or old[0][:2] != new[0][:2]:  # global state, structure, parameters
             return None
         return _changed_value(old[0][2], new[0][2])
+
+    # filling a cache entry traces, which swaps proxies in: under the swap lock first, then the program's own
+    # (the order tracing takes them in), so that no thread holds one while waiting for the other
+    def _miss(self, key, args, kwargs, flat, inputs):
+        with _Swaps.lock:
+            return super()._miss(key, args, kwargs, flat, inputs)
+
+    def _globals_changed(self, key, entry, args, kwargs, flat, inputs):
+        with _Swaps.lock:
+            return super()._globals_changed(key, entry, args, kwargs, flat, inputs)
 
     def _describe_key_change(self, old, new, names=()) -> str:
         if old is not None and old[1] == new[1]:  # same global state: (structure, state tensors, arguments)

@@ -20,7 +20,7 @@ list, dict or other object changed in place (``self.sizes.append(3)``, ``self.co
 globals a ``forward`` reads, and writes straight into ``module._parameters`` / ``_buffers`` / ``_modules``
 that bypass the methods above (a new tensor there is still read, as it is read on every call).
 
-While fulmen traces, the ``__setattr__``/``__delattr__`` wrappers also report each write to ``write_recorder``
+While fulmen traces, the ``__setattr__``/``__delattr__`` wrappers also report each write to ``write_recorders``
 (``fulmen.frontend.module_writes``).
 """
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import threading
 import types
 import weakref
 from typing import Any
@@ -44,14 +45,23 @@ epoch = 0
 # (weakly: an id leaves the set when its module dies, so a new object at that address is not taken for it)
 _watched: dict[int, weakref.ref] = {}
 _installed = False
-#: While fulmen traces: called with (module, name) before every attribute write or delete on any module
-#: (``fulmen.frontend.module_writes``); None otherwise.
-write_recorder = None
+#: While fulmen traces, by tracing thread's id: called with (module, name) before every attribute write or delete
+#: that thread makes on any module (``fulmen.frontend.module_writes``). Empty when no thread traces.
+write_recorders: dict[int, Any] = {}
+#: Thread id -> how many fulmen traces that thread is inside (``fulmen.frontend.tracing`` sets torch.compiler's
+#: is_compiling flag for them).
+tracing_threads: dict[int, int] = {}
 
 
 def _bump() -> None:
     global epoch
     epoch += 1
+
+
+def _traced_elsewhere() -> bool:
+    """Whether torch.compiler's is_compiling flag, which is one for the process, may be on only because fulmen
+    traces in another thread: this thread is not tracing, and must record its changes."""
+    return bool(tracing_threads) and threading.get_ident() not in tracing_threads
 
 
 def _on_module(method):
@@ -60,7 +70,7 @@ def _on_module(method):
     @functools.wraps(method)
     def changing(self, *args, **kwargs):
         result = method(self, *args, **kwargs)
-        if not torch.compiler.is_compiling() and id(self) in _watched:
+        if (not torch.compiler.is_compiling() or _traced_elsewhere()) and id(self) in _watched:
             _bump()
         return result
 
@@ -71,13 +81,16 @@ def _on_module(method):
 def _on_setattr(method):
     # A code object of its own: Dynamo refuses to inline nn.Module methods whose code it does not know, except
     # __setattr__ and __delattr__, which it recognizes by identity -- and it compares code objects. Under Dynamo
-    # the bump is skipped (is_compiling() is a constant there), so it inlines just the original.
+    # the bump is skipped (is_compiling() is a constant there), so it inlines just the original. While fulmen
+    # traces (which sets the same flag), only the tracing thread skips it.
     @functools.wraps(method)
     def __setattr__(self, name, value):
-        if write_recorder is not None:
-            write_recorder(self, name)
+        if write_recorders:
+            recorder = write_recorders.get(threading.get_ident())
+            if recorder is not None:
+                recorder(self, name)
         method(self, name, value)
-        if not torch.compiler.is_compiling() and id(self) in _watched:
+        if (not torch.compiler.is_compiling() or _traced_elsewhere()) and id(self) in _watched:
             _bump()
 
     __setattr__.__fulmen_wrapped__ = method
@@ -87,10 +100,12 @@ def _on_setattr(method):
 def _on_delattr(method):
     @functools.wraps(method)
     def __delattr__(self, name):
-        if write_recorder is not None:
-            write_recorder(self, name)
+        if write_recorders:
+            recorder = write_recorders.get(threading.get_ident())
+            if recorder is not None:
+                recorder(self, name)
         method(self, name)
-        if not torch.compiler.is_compiling() and id(self) in _watched:
+        if (not torch.compiler.is_compiling() or _traced_elsewhere()) and id(self) in _watched:
             _bump()
 
     __delattr__.__fulmen_wrapped__ = method

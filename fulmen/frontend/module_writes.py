@@ -96,12 +96,15 @@ class ModuleWrites:
 
     def __enter__(self) -> ModuleWrites:
         module_guard.install()
-        self._saved = module_guard.write_recorder
-        module_guard.write_recorder = self
+        self._saved = module_guard.write_recorders.get(self._thread)
+        module_guard.write_recorders[self._thread] = self
         return self
 
     def __exit__(self, exc_type, *_) -> None:
-        module_guard.write_recorder = self._saved
+        if self._saved is None:
+            del module_guard.write_recorders[self._thread]
+        else:
+            module_guard.write_recorders[self._thread] = self._saved
         if exc_type is not None:  # the call failed: leave every module as it was before it
             self.undo()
 

@@ -20,6 +20,7 @@ from fulmen.core import langctx
 from fulmen.core.codeutils import sanitize_name
 from fulmen.core.proxies import Proxy, TensorProxy, call_with_out, has_proxy, is_library_file, latest
 from fulmen.core.trace import Trace, get_tracectx, tracectx
+from fulmen.frontend import module_guard
 from fulmen.frontend.global_guard import GlobalGuard, ReadRecorder, build_guard
 from fulmen.frontend.module_writes import ModuleWrites, check_no_proxies_left
 from fulmen.frontend.replay import Replays
@@ -157,19 +158,39 @@ class _UserTorchCalls(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_flag_lock = threading.Lock()
+_flag_users = 0  # traces in progress, in every thread, that set torch.compiler's flag
+_flag_saved = False
+
+
 @contextlib.contextmanager
 def _compiling():
     """``torch.compiler.is_compiling()`` is true while fulmen traces, as under Dynamo: libraries (transformers'
-    mask and MoE code) then skip data-dependent checks and take their compile-friendly paths."""
+    mask and MoE code) then skip data-dependent checks and take their compile-friendly paths. The flag is one for
+    the process: the first trace to start sets it and the last to end puts back what was there, so traces in
+    several threads neither clear it under one another nor leave it set."""
+    global _flag_users, _flag_saved
     if not hasattr(torch.compiler, "_is_compiling_flag"):  # a private flag; torch releases without it trace as-is
         yield
         return
-    saved = torch.compiler._is_compiling_flag
-    torch.compiler._is_compiling_flag = True
+    thread, threads = threading.get_ident(), module_guard.tracing_threads
+    with _flag_lock:
+        if _flag_users == 0:
+            _flag_saved = torch.compiler._is_compiling_flag
+        _flag_users += 1
+        threads[thread] = threads.get(thread, 0) + 1
+        torch.compiler._is_compiling_flag = True
     try:
         yield
     finally:
-        torch.compiler._is_compiling_flag = saved
+        with _flag_lock:
+            _flag_users -= 1
+            if threads[thread] == 1:
+                del threads[thread]
+            else:
+                threads[thread] -= 1
+            if _flag_users == 0:
+                torch.compiler._is_compiling_flag = _flag_saved
 
 
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)

@@ -23,6 +23,7 @@ It applies only where nothing can differ from eager:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -72,20 +73,23 @@ def deferred_training(trace: Trace, compile_training: Callable[[], CompiledProgr
     program = CompiledProgram(forward=warm.forward, traces=warm.traces, timings_ms=timings)
     real: CompiledProgram | None = None
     warm_ran = False
+    lock = threading.RLock()  # threads whose calls settle at once compile once; calls after that take no lock
 
     def settle() -> CompiledProgram:
         nonlocal real
-        if real is None:
-            with compile_mode_set(mode):
-                real = compile_training()
-            for name in ("forward", "traces", "backward_traces", "num_saved", "output_spec"):
-                setattr(program, name, getattr(real, name))
-            program.timings_ms = {**timings, **real.timings_ms}
-            program.extra.update(real.extra)
-            del program.extra["settle"]  # nothing is pending any more
-            log.debug("fulmen: compiled the forward and backward of %s after its first call ran on PyTorch autograd",
-                      trace.fn_name)
-            on_ready(real)
+        with lock:
+            if real is None:
+                with compile_mode_set(mode):
+                    compiled = compile_training()
+                for name in ("forward", "traces", "backward_traces", "num_saved", "output_spec"):
+                    setattr(program, name, getattr(compiled, name))
+                program.timings_ms = {**timings, **compiled.timings_ms}
+                program.extra.update(compiled.extra)
+                del program.extra["settle"]  # nothing is pending any more
+                log.debug("fulmen: compiled the forward and backward of %s after its first call ran on PyTorch "
+                          "autograd", trace.fn_name)
+                real = compiled  # last: a call that reads it on another thread finds the program complete
+                on_ready(real)
         return real
 
     def run(flat: list) -> Any:

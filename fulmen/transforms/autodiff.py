@@ -19,6 +19,7 @@ from __future__ import annotations
 import cmath
 import functools
 import math
+import threading
 from collections.abc import Callable, Sequence
 from numbers import Number
 
@@ -77,7 +78,8 @@ def backward_pass(joint: Joint, cotangents: dict[str, TensorProxy]) -> dict[str,
     The units' backward functions emit their operations into the current trace scope.
     """
     cts = dict(cotangents)
-    _walk_active.append(joint.active)
+    walks = _walk_active.stack
+    walks.append(joint.active)
     try:
         for unit in reversed(joint.units):
             outs = [cts.get(o.name) for o in unit.outputs]
@@ -90,16 +92,22 @@ def backward_pass(joint: Joint, cotangents: dict[str, TensorProxy]) -> dict[str,
                 prev = cts.get(x.name)
                 cts[x.name] = g if prev is None else ltorch.add(prev, g)
     finally:
-        _walk_active.pop()
+        walks.pop()
     return cts
 
 
-_walk_active: list[set[str]] = []  # the active values of the walk in progress (see wanted)
+class _Walks(threading.local):
+    def __init__(self):
+        self.stack: list[set[str]] = []  # the active values of this thread's walks in progress (see wanted)
+
+
+_walk_active = _Walks()
 
 
 def wanted(x) -> bool:
     """In a VJP rule: whether the gradient of argument ``x`` is wanted (for kernels with an output mask)."""
-    return _t(x) and bool(_walk_active) and x.name in _walk_active[-1]
+    walks = _walk_active.stack
+    return _t(x) and bool(walks) and x.name in walks[-1]
 
 
 def fit_gradient(g, x: TensorProxy) -> TensorProxy:
