@@ -70,3 +70,200 @@ def test_hooks_registered_on_the_wrapper_still_run_around_it():
         torch.testing.assert_close(jitted(x), expected)
     finally:
         handle.remove()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# values read from Python objects: every attribute chain the traced code loads is guarded
+
+
+def _recompiles_with(j, x, expected, *words) -> None:
+    misses = fulmen.cache_misses(j)
+    torch.testing.assert_close(j(x), expected)
+    assert fulmen.cache_misses(j) == misses + 1
+    reason = fulmen.compile_stats(j).last_recompile_reason
+    assert all(w in reason for w in words), reason
+
+
+def test_class_attribute_read_through_the_class():
+    class K:
+        scale = 2.0
+
+    def f(x):
+        return x * K.scale
+
+    j, x = fulmen.jit(f, executors=["torch"]), _x(4)
+    torch.testing.assert_close(j(x), x * 2.0)
+    j(x)
+    assert fulmen.cache_misses(j) == 1
+    K.scale = 5.0
+    _recompiles_with(j, x, x * 5.0, "scale", "2.0", "5.0")
+    K.scale = 2.0  # back: the first program is reused
+    torch.testing.assert_close(j(x), x * 2.0)
+    assert fulmen.cache_misses(j) == 2
+
+
+class _Scaled(nn.Module):
+    scale = 2.0
+
+    def forward(self, x):
+        return x * self.__class__.scale + self.scale
+
+
+class _Base:
+    scale = 2.0
+
+
+class _Derived(_Base):
+    pass
+
+
+def test_class_attribute_read_through_self_and_self_class():
+    model, x = _Scaled(), _x(4)
+    j = fulmen.jit(model, executors=["torch"])
+    torch.testing.assert_close(j(x), model(x))
+    _Scaled.scale = 3.0
+    try:
+        _recompiles_with(j, x, x * 3.0 + 3.0, "scale")
+        model.scale = 7.0  # an instance attribute now shadows the class's for self.scale only
+        torch.testing.assert_close(j(x), x * 3.0 + 7.0)
+    finally:
+        _Scaled.scale = 2.0
+
+
+def test_class_attribute_of_an_instance_and_a_subclass_shadowing_its_base():
+    obj = _Derived()
+
+    def f(x):
+        return x * obj.scale
+
+    j, x = fulmen.jit(f, executors=["torch"]), _x(4)
+    torch.testing.assert_close(j(x), x * 2.0)
+    try:
+        _Base.scale = 4.0
+        _recompiles_with(j, x, x * 4.0, "scale")
+        _Derived.scale = 6.0  # the subclass now defines it: it shadows the base's
+        _recompiles_with(j, x, x * 6.0, "scale")
+        obj.scale = 8.0  # and the instance shadows both
+        _recompiles_with(j, x, x * 8.0, "scale")
+    finally:
+        _Base.scale = 2.0
+        del _Derived.scale
+
+
+def test_attribute_of_an_imported_user_module(tmp_path, monkeypatch):
+    (tmp_path / "fulmen_soundness_cfgmod.py").write_text("SCALE = 2.0\nSHIFT = 1.0\n\ndef shift():\n    return SHIFT\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import fulmen_soundness_cfgmod as cfgmod
+
+    def f(x):
+        return x * cfgmod.SCALE + cfgmod.shift()
+
+    j, x = fulmen.jit(f, executors=["torch"]), _x(4)
+    torch.testing.assert_close(j(x), x * 2.0 + 1.0)
+    cfgmod.SCALE = 3.0
+    _recompiles_with(j, x, x * 3.0 + 1.0, "SCALE", "2.0", "3.0")
+    cfgmod.SHIFT = -1.0  # read by a function of the module, called through the module
+    _recompiles_with(j, x, x * 3.0 - 1.0, "SHIFT")
+
+
+class _Sub:
+    def __init__(self):
+        self.mult = 2.0
+
+
+class _Config:
+    def __init__(self):
+        self.sub = _Sub()
+
+
+class _Configured(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cfg = _Config()
+        self.lin = nn.Linear(4, 4).double()
+
+    def forward(self, x):
+        return self.lin(x) * self.cfg.sub.mult
+
+
+def test_nested_config_attribute_of_a_module():
+    model, x = _Configured(), _x(2, 4)
+    j = fulmen.jit(model, executors=["torch"])
+    torch.testing.assert_close(j(x), model(x))
+    model.cfg.sub.mult = 4.0
+    _recompiles_with(j, x, model(x), "mult", "2.0", "4.0")
+    model.cfg.sub = _Sub()  # a new object holding the first value: the first program again
+    torch.testing.assert_close(j(x), model(x))
+    assert fulmen.cache_misses(j) == 3  # rebinding sub is a change (its identity is checked)
+
+
+DEEP_SCALE = 2.0
+
+
+def _level6():
+    return DEEP_SCALE
+
+
+def _level5():
+    return _level6()
+
+
+def _level4():
+    return _level5()
+
+
+def _level3():
+    return _level4()
+
+
+def _level2():
+    return _level3()
+
+
+def _level1():
+    return _level2()
+
+
+def _deep(x):
+    return x * _level1()
+
+
+def test_global_read_by_a_helper_six_calls_deep():
+    global DEEP_SCALE
+    j, x = fulmen.jit(_deep, executors=["torch"]), _x(4)
+    torch.testing.assert_close(j(x), x * 2.0)
+    try:
+        DEEP_SCALE = 3.0
+        _recompiles_with(j, x, x * 3.0, "DEEP_SCALE")
+    finally:
+        DEEP_SCALE = 2.0
+
+
+class _Inner(nn.Module):
+    factor = 2.0
+
+    def helper(self):
+        return self.factor
+
+
+class _Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Inner()
+
+    def forward(self, x):
+        return x * self.inner.helper()
+
+
+def test_method_of_a_submodule_reading_a_class_attribute():
+    model, x = _Outer(), _x(4)
+    j = fulmen.jit(model, executors=["torch"])
+    torch.testing.assert_close(j(x), x * 2.0)
+    for _ in range(3):
+        j(x)
+    assert fulmen.cache_misses(j) == 1  # unchanged values reuse the program
+    _Inner.factor = 5.0
+    try:
+        _recompiles_with(j, x, x * 5.0, "factor")
+    finally:
+        _Inner.factor = 2.0

@@ -8,8 +8,15 @@ into one generated function that a call checks before reusing the program. A fai
 program compiled for the old values stays cached, for when they come back).
 
 What is found: the names each user code object that issued a torch call refers to (``co_names``, including its
-comprehensions and nested functions), followed into the user functions and methods (through ``self``) those
-names reach, a few levels deep. What is compared:
+comprehensions and nested functions), and every attribute chain it loads from a global, a closure variable or
+its ``self`` (``cfgmod.SCALE``, ``K.scale``, ``self.cfg.sub.mult``, ``self.__class__.scale``). Each link of a chain
+is checked where Python's attribute lookup finds it: an object's ``__dict__`` (and, for a class attribute, that the
+instance and the classes before the defining one in the MRO still lack it), a user class's ``__dict__``, a user
+module's globals; a link computed by code (a property, ``__getattr__``) or found in torch, a library module or a
+library class ends the chain. The user functions and methods that names and chains reach are followed in turn,
+with no depth limit (each code object once per ``self``). Plain attributes and submodules of the jitted module's
+tree, and of modules reached through a global, are left to their structure snapshot (``module_guard``), which
+sees their changes at one integer compare per call. What is compared:
 
 - numbers, strings, ``None``, dtypes, devices, enums, and tuples, lists and dicts of those (up to 64 items):
   by type and value (so ``SIZES.append(3)`` is seen); flat tuples and lists of numbers and strings of up to
@@ -41,7 +48,7 @@ import random
 import sys
 import sysconfig
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -57,7 +64,6 @@ MAX_VALUE_ITEMS = 64
 #: ``==``: at most about 7 us (13 us) a call on this 2-core machine.
 MAX_FLAT_ITEMS = 4096
 MAX_FLAT_DICT_ITEMS = 1024
-_MAX_DEPTH = 4  # how far calls are followed from the code that ran
 
 _SCALARS = (int, float, bool, str, bytes, complex, type(None))
 _ATOMS = (torch.dtype, torch.device, torch.memory_format, torch.layout, enum.Enum)
@@ -250,26 +256,47 @@ def _plain_object(v: Any) -> bool:
         v, (type, types.FunctionType, types.MethodType, types.ModuleType, torch.nn.Module, torch.Tensor)))
 
 
+def _holder_id(holder: Any, owner: Any) -> int:
+    """What names the dictionary ``holder``: itself, or for a class's ``__dict__`` (a view made at each access) the
+    class."""
+    return id(holder) if type(holder) is dict or owner is None else id(owner)
+
+
 class _Collector:
-    def __init__(self):
+    def __init__(self, covered: Iterable[torch.nn.Module] = ()):
         self.items: list[_Item] = []
         self._keys: set = set()
         self._codes: set = set()
+        self._alive: list = []  # objects named by id in _keys and _codes, kept alive until the guard is built
+        # ids of the modules whose plain attributes and submodules a structure snapshot already checks
+        self.covered: set[int] = {id(m) for m in covered}
+
+    def absent(self, where: str, holder: Any, name: str, owner: Any = None) -> None:
+        """Check that ``holder`` (a ``__dict__``) stays without the key ``name``."""
+        key = ("key", _holder_id(holder, owner), name)
+        if key not in self._keys:
+            self._keys.add(key)
+            self._alive.append(owner)
+            self.items.append(_Item(f"{where}, not set on the {_kind(owner)}", "key", holder, name, None, "absent"))
 
     def add(self, where: str, source: str, holder: Any, name: str, value: Any, names: frozenset[str],
-            absent: frozenset[str] = frozenset()) -> None:
+            absent: frozenset[str] = frozenset(), owner: Any = None) -> None:
         """Check ``value``, read from ``holder``; ``names`` are the attributes the reading code names, ``absent``
-        those it may look up dynamically (``getattr(cfg, "name", default)``), checked to stay missing."""
-        key = (source, id(holder), name)
+        those it may look up dynamically (``getattr(cfg, "name", default)``), checked to stay missing. ``owner``:
+        the object ``holder`` belongs to, when ``holder`` is a view made for this read (a class's
+        ``__dict__``)."""
+        key = (source, _holder_id(holder, owner), name)
         if key in self._keys or isinstance(value, types.ModuleType):
             return
         self._keys.add(key)
+        self._alive.append(owner)
         if _simple(value, [MAX_VALUE_ITEMS]):
             self.items.append(_Item(where, source, holder, name, _copy(value), "=="))
         elif _flat(value):
             self.items.append(_Item(where, source, holder, name, _flat_key(value), "flat"))
         elif isinstance(value, torch.nn.Module):
             self.items.append(_Item(where, source, holder, name, _ModuleWatch(value), "module"))
+            self.covered.update(id(m) for m in value.modules())
         else:
             self.items.append(_Item(where, source, holder, name, value, "is"))
             if _plain_object(value):  # a config object: the attributes this code names
@@ -293,10 +320,16 @@ class _Collector:
                 self._keys.add(key)
                 self.items.append(_Item(f"the {kind} {attr} of {where}", "key", attrs, attr, None, "absent"))
 
-    def code(self, code: types.CodeType, globals_: dict, owner: type | None, depth: int) -> None:
-        if (code, id(globals_), owner) in self._codes or depth > _MAX_DEPTH:
+    def code(self, code: types.CodeType, globals_: dict, owner: type | None, instance: Any = _MISSING,
+             cells: dict | None = None) -> None:
+        """What ``code`` can read: the globals it names, and every attribute chain it loads from a global, a
+        closure variable (``cells``) or its ``self`` (``instance``, when known), followed into the user functions
+        and methods those reach, however deep."""
+        key = (code, id(globals_), owner, id(instance))
+        if key in self._codes:
             return
-        self._codes.add((code, id(globals_), owner))
+        self._codes.add(key)
+        self._alive.append(instance)  # the id above names it only while it lives
         names = _names(code)
         attrs, absent = _attribute_names(code)
         module = globals_.get("__name__", "?")
@@ -306,25 +339,66 @@ class _Collector:
                 continue
             _warn_on_python_rng(code, name, value)
             self.add(f"the global {name} (module {module})", "key", globals_, name, value, attrs, absent)
-            if _is_user_function(value):
-                self.function(value, depth + 1)
-        if owner is not None:  # self.helper(): the methods this code names, on the class of its self
+            self.follow(value)
+        if owner is not None and instance is _MISSING:  # self.helper() where self is not known: by the class
             for name in sorted(names):
                 method = _class_attr(owner, name)
                 if _is_user_function(method):
-                    self.code(method.__code__, method.__globals__, owner, depth + 1)
+                    self.code(method.__code__, method.__globals__, owner)
+        for root, name, *chain in sorted(_load_chains(code)):
+            if root == "global":
+                value, context = globals_.get(name, _MISSING), f"a global of module {module}"
+            elif root == "self" and code.co_argcount and code.co_varnames[0] == name:
+                value, context = instance, f"{name} is a {type(instance).__name__}, in {code.co_qualname}"
+            elif root == "cell" and cells is not None and name in cells:
+                value, context = cells[name], f"a closure variable of {code.co_qualname}"
+            else:
+                continue
+            if value is not _MISSING:
+                self.chain(name, context, value, chain, attrs, absent)
 
-    def function(self, fn: types.FunctionType, depth: int, owner: type | None = None) -> None:
+    def chain(self, path: str, context: str, obj: Any, chain: list[str], names: frozenset[str],
+              absent: frozenset[str]) -> None:
+        """Guard each link of ``obj.a.b.c`` where its value comes from (an object's, a class's or a user module's
+        ``__dict__``), and follow what it reaches; stop where the value comes from code (a property,
+        ``__getattr__``), a library module or class, or a tensor."""
+        for attr in chain:
+            found = _lookup(obj, attr, self.covered)
+            if found is None:
+                return
+            checks, obj, follow_as = found
+            path = f"{path}.{attr}"
+            where = f"{path} ({context})"
+            for holder, owner, present in checks:
+                if present:
+                    self.add(where, "key", holder, attr, obj, names, absent, owner=owner)
+                else:
+                    self.absent(where, holder, attr, owner)
+            self.follow(obj, follow_as)
+            if type(obj) in _SCALARS or isinstance(obj, (*_ATOMS, torch.Tensor)):
+                return
+
+    def follow(self, value: Any, instance: Any = _MISSING) -> None:
+        """The code a value read can run: a user function (with ``instance`` as its ``self``), a bound method."""
+        if isinstance(value, types.MethodType):
+            value, instance = value.__func__, value.__self__
+        if _is_user_function(value):
+            self.function(value, instance)
+
+    def function(self, fn: types.FunctionType, instance: Any = _MISSING, owner: type | None = None) -> None:
         attrs, absent = _attribute_names(fn.__code__)
+        cells = {}
         for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
             try:
                 value = cell.cell_contents
             except ValueError:
                 continue
+            cells[name] = value
             self.add(f"the closure variable {name} of {fn.__qualname__}", "cell", cell, name, value, attrs, absent)
-            if _is_user_function(value):
-                self.function(value, depth + 1)
-        self.code(fn.__code__, fn.__globals__, owner, depth)
+            self.follow(value)
+        if owner is None and instance is not _MISSING:
+            owner = type(instance)
+        self.code(fn.__code__, fn.__globals__, owner, instance, cells)
 
 
 def _names(code: types.CodeType) -> frozenset[str]:
@@ -375,6 +449,120 @@ def _class_attr(cls: type, name: str) -> Any:
         if name in klass.__dict__:
             return klass.__dict__[name]
     return None
+
+
+_CHAIN_ROOTS = {"LOAD_GLOBAL": "global", "LOAD_DEREF": "cell", "LOAD_CLASSDEREF": "cell", "LOAD_FAST": "self"}
+
+
+@functools.lru_cache(maxsize=4096)
+def _load_chains(code: types.CodeType) -> frozenset[tuple[str, ...]]:
+    """``(root, name, attribute, ...)`` for each attribute chain ``code`` (and the code nested in it) loads: from a
+    global (``cfgmod.SCALE``, ``K.scale``), a closure variable (``root`` "cell") or a local (``root`` "self",
+    followed only for a method's ``self``: ``self.cfg.sub.mult``, ``self.__class__.scale``)."""
+    chains, chain = set(), None
+    for ins in dis.get_instructions(code):
+        root = _CHAIN_ROOTS.get(ins.opname)
+        if root is not None:
+            if chain is not None:
+                chains.add(chain)
+            chain = (root, ins.argval)
+        elif chain is not None and ins.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+            chain += (ins.argval,)
+        elif ins.opname not in ("CACHE", "EXTENDED_ARG", "PUSH_NULL"):
+            if chain is not None:
+                chains.add(chain)
+            chain = None
+    if chain is not None:
+        chains.add(chain)
+    chains = {c for c in chains if len(c) > 2}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            chains |= _load_chains(const)
+    return frozenset(chains)
+
+
+_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python (a builtin type is not)
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_user_class(cls: type) -> bool:
+    """A class defined in the user's code (not in torch, fulmen, installed packages or C)."""
+    if not cls.__flags__ & _HEAPTYPE:
+        return False
+    file = getattr(sys.modules.get(cls.__module__), "__file__", None)
+    return file is None or _is_user_file(file)
+
+
+def _is_user_module(module: types.ModuleType) -> bool:
+    file = getattr(module, "__file__", None)
+    return file is not None and _is_user_file(file)
+
+
+def _kind(owner: Any) -> str:
+    if isinstance(owner, type):
+        return f"class {owner.__qualname__}"
+    if isinstance(owner, types.ModuleType):
+        return f"module {owner.__name__}"
+    return f"{type(owner).__name__} object"
+
+
+def _lookup(obj: Any, attr: str, covered: set[int]) -> tuple[list, Any, Any] | None:
+    """Where Python's attribute lookup finds ``obj.attr``: ``(checks, value, instance)``. ``checks`` are
+    ``(dict, owner, present)``: the key ``attr`` of that ``__dict__`` holds the value (``present``) or stays
+    missing (an instance's ``__dict__`` before its class's, a subclass's before its base's), so that a later
+    ``K.scale = 5`` or ``inst.scale = 5`` is seen. ``instance``: the ``self`` of a method the value is. None when
+    the value comes from code (a property, ``__getattr__``) or from a library module or class, which are not the
+    user's to change between calls. Modules in ``covered`` have their plain attributes and submodules checked by
+    their structure snapshot (``module_guard``): those need no check here."""
+    if isinstance(obj, types.ModuleType):
+        attrs = obj.__dict__
+        if not _is_user_module(obj) or attr not in attrs:
+            return None
+        return [(attrs, obj, True)], attrs[attr], _MISSING
+    if attr == "__class__":
+        return [], type(obj), _MISSING
+    if attr.startswith("__") and attr.endswith("__"):
+        return None
+    is_class = isinstance(obj, type)
+    mro = obj.__mro__ if is_class else type(obj).__mro__
+    definer = next((klass for klass in mro if attr in klass.__dict__), None)
+    in_class = definer.__dict__[attr] if definer is not None else _MISSING
+    checks = []
+    if not is_class:
+        if in_class is not _MISSING and hasattr(type(in_class), "__set__"):  # a property or slot: code runs
+            return None
+        attrs = getattr(obj, "__dict__", None)
+        module = isinstance(obj, torch.nn.Module)
+        if type(attrs) is dict:
+            if attr in attrs:
+                value = attrs[attr]
+                snapshot_checks = module and id(obj) in covered and module_guard.snapshot_records(value)
+                return ([] if snapshot_checks else [(attrs, obj, True)]), value, _MISSING
+            if not (module and id(obj) in covered):
+                checks.append((attrs, obj, False))
+        if in_class is _MISSING:
+            if module and attr in obj._modules:  # a submodule: its ancestor's snapshot or watch checks it
+                value = obj._modules[attr]
+                return ([] if id(obj) in covered else [(obj._modules, obj, True)]), value, _MISSING
+            return None
+    elif in_class is _MISSING:
+        return None
+    if not _is_user_class(definer):
+        return None
+    for klass in mro:
+        if klass is definer:
+            break
+        if _is_user_class(klass):
+            checks.append((klass.__dict__, klass, False))
+    checks.append((definer.__dict__, definer, True))
+    if isinstance(in_class, (staticmethod, classmethod)):
+        return checks, in_class.__func__, (obj if is_class else type(obj)) if isinstance(in_class, classmethod) \
+            else _MISSING
+    if isinstance(in_class, types.FunctionType):
+        return checks, in_class, _MISSING if is_class else obj
+    if hasattr(type(in_class), "__get__"):  # another descriptor: what it returns is code's to decide
+        return None
+    return checks, in_class, _MISSING
 
 
 def _root_function(fn: Any) -> tuple[types.FunctionType | None, type | None]:
@@ -483,26 +671,21 @@ def _generate(items: list[_Item]) -> Callable[[], bool]:
     return env["guard"]
 
 
-def build_guard(recorder: ReadRecorder, captured: list[tuple[str, torch.Tensor]]) -> GlobalGuard | None:
+def build_guard(recorder: ReadRecorder, captured: list[tuple[str, torch.Tensor]],
+                covered: Iterable[torch.nn.Module] = ()) -> GlobalGuard | None:
     """The guard for what the code recorded while tracing can read, and for the metadata of the tensors the
     program captured (``captured``: their names in the trace, and the tensors); None when there is nothing to
-    check."""
-    collector = _Collector()
+    check. ``covered``: the jitted module's tree, whose structure snapshot already checks its plain attributes."""
+    collector = _Collector(covered)
     for name, t in captured:  # read by identity on every call, but traced for this shape, dtype and device
         collector.items.append(_Item(f"the captured tensor {name}", "tensor", t, name, _tensor_meta(t), "meta"))
     root, owner = _root_function(recorder.fn)
     if root is not None:
-        collector.function(root, 0, owner)
+        collector.function(root, getattr(recorder.fn, "__self__", _MISSING), owner)
+    for code, instance in recorder.selves.values():  # methods: their self's attributes (self.cfg.sub.mult)
+        collector.code(code, recorder.codes[code][0], type(instance), instance)
     for code, (globals_, owner) in recorder.codes.items():
-        collector.code(code, globals_, owner, 0)
-    for code, instance in recorder.selves.values():  # self.config.dropout: a config object held by self
-        attrs = getattr(instance, "__dict__", None)
-        if isinstance(attrs, dict):
-            names, absent = _attribute_names(code)
-            for name in sorted(names & attrs.keys()):
-                if _plain_object(attrs[name]):
-                    collector.add(f"the attribute {name} of a {type(instance).__name__}", "key", attrs, name,
-                                  attrs[name], names, absent)
+        collector.code(code, globals_, owner)
     recorder.selves = {}
     _warn_on_global_writes(recorder.codes)
     return GlobalGuard(collector.items) if collector.items else None

@@ -292,7 +292,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
             recorder.close()
     if recorder is not None:
         names = [p.name for p in trace.args[len(trace.args) - len(spec.captured):]]
-        spec.guard = build_guard(recorder, list(zip(names, spec.captured)))
+        spec.guard = build_guard(recorder, list(zip(names, spec.captured)), own)
     trace.capture = None
     trace.replay = None
     trace.autocast = []
