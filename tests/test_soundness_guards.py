@@ -4,10 +4,12 @@ context (default dtype, default device) its fused regions compile under. Each te
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 import fulmen
+from fulmen.executors.inductor_compile import wait_for_compilations
 
 _global_hooks = torch.nn.modules.module
 
@@ -267,3 +269,79 @@ def test_method_of_a_submodule_reading_a_class_attribute():
         _recompiles_with(j, x, x * 5.0, "factor")
     finally:
         _Inner.factor = 2.0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# fused regions compile under the default dtype they were traced under, whenever they compile
+
+_F64 = {"rtol": 1e-12, "atol": 1e-12}  # float64 results computed in float32 differ by about 1e-7
+
+
+def _int_division(i):
+    return (i / 3).sin() * 2  # int / int: the result's dtype is the default dtype
+
+
+def _compiled_variants(j) -> int:
+    regions = [b.sym.impl for b in fulmen.last_traces(j)[-1].bound_symbols
+               if hasattr(getattr(b.sym, "impl", None), "variants")]
+    return sum(len(r.variants) for r in regions)
+
+
+@pytest.mark.parametrize("mode", ["async", "sync", None])
+def test_region_compiled_after_the_default_dtype_changed_keeps_the_traced_one(mode):
+    i = torch.arange(12).reshape(3, 4)
+    saved = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        expected = _int_division(i)
+        j = fulmen.jit(_int_division, **({} if mode is None else {"compile": mode}))
+        torch.testing.assert_close(j(i), expected, **_F64)
+        # the background compiler works while the program's thread runs under another default dtype
+        torch.set_default_dtype(torch.float32)
+        wait_for_compilations(timeout=300)
+        torch.set_default_dtype(torch.float64)
+        for _ in range(2):  # a region set aside for that is queued again by its next call
+            out = j(i)
+            assert out.dtype == torch.float64
+            torch.testing.assert_close(out, expected, **_F64)
+            wait_for_compilations(timeout=300)
+        if mode is not None:
+            assert _compiled_variants(j) == 1, "the region was not compiled: the test would not test it"
+    finally:
+        torch.set_default_dtype(saved)
+
+
+def _scaled_sum(x, i):
+    return (x * (i / 3).sin()).sum()
+
+
+def test_backward_compiled_under_another_default_dtype_keeps_the_traced_one():
+    i = torch.arange(12).reshape(3, 4)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    saved = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        (expected,) = torch.autograd.grad(_scaled_sum(x, i), x)
+        j = fulmen.jit(_scaled_sum, compile="sync")
+        out = j(x, i)
+        torch.set_default_dtype(torch.float32)  # the backward (and its regions) compile when it first runs
+        (grad,) = torch.autograd.grad(out, x)
+        assert grad.dtype == torch.float64
+        torch.testing.assert_close(grad, expected, **_F64)
+    finally:
+        torch.set_default_dtype(saved)
+
+
+def test_same_region_code_traced_under_two_default_dtypes_gets_two_kernels():
+    i = torch.arange(12).reshape(3, 4)
+    saved = torch.get_default_dtype()
+    try:
+        for dtype in (torch.float32, torch.float64):  # the same region text; kernels are shared by text and layout
+            torch.set_default_dtype(dtype)
+            j = fulmen.jit(_int_division, compile="sync")
+            out = j(i)
+            assert out.dtype == dtype
+            torch.testing.assert_close(out, _int_division(i), **(_F64 if dtype == torch.float64 else {}))
+            assert _compiled_variants(j) == 1
+    finally:
+        torch.set_default_dtype(saved)
