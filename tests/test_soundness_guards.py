@@ -345,3 +345,36 @@ def test_same_region_code_traced_under_two_default_dtypes_gets_two_kernels():
             assert _compiled_variants(j) == 1
     finally:
         torch.set_default_dtype(saved)
+
+
+class _Heads:
+    def __init__(self):
+        self.width, self.heads = 8, 2
+
+    @property
+    def head_dim(self):
+        return self.width // self.heads
+
+
+class _TypeScaled(nn.Module):
+    scale = 2.0
+
+    def __init__(self):
+        super().__init__()
+        self.cfg = _Heads()
+
+    def forward(self, x):
+        return x.view(-1, self.cfg.head_dim) * type(self).scale
+
+
+def test_class_attribute_read_through_type_self_and_a_config_property():
+    model, x = _TypeScaled(), _x(8)
+    j = fulmen.jit(model, executors=["torch"])
+    torch.testing.assert_close(j(x), model(x))
+    try:
+        _TypeScaled.scale = 3.0
+        _recompiles_with(j, x, model(x), "scale")
+        model.cfg.heads = 4  # read by the property's getter: the view's shape changes
+        _recompiles_with(j, x, model(x), "heads")
+    finally:
+        _TypeScaled.scale = 2.0

@@ -340,6 +340,8 @@ class _Collector:
             _warn_on_python_rng(code, name, value)
             self.add(f"the global {name} (module {module})", "key", globals_, name, value, attrs, absent)
             self.follow(value)
+        if owner is not None and _is_user_class(owner):
+            self.class_attributes(code, owner)
         if owner is not None and instance is _MISSING:  # self.helper() where self is not known: by the class
             for name in sorted(names):
                 method = _class_attr(owner, name)
@@ -360,28 +362,44 @@ class _Collector:
     def chain(self, path: str, context: str, obj: Any, chain: list[str], names: frozenset[str],
               absent: frozenset[str]) -> None:
         """Guard each link of ``obj.a.b.c`` where its value comes from (an object's, a class's or a user module's
-        ``__dict__``), and follow what it reaches; stop where the value comes from code (a property,
-        ``__getattr__``), a library module or class, or a tensor."""
+        ``__dict__``), and follow what it reaches; stop where the value comes from code (a property, whose getter
+        is followed instead, ``__getattr__``), a library module or class, or a tensor."""
         for attr in chain:
             found = _lookup(obj, attr, self.covered)
             if found is None:
                 return
             checks, obj, follow_as = found
             path = f"{path}.{attr}"
-            where = f"{path} ({context})"
-            for holder, owner, present in checks:
-                if present:
-                    self.add(where, "key", holder, attr, obj, names, absent, owner=owner)
-                else:
-                    self.absent(where, holder, attr, owner)
+            self.checks(f"{path} ({context})", attr, checks, obj, names, absent)
             self.follow(obj, follow_as)
-            if type(obj) in _SCALARS or isinstance(obj, (*_ATOMS, torch.Tensor)):
+            if type(obj) in _SCALARS or isinstance(obj, (*_ATOMS, torch.Tensor, property)):
                 return
+
+    def checks(self, where: str, attr: str, checks: list, value: Any, names: frozenset[str],
+               absent: frozenset[str]) -> None:
+        for holder, owner, present in checks:
+            if present:
+                self.add(where, "key", holder, attr, value, names, absent, owner=owner)
+            else:
+                self.absent(where, holder, attr, owner)
+
+    def class_attributes(self, code: types.CodeType, owner: type) -> None:
+        """The attributes of ``owner`` (a method's class) that ``code`` names, found on a user class:
+        ``type(self).scale``, ``cls.scale``, ``getattr(self, "scale")`` read them without an attribute chain."""
+        names, absent = _attribute_names(code)
+        for name in sorted(names):
+            found = _lookup(owner, name, self.covered)
+            if found is not None:
+                checks, value, _ = found
+                self.checks(f"{owner.__qualname__}.{name} (a class attribute, read in {code.co_qualname})", name,
+                            checks, value, names, absent)
 
     def follow(self, value: Any, instance: Any = _MISSING) -> None:
         """The code a value read can run: a user function (with ``instance`` as its ``self``), a bound method."""
         if isinstance(value, types.MethodType):
             value, instance = value.__func__, value.__self__
+        elif isinstance(value, property):  # what the getter reads
+            value = value.fget
         if _is_user_function(value):
             self.function(value, instance)
 
@@ -530,6 +548,8 @@ def _lookup(obj: Any, attr: str, covered: set[int]) -> tuple[list, Any, Any] | N
     checks = []
     if not is_class:
         if in_class is not _MISSING and hasattr(type(in_class), "__set__"):  # a property or slot: code runs
+            if type(in_class) is property and _is_user_class(definer):  # its getter is followed, with this self
+                return [(definer.__dict__, definer, True)], in_class, obj
             return None
         attrs = getattr(obj, "__dict__", None)
         module = isinstance(obj, torch.nn.Module)
