@@ -126,7 +126,7 @@ def _work() -> None:
                 jobs.append(_jobs.get_nowait())
         _compiling = True
         try:
-            _compile([j for j in jobs if j is not None], background=True)  # at exit (a None was queued): marks done
+            _compile([j for j in jobs if j is not None])  # at exit (a None was queued) it only marks them done
         finally:
             _compiling = False
         if _shutting_down:
@@ -165,7 +165,7 @@ def get_kernel(key: tuple, name: str, eager: Callable, args: tuple, mode: str, a
     # example inputs with the same layout; tracing is fake, so their values do not matter
     example = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device) for a in args]
     if mode == "sync":
-        _compile([(kernel, eager, example)], background=False)
+        _compile([(kernel, eager, example)])
     else:
         _last_request = time.monotonic()
         _submit((kernel, eager, example))
@@ -311,15 +311,16 @@ def _fake_mode():
     return FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
 
 
-def _compile(jobs: list[tuple[Kernel, Callable, list[torch.Tensor]]], background: bool) -> None:
+def _compile(jobs: list[tuple[Kernel, Callable, list[torch.Tensor]]]) -> None:
     """Compile a batch of kernels: each is lowered by Inductor, then all of their C++ kernels build as one
     library (one compiler run pays for parsing ATen's headers once). A kernel whose lowering fails keeps running
     with the torch executor, and the log says so; the others are unaffected.
 
     Each kernel is lowered under the default dtype and device its region was traced under (``Kernel.ambient``).
-    On the calling thread (``background`` False) they are applied for the lowering. The background compiler must
-    not change the process-wide default dtype under the program's threads: it lowers a kernel only while the
-    default already is the kernel's (and still is when the lowering ends), and parks the others."""
+    On the program's thread (a sync compilation) they are applied for the lowering. The background compiler
+    must not change the process-wide default dtype under the program's threads: it lowers a kernel only while
+    the default already is the kernel's (and still is when the lowering ends), and parks the others."""
+    background = threading.current_thread() in _workers
     cpp = MergedBuild()
     lowered = []
     for kernel, eager, example in jobs:
