@@ -78,9 +78,9 @@ def test_hooks_registered_on_the_wrapper_still_run_around_it():
 # values read from Python objects: every attribute chain the traced code loads is guarded
 
 
-def _recompiles_with(j, x, expected, *words) -> None:
+def _recompiles_with(j, x, expected, *words, args=()) -> None:
     misses = fulmen.cache_misses(j)
-    torch.testing.assert_close(j(x), expected)
+    torch.testing.assert_close(j(x, *args), expected)
     assert fulmen.cache_misses(j) == misses + 1
     reason = fulmen.compile_stats(j).last_recompile_reason
     assert all(w in reason for w in words), reason
@@ -378,3 +378,22 @@ def test_class_attribute_read_through_type_self_and_a_config_property():
         _recompiles_with(j, x, model(x), "heads")
     finally:
         _TypeScaled.scale = 2.0
+
+
+class _Options:
+    def __init__(self):
+        self.scale = 2.0
+
+
+def _scaled_by(x, options):
+    return x * options.scale
+
+
+def test_attribute_of_an_object_passed_as_an_argument():
+    options, x = _Options(), _x(4)
+    j = fulmen.jit(_scaled_by, executors=["torch"])
+    torch.testing.assert_close(j(x, options), x * 2.0)
+    j(x, options)
+    assert fulmen.cache_misses(j) == 1
+    options.scale = 5.0  # the same object (the call's key names it by identity), changed in place
+    _recompiles_with(j, x, x * 5.0, "options.scale", "2.0", "5.0", args=(options,))

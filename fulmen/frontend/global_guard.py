@@ -321,10 +321,11 @@ class _Collector:
                 self.items.append(_Item(f"the {kind} {attr} of {where}", "key", attrs, attr, None, "absent"))
 
     def code(self, code: types.CodeType, globals_: dict, owner: type | None, instance: Any = _MISSING,
-             cells: dict | None = None) -> None:
+             cells: dict | None = None, arguments: dict | None = None) -> None:
         """What ``code`` can read: the globals it names, and every attribute chain it loads from a global, a
-        closure variable (``cells``) or its ``self`` (``instance``, when known), followed into the user functions
-        and methods those reach, however deep."""
+        closure variable (``cells``), its ``self`` (``instance``, when known) or, for the traced function itself,
+        an argument (``arguments``: an object passed in, ``cfg.scale``), followed into the user functions and
+        methods those reach, however deep."""
         key = (code, id(globals_), owner, id(instance))
         if key in self._codes:
             return
@@ -350,7 +351,9 @@ class _Collector:
         for root, name, *chain in sorted(_load_chains(code)):
             if root == "global":
                 value, context = globals_.get(name, _MISSING), f"a global of module {module}"
-            elif root == "self" and code.co_argcount and code.co_varnames[0] == name:
+            elif root == "local" and arguments is not None and name in arguments:
+                value, context = arguments[name], f"the argument {name} of {code.co_qualname}"
+            elif root == "local" and code.co_argcount and code.co_varnames[0] == name:
                 value, context = instance, f"{name} is a {type(instance).__name__}, in {code.co_qualname}"
             elif root == "cell" and cells is not None and name in cells:
                 value, context = cells[name], f"a closure variable of {code.co_qualname}"
@@ -403,7 +406,8 @@ class _Collector:
         if _is_user_function(value):
             self.function(value, instance)
 
-    def function(self, fn: types.FunctionType, instance: Any = _MISSING, owner: type | None = None) -> None:
+    def function(self, fn: types.FunctionType, instance: Any = _MISSING, owner: type | None = None,
+                 arguments: dict | None = None) -> None:
         attrs, absent = _attribute_names(fn.__code__)
         cells = {}
         for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
@@ -416,7 +420,7 @@ class _Collector:
             self.follow(value)
         if owner is None and instance is not _MISSING:
             owner = type(instance)
-        self.code(fn.__code__, fn.__globals__, owner, instance, cells)
+        self.code(fn.__code__, fn.__globals__, owner, instance, cells, arguments)
 
 
 def _names(code: types.CodeType) -> frozenset[str]:
@@ -469,14 +473,14 @@ def _class_attr(cls: type, name: str) -> Any:
     return None
 
 
-_CHAIN_ROOTS = {"LOAD_GLOBAL": "global", "LOAD_DEREF": "cell", "LOAD_CLASSDEREF": "cell", "LOAD_FAST": "self"}
+_CHAIN_ROOTS = {"LOAD_GLOBAL": "global", "LOAD_DEREF": "cell", "LOAD_CLASSDEREF": "cell", "LOAD_FAST": "local"}
 
 
 @functools.lru_cache(maxsize=4096)
 def _load_chains(code: types.CodeType) -> frozenset[tuple[str, ...]]:
     """``(root, name, attribute, ...)`` for each attribute chain ``code`` (and the code nested in it) loads: from a
-    global (``cfgmod.SCALE``, ``K.scale``), a closure variable (``root`` "cell") or a local (``root`` "self",
-    followed only for a method's ``self``: ``self.cfg.sub.mult``, ``self.__class__.scale``)."""
+    global (``cfgmod.SCALE``, ``K.scale``), a closure variable (``root`` "cell") or a local (``root`` "local",
+    followed only for a method's ``self``, ``self.cfg.sub.mult``, and the traced function's arguments)."""
     chains, chain = set(), None
     for ins in dis.get_instructions(code):
         root = _CHAIN_ROOTS.get(ins.opname)
@@ -692,16 +696,18 @@ def _generate(items: list[_Item]) -> Callable[[], bool]:
 
 
 def build_guard(recorder: ReadRecorder, captured: list[tuple[str, torch.Tensor]],
-                covered: Iterable[torch.nn.Module] = ()) -> GlobalGuard | None:
+                covered: Iterable[torch.nn.Module] = (), arguments: dict | None = None) -> GlobalGuard | None:
     """The guard for what the code recorded while tracing can read, and for the metadata of the tensors the
     program captured (``captured``: their names in the trace, and the tensors); None when there is nothing to
-    check. ``covered``: the jitted module's tree, whose structure snapshot already checks its plain attributes."""
+    check. ``covered``: the jitted module's tree, whose structure snapshot already checks its plain attributes.
+    ``arguments``: the traced function's arguments by parameter name (an object passed in is keyed by identity,
+    so the attributes the code reads from it are checked here)."""
     collector = _Collector(covered)
     for name, t in captured:  # read by identity on every call, but traced for this shape, dtype and device
         collector.items.append(_Item(f"the captured tensor {name}", "tensor", t, name, _tensor_meta(t), "meta"))
     root, owner = _root_function(recorder.fn)
     if root is not None:
-        collector.function(root, getattr(recorder.fn, "__self__", _MISSING), owner)
+        collector.function(root, getattr(recorder.fn, "__self__", _MISSING), owner, arguments)
     for code, instance in recorder.selves.values():  # methods: their self's attributes (self.cfg.sub.mult)
         collector.code(code, recorder.codes[code][0], type(instance), instance)
     for code, (globals_, owner) in recorder.codes.items():
