@@ -397,3 +397,21 @@ def test_attribute_of_an_object_passed_as_an_argument():
     assert fulmen.cache_misses(j) == 1
     options.scale = 5.0  # the same object (the call's key names it by identity), changed in place
     _recompiles_with(j, x, x * 5.0, "options.scale", "2.0", "5.0", args=(options,))
+
+
+class _Comprehension(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cfg = _Config()
+
+    def forward(self, x):
+        # self is a cell here: the comprehension (a nested function) reads it too
+        return sum(x * self.cfg.sub.mult for _ in range(2))
+
+
+def test_config_read_through_self_captured_by_a_comprehension():
+    model, x = _Comprehension(), _x(4)
+    j = fulmen.jit(model, executors=["torch"])
+    torch.testing.assert_close(j(x), model(x))
+    model.cfg.sub.mult = 3.0
+    _recompiles_with(j, x, model(x), "mult")

@@ -351,12 +351,13 @@ class _Collector:
         for root, name, *chain in sorted(_load_chains(code)):
             if root == "global":
                 value, context = globals_.get(name, _MISSING), f"a global of module {module}"
-            elif root == "local" and arguments is not None and name in arguments:
-                value, context = arguments[name], f"the argument {name} of {code.co_qualname}"
-            elif root == "local" and code.co_argcount and code.co_varnames[0] == name:
-                value, context = instance, f"{name} is a {type(instance).__name__}, in {code.co_qualname}"
             elif root == "cell" and cells is not None and name in cells:
                 value, context = cells[name], f"a closure variable of {code.co_qualname}"
+            # a cell of this code (self used by a nested function, lambda or comprehension) is one of its locals
+            elif arguments is not None and name in arguments:
+                value, context = arguments[name], f"the argument {name} of {code.co_qualname}"
+            elif code.co_argcount and code.co_varnames[0] == name:
+                value, context = instance, f"{name} is a {type(instance).__name__}, in {code.co_qualname}"
             else:
                 continue
             if value is not _MISSING:
