@@ -4,6 +4,8 @@ context (default dtype, default device) its fused regions compile under. Each te
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -415,3 +417,27 @@ def test_config_read_through_self_captured_by_a_comprehension():
     torch.testing.assert_close(j(x), model(x))
     model.cfg.sub.mult = 3.0
     _recompiles_with(j, x, model(x), "mult")
+
+
+@dataclasses.dataclass(slots=True)
+class _SlotConfig:
+    scale: float = 2.0
+
+
+SLOT_CONFIG = _SlotConfig()
+
+
+def _slot_scaled(x):
+    return x * SLOT_CONFIG.scale
+
+
+def test_attribute_of_a_slots_dataclass_config():
+    j, x = fulmen.jit(_slot_scaled, executors=["torch"]), _x(4)
+    torch.testing.assert_close(j(x), x * 2.0)
+    j(x)
+    assert fulmen.cache_misses(j) == 1
+    try:
+        SLOT_CONFIG.scale = 3.0
+        _recompiles_with(j, x, x * 3.0, "SLOT_CONFIG.scale", "2.0", "3.0")
+    finally:
+        SLOT_CONFIG.scale = 2.0

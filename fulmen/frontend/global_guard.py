@@ -12,7 +12,7 @@ comprehensions and nested functions), and every attribute chain it loads from a 
 its ``self`` (``cfgmod.SCALE``, ``K.scale``, ``self.cfg.sub.mult``, ``self.__class__.scale``). Each link of a chain
 is checked where Python's attribute lookup finds it: an object's ``__dict__`` (and, for a class attribute, that the
 instance and the classes before the defining one in the MRO still lack it), a user class's ``__dict__``, a user
-module's globals; a link computed by code (a property, ``__getattr__``) or found in torch, a library module or a
+module's globals, a ``__slots__`` member; a user property's getter is followed with the same ``self``; a link computed by code (a property, ``__getattr__``) or found in torch, a library module or a
 library class ends the chain. The user functions and methods that names and chains reach are followed in turn,
 with no depth limit (each code object once per ``self``). Plain attributes and submodules of the jitted module's
 tree, and of modules reached through a global, are left to their structure snapshot (``module_guard``), which
@@ -146,6 +146,8 @@ class _Item:
     def read(self) -> Any:
         if self.source == "key":
             return self.holder.get(self.name, _MISSING)
+        if self.source == "slot":  # a __slots__ member: its descriptor reads it, no user code runs
+            return getattr(self.holder, self.name, _MISSING)
         if self.source == "cell":
             try:
                 return self.holder.cell_contents
@@ -382,7 +384,9 @@ class _Collector:
     def checks(self, where: str, attr: str, checks: list, value: Any, names: frozenset[str],
                absent: frozenset[str]) -> None:
         for holder, owner, present in checks:
-            if present:
+            if owner is _SLOT:
+                self.add(where, "slot", holder, attr, value, names, absent)
+            elif present:
                 self.add(where, "key", holder, attr, value, names, absent, owner=owner)
             else:
                 self.absent(where, holder, attr, owner)
@@ -504,6 +508,7 @@ def _load_chains(code: types.CodeType) -> frozenset[tuple[str, ...]]:
     return frozenset(chains)
 
 
+_SLOT = object()  # the owner of a check that reads a __slots__ member of the object itself
 _HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python (a builtin type is not)
 
 
@@ -555,6 +560,9 @@ def _lookup(obj: Any, attr: str, covered: set[int]) -> tuple[list, Any, Any] | N
         if in_class is not _MISSING and hasattr(type(in_class), "__set__"):  # a property or slot: code runs
             if type(in_class) is property and _is_user_class(definer):  # its getter is followed, with this self
                 return [(definer.__dict__, definer, True)], in_class, obj
+            if type(in_class) is types.MemberDescriptorType and _is_user_class(definer):  # __slots__
+                value = getattr(obj, attr, _MISSING)
+                return None if value is _MISSING else ([(obj, _SLOT, True)], value, _MISSING)
             return None
         attrs = getattr(obj, "__dict__", None)
         module = isinstance(obj, torch.nn.Module)
@@ -667,7 +675,8 @@ def _generate(items: list[_Item]) -> Callable[[], bool]:
     for i, item in enumerate(items):
         env[f"h{i}"], env[f"v{i}"] = item.holder, item.value
         # a missing name or an empty cell raises, and the guard fails
-        read = {"key": f"h{i}[{item.name!r}]", "cell": f"h{i}.cell_contents", "tensor": f"h{i}"}[item.source]
+        read = {"key": f"h{i}[{item.name!r}]", "cell": f"h{i}.cell_contents", "tensor": f"h{i}",
+                "slot": f"h{i}.{item.name}"}[item.source]
         if item.how == "is":
             terms.append(f"{read} is v{i}")
         elif item.how == "absent":
