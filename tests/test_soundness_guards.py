@@ -76,6 +76,29 @@ def test_hooks_registered_on_the_wrapper_still_run_around_it():
         handle.remove()
 
 
+class _WritesFirstInput(nn.Module):
+    def forward(self, a, b):
+        a.add_(1)
+        return a * b
+
+
+def test_a_call_run_eagerly_runs_the_module_hooks_once():
+    # aliased inputs that the program writes run eagerly (logged): still through the module's __call__
+    model = _WritesFirstInput()
+    model.register_forward_hook(lambda mod, args, out: out * 10)
+    jitted = fulmen.jit(model, executors=["torch"])
+    handle = _global_hooks.register_module_forward_hook(lambda mod, args, out: out + 1)
+    try:
+        a, b = _x(3), _x(3)
+        expected = model(a.clone(), b)
+        torch.testing.assert_close(jitted(a, b), expected)  # compiled
+        x = _x(3)
+        y = x.clone()
+        torch.testing.assert_close(jitted(x, x), model(y, y))
+    finally:
+        handle.remove()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # values read from Python objects: every attribute chain the traced code loads is guarded
 

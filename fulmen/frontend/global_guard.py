@@ -8,12 +8,15 @@ into one generated function that a call checks before reusing the program. A fai
 program compiled for the old values stays cached, for when they come back).
 
 What is found: the names each user code object that issued a torch call refers to (``co_names``, including its
-comprehensions and nested functions), and every attribute chain it loads from a global, a closure variable or
-its ``self`` (``cfgmod.SCALE``, ``K.scale``, ``self.cfg.sub.mult``, ``self.__class__.scale``). Each link of a chain
-is checked where Python's attribute lookup finds it: an object's ``__dict__`` (and, for a class attribute, that the
-instance and the classes before the defining one in the MRO still lack it), a user class's ``__dict__``, a user
-module's globals, a ``__slots__`` member; a user property's getter is followed with the same ``self``; a link computed by code (a property, ``__getattr__``) or found in torch, a library module or a
-library class ends the chain. The user functions and methods that names and chains reach are followed in turn,
+comprehensions and nested functions), and every attribute chain it loads from a global, a closure variable, its
+``self`` or an argument of the traced function (``cfgmod.SCALE``, ``K.scale``, ``self.cfg.sub.mult``,
+``self.__class__.scale``, ``options.scale``); for a method, the attributes of its class it names
+(``type(self).scale``). Each link of a chain is checked where Python's attribute lookup finds it: an object's
+``__dict__`` (and, for a class attribute, that the instance and the classes before the defining one in the MRO
+still lack it), a user class's ``__dict__``, a user module's globals, a ``__slots__`` member. A user property's
+getter is followed with the same ``self``; any other link computed by code (``__getattr__``, a descriptor) or
+found in torch, a library module or a library class ends the chain. The user functions and methods that names
+and chains reach are followed in turn,
 with no depth limit (each code object once per ``self``). Plain attributes and submodules of the jitted module's
 tree, and of modules reached through a global, are left to their structure snapshot (``module_guard``), which
 sees their changes at one integer compare per call. What is compared:

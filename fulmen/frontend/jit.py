@@ -180,6 +180,9 @@ class JittedFunction:
             log.warning("fulmen: %s writes to an input that shares memory with another input; such calls run "
                         "eagerly (not compiled). Pass separate tensors (e.g. x.clone()) to run compiled.",
                         _display_name(self.fn))
+        return self._call_eagerly(*args, **kwargs)
+
+    def _call_eagerly(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
 
     #: How many tensors at the start of the flat inputs are a module's parameters and buffers (never dynamic).

@@ -188,6 +188,10 @@ class _ModuleProgram(JittedFunction):
     def _n_state(self) -> int:
         return len(self.state.unique_slots)
 
+    def _call_eagerly(self, *args, **kwargs):
+        # through the module's __call__, as eager calls it: its own hooks and the global ones run there
+        return self.module(*args, **kwargs)
+
     def _describe_key_change(self, old, new) -> str:
         if old is not None and old[1] == new[1]:  # same global state: (structure, state tensors, arguments)
             (old_version, old_state, old_args), (new_version, new_state, new_args) = old[0], new[0]
