@@ -46,18 +46,25 @@ import dis
 import enum
 import functools
 import logging
-import os
 import random
 import sys
-import sysconfig
 import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from fulmen.core.proxies import is_library_file
 from fulmen.frontend import module_guard
+from fulmen.frontend.attribute_lookup import (
+    MISSING,
+    SLOT,
+    is_user_class,
+    is_user_file,
+    is_user_function,
+    kind,
+    load_chains,
+    lookup,
+)
 
 log = logging.getLogger("fulmen")
 
@@ -70,29 +77,6 @@ MAX_FLAT_DICT_ITEMS = 1024
 
 _SCALARS = (int, float, bool, str, bytes, complex, type(None))
 _ATOMS = (torch.dtype, torch.device, torch.memory_format, torch.layout, enum.Enum)
-_MISSING = object()
-
-
-def _installed_dirs() -> tuple[str, ...]:
-    paths = sysconfig.get_paths()
-    dirs = {os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
-    return tuple(d + os.sep for d in dirs)
-
-
-_INSTALLED = _installed_dirs()
-
-
-@functools.lru_cache(maxsize=4096)
-def _is_user_file(filename: str) -> bool:
-    if is_library_file(filename):
-        return False
-    if filename.startswith("<"):  # exec'd code, notebooks ("<ipython-input-...>"), but not frozen stdlib modules
-        return not filename.startswith("<frozen")
-    return not os.path.realpath(filename).startswith(_INSTALLED)
-
-
-def _is_user_function(f: Any) -> bool:
-    return isinstance(f, types.FunctionType) and _is_user_file(f.__code__.co_filename)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -115,7 +99,7 @@ class ReadRecorder:
         while frame is not None and frame not in seen:
             seen.add(frame)
             code = frame.f_code
-            if _is_user_file(code.co_filename):
+            if is_user_file(code.co_filename):
                 owner = None
                 if code.co_argcount and code.co_varnames[0] == "self":
                     instance = frame.f_locals.get("self")
@@ -148,20 +132,20 @@ class _Item:
 
     def read(self) -> Any:
         if self.source == "key":
-            return self.holder.get(self.name, _MISSING)
+            return self.holder.get(self.name, MISSING)
         if self.source == "slot":  # a __slots__ member: its descriptor reads it, no user code runs
-            return getattr(self.holder, self.name, _MISSING)
+            return getattr(self.holder, self.name, MISSING)
         if self.source == "cell":
             try:
                 return self.holder.cell_contents
             except ValueError:  # an empty cell
-                return _MISSING
+                return MISSING
         return _tensor_meta(self.holder)
 
     def holds(self) -> bool:
         value = self.read()
         if self.how == "absent":
-            return value is _MISSING
+            return value is MISSING
         if self.how == "module":
             return value is self.value.module and self.value()
         if self.how == "flat":
@@ -282,7 +266,7 @@ class _Collector:
         if key not in self._keys:
             self._keys.add(key)
             self._alive.append(owner)
-            self.items.append(_Item(f"{where}, not set on the {_kind(owner)}", "key", holder, name, None, "absent"))
+            self.items.append(_Item(f"{where}, not set on the {kind(owner)}", "key", holder, name, None, "absent"))
 
     def add(self, where: str, source: str, holder: Any, name: str, value: Any, names: frozenset[str],
             absent: frozenset[str] = frozenset(), owner: Any = None) -> None:
@@ -325,7 +309,7 @@ class _Collector:
                 self._keys.add(key)
                 self.items.append(_Item(f"the {kind} {attr} of {where}", "key", attrs, attr, None, "absent"))
 
-    def code(self, code: types.CodeType, globals_: dict, owner: type | None, instance: Any = _MISSING,
+    def code(self, code: types.CodeType, globals_: dict, owner: type | None, instance: Any = MISSING,
              cells: dict | None = None, arguments: dict | None = None) -> None:
         """What ``code`` can read: the globals it names, and every attribute chain it loads from a global, a
         closure variable (``cells``), its ``self`` (``instance``, when known) or, for the traced function itself,
@@ -340,22 +324,22 @@ class _Collector:
         attrs, absent = _attribute_names(code)
         module = globals_.get("__name__", "?")
         for name in sorted(names):
-            value = globals_.get(name, _MISSING)
-            if value is _MISSING:
+            value = globals_.get(name, MISSING)
+            if value is MISSING:
                 continue
             _warn_on_python_rng(code, name, value)
             self.add(f"the global {name} (module {module})", "key", globals_, name, value, attrs, absent)
             self.follow(value)
-        if owner is not None and _is_user_class(owner):
+        if owner is not None and is_user_class(owner):
             self.class_attributes(code, owner)
-        if owner is not None and instance is _MISSING:  # self.helper() where self is not known: by the class
+        if owner is not None and instance is MISSING:  # self.helper() where self is not known: by the class
             for name in sorted(names):
                 method = _class_attr(owner, name)
-                if _is_user_function(method):
+                if is_user_function(method):
                     self.code(method.__code__, method.__globals__, owner)
-        for root, name, *chain in sorted(_load_chains(code)):
+        for root, name, *chain in sorted(load_chains(code)):
             if root == "global":
-                value, context = globals_.get(name, _MISSING), f"a global of module {module}"
+                value, context = globals_.get(name, MISSING), f"a global of module {module}"
             elif root == "cell" and cells is not None and name in cells:
                 value, context = cells[name], f"a closure variable of {code.co_qualname}"
             # a cell of this code (self used by a nested function, lambda or comprehension) is one of its locals
@@ -365,7 +349,7 @@ class _Collector:
                 value, context = instance, f"{name} is a {type(instance).__name__}, in {code.co_qualname}"
             else:
                 continue
-            if value is not _MISSING:
+            if value is not MISSING:
                 self.chain(name, context, value, chain, attrs, absent)
 
     def chain(self, path: str, context: str, obj: Any, chain: list[str], names: frozenset[str],
@@ -374,7 +358,7 @@ class _Collector:
         ``__dict__``), and follow what it reaches; stop where the value comes from code (a property, whose getter
         is followed instead, ``__getattr__``), a library module or class, or a tensor."""
         for attr in chain:
-            found = _lookup(obj, attr, self.covered)
+            found = lookup(obj, attr, self.covered)
             if found is None:
                 return
             checks, obj, follow_as = found
@@ -387,7 +371,7 @@ class _Collector:
     def checks(self, where: str, attr: str, checks: list, value: Any, names: frozenset[str],
                absent: frozenset[str]) -> None:
         for holder, owner, present in checks:
-            if owner is _SLOT:
+            if owner is SLOT:
                 self.add(where, "slot", holder, attr, value, names, absent)
             elif present:
                 self.add(where, "key", holder, attr, value, names, absent, owner=owner)
@@ -399,22 +383,22 @@ class _Collector:
         ``type(self).scale``, ``cls.scale``, ``getattr(self, "scale")`` read them without an attribute chain."""
         names, absent = _attribute_names(code)
         for name in sorted(names):
-            found = _lookup(owner, name, self.covered)
+            found = lookup(owner, name, self.covered)
             if found is not None:
                 checks, value, _ = found
                 self.checks(f"{owner.__qualname__}.{name} (a class attribute, read in {code.co_qualname})", name,
                             checks, value, names, absent)
 
-    def follow(self, value: Any, instance: Any = _MISSING) -> None:
+    def follow(self, value: Any, instance: Any = MISSING) -> None:
         """The code a value read can run: a user function (with ``instance`` as its ``self``), a bound method."""
         if isinstance(value, types.MethodType):
             value, instance = value.__func__, value.__self__
         elif isinstance(value, property):  # what the getter reads
             value = value.fget
-        if _is_user_function(value):
+        if is_user_function(value):
             self.function(value, instance)
 
-    def function(self, fn: types.FunctionType, instance: Any = _MISSING, owner: type | None = None,
+    def function(self, fn: types.FunctionType, instance: Any = MISSING, owner: type | None = None,
                  arguments: dict | None = None) -> None:
         attrs, absent = _attribute_names(fn.__code__)
         cells = {}
@@ -426,7 +410,7 @@ class _Collector:
             cells[name] = value
             self.add(f"the closure variable {name} of {fn.__qualname__}", "cell", cell, name, value, attrs, absent)
             self.follow(value)
-        if owner is None and instance is not _MISSING:
+        if owner is None and instance is not MISSING:
             owner = type(instance)
         self.code(fn.__code__, fn.__globals__, owner, instance, cells, arguments)
 
@@ -481,131 +465,12 @@ def _class_attr(cls: type, name: str) -> Any:
     return None
 
 
-_CHAIN_ROOTS = {"LOAD_GLOBAL": "global", "LOAD_DEREF": "cell", "LOAD_CLASSDEREF": "cell", "LOAD_FAST": "local"}
-
-
-@functools.lru_cache(maxsize=4096)
-def _load_chains(code: types.CodeType) -> frozenset[tuple[str, ...]]:
-    """``(root, name, attribute, ...)`` for each attribute chain ``code`` (and the code nested in it) loads: from a
-    global (``cfgmod.SCALE``, ``K.scale``), a closure variable (``root`` "cell") or a local (``root`` "local",
-    followed only for a method's ``self``, ``self.cfg.sub.mult``, and the traced function's arguments)."""
-    chains, chain = set(), None
-    for ins in dis.get_instructions(code):
-        root = _CHAIN_ROOTS.get(ins.opname)
-        if root is not None:
-            if chain is not None:
-                chains.add(chain)
-            chain = (root, ins.argval)
-        elif chain is not None and ins.opname in ("LOAD_ATTR", "LOAD_METHOD"):
-            chain += (ins.argval,)
-        elif ins.opname not in ("CACHE", "EXTENDED_ARG", "PUSH_NULL"):
-            if chain is not None:
-                chains.add(chain)
-            chain = None
-    if chain is not None:
-        chains.add(chain)
-    chains = {c for c in chains if len(c) > 2}
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            chains |= _load_chains(const)
-    return frozenset(chains)
-
-
-_SLOT = object()  # the owner of a check that reads a __slots__ member of the object itself
-_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python (a builtin type is not)
-
-
-@functools.lru_cache(maxsize=4096)
-def _is_user_class(cls: type) -> bool:
-    """A class defined in the user's code (not in torch, fulmen, installed packages or C)."""
-    if not cls.__flags__ & _HEAPTYPE:
-        return False
-    file = getattr(sys.modules.get(cls.__module__), "__file__", None)
-    return file is None or _is_user_file(file)
-
-
-def _is_user_module(module: types.ModuleType) -> bool:
-    file = getattr(module, "__file__", None)
-    return file is not None and _is_user_file(file)
-
-
-def _kind(owner: Any) -> str:
-    if isinstance(owner, type):
-        return f"class {owner.__qualname__}"
-    if isinstance(owner, types.ModuleType):
-        return f"module {owner.__name__}"
-    return f"{type(owner).__name__} object"
-
-
-def _lookup(obj: Any, attr: str, covered: set[int]) -> tuple[list, Any, Any] | None:
-    """Where Python's attribute lookup finds ``obj.attr``: ``(checks, value, instance)``. ``checks`` are
-    ``(dict, owner, present)``: the key ``attr`` of that ``__dict__`` holds the value (``present``) or stays
-    missing (an instance's ``__dict__`` before its class's, a subclass's before its base's), so that a later
-    ``K.scale = 5`` or ``inst.scale = 5`` is seen. ``instance``: the ``self`` of a method the value is. None when
-    the value comes from code (a property, ``__getattr__``) or from a library module or class, which are not the
-    user's to change between calls. Modules in ``covered`` have their plain attributes and submodules checked by
-    their structure snapshot (``module_guard``): those need no check here."""
-    if isinstance(obj, types.ModuleType):
-        attrs = obj.__dict__
-        if not _is_user_module(obj) or attr not in attrs:
-            return None
-        return [(attrs, obj, True)], attrs[attr], _MISSING
-    if attr == "__class__":
-        return [], type(obj), _MISSING
-    if attr.startswith("__") and attr.endswith("__"):
-        return None
-    is_class = isinstance(obj, type)
-    mro = obj.__mro__ if is_class else type(obj).__mro__
-    definer = next((klass for klass in mro if attr in klass.__dict__), None)
-    in_class = definer.__dict__[attr] if definer is not None else _MISSING
-    checks = []
-    if not is_class:
-        if in_class is not _MISSING and hasattr(type(in_class), "__set__"):  # a property or slot: code runs
-            if type(in_class) is property and _is_user_class(definer):  # its getter is followed, with this self
-                return [(definer.__dict__, definer, True)], in_class, obj
-            if type(in_class) is types.MemberDescriptorType and _is_user_class(definer):  # __slots__
-                value = getattr(obj, attr, _MISSING)
-                return None if value is _MISSING else ([(obj, _SLOT, True)], value, _MISSING)
-            return None
-        attrs = getattr(obj, "__dict__", None)
-        module = isinstance(obj, torch.nn.Module)
-        if type(attrs) is dict:
-            if attr in attrs:
-                value = attrs[attr]
-                snapshot_checks = module and id(obj) in covered and module_guard.snapshot_records(value)
-                return ([] if snapshot_checks else [(attrs, obj, True)]), value, _MISSING
-            if not (module and id(obj) in covered):
-                checks.append((attrs, obj, False))
-        if in_class is _MISSING:
-            if module and attr in obj._modules:  # a submodule: its ancestor's snapshot or watch checks it
-                value = obj._modules[attr]
-                return ([] if id(obj) in covered else [(obj._modules, obj, True)]), value, _MISSING
-            return None
-    elif in_class is _MISSING:
-        return None
-    if not _is_user_class(definer):
-        return None
-    for klass in mro:
-        if klass is definer:
-            break
-        if _is_user_class(klass):
-            checks.append((klass.__dict__, klass, False))
-    checks.append((definer.__dict__, definer, True))
-    if isinstance(in_class, (staticmethod, classmethod)):
-        return checks, in_class.__func__, (obj if is_class else type(obj)) if isinstance(in_class, classmethod) \
-            else _MISSING
-    if isinstance(in_class, types.FunctionType):
-        return checks, in_class, _MISSING if is_class else obj
-    if hasattr(type(in_class), "__get__"):  # another descriptor: what it returns is code's to decide
-        return None
-    return checks, in_class, _MISSING
-
 
 def _root_function(fn: Any) -> tuple[types.FunctionType | None, type | None]:
     """The user function behind ``fn``, and the class of its ``self`` when it is a bound method."""
     owner = type(fn.__self__) if isinstance(fn, types.MethodType) else None
     fn = getattr(fn, "__func__", fn)
-    return (fn, owner) if _is_user_function(fn) else (None, None)
+    return (fn, owner) if is_user_function(fn) else (None, None)
 
 
 class GlobalGuard:
@@ -621,7 +486,7 @@ class GlobalGuard:
                 now = item.read()
                 if item.how == "absent":
                     return f"{item.where} was set to {_short(now)}"
-                if now is _MISSING:
+                if now is MISSING:
                     return f"{item.where} was deleted"
                 if item.how == "module" and now is item.value.module:
                     return f"{item.where} changed ({_module_change(item.value)})"
@@ -720,7 +585,7 @@ def build_guard(recorder: ReadRecorder, captured: list[tuple[str, torch.Tensor]]
         collector.items.append(_Item(f"the captured tensor {name}", "tensor", t, name, _tensor_meta(t), "meta"))
     root, owner = _root_function(recorder.fn)
     if root is not None:
-        collector.function(root, getattr(recorder.fn, "__self__", _MISSING), owner, arguments)
+        collector.function(root, getattr(recorder.fn, "__self__", MISSING), owner, arguments)
     for code, instance in recorder.selves.values():  # methods: their self's attributes (self.cfg.sub.mult)
         collector.code(code, recorder.codes[code][0], type(instance), instance)
     for code, (globals_, owner) in recorder.codes.items():
