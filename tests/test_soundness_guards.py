@@ -5,12 +5,14 @@ context (default dtype, default device) its fused regions compile under. Each te
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
 from torch import nn
 
 import fulmen
+from fulmen.core.ambient import Ambient
 from fulmen.executors.inductor_compile import wait_for_compilations
 
 _global_hooks = torch.nn.modules.module
@@ -464,3 +466,35 @@ def test_attribute_of_a_slots_dataclass_config():
         _recompiles_with(j, x, x * 3.0, "SLOT_CONFIG.scale", "2.0", "3.0")
     finally:
         SLOT_CONFIG.scale = 2.0
+
+
+def test_compile_settings_are_applied_for_a_block_on_any_thread_and_restored():
+    with torch.device("meta"):  # per thread: a background compiler starts from the CPU
+        device_only = Ambient.capture()
+    seen = []
+
+    def compile_elsewhere():
+        with device_only.applied():
+            seen.append(torch.ones(1).device.type)
+        seen.append(torch.ones(1).device.type)
+
+    worker = threading.Thread(target=compile_elsewhere)
+    worker.start()
+    worker.join()
+    assert seen == ["meta", "cpu"]
+
+    before = Ambient.capture()
+    try:
+        torch.set_default_dtype(torch.float64)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.set_float32_matmul_precision("high")
+        traced = Ambient.capture()
+    finally:
+        torch.set_default_dtype(before.dtype)
+        torch.use_deterministic_algorithms(before.deterministic[0], warn_only=before.deterministic[1])
+        torch.set_float32_matmul_precision(before.matmul_precision)
+    assert not traced.matches() and traced.key() != before.key()  # kernels compiled under each are not shared
+    with traced.applied():
+        assert traced.matches()
+        assert torch.ones(1).dtype == torch.float64
+    assert Ambient.capture().key() == before.key()

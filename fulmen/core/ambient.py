@@ -1,5 +1,6 @@
 """The ambient PyTorch settings a program was traced under that compiling it reads again: the default dtype and
-the default device.
+the default device, and two process-wide switches Inductor's lowering reads (deterministic algorithms, which
+choose deterministic fallbacks for scatters; float32 matmul precision, which lets matmul templates use TF32).
 
 A trace records ``torch.ones(4)`` or an integer division as operations whose outputs have the dtype and device
 the defaults gave while tracing. The code generated for them is not always that explicit: a fused region's Python
@@ -10,10 +11,10 @@ the forward and backward of a program whose first call ran on PyTorch autograd -
 ``Ambient.capture()`` records the settings; ``applied()`` re-establishes them for a block, scoped.
 
 The default device is per thread (``torch.set_default_device``, ``with torch.device(...)``): it is applied with a
-device context, for the calling thread only. The default dtype is one setting for the whole process: applying
-another one changes it for every thread for the duration of the block. So fulmen applies it only on the thread
-that runs the program, holding ``DTYPE_LOCK``; the background compiler never sets it: it compiles a kernel only
-while the process's default already is the kernel's (``matches``), holding the same lock, and leaves the others
+device context, for the calling thread only. The others are one setting for the whole process: applying another
+value changes it for every thread for the duration of the block. So fulmen applies them only on the thread that
+runs the program, holding ``SETTINGS_LOCK``; the background compiler never sets them: it compiles a kernel only
+while the process's settings already are the kernel's (``matches``), holding the same lock, and leaves the others
 for a later call to hand back (``fulmen.executors.inductor_compile``).
 """
 
@@ -25,29 +26,48 @@ from collections.abc import Iterator
 
 import torch
 
-#: Held while fulmen compiles under, or switches, the process-wide default dtype.
-DTYPE_LOCK = threading.RLock()
+#: Held while fulmen compiles under, or switches, the process-wide settings.
+SETTINGS_LOCK = threading.RLock()
+
+
+def _deterministic() -> tuple[bool, bool]:
+    return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+
+
+def _set_deterministic(mode: tuple[bool, bool]) -> None:
+    torch.use_deterministic_algorithms(mode[0], warn_only=mode[1])
 
 
 class Ambient:
-    """The default dtype and default device of one moment (``capture()``)."""
+    """The default dtype and device, deterministic algorithms and float32 matmul precision of one moment
+    (``capture()``)."""
 
-    __slots__ = ("dtype", "device")
+    __slots__ = ("dtype", "device", "deterministic", "matmul_precision")
 
-    def __init__(self, dtype: torch.dtype, device: torch.device):
+    def __init__(self, dtype: torch.dtype, device: torch.device, deterministic: tuple[bool, bool] = (False, False),
+                 matmul_precision: str = "highest"):
         self.dtype = dtype
         self.device = device
+        self.deterministic = deterministic
+        self.matmul_precision = matmul_precision
 
     @classmethod
     def capture(cls) -> Ambient:
-        return cls(torch.get_default_dtype(), torch.get_default_device())
+        return cls(torch.get_default_dtype(), torch.get_default_device(), _deterministic(),
+                   torch.get_float32_matmul_precision())
 
     def key(self) -> tuple:
-        return (self.dtype, str(self.device))
+        return (self.dtype, str(self.device), self.deterministic, self.matmul_precision)
+
+    def _process_wide(self) -> list[tuple]:
+        """(current, wanted, setter) for each process-wide setting."""
+        return [(torch.get_default_dtype(), self.dtype, torch.set_default_dtype),
+                (_deterministic(), self.deterministic, _set_deterministic),
+                (torch.get_float32_matmul_precision(), self.matmul_precision, torch.set_float32_matmul_precision)]
 
     def matches(self) -> bool:
-        """Whether the process's default dtype is this one (the device is the calling thread's to apply)."""
-        return torch.get_default_dtype() is self.dtype
+        """Whether the process-wide settings are these (the device is the calling thread's to apply)."""
+        return all(current == wanted for current, wanted, _ in self._process_wide())
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
@@ -55,11 +75,14 @@ class Ambient:
         with contextlib.ExitStack() as stack:
             if torch.get_default_device() != self.device:
                 stack.enter_context(torch.device(self.device))
-            if torch.get_default_dtype() is not self.dtype:
-                stack.enter_context(DTYPE_LOCK)
-                stack.callback(torch.set_default_dtype, torch.get_default_dtype())
-                torch.set_default_dtype(self.dtype)
+            changes = [(current, wanted, set_) for current, wanted, set_ in self._process_wide() if current != wanted]
+            if changes:
+                stack.enter_context(SETTINGS_LOCK)
+                for current, wanted, set_ in changes:
+                    stack.callback(set_, current)
+                    set_(wanted)
             yield
 
     def __repr__(self) -> str:
-        return f"Ambient(default dtype {self.dtype}, default device {self.device})"
+        return (f"Ambient(default dtype {self.dtype}, default device {self.device}, deterministic "
+                f"{self.deterministic}, float32 matmul precision {self.matmul_precision!r})")

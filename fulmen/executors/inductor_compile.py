@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from fulmen.core.ambient import DTYPE_LOCK, Ambient
+from fulmen.core.ambient import SETTINGS_LOCK, Ambient
 from fulmen.core.utils import compiler_import_lock
 from fulmen.executors.inductor_cpp import MergedBuild, merged_cpp_build, prefetch_header
 from fulmen.executors.inductor_decomps import decomposition_table
@@ -83,8 +83,8 @@ class Kernel:
     """One Inductor compilation; ``fn`` is the compiled callable (taking a list of tensors) once it is ready.
 
     ``ambient``: the default dtype and device its region was traced under, which its compilation reads again.
-    ``parked``: the job the background compiler set aside because the process's default dtype was another one
-    (``resume`` queues it again)."""
+    ``parked``: the job the background compiler set aside because the process's settings (default dtype, ...)
+    were others (``resume`` queues it again)."""
 
     __slots__ = ("name", "fn", "failed", "done", "seconds", "threads", "ambient", "parked")
 
@@ -173,8 +173,8 @@ def get_kernel(key: tuple, name: str, eager: Callable, args: tuple, mode: str, a
 
 
 def resume(kernel: Kernel) -> None:
-    """Queue a parked kernel again, if the process's default dtype is now its own (a call of its program, which
-    runs only under the default dtype it was traced with, is the time to look)."""
+    """Queue a parked kernel again, if the process's settings are now its own (a call of its program, which runs
+    only under the default dtype it was traced with, is the time to look)."""
     global _last_request
     job = kernel.parked
     if job is not None and kernel.ambient.matches():
@@ -316,10 +316,10 @@ def _compile(jobs: list[tuple[Kernel, Callable, list[torch.Tensor]]]) -> None:
     library (one compiler run pays for parsing ATen's headers once). A kernel whose lowering fails keeps running
     with the torch executor, and the log says so; the others are unaffected.
 
-    Each kernel is lowered under the default dtype and device its region was traced under (``Kernel.ambient``).
-    On the program's thread (a sync compilation) they are applied for the lowering. The background compiler
-    must not change the process-wide default dtype under the program's threads: it lowers a kernel only while
-    the default already is the kernel's (and still is when the lowering ends), and parks the others."""
+    Each kernel is lowered under the settings its region was traced under (``Kernel.ambient``: default dtype and
+    device, ...). On the program's thread (a sync compilation) they are applied for the lowering. The background
+    compiler must not change process-wide settings under the program's threads: it lowers a kernel only while
+    they already are the kernel's (and still are when the lowering ends), and parks the others."""
     background = threading.current_thread() in _workers
     cpp = MergedBuild()
     lowered = []
@@ -329,7 +329,7 @@ def _compile(jobs: list[tuple[Kernel, Callable, list[torch.Tensor]]]) -> None:
             continue
         start = time.perf_counter()
         try:
-            with DTYPE_LOCK:
+            with SETTINGS_LOCK:
                 if background and not kernel.ambient.matches():
                     _park(kernel, eager, example)
                     continue
@@ -362,8 +362,8 @@ def _compile(jobs: list[tuple[Kernel, Callable, list[torch.Tensor]]]) -> None:
 
 def _park(kernel: Kernel, eager: Callable, example: list[torch.Tensor]) -> None:
     kernel.parked = (eager, example)
-    log.info("fulmen: %s waits to compile until the default dtype is %s again (it was traced under it; the "
-             "default is now %s)", kernel.name, kernel.ambient.dtype, torch.get_default_dtype())
+    log.info("fulmen: %s waits to compile until the process's settings are those it was traced under again "
+             "(%s; now %s)", kernel.name, kernel.ambient, Ambient.capture())
 
 
 def _failed(kernel: Kernel, e: Exception) -> None:
