@@ -5,6 +5,7 @@ context (default dtype, default device) its fused regions compile under. Each te
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 
 import pytest
@@ -113,7 +114,7 @@ def _recompiles_with(j, x, expected, *words, args=()) -> None:
     assert all(w in reason for w in words), reason
 
 
-def test_class_attribute_read_through_the_class():
+def test_class_attribute_read_through_the_class(caplog):
     class K:
         scale = 2.0
 
@@ -125,7 +126,9 @@ def test_class_attribute_read_through_the_class():
     j(x)
     assert fulmen.cache_misses(j) == 1
     K.scale = 5.0
-    _recompiles_with(j, x, x * 5.0, "scale", "2.0", "5.0")
+    with caplog.at_level(logging.INFO, logger="fulmen"):
+        _recompiles_with(j, x, x * 5.0, "scale", "2.0", "5.0")
+    assert any("recompiling" in r.getMessage() and "K.scale" in r.getMessage() for r in caplog.records)
     K.scale = 2.0  # back: the first program is reused
     torch.testing.assert_close(j(x), x * 2.0)
     assert fulmen.cache_misses(j) == 2

@@ -268,6 +268,7 @@ class JittedFunction:
             elif guard_failure:
                 reason = f"{reason} ({guard_failure})"
             stats.last_recompile_reason = reason
+            log.info("fulmen: recompiling %s: %s", getattr(self.fn, "__name__", self.fn), reason)
             if self._compilations >= RECOMPILE_WARNING_THRESHOLD:
                 log.warning("fulmen: %s has been compiled %d times; the latest recompile was caused by %s",
                             getattr(self.fn, "__name__", self.fn), self._compilations + 1,
