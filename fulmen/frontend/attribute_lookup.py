@@ -123,6 +123,8 @@ def lookup(obj: Any, attr: str, covered: set[int]) -> tuple[list, Any, Any] | No
     if attr.startswith("__") and attr.endswith("__"):
         return None
     is_class = isinstance(obj, type)
+    if type(obj).__getattribute__ not in (object.__getattribute__, type.__getattribute__):
+        return None  # a class of its own lookup: code decides what the read gives
     mro = obj.__mro__ if is_class else type(obj).__mro__
     definer = next((klass for klass in mro if attr in klass.__dict__), None)
     in_class = definer.__dict__[attr] if definer is not None else MISSING
