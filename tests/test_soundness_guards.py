@@ -501,3 +501,20 @@ def test_compile_settings_are_applied_for_a_block_on_any_thread_and_restored():
         assert traced.matches()
         assert torch.ones(1).dtype == torch.float64
     assert Ambient.capture().key() == before.key()
+
+
+class _Reshaper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sizes = [2, 2]
+
+    def forward(self, x):
+        return x.view(*self.sizes) * 2
+
+
+def test_list_attribute_of_the_module_changed_in_place():
+    model, x = _Reshaper(), _x(4)
+    j = fulmen.jit(model, executors=["torch"])
+    torch.testing.assert_close(j(x), model(x))
+    model.sizes[:] = [1, 4]  # not an attribute write: the structure check does not see it
+    _recompiles_with(j, x, model(x), "sizes", "[2, 2]", "[1, 4]")
