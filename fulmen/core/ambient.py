@@ -13,9 +13,11 @@ the forward and backward of a program whose first call ran on PyTorch autograd -
 The default device is per thread (``torch.set_default_device``, ``with torch.device(...)``): it is applied with a
 device context, for the calling thread only. The others are one setting for the whole process: applying another
 value changes it for every thread for the duration of the block. So fulmen applies them only on the thread that
-runs the program, holding ``SETTINGS_LOCK``; the background compiler never sets them: it compiles a kernel only
-while the process's settings already are the kernel's (``matches``), holding the same lock, and leaves the others
-for a later call to hand back (``fulmen.executors.inductor_compile``).
+runs the program; the background compiler never sets them: it compiles a kernel only while the process's
+settings already are the kernel's (``matches``), and leaves the others for a later call to hand back
+(``fulmen.executors.inductor_compile``). Every switch ``applied`` makes moves ``switches()``, so a compilation
+that ran while fulmen switched the settings and back on another thread is seen and done again. (No lock is held
+across a compilation: compilations take the compiler's import lock, which a thread building a program holds.)
 """
 
 from __future__ import annotations
@@ -26,8 +28,19 @@ from collections.abc import Iterator
 
 import torch
 
-#: Held while fulmen compiles under, or switches, the process-wide settings.
-SETTINGS_LOCK = threading.RLock()
+_switch_lock = threading.Lock()
+_switches = 0
+
+
+def switches() -> int:
+    """How many times ``applied`` switched a process-wide setting (or switched it back) so far."""
+    return _switches
+
+
+def _switched() -> None:
+    global _switches
+    with _switch_lock:
+        _switches += 1
 
 
 def _deterministic() -> tuple[bool, bool]:
@@ -76,11 +89,11 @@ class Ambient:
             if torch.get_default_device() != self.device:
                 stack.enter_context(torch.device(self.device))
             changes = [(current, wanted, set_) for current, wanted, set_ in self._process_wide() if current != wanted]
-            if changes:
-                stack.enter_context(SETTINGS_LOCK)
-                for current, wanted, set_ in changes:
-                    stack.callback(set_, current)
-                    set_(wanted)
+            for current, wanted, set_ in changes:
+                stack.callback(_switched)  # after the setting is back (callbacks run last in, first out)
+                stack.callback(set_, current)
+                _switched()
+                set_(wanted)
             yield
 
     def __repr__(self) -> str:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from fulmen.core.ambient import SETTINGS_LOCK, Ambient
+from fulmen.core.ambient import Ambient, switches
 from fulmen.core.utils import compiler_import_lock
 from fulmen.executors.inductor_cpp import MergedBuild, merged_cpp_build, prefetch_header
 from fulmen.executors.inductor_decomps import decomposition_table
@@ -329,15 +329,15 @@ def _compile(jobs: list[tuple[Kernel, Callable, list[torch.Tensor]]]) -> None:
             continue
         start = time.perf_counter()
         try:
-            with SETTINGS_LOCK:
-                if background and not kernel.ambient.matches():
-                    _park(kernel, eager, example)
-                    continue
-                with kernel.ambient.applied():
-                    call = _lower(eager, example, cpp, kernel.threads)
-                if background and not kernel.ambient.matches():  # the program changed it while this lowered
-                    _park(kernel, eager, example)
-                    continue
+            before = switches()
+            if background and not kernel.ambient.matches():
+                _park(kernel, eager, example)
+                continue
+            with kernel.ambient.applied():  # on the background thread: the default device only
+                call = _lower(eager, example, cpp, kernel.threads)
+            if background and (switches() != before or not kernel.ambient.matches()):  # changed while it lowered
+                _park(kernel, eager, example)
+                continue
             lowered.append((kernel, call))
         except Exception as e:  # the region keeps running with the torch executor
             _failed(kernel, e)
