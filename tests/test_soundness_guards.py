@@ -518,3 +518,28 @@ def test_list_attribute_of_the_module_changed_in_place():
     torch.testing.assert_close(j(x), model(x))
     model.sizes[:] = [1, 4]  # not an attribute write: the structure check does not see it
     _recompiles_with(j, x, model(x), "sizes", "[2, 2]", "[1, 4]")
+
+
+def test_warm_started_program_compiled_under_another_default_dtype_keeps_the_traced_one():
+    i = torch.arange(12).reshape(3, 4)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    saved = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        expected_out = _scaled_sum(x, i)
+        (expected,) = torch.autograd.grad(expected_out, x)
+        j = fulmen.jit(_scaled_sum, compile="async")  # the first call runs on PyTorch autograd
+        j(x, i)
+        torch.set_default_dtype(torch.float32)
+        fulmen.last_traces(j)  # compiles the forward and backward now, under float32
+        torch.set_default_dtype(torch.float64)
+        for _ in range(3):  # the regions compile in the background meanwhile
+            out = j(x, i)
+            (grad,) = torch.autograd.grad(out, x)
+            assert out.dtype == grad.dtype == torch.float64
+            torch.testing.assert_close(out, expected_out, **_F64)
+            torch.testing.assert_close(grad, expected, **_F64)
+            wait_for_compilations(timeout=300)
+        assert _compiled_variants(j) == 1, "the forward's region was not compiled: the test would not test it"
+    finally:
+        torch.set_default_dtype(saved)
