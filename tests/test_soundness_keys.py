@@ -426,3 +426,18 @@ def test_a_prologue_accepts_exactly_the_calls_whose_key_is_its_key():
             assert (accepted is not None) == (other_key == key), (args, kwargs, other_args, other_kwargs)
             if accepted is not None:
                 assert len(accepted) == len(other_flat) and all(a is b for a, b in zip(accepted, other_flat))
+
+
+def test_a_call_under_another_default_device_recompiles():
+    # factory calls without device= make tensors on the default device: a program traced without a device
+    # context must not be reused inside `with torch.device("meta")`, where eager makes meta tensors
+    def f(x):
+        return x * 2, torch.ones(3)
+
+    jf, x = fulmen.jit(f, executors=["torch"]), torch.randn(3)
+    assert jf(x)[1].device.type == "cpu"
+    with torch.device("meta"):
+        assert f(x)[1].device.type == "meta"
+        assert jf(x)[1].device.type == "meta"
+    assert jf(x)[1].device.type == "cpu"
+    assert fulmen.cache_misses(jf) == 2

@@ -24,6 +24,7 @@ from torch import __version__ as torch_version
 from torch._ops import OpOverload, OpOverloadPacket
 
 from fulmen.core import symbolic
+from fulmen.core.ambient import Ambient
 from fulmen.core.codegen import compile_trace
 from fulmen.core.codeutils import outputs_of
 from fulmen.core.proxies import Proxy, TensorProxy
@@ -38,6 +39,7 @@ from fulmen.executors.inductor_compile import (  # noqa: F401  (re-exported: the
     get_kernel,
     kernel_stats,
     pending_compilations,
+    resume,
     wait_for_compilations,
 )
 from fulmen.executors.partition import fusion_groups, split_repeats, sums_after_other_readers
@@ -64,6 +66,8 @@ class FusedRegion:
         self.source = source
         self.code_key = code_key
         self.mode = compile_mode.get()
+        # the default dtype and device the region was traced under: its kernels compile under them
+        self.ambient = Ambient.capture()
         if self.mode not in COMPILE_MODES:
             raise ValueError(f"compile mode {self.mode!r} is not one of {', '.join(COMPILE_MODES)}")
         self.kernels: dict[tuple, Kernel] = {}
@@ -82,7 +86,10 @@ class FusedRegion:
             if len(self.kernels) >= MAX_VARIANTS:
                 return self.eager(*args)
             layout = tuple((a.shape, a.stride(), a.dtype, a.device) for a in args)
-            kernel = self.kernels[key] = get_kernel((self.code_key, layout), self.name, self.eager, args, self.mode)
+            kernel = self.kernels[key] = get_kernel((self.code_key, layout, self.ambient.key()), self.name,
+                                                    self.eager, args, self.mode, self.ambient)
+        elif kernel.parked is not None:
+            resume(kernel)
         if kernel.fn is not None:
             self.variants[key] = kernel.fn
             return kernel.fn(list(args))

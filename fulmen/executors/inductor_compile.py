@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 
+from fulmen.core.ambient import Ambient, switches
 from fulmen.core.utils import compiler_import_lock
 from fulmen.executors.inductor_cpp import MergedBuild, merged_cpp_build, prefetch_header
 from fulmen.executors.inductor_decomps import decomposition_table
@@ -79,17 +80,23 @@ _capped = threading.local()  # .threads: the count ``call_leaving_a_core`` cappe
 
 
 class Kernel:
-    """One Inductor compilation; ``fn`` is the compiled callable (taking a list of tensors) once it is ready."""
+    """One Inductor compilation; ``fn`` is the compiled callable (taking a list of tensors) once it is ready.
 
-    __slots__ = ("name", "fn", "failed", "done", "seconds", "threads")
+    ``ambient``: the default dtype and device its region was traced under, which its compilation reads again.
+    ``parked``: the job the background compiler set aside because the process's settings (default dtype, ...)
+    were others (``resume`` queues it again)."""
 
-    def __init__(self, name: str):
+    __slots__ = ("name", "fn", "failed", "done", "seconds", "threads", "ambient", "parked")
+
+    def __init__(self, name: str, ambient: Ambient):
         self.name = name
         self.fn: Callable | None = None
         self.failed = False
         self.done = False
         self.seconds = 0.0
         self.threads: int | None = None  # the CPU threads of the program that asked for it (``program_threads``)
+        self.ambient = ambient
+        self.parked: tuple | None = None
 
 
 def _submit(job: tuple) -> None:
@@ -140,13 +147,14 @@ def _stop_compiling() -> None:
 threading._register_atexit(_stop_compiling)  # runs before atexit's hooks, while threads still run
 
 
-def get_kernel(key: tuple, name: str, eager: Callable, args: tuple, mode: str) -> Kernel:
-    """The shared kernel for ``key``; a new one is compiled now (sync), scheduled (async) or never (off)."""
+def get_kernel(key: tuple, name: str, eager: Callable, args: tuple, mode: str, ambient: Ambient) -> Kernel:
+    """The shared kernel for ``key`` (which includes ``ambient.key()``: the same code compiles to different kernels
+    under other defaults); a new one is compiled now (sync), scheduled (async) or never (off), under ``ambient``."""
     global _last_request
     kernel = _kernels.get(key)
     if kernel is not None:
         return kernel
-    kernel = Kernel(name)
+    kernel = Kernel(name, ambient)
     kernel.threads = program_threads()
     if mode == "off":
         kernel.done = True
@@ -162,6 +170,17 @@ def get_kernel(key: tuple, name: str, eager: Callable, args: tuple, mode: str) -
         _last_request = time.monotonic()
         _submit((kernel, eager, example))
     return kernel
+
+
+def resume(kernel: Kernel) -> None:
+    """Queue a parked kernel again, if the process's settings are now its own (a call of its program, which runs
+    only under the default dtype it was traced with, is the time to look)."""
+    global _last_request
+    job = kernel.parked
+    if job is not None and kernel.ambient.matches():
+        kernel.parked = None
+        _last_request = time.monotonic()
+        _submit((kernel, *job))
 
 
 def _start_triton_workers() -> None:
@@ -295,7 +314,13 @@ def _fake_mode():
 def _compile(jobs: list[tuple[Kernel, Callable, list[torch.Tensor]]]) -> None:
     """Compile a batch of kernels: each is lowered by Inductor, then all of their C++ kernels build as one
     library (one compiler run pays for parsing ATen's headers once). A kernel whose lowering fails keeps running
-    with the torch executor, and the log says so; the others are unaffected."""
+    with the torch executor, and the log says so; the others are unaffected.
+
+    Each kernel is lowered under the settings its region was traced under (``Kernel.ambient``: default dtype and
+    device, ...). On the program's thread (a sync compilation) they are applied for the lowering. The background
+    compiler must not change process-wide settings under the program's threads: it lowers a kernel only while
+    they already are the kernel's (and still are when the lowering ends), and parks the others."""
+    background = threading.current_thread() in _workers
     cpp = MergedBuild()
     lowered = []
     for kernel, eager, example in jobs:
@@ -304,11 +329,20 @@ def _compile(jobs: list[tuple[Kernel, Callable, list[torch.Tensor]]]) -> None:
             continue
         start = time.perf_counter()
         try:
-            lowered.append((kernel, _lower(eager, example, cpp, kernel.threads)))
+            before = switches()
+            if background and not kernel.ambient.matches():
+                _park(kernel, eager, example)
+                continue
+            with kernel.ambient.applied():  # on the background thread: the default device only
+                call = _lower(eager, example, cpp, kernel.threads)
+            if background and (switches() != before or not kernel.ambient.matches()):  # changed while it lowered
+                _park(kernel, eager, example)
+                continue
+            lowered.append((kernel, call))
         except Exception as e:  # the region keeps running with the torch executor
             _failed(kernel, e)
         finally:
-            kernel.seconds = time.perf_counter() - start
+            kernel.seconds += time.perf_counter() - start
     start = time.perf_counter()
     try:
         cpp.build()
@@ -323,7 +357,13 @@ def _compile(jobs: list[tuple[Kernel, Callable, list[torch.Tensor]]]) -> None:
         for kernel, _ in lowered:
             kernel.seconds += share
         for kernel, _, _ in jobs:
-            kernel.done = True
+            kernel.done = kernel.parked is None
+
+
+def _park(kernel: Kernel, eager: Callable, example: list[torch.Tensor]) -> None:
+    kernel.parked = (eager, example)
+    log.info("fulmen: %s waits to compile until the process's settings are those it was traced under again "
+             "(%s; now %s)", kernel.name, kernel.ambient, Ambient.capture())
 
 
 def _failed(kernel: Kernel, e: Exception) -> None:
@@ -334,8 +374,9 @@ def _failed(kernel: Kernel, e: Exception) -> None:
 
 
 def pending_compilations() -> int:
-    """Region compilations queued or running (0 once every region seen so far is compiled or failed)."""
-    return sum(1 for k in list(_kernels.values()) if not k.done)
+    """Region compilations queued or running (0 once every region seen so far is compiled or failed, or parked
+    until its program runs under its default dtype again)."""
+    return sum(1 for k in list(_kernels.values()) if not k.done and k.parked is None)
 
 
 def usable_cores() -> int:

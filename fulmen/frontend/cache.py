@@ -2,7 +2,8 @@
 
 A key holds each tensor's shape, dtype, device and requires_grad (and a lazy conjugate or negative bit), the
 values of non-tensor arguments, the structure of containers, and the global state tracing read: grad mode,
-autocast and the default dtype. Tensors found along the way are collected in call order; they are the program's inputs.
+autocast, the default dtype and the default device. Tensors found along the way are collected in call order;
+they are the program's inputs.
 
 A key says nothing about inputs sharing memory: a program is traced as if they did not. For a program that
 writes to its inputs that matters (``f(x, x)`` writing to its first argument and reading its second), so such
@@ -29,6 +30,16 @@ _Parameter = torch.nn.Parameter
 log = logging.getLogger("fulmen")
 
 
+_function_modes = torch._C._len_torch_function_stack
+
+
+def default_device() -> torch.device | None:
+    """The device of a ``with torch.device(...)`` block or ``torch.set_default_device``; None when neither is active
+    (factory calls make CPU tensors). Such a context is a function mode, so with none on the stack the answer is
+    known without asking (``torch.get_default_device`` costs a few microseconds)."""
+    return torch.get_default_device() if _function_modes() else None
+
+
 def global_state_key() -> tuple:
     return (
         torch.is_grad_enabled(),
@@ -37,6 +48,7 @@ def global_state_key() -> tuple:
         torch.is_autocast_enabled("cuda"),
         torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None,
         torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None,
+        default_device(),  # factory calls without device= were traced on it
     )
 
 

@@ -8,8 +8,18 @@ into one generated function that a call checks before reusing the program. A fai
 program compiled for the old values stays cached, for when they come back).
 
 What is found: the names each user code object that issued a torch call refers to (``co_names``, including its
-comprehensions and nested functions), followed into the user functions and methods (through ``self``) those
-names reach, a few levels deep. What is compared:
+comprehensions and nested functions), and every attribute chain it loads from a global, a closure variable, its
+``self`` or an argument of the traced function (``cfgmod.SCALE``, ``K.scale``, ``self.cfg.sub.mult``,
+``self.__class__.scale``, ``options.scale``); for a method, the attributes of its class it names
+(``type(self).scale``). Each link of a chain is checked where Python's attribute lookup finds it: an object's
+``__dict__`` (and, for a class attribute, that the instance and the classes before the defining one in the MRO
+still lack it), a user class's ``__dict__``, a user module's globals, a ``__slots__`` member. A user property's
+getter is followed with the same ``self``; any other link computed by code (``__getattr__``, a descriptor) or
+found in torch, a library module or a library class ends the chain. The user functions and methods that names
+and chains reach are followed in turn,
+with no depth limit (each code object once per ``self``). Plain attributes and submodules of the jitted module's
+tree, and of modules reached through a global, are left to their structure snapshot (``module_guard``), which
+sees their changes at one integer compare per call. What is compared:
 
 - numbers, strings, ``None``, dtypes, devices, enums, and tuples, lists and dicts of those (up to 64 items):
   by type and value (so ``SIZES.append(3)`` is seen); flat tuples and lists of numbers and strings of up to
@@ -36,18 +46,26 @@ import dis
 import enum
 import functools
 import logging
-import os
+import math
 import random
 import sys
-import sysconfig
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from fulmen.core.proxies import is_library_file
 from fulmen.frontend import module_guard
+from fulmen.frontend.attribute_lookup import (
+    MISSING,
+    SLOT,
+    is_user_class,
+    is_user_file,
+    is_user_function,
+    kind,
+    load_chains,
+    lookup,
+)
 
 log = logging.getLogger("fulmen")
 
@@ -57,33 +75,9 @@ MAX_VALUE_ITEMS = 64
 #: ``==``: at most about 7 us (13 us) a call on this 2-core machine.
 MAX_FLAT_ITEMS = 4096
 MAX_FLAT_DICT_ITEMS = 1024
-_MAX_DEPTH = 4  # how far calls are followed from the code that ran
 
 _SCALARS = (int, float, bool, str, bytes, complex, type(None))
 _ATOMS = (torch.dtype, torch.device, torch.memory_format, torch.layout, enum.Enum)
-_MISSING = object()
-
-
-def _installed_dirs() -> tuple[str, ...]:
-    paths = sysconfig.get_paths()
-    dirs = {os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
-    return tuple(d + os.sep for d in dirs)
-
-
-_INSTALLED = _installed_dirs()
-
-
-@functools.lru_cache(maxsize=4096)
-def _is_user_file(filename: str) -> bool:
-    if is_library_file(filename):
-        return False
-    if filename.startswith("<"):  # exec'd code, notebooks ("<ipython-input-...>"), but not frozen stdlib modules
-        return not filename.startswith("<frozen")
-    return not os.path.realpath(filename).startswith(_INSTALLED)
-
-
-def _is_user_function(f: Any) -> bool:
-    return isinstance(f, types.FunctionType) and _is_user_file(f.__code__.co_filename)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -106,7 +100,7 @@ class ReadRecorder:
         while frame is not None and frame not in seen:
             seen.add(frame)
             code = frame.f_code
-            if _is_user_file(code.co_filename):
+            if is_user_file(code.co_filename):
                 owner = None
                 if code.co_argcount and code.co_varnames[0] == "self":
                     instance = frame.f_locals.get("self")
@@ -139,18 +133,20 @@ class _Item:
 
     def read(self) -> Any:
         if self.source == "key":
-            return self.holder.get(self.name, _MISSING)
+            return self.holder.get(self.name, MISSING)
+        if self.source == "slot":  # a __slots__ member: its descriptor reads it, no user code runs
+            return getattr(self.holder, self.name, MISSING)
         if self.source == "cell":
             try:
                 return self.holder.cell_contents
             except ValueError:  # an empty cell
-                return _MISSING
+                return MISSING
         return _tensor_meta(self.holder)
 
     def holds(self) -> bool:
         value = self.read()
         if self.how == "absent":
-            return value is _MISSING
+            return value is MISSING
         if self.how == "module":
             return value is self.value.module and self.value()
         if self.how == "flat":
@@ -239,8 +235,10 @@ def _same(a: Any, b: Any) -> bool:
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if t is dict:
         return a.keys() == b.keys() and all(_same(x, b[k]) for k, x in a.items())
-    if t is float and a != a:
-        return b != b
+    if t is float:
+        if a != a:
+            return b != b
+        return a == b and (a != 0.0 or math.copysign(1.0, a) == math.copysign(1.0, b))  # 0.0 and -0.0 differ
     return a == b
 
 
@@ -250,26 +248,47 @@ def _plain_object(v: Any) -> bool:
         v, (type, types.FunctionType, types.MethodType, types.ModuleType, torch.nn.Module, torch.Tensor)))
 
 
+def _holder_id(holder: Any, owner: Any) -> int:
+    """What names the dictionary ``holder``: itself, or for a class's ``__dict__`` (a view made at each access) the
+    class."""
+    return id(holder) if type(holder) is dict or owner is None else id(owner)
+
+
 class _Collector:
-    def __init__(self):
+    def __init__(self, covered: Iterable[torch.nn.Module] = ()):
         self.items: list[_Item] = []
         self._keys: set = set()
         self._codes: set = set()
+        self._alive: list = []  # objects named by id in _keys and _codes, kept alive until the guard is built
+        # ids of the modules whose plain attributes and submodules a structure snapshot already checks
+        self.covered: set[int] = {id(m) for m in covered}
+
+    def absent(self, where: str, holder: Any, name: str, owner: Any = None) -> None:
+        """Check that ``holder`` (a ``__dict__``) stays without the key ``name``."""
+        key = ("key", _holder_id(holder, owner), name)
+        if key not in self._keys:
+            self._keys.add(key)
+            self._alive.append(owner)
+            self.items.append(_Item(f"{where}, not set on the {kind(owner)}", "key", holder, name, None, "absent"))
 
     def add(self, where: str, source: str, holder: Any, name: str, value: Any, names: frozenset[str],
-            absent: frozenset[str] = frozenset()) -> None:
+            absent: frozenset[str] = frozenset(), owner: Any = None) -> None:
         """Check ``value``, read from ``holder``; ``names`` are the attributes the reading code names, ``absent``
-        those it may look up dynamically (``getattr(cfg, "name", default)``), checked to stay missing."""
-        key = (source, id(holder), name)
+        those it may look up dynamically (``getattr(cfg, "name", default)``), checked to stay missing. ``owner``:
+        the object ``holder`` belongs to, when ``holder`` is a view made for this read (a class's
+        ``__dict__``)."""
+        key = (source, _holder_id(holder, owner), name)
         if key in self._keys or isinstance(value, types.ModuleType):
             return
         self._keys.add(key)
+        self._alive.append(owner)
         if _simple(value, [MAX_VALUE_ITEMS]):
             self.items.append(_Item(where, source, holder, name, _copy(value), "=="))
         elif _flat(value):
             self.items.append(_Item(where, source, holder, name, _flat_key(value), "flat"))
         elif isinstance(value, torch.nn.Module):
             self.items.append(_Item(where, source, holder, name, _ModuleWatch(value), "module"))
+            self.covered.update(id(m) for m in value.modules())
         else:
             self.items.append(_Item(where, source, holder, name, value, "is"))
             if _plain_object(value):  # a config object: the attributes this code names
@@ -293,38 +312,110 @@ class _Collector:
                 self._keys.add(key)
                 self.items.append(_Item(f"the {kind} {attr} of {where}", "key", attrs, attr, None, "absent"))
 
-    def code(self, code: types.CodeType, globals_: dict, owner: type | None, depth: int) -> None:
-        if (code, id(globals_), owner) in self._codes or depth > _MAX_DEPTH:
+    def code(self, code: types.CodeType, globals_: dict, owner: type | None, instance: Any = MISSING,
+             cells: dict | None = None, arguments: dict | None = None) -> None:
+        """What ``code`` can read: the globals it names, and every attribute chain it loads from a global, a
+        closure variable (``cells``), its ``self`` (``instance``, when known) or, for the traced function itself,
+        an argument (``arguments``: an object passed in, ``cfg.scale``), followed into the user functions and
+        methods those reach, however deep."""
+        key = (code, id(globals_), owner, id(instance))
+        if key in self._codes:
             return
-        self._codes.add((code, id(globals_), owner))
+        self._codes.add(key)
+        self._alive.append(instance)  # the id above names it only while it lives
         names = _names(code)
         attrs, absent = _attribute_names(code)
         module = globals_.get("__name__", "?")
         for name in sorted(names):
-            value = globals_.get(name, _MISSING)
-            if value is _MISSING:
+            value = globals_.get(name, MISSING)
+            if value is MISSING:
                 continue
             _warn_on_python_rng(code, name, value)
             self.add(f"the global {name} (module {module})", "key", globals_, name, value, attrs, absent)
-            if _is_user_function(value):
-                self.function(value, depth + 1)
-        if owner is not None:  # self.helper(): the methods this code names, on the class of its self
+            self.follow(value)
+        if owner is not None and is_user_class(owner):
+            self.class_attributes(code, owner)
+        if owner is not None and instance is MISSING:  # self.helper() where self is not known: by the class
             for name in sorted(names):
                 method = _class_attr(owner, name)
-                if _is_user_function(method):
-                    self.code(method.__code__, method.__globals__, owner, depth + 1)
+                if is_user_function(method):
+                    self.code(method.__code__, method.__globals__, owner)
+        for root, name, *chain in sorted(load_chains(code)):
+            if root == "global":
+                value, context = globals_.get(name, MISSING), f"a global of module {module}"
+            elif root == "cell" and cells is not None and name in cells:
+                value, context = cells[name], f"a closure variable of {code.co_qualname}"
+            # a cell of this code (self used by a nested function, lambda or comprehension) is one of its locals
+            elif arguments is not None and name in arguments:
+                value, context = arguments[name], f"the argument {name} of {code.co_qualname}"
+            elif code.co_argcount and code.co_varnames[0] == name:
+                value, context = instance, f"{name} is a {type(instance).__name__}, in {code.co_qualname}"
+            else:
+                continue
+            if value is not MISSING:
+                self.chain(name, context, value, chain, attrs, absent)
 
-    def function(self, fn: types.FunctionType, depth: int, owner: type | None = None) -> None:
+    def chain(self, path: str, context: str, obj: Any, chain: list[str], names: frozenset[str],
+              absent: frozenset[str]) -> None:
+        """Guard each link of ``obj.a.b.c`` where its value comes from (an object's, a class's or a user module's
+        ``__dict__``), and follow what it reaches; stop where the value comes from code (a property, whose getter
+        is followed instead, ``__getattr__``), a library module or class, or a tensor."""
+        for attr in chain:
+            found = lookup(obj, attr, self.covered)
+            if found is None:
+                return
+            checks, obj, follow_as = found
+            path = f"{path}.{attr}"
+            self.checks(f"{path} ({context})", attr, checks, obj, names, absent)
+            self.follow(obj, follow_as)
+            if type(obj) in _SCALARS or isinstance(obj, (*_ATOMS, torch.Tensor, property)):
+                return
+
+    def checks(self, where: str, attr: str, checks: list, value: Any, names: frozenset[str],
+               absent: frozenset[str]) -> None:
+        for holder, owner, present in checks:
+            if owner is SLOT:
+                self.add(where, "slot", holder, attr, value, names, absent)
+            elif present:
+                self.add(where, "key", holder, attr, value, names, absent, owner=owner)
+            else:
+                self.absent(where, holder, attr, owner)
+
+    def class_attributes(self, code: types.CodeType, owner: type) -> None:
+        """The attributes of ``owner`` (a method's class) that ``code`` names, found on a user class:
+        ``type(self).scale``, ``cls.scale``, ``getattr(self, "scale")`` read them without an attribute chain."""
+        names, absent = _attribute_names(code)
+        for name in sorted(names):
+            found = lookup(owner, name, self.covered)
+            if found is not None:
+                checks, value, _ = found
+                self.checks(f"{owner.__qualname__}.{name} (a class attribute, read in {code.co_qualname})", name,
+                            checks, value, names, absent)
+
+    def follow(self, value: Any, instance: Any = MISSING) -> None:
+        """The code a value read can run: a user function (with ``instance`` as its ``self``), a bound method."""
+        if isinstance(value, types.MethodType):
+            value, instance = value.__func__, value.__self__
+        elif isinstance(value, property):  # what the getter reads
+            value = value.fget
+        if is_user_function(value):
+            self.function(value, instance)
+
+    def function(self, fn: types.FunctionType, instance: Any = MISSING, owner: type | None = None,
+                 arguments: dict | None = None) -> None:
         attrs, absent = _attribute_names(fn.__code__)
+        cells = {}
         for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
             try:
                 value = cell.cell_contents
             except ValueError:
                 continue
+            cells[name] = value
             self.add(f"the closure variable {name} of {fn.__qualname__}", "cell", cell, name, value, attrs, absent)
-            if _is_user_function(value):
-                self.function(value, depth + 1)
-        self.code(fn.__code__, fn.__globals__, owner, depth)
+            self.follow(value)
+        if owner is None and instance is not MISSING:
+            owner = type(instance)
+        self.code(fn.__code__, fn.__globals__, owner, instance, cells, arguments)
 
 
 def _names(code: types.CodeType) -> frozenset[str]:
@@ -377,11 +468,12 @@ def _class_attr(cls: type, name: str) -> Any:
     return None
 
 
+
 def _root_function(fn: Any) -> tuple[types.FunctionType | None, type | None]:
     """The user function behind ``fn``, and the class of its ``self`` when it is a bound method."""
     owner = type(fn.__self__) if isinstance(fn, types.MethodType) else None
     fn = getattr(fn, "__func__", fn)
-    return (fn, owner) if _is_user_function(fn) else (None, None)
+    return (fn, owner) if is_user_function(fn) else (None, None)
 
 
 class GlobalGuard:
@@ -397,7 +489,7 @@ class GlobalGuard:
                 now = item.read()
                 if item.how == "absent":
                     return f"{item.where} was set to {_short(now)}"
-                if now is _MISSING:
+                if now is MISSING:
                     return f"{item.where} was deleted"
                 if item.how == "module" and now is item.value.module:
                     return f"{item.where} changed ({_module_change(item.value)})"
@@ -458,7 +550,8 @@ def _generate(items: list[_Item]) -> Callable[[], bool]:
         key = repr(item.name) if type(item.name) is str else f"n{i}"
         if key == f"n{i}":
             env[key] = item.name
-        read = {"key": f"h{i}[{key}]", "cell": f"h{i}.cell_contents", "tensor": f"h{i}"}[item.source]
+        read = {"key": f"h{i}[{key}]", "cell": f"h{i}.cell_contents", "tensor": f"h{i}",
+                "slot": f"getattr(h{i}, {key})"}[item.source]
         if item.how == "is":
             terms.append(f"{read} is v{i}")
         elif item.how == "absent":
@@ -478,6 +571,8 @@ def _generate(items: list[_Item]) -> Callable[[], bool]:
         elif type(item.value) in _SCALARS or isinstance(item.value, _ATOMS):
             env[f"t{i}"] = type(item.value)
             same = f"x == v{i}" if item.value == item.value else "x != x"  # NaN is NaN
+            if type(item.value) is float and item.value == 0.0:  # 0.0 and -0.0 differ (1 / x)
+                same = f"_same(x, v{i})"
             terms.append(f"(type(x := {read}) is t{i} and {same})")
         else:
             terms.append(f"_same({read}, v{i})")
@@ -488,26 +583,23 @@ def _generate(items: list[_Item]) -> Callable[[], bool]:
     return env["guard"]
 
 
-def build_guard(recorder: ReadRecorder, captured: list[tuple[str, torch.Tensor]]) -> GlobalGuard | None:
+def build_guard(recorder: ReadRecorder, captured: list[tuple[str, torch.Tensor]],
+                covered: Iterable[torch.nn.Module] = (), arguments: dict | None = None) -> GlobalGuard | None:
     """The guard for what the code recorded while tracing can read, and for the metadata of the tensors the
     program captured (``captured``: their names in the trace, and the tensors); None when there is nothing to
-    check."""
-    collector = _Collector()
+    check. ``covered``: the jitted module's tree, whose structure snapshot already checks its plain attributes.
+    ``arguments``: the traced function's arguments by parameter name (an object passed in is keyed by identity,
+    so the attributes the code reads from it are checked here)."""
+    collector = _Collector(covered)
     for name, t in captured:  # read by identity on every call, but traced for this shape, dtype and device
         collector.items.append(_Item(f"the captured tensor {name}", "tensor", t, name, _tensor_meta(t), "meta"))
     root, owner = _root_function(recorder.fn)
     if root is not None:
-        collector.function(root, 0, owner)
+        collector.function(root, getattr(recorder.fn, "__self__", MISSING), owner, arguments)
+    for code, instance in recorder.selves.values():  # methods: their self's attributes (self.cfg.sub.mult)
+        collector.code(code, recorder.codes[code][0], type(instance), instance)
     for code, (globals_, owner) in recorder.codes.items():
-        collector.code(code, globals_, owner, 0)
-    for code, instance in recorder.selves.values():  # self.config.dropout: a config object held by self
-        attrs = getattr(instance, "__dict__", None)
-        if isinstance(attrs, dict):
-            names, absent = _attribute_names(code)
-            for name in sorted(names & attrs.keys()):
-                if _plain_object(attrs[name]):
-                    collector.add(f"the attribute {name} of a {type(instance).__name__}", "key", attrs, name,
-                                  attrs[name], names, absent)
+        collector.code(code, globals_, owner)
     recorder.selves = {}
     _warn_on_global_writes(recorder.codes)
     return GlobalGuard(collector.items) if collector.items else None

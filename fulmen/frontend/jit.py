@@ -224,6 +224,9 @@ class JittedFunction:
             log.warning("fulmen: %s writes to an input that shares memory with another input; such calls run "
                         "eagerly (not compiled). Pass separate tensors (e.g. x.clone()) to run compiled.",
                         _display_name(self.fn))
+        return self._call_eagerly(*args, **kwargs)
+
+    def _call_eagerly(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
 
     #: How many tensors at the start of the flat inputs are a module's parameters and buffers (never dynamic).
@@ -353,6 +356,7 @@ class JittedFunction:
             elif guard_failure:
                 reason = f"{reason} ({guard_failure})"
             stats.last_recompile_reason = reason
+            log.info("fulmen: recompiling %s: %s", getattr(self.fn, "__name__", self.fn), reason)
             changed = self._changed_value(self._last_key, key) if flat is not None else None
             if changed is not None:  # RECOMPILE_LIMIT: _miss counts these
                 self._recompiles[changed] = self._recompiles.get(changed, 0) + 1
@@ -541,7 +545,7 @@ def _describe_key_change(old, new, names: list[str] = ()) -> str:
     (old_args, old_state), (new_args, new_state) = old, new
     if old_state != new_state:
         parts = ["grad mode", "default dtype", "CPU autocast", "CUDA autocast", "CPU autocast dtype",
-                 "CUDA autocast dtype"]
+                 "CUDA autocast dtype", "default device"]
         changed = [n for n, a, b in zip(parts, old_state, new_state) if a != b]
         return "a change of " + ", ".join(changed)
     if len(old_args) != len(new_args):

@@ -11,11 +11,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import types
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 from fulmen.core.codeutils import sanitize_name
 from fulmen.core.proxies import TensorProxy
@@ -238,6 +240,10 @@ class _ModuleProgram(JittedFunction):
         with _Swaps.lock:
             return super()._globals_changed(key, entry, args, kwargs, flat, inputs)
 
+    def _call_eagerly(self, *args, **kwargs):
+        # through the module's __call__, as eager calls it: its own hooks and the global ones run there
+        return self.module(*args, **kwargs)
+
     def _describe_key_change(self, old, new, names=()) -> str:
         if old is not None and old[1] == new[1]:  # same global state: (structure, state tensors, arguments)
             (old_version, old_state, old_args), (new_version, new_state, new_args) = old[0], new[0]
@@ -287,6 +293,22 @@ class _ModuleProgram(JittedFunction):
         return entry
 
 
+_GLOBAL_HOOK_TABLES = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_always_called",
+                       "_global_forward_hooks_with_kwargs", "_global_backward_pre_hooks", "_global_backward_hooks")
+
+
+def _call_impl_without_global_hooks():
+    """``nn.Module._call_impl`` reading empty global hook tables: the wrapper runs the hooks registered on it, and
+    not the global ones (``register_module_forward_hook``), which the call of the original module inside it runs,
+    once per module call as in eager (traced into the program, or eagerly when the call runs eagerly). The
+    function is ``_call_impl``'s own code over a copy of its module's globals, so PyTorch's hook semantics
+    (kwargs hooks, always-called hooks, backward hooks) stay PyTorch's; the global tables are dictionaries edited in
+    place, so a copy of the namespace keeps seeing every other name."""
+    impl = nn.Module._call_impl
+    namespace = {**vars(_torch_module), **{name: {} for name in _GLOBAL_HOOK_TABLES}}
+    return types.FunctionType(impl.__code__, namespace, impl.__name__, impl.__defaults__, impl.__closure__)
+
+
 class JittedModule(nn.Module):
     """``fulmen.jit(module)``: behaves as the module (same parameters, buffers, state_dict, train/eval)."""
 
@@ -318,6 +340,15 @@ class JittedModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self._fulmen_jitted(*args, **kwargs)
+
+    _call_with_own_hooks = _call_impl_without_global_hooks()
+
+    def _call_impl(self, *args, **kwargs):
+        # nn.Module.__call__ lands here; the global hooks are the original module's to run (see
+        # _call_impl_without_global_hooks), so without hooks of its own the wrapper is just its forward
+        if self._forward_hooks or self._forward_pre_hooks or self._backward_hooks or self._backward_pre_hooks:
+            return self._call_with_own_hooks(*args, **kwargs)
+        return self.forward(*args, **kwargs)
 
     def train(self, mode: bool = True):
         self._fulmen_module.train(mode)

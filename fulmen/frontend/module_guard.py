@@ -210,6 +210,11 @@ def attribute_value(v: Any) -> Any:
     return _MISSING
 
 
+def snapshot_records(v: Any) -> bool:
+    """Whether a module's snapshot records a plain attribute holding ``v`` (so a change to it is seen)."""
+    return attribute_value(v) is not _MISSING
+
+
 def _module_entry(name: str, mod: nn.Module, tensor_index: dict[int, int]) -> tuple:
     slots = []
     for dict_name in ("_parameters", "_buffers"):

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from fulmen.core.codeutils import sanitize_name
-from fulmen.frontend.cache import content_key, is_tensor_key, value_key
+from fulmen.frontend.cache import content_key, default_device, is_tensor_key, value_key
 
 _LITERAL = (int, bool, type(None))
 _counter = itertools.count()
@@ -211,7 +211,7 @@ class _Writer:
             self.value(k, name, name)
 
     def global_state(self, state: tuple) -> None:
-        grad, default_dtype, cpu_ac, cuda_ac, cpu_dtype, cuda_dtype = state
+        grad, default_dtype, cpu_ac, cuda_ac, cpu_dtype, cuda_dtype, factory_device = state
         env = self.env
         env.update(is_grad_enabled=torch.is_grad_enabled, get_default_dtype=torch.get_default_dtype,
                    is_autocast_enabled=torch.is_autocast_enabled, get_autocast_dtype=torch.get_autocast_dtype)
@@ -222,7 +222,10 @@ class _Writer:
             if enabled:
                 name = self.const(dtype, str(dtype).removeprefix("torch."))
                 terms.append(f"get_autocast_dtype('{device}') is {name}")
-        self.check(" and ".join(terms), "global state: grad mode, default dtype, autocast")
+        env.update(default_device=default_device)
+        terms.append("default_device() is None" if factory_device is None else
+                     f"default_device() == {self.const(factory_device, f'{factory_device.type}_device')}")
+        self.check(" and ".join(terms), "global state: grad mode, default dtype, autocast, default device")
 
 
 def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, param_names: list[str] = (),

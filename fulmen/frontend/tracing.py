@@ -313,13 +313,22 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
             recorder.close()
     if recorder is not None:
         names = [p.name for p in trace.args[len(trace.args) - len(spec.captured):]]
-        spec.guard = build_guard(recorder, list(zip(names, spec.captured)))
+        spec.guard = build_guard(recorder, list(zip(names, spec.captured)), own,
+                                 _bound_arguments(guard_reads, args, kwargs))
     trace.capture = None
     trace.replay = None
     trace.autocast = []
     trace.output = result
     trace.provenance = None
     return trace, spec
+
+
+def _bound_arguments(fn: Callable, args: tuple, kwargs: dict) -> dict | None:
+    """``fn``'s arguments by parameter name (None where its signature cannot say)."""
+    try:
+        return dict(inspect.signature(fn).bind(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        return None
 
 
 def _resolve_outputs(x):

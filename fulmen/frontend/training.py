@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from fulmen.core.ambient import Ambient
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.trace import Trace
 from fulmen.executors.base import Executor
@@ -76,6 +77,7 @@ class _Runtime:
         self.latest: tuple[bool, ...] | None = None
         self.timings = timings
         self.compile_mode = compile_mode.get()  # the jitted function's: the backward's regions compile alike
+        self.ambient = Ambient.capture()  # the defaults traced under; the backward may run under others
         self.graphs: GraphedProgram | None = None  # set when the program replays as CUDA graphs
 
     def backward_for(self, present: tuple[bool, ...]):
@@ -88,11 +90,12 @@ class _Runtime:
         everything = (True,) * len(self.differentiable)
         try:
             start = time.perf_counter()
-            trace = push_scale_past_matmuls(accumulate_embedding_grads(self.fb.backward_trace(present)))
+            with self.ambient.applied():
+                trace = push_scale_past_matmuls(accumulate_embedding_grads(self.fb.backward_trace(present)))
             self.timings["backward_split"] = self.timings.get("backward_split", 0.0) + (
                 time.perf_counter() - start) * 1e3
             timings: dict[str, float] = {}
-            with compile_mode_set(self.compile_mode):
+            with compile_mode_set(self.compile_mode), self.ambient.applied():
                 fn, traces = execution_pipeline(trace, self.executors, timings)
             for k, v in timings.items():
                 self.timings[f"backward_{k}"] = self.timings.get(f"backward_{k}", 0.0) + v

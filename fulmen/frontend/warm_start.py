@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from fulmen.core.ambient import Ambient
 from fulmen.core.symbol import OpTags
 from fulmen.core.trace import Trace
 from fulmen.executors import inductor, torchex
@@ -70,6 +71,7 @@ def deferred_training(trace: Trace, compile_training: Callable[[], CompiledProgr
     warm = compile_inference(trace, [torchex.ex])  # no grad mode of its own: PyTorch records the graph
     timings["warm_start"] = (time.perf_counter() - start) * 1e3
     mode = compile_mode.get()
+    ambient = Ambient.capture()  # settle may run under other defaults (asking for the traces)
     program = CompiledProgram(forward=warm.forward, traces=warm.traces, timings_ms=timings)
     real: CompiledProgram | None = None
     warm_ran = False
@@ -79,7 +81,7 @@ def deferred_training(trace: Trace, compile_training: Callable[[], CompiledProgr
         nonlocal real
         with lock:
             if real is None:
-                with compile_mode_set(mode):
+                with compile_mode_set(mode), ambient.applied():
                     compiled = compile_training()
                 for name in ("forward", "traces", "backward_traces", "num_saved", "output_spec"):
                     setattr(program, name, getattr(compiled, name))
