@@ -136,7 +136,7 @@ def choose_saved(leaves: Sequence[BoundSymbol], inputs: Iterable[Proxy], needed:
     input_names = set(proxies)
     producer: dict[str, BoundSymbol] = {}
     for b in leaves:
-        for o in b.flat_proxy_outs:
+        for o in b.defined_outs:
             producer.setdefault(o.name, b)
             proxies.setdefault(o.name, o)
     needed = [n for n in dict.fromkeys(needed) if n in proxies]
@@ -225,7 +225,9 @@ def coarsen(nodes: Sequence, saved: Iterable[str], producers: dict[str, BoundSym
         # Only the symbols the program itself called: a decomposition may call torch-language symbols with
         # arguments their torch function would not take (clamp calls maximum with a Python number).
         if node.parts is not None:
-            outs = [p.name for p in node.bsym.flat_proxy_outs]
+            # values the symbol passes through unchanged keep their own producers: recomputing them with this
+            # symbol would read the value it is meant to define
+            outs = [p.name for p in node.bsym.defined_outs]
             if any(n in producers for n in outs) and all(a.name in available for a in node.bsym.flat_args) \
                     and all(is_recomputable(leaf) for leaf in node.leaves()):
                 coarse.update({n: node.bsym for n in outs if n in producers})
