@@ -58,3 +58,47 @@ def test_categorical_log_prob_and_entropy():
     jf = fulmen.jit(f, executors=["torch"])
     _compare(jf, f, (logits,), actions, calls=3)
     torch.autograd.gradcheck(lambda lg: jf(lg, actions), (logits,))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# values whose bits the backward compares are saved, not recomputed
+
+
+def _pool_of_gelu(x):
+    return F.max_pool2d(F.gelu(x), 2)
+
+
+def _recomputed_ops(jf):
+    return {b.sym.name for t in fulmen.last_backward_traces(jf)[-1:] for b in t.bound_symbols
+            for s in (b, *b.subsymbols)}
+
+
+def test_backward_saves_what_it_compares_with_a_saved_maximum():
+    """max_pool2d's gradient compares its input with the saved maximum for equality: the GELU before it is
+    saved, because a recomputation (by another kernel) need not reproduce its bits."""
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    jf = fulmen.jit(_pool_of_gelu, executors=["torch"])
+    _compare(jf, _pool_of_gelu, (x,))
+    assert not {"gelu", "erf"} & _recomputed_ops(jf), fulmen.last_backward_traces(jf)[-1]
+
+
+def test_backward_still_recomputes_data_movement_and_ordinary_values():
+    """Only the bits that decide matter: the pooled windows (views of the saved activation) and an activation
+    whose gradient compares nothing are still recomputed."""
+    def f(x):
+        return F.max_pool2d(F.gelu(x), 2) * 2 + torch.sin(x * 3).sum()
+
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    jf = fulmen.jit(f, executors=["torch"])
+    _compare(jf, f, (x,))
+    saved = fulmen.last_traces(jf)[-1].output[1:]
+    # x, the pooled windows and their maximum: sin's input (x * 3) is recomputed from x
+    assert [tuple(p.shape) for p in saved] == [(2, 3, 8, 8), (2, 3, 4, 4, 2, 2), (2, 3, 4, 4)], saved
+
+
+def test_fused_max_pool_of_gelu_gradients_match_eager():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    jf = fulmen.jit(_pool_of_gelu, compile="sync")
+    _compare(jf, _pool_of_gelu, (x,), rtol=1e-5, atol=1e-6)
+    assert any(b.sym.is_fusion for b in fulmen.last_backward_traces(jf)[-1].bound_symbols)
