@@ -102,3 +102,37 @@ def test_fused_max_pool_of_gelu_gradients_match_eager():
     jf = fulmen.jit(_pool_of_gelu, compile="sync")
     _compare(jf, _pool_of_gelu, (x,), rtol=1e-5, atol=1e-6)
     assert any(b.sym.is_fusion for b in fulmen.last_backward_traces(jf)[-1].bound_symbols)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# casts to a lower precision round inside fused regions, as they do in eager
+
+
+def _low_precision_intermediates(x):
+    return (x.to(torch.bfloat16).amax(-1).float(),  # the gradient compares with a bfloat16 maximum
+            (x > x.to(torch.bfloat16)).float() * x,  # true exactly where rounding went down
+            (x.to(torch.float16) * 3).float() + x)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_fused_casts_to_lower_precision_round_as_in_eager(mode):
+    import torch._inductor.config as inductor_config
+
+    from fulmen.executors.inductor_compile import wait_for_compilations
+
+    emulating = inductor_config.emulate_precision_casts
+    torch.manual_seed(0)
+    x = torch.randn(4, 33, requires_grad=True)
+    jf = fulmen.jit(_low_precision_intermediates, compile=mode)
+    expected = _low_precision_intermediates(x)
+    expected_grad, = torch.autograd.grad(sum(e.sum() for e in expected), x)
+    for call in range(4):
+        if call == 2:
+            wait_for_compilations()  # the last calls run the swapped-in kernels
+        out = jf(x)
+        grad, = torch.autograd.grad(sum(o.sum() for o in out), x)
+        for o, e in zip(out, expected):
+            torch.testing.assert_close(o, e, rtol=0, atol=0)
+        torch.testing.assert_close(grad, expected_grad, rtol=0, atol=0)
+    assert any(b.sym.is_fusion for b in fulmen.last_traces(jf)[-1].bound_symbols)
+    assert inductor_config.emulate_precision_casts == emulating, "fulmen's compiles leave Inductor's config as it was"

@@ -209,7 +209,9 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
     # releases have no prefetch and compute them when first asked).
     for key in (getattr(codecache, "torch_key", None), getattr(codecache, "triton_key", None)):
         getattr(key, "prefetch", lambda: None)()
-    patch = {}
+    # A region computes what its operations compute one by one: a cast to a lower precision rounds there, even
+    # when Inductor fuses it with the operations around it (which it otherwise computes in float32 throughout).
+    patch = {"emulate_precision_casts": True}
     if config.cpp.vec_isa_ok is None and on_cpu and _vector_isa_known():
         patch["cpp.vec_isa_ok"] = True
     if on_cpu and threads and threads != torch.get_num_threads():
