@@ -31,6 +31,7 @@ import torch
 from fulmen.core.utils import compiler_import_lock
 from fulmen.executors.inductor_cpp import MergedBuild, merged_cpp_build, prefetch_header
 from fulmen.executors.inductor_decomps import decomposition_table
+from fulmen.executors.inductor_layout import keep_output_strides, with_eager_strides
 
 log = logging.getLogger("fulmen.inductor")
 
@@ -234,10 +235,11 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
             install_index_shortcut()
         with _lowering_on_this_thread():
             gm = make_fx(fn, decomposition_table=decompositions, tracing_mode="fake")(*example)
+            keep_output_strides(gm)
             fake_mode = _fake_mode()
             with merged_cpp_build(cpp), tracing(TracingContext(fake_mode)):
                 compiled = compile_fx_inner(gm, [fake_mode.from_tensor(a) for a in example])
-    return getattr(compiled, "current_callable", compiled)
+        return with_eager_strides(getattr(compiled, "current_callable", compiled), compiled, gm, fn, example)
 
 
 # Threads lowering a region now. make_fx sets FX's process-wide "symbolic tracing" flag while it traces, and Dynamo
@@ -315,7 +317,7 @@ def _compile(jobs: list[tuple[Kernel, Callable, list[torch.Tensor]]]) -> None:
     try:
         cpp.build()
         for kernel, call in lowered:
-            cpp.resolve_in(call)
+            cpp.resolve_in(getattr(call, "__wrapped__", call))
             kernel.fn = call
     except Exception as e:
         for kernel, _ in lowered:
