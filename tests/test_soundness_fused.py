@@ -206,16 +206,20 @@ def test_async_swap_in_keeps_convnext_gradients(kernels_checked_against_regions,
     jitted = _ConvNeXt()
     jitted.load_state_dict(model.state_dict())
     jm = fulmen.jit(jitted, compile="async")
+    programs = []
     for step in range(5):
         if step == 2:
             wait_for_compilations()
         loss, jloss = model(x, w), jm(x, w)
+        if step in (1, 4):  # the program the unfused regions ran, and the one the kernels run: the same traces
+            programs.append([str(t) for t in (fulmen.last_traces(jm)[-1], fulmen.last_backward_traces(jm)[-1])])
         grads = torch.autograd.grad(loss, list(model.parameters()))
         jgrads = torch.autograd.grad(jloss, list(jitted.parameters()))
         torch.testing.assert_close(jloss, loss, rtol=1e-5, atol=1e-5)
         for (name, _), g, e in zip(model.named_parameters(), jgrads, grads):
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5, msg=lambda m: f"step {step}, {name}: {m}")
     assert kernels_checked_against_regions, "the kernels swapped in"
+    assert programs[0] == programs[1]
     assert not [r for r in caplog.records if r.levelname == "WARNING" and r.name.startswith("fulmen")]
 
 
@@ -247,3 +251,35 @@ def test_kernel_outputs_in_other_strides_are_copied_into_the_traced_ones():
         assert got.stride() == expected.stride()
     Compiled.output_strides = [tuple(str(s) for s in o.stride()) for o in region(x)]
     assert with_eager_strides(call, Compiled(), gm, region, [x]) is call
+
+
+def test_remat_recomputes_a_compared_value_only_by_operations_that_reproduce_its_bits():
+    """``choose_saved`` and ``coarsen`` on a value the backward compares (``v``, a broadcast of ``exp(x)``): the
+    broadcast may run again on the saved ``exp(x)``, ``exp`` may not -- also not as part of a whole symbol."""
+    from fulmen import prims
+    from fulmen.core.proxies import TensorProxy
+    from fulmen.core.symbol import Symbol
+    from fulmen.core.trace import Trace, tracectx
+    from fulmen.transforms.linearize import Node
+    from fulmen.transforms.remat import bit_exact_reads, choose_saved, coarsen
+
+    trc = Trace()
+    with tracectx(trc):
+        x = TensorProxy(shape=(8,), dtype=torch.float32, device="cpu")
+        e = prims.exp(x)
+        v = prims.broadcast_in_dim(e, (8, 8), (0,))
+        exp_b, bcast_b = trc.bound_symbols
+        m = prims.amax(v, (1,))
+        prims.eq(v, prims.broadcast_in_dim(m, (8, 8), (0,)))  # the backward of amax
+    assert v.name in bit_exact_reads(trc.bound_symbols[-2:])
+    whole = Symbol(name="exp_then_broadcast", id="test.exp_then_broadcast", is_prim=False, tags=())
+    node = Node(whole.bind(x, output=v, subsymbols=(exp_b, bcast_b)), [Node(exp_b), Node(bcast_b)])
+    leaves = [exp_b, bcast_b]
+
+    saved, producers = choose_saved(leaves, [x], [v.name, x.name])
+    assert producers[v.name] is bcast_b and producers[e.name] is exp_b  # exp recomputed from x
+    assert coarsen([node], [p.name for p in saved], producers)[v.name] is node.bsym
+
+    saved, producers = choose_saved(leaves, [x], [v.name, x.name], exact={v.name})
+    assert {p.name for p in saved} == {x.name, e.name} and set(producers) == {v.name}
+    assert coarsen([node], [p.name for p in saved], producers, {v.name})[v.name] is bcast_b

@@ -91,6 +91,28 @@ def bit_exact_reads(bsyms: Sequence[BoundSymbol]) -> set[str]:
     return exact
 
 
+def _exact_closure(exact: Iterable[str], producer: dict[str, BoundSymbol],
+                   inputs: set[str]) -> tuple[set[str], set[str]]:
+    """(the values whose bits matter: ``exact`` and what a bit-reproducing producer of one reads, recursively;
+    those of them a recomputation would not reproduce)."""
+    closure: set[str] = set()
+    pinned: set[str] = set()
+    stack = [n for n in exact if n in producer]
+    while stack:
+        n = stack.pop()
+        if n in closure:
+            continue
+        closure.add(n)
+        b = producer.get(n)
+        if b is None or n in inputs or not is_recomputable(b):
+            continue
+        if _reproduces_bits(b):
+            stack.extend(p.name for p in b.flat_args if isinstance(p, TensorProxy))
+        else:
+            pinned.add(n)
+    return closure, pinned
+
+
 def _nbytes(p: TensorProxy) -> int:
     # the sizes traced, also for symbolic sizes: a cost heuristic must not add guards (compare symbolic sizes)
     n = 1
@@ -196,22 +218,8 @@ def choose_saved(leaves: Sequence[BoundSymbol], inputs: Iterable[Proxy], needed:
     if not recompute:
         return [proxies[n] for n in needed], {}
 
-    # values whose bits matter, and those of them whose producer would not reproduce its bits (saved instead)
-    pinned: set[str] = set()
-    exact_seen: set[str] = set()
-    stack = [n for n in exact if n in producer]
-    while stack:
-        n = stack.pop()
-        if n in exact_seen:
-            continue
-        exact_seen.add(n)
-        b = producer.get(n)
-        if b is None or n in input_names or not is_recomputable(b):
-            continue
-        if _reproduces_bits(b):
-            stack.extend(p.name for p in b.flat_args if isinstance(p, TensorProxy))
-        else:
-            pinned.add(n)
+    # values whose producer would not reproduce the bits the backward relies on: saved, never recomputed
+    _, pinned = _exact_closure(exact, producer, input_names)
 
     def cheap(name: str) -> bool:
         b = producer.get(name)
@@ -281,15 +289,18 @@ def choose_saved(leaves: Sequence[BoundSymbol], inputs: Iterable[Proxy], needed:
     return sorted(saved.values(), key=lambda p: order[p.name]), recomputed
 
 
-def coarsen(nodes: Sequence, saved: Iterable[str], producers: dict[str, BoundSymbol]) -> dict[str, BoundSymbol]:
+def coarsen(nodes: Sequence, saved: Iterable[str], producers: dict[str, BoundSymbol],
+            exact: Iterable[str] = ()) -> dict[str, BoundSymbol]:
     """Recompute with whole symbols where possible: ``ltorch.repeat_interleave`` as one call rather than the
     three prims of its decomposition. ``nodes`` are ``linearize.Node`` (``bsym``, ``parts``, ``leaves()``).
 
     A node replaces the producers of its outputs when all its leaves are recomputable and everything it reads
-    is saved or recomputed anyway.
+    is saved or recomputed anyway -- and, for an output whose bits matter (``exact``, as for ``choose_saved``),
+    when all its leaves reproduce bits: it may compute that output from values that are saved for its parts.
     """
     available = set(saved) | set(producers)
     coarse = dict(producers)
+    exact, _ = _exact_closure(exact, producers, set())
 
     for node in nodes:
         # Only the symbols the program itself called: a decomposition may call torch-language symbols with
@@ -298,8 +309,10 @@ def coarsen(nodes: Sequence, saved: Iterable[str], producers: dict[str, BoundSym
             # values the symbol passes through unchanged keep their own producers: recomputing them with this
             # symbol would read the value it is meant to define
             outs = [p.name for p in node.bsym.defined_outs]
+            leaves = node.leaves()
             if any(n in producers for n in outs) and all(a.name in available for a in node.bsym.flat_args) \
-                    and all(is_recomputable(leaf) for leaf in node.leaves()):
+                    and all(is_recomputable(leaf) for leaf in leaves) \
+                    and (exact.isdisjoint(outs) or all(_reproduces_bits(leaf) for leaf in leaves)):
                 coarse.update({n: node.bsym for n in outs if n in producers})
     return coarse
 
