@@ -11,9 +11,9 @@ unfused region: gradients changed when a kernel swapped in.
 the traced graph gives them (fake tensors run through PyTorch's decompositions, which keep eager's strides).
 ``with_eager_strides`` checks the compiled graph's output strides against those and copies any output that
 differs (a graph from Inductor's on-disk cache compiled without the marks) into the traced layout. With
-``CHECK_LAYOUTS`` (tests/test_soundness_fused.py sets it) the target is the layouts of the region's unfused callable run on fake
-tensors -- the program itself, at the cost of one more fake run per compilation -- and a traced layout that
-differs from it is logged.
+``CHECK_LAYOUTS`` (tests/test_soundness_fused.py sets it) the target is the layouts of the region's unfused
+callable run on fake tensors -- the program itself, at the cost of one more fake run per compilation -- and a
+traced layout that differs from it is logged.
 """
 
 from __future__ import annotations
