@@ -223,6 +223,33 @@ def test_async_swap_in_keeps_convnext_gradients(kernels_checked_against_regions,
     assert not [r for r in caplog.records if r.levelname == "WARNING" and r.name.startswith("fulmen")]
 
 
+@pytest.mark.slow
+def test_async_swap_in_keeps_hf_convnext_gradients(kernels_checked_against_regions):
+    transformers = pytest.importorskip("transformers")
+    from fulmen.executors.inductor_compile import wait_for_compilations
+
+    torch.manual_seed(0)
+    config = transformers.ConvNextConfig(num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2,
+                                         image_size=32, patch_size=4, layer_scale_init_value=0.5)
+    model = transformers.ConvNextModel(config)
+    jitted = transformers.ConvNextModel(config)
+    jitted.load_state_dict(model.state_dict())
+    jm = fulmen.jit(jitted, compile="async")
+    x, w = torch.randn(2, 3, 32, 32), torch.randn(2, 16, 4, 4)
+    params = [n for n, _ in model.named_parameters() if n.startswith(("embeddings.", "encoder."))]
+    for step in range(4):
+        if step == 2:
+            wait_for_compilations()
+        loss = (model(x).last_hidden_state * w).sum()
+        jloss = (jm(x).last_hidden_state * w).sum()
+        grads = torch.autograd.grad(loss, [model.get_parameter(n) for n in params])
+        jgrads = torch.autograd.grad(jloss, [jitted.get_parameter(n) for n in params])
+        torch.testing.assert_close(jloss, loss, rtol=1e-5, atol=1e-4)
+        for name, g, e in zip(params, jgrads, grads):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5, msg=lambda m: f"step {step}, {name}: {m}")
+    assert kernels_checked_against_regions, "the kernels swapped in"
+
+
 def test_kernel_outputs_in_other_strides_are_copied_into_the_traced_ones():
     """A compiled graph whose outputs come in other strides than the traced graph's (one from Inductor's on-disk
     cache, compiled before its outputs were marked visible) is wrapped: the outputs come back in the traced
