@@ -46,16 +46,18 @@ def test_backward_recomputes_no_value_a_symbol_passes_through():
         check_trace(trace)
 
 
-def test_categorical_log_prob_and_entropy():
-    """A policy-gradient loss: ``log_prob`` broadcasts the actions against the normalized logits, which the
-    entropy reads too."""
+@pytest.mark.parametrize("executors", [["torch"], None])
+def test_categorical_log_prob(executors):
+    """A policy-gradient loss with a penalty on the normalized logits: ``log_prob`` broadcasts the actions against
+    the normalized logits, which the penalty reads too. (With the default executors, fused regions run unfused:
+    the test suite's compile mode.)"""
     def f(logits, actions):
-        dist = torch.distributions.Categorical(logits=logits, validate_args=False)
-        return dist.log_prob(actions).sum() - 0.01 * dist.entropy().sum()
+        dist = torch.distributions.Categorical(logits=logits * 2, validate_args=False)
+        return dist.log_prob(actions).sum() + 0.01 * (dist.logits * dist.logits).sum()
 
     logits = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
     actions = torch.tensor([0, 5, 2, 2, 1])
-    jf = fulmen.jit(f, executors=["torch"])
+    jf = fulmen.jit(f, executors=executors)
     _compare(jf, f, (logits,), actions, calls=3)
     torch.autograd.gradcheck(lambda lg: jf(lg, actions), (logits,))
 
