@@ -179,6 +179,17 @@ class BoundSymbol:
             self._flat_outs = outputs_of(self.output)
         return self._flat_outs
 
+    @property
+    def defined_outs(self) -> list[Proxy]:
+        """The outputs this call computes: ``flat_proxy_outs`` less those that are its own arguments. A symbol may
+        return an input unchanged (``broadcast_tensors`` of a tensor that has the common shape already, ``x.float()``
+        of a float32 ``x``); that value keeps its name and is still produced by whatever computed it first."""
+        outs = self.flat_proxy_outs
+        if not outs:
+            return outs
+        arg_names = {p.name for p in self.flat_args}
+        return [p for p in outs if p.name not in arg_names]
+
     def has_tag(self, tag: OpTags) -> bool:
         return tag in self.sym.tags
 

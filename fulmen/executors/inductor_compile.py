@@ -32,6 +32,7 @@ from fulmen.core.ambient import Ambient, switches
 from fulmen.core.utils import compiler_import_lock
 from fulmen.executors.inductor_cpp import MergedBuild, merged_cpp_build, prefetch_header
 from fulmen.executors.inductor_decomps import decomposition_table
+from fulmen.executors.inductor_layout import keep_output_strides, with_eager_strides
 
 log = logging.getLogger("fulmen.inductor")
 
@@ -228,7 +229,9 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
     # releases have no prefetch and compute them when first asked).
     for key in (getattr(codecache, "torch_key", None), getattr(codecache, "triton_key", None)):
         getattr(key, "prefetch", lambda: None)()
-    patch = {}
+    # A region computes what its operations compute one by one: a cast to a lower precision rounds there, even
+    # when Inductor fuses it with the operations around it (which it otherwise computes in float32 throughout).
+    patch = {"emulate_precision_casts": True}
     if config.cpp.vec_isa_ok is None and on_cpu and _vector_isa_known():
         patch["cpp.vec_isa_ok"] = True
     if on_cpu and threads and threads != torch.get_num_threads():
@@ -251,10 +254,11 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
             install_index_shortcut()
         with _lowering_on_this_thread():
             gm = make_fx(fn, decomposition_table=decompositions, tracing_mode="fake")(*example)
+            keep_output_strides(gm)
             fake_mode = _fake_mode()
             with merged_cpp_build(cpp), tracing(TracingContext(fake_mode)):
                 compiled = compile_fx_inner(gm, [fake_mode.from_tensor(a) for a in example])
-    return getattr(compiled, "current_callable", compiled)
+        return with_eager_strides(getattr(compiled, "current_callable", compiled), compiled, gm, fn, example)
 
 
 # Threads lowering a region now. make_fx sets FX's process-wide "symbolic tracing" flag while it traces, and Dynamo
@@ -347,7 +351,7 @@ def _compile(jobs: list[tuple[Kernel, Callable, list[torch.Tensor]]]) -> None:
     try:
         cpp.build()
         for kernel, call in lowered:
-            cpp.resolve_in(call)
+            cpp.resolve_in(getattr(call, "__wrapped__", call))
             kernel.fn = call
     except Exception as e:
         for kernel, _ in lowered:

@@ -14,6 +14,16 @@ in the backward from other values. The choice is a minimum cut, as in AOTAutogra
 The cut edges are the saved values; everything on the sink side is recomputed in the backward, just before
 its first use, by the coarsest symbol that computes it (``coarsen``). Ties go to saving the later value, so
 nothing is recomputed unless that saves memory.
+
+A recomputed floating point value is equal to the forward's, not identical to it: the backward's kernel may
+evaluate the same expression differently (Inductor fuses it with other operations, vectorizes it another way,
+contracts a multiply-add). That matters where the backward turns bits into a decision: ``amax``'s gradient
+compares the input with the saved maximum for equality, and a recomputed input that differs in its last bit
+matches nowhere (max_pool2d of a GELU lost half its gradient). ``bit_exact_reads`` finds the values a backward
+reads through such a decision (an operation with floating point inputs and no floating point output:
+comparisons, ``isnan``, ``argmax``, and the data movement in front of them); ``choose_saved`` recomputes those
+only through operations that reproduce bits exactly (data movement, integer arithmetic, comparisons) and saves
+them rather than redo floating point arithmetic.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 
+from fulmen.core import dtypes
 from fulmen.core.proxies import Proxy, TensorProxy
 from fulmen.core.symbol import BoundSymbol, OpTags
 from fulmen.core.symbolic import size_hint
@@ -38,6 +49,68 @@ def is_recomputable(bsym: BoundSymbol) -> bool:
     if bsym.sym.name in ("full", "iota") and bsym.sym.module == "prims":
         return True
     return any(t in tags for t in _CHEAP_TAGS)
+
+
+def _is_float(p) -> bool:
+    return isinstance(p, TensorProxy) and (dtypes.is_float_dtype(p.dtype) or dtypes.is_complex_dtype(p.dtype))
+
+
+def _moves_data(bsym: BoundSymbol) -> bool:
+    """Copies, views and rearrangements of elements: the output's bits are bits of the input."""
+    tags = bsym.sym.tags
+    return OpTags.ELEMENTWISE not in tags and (OpTags.SHAPE_OP in tags or OpTags.VIEW in tags)
+
+
+def _decides(bsym: BoundSymbol) -> bool:
+    """An operation whose result depends on its floating point inputs discretely (no floating point output)."""
+    outs = bsym.flat_proxy_outs
+    return bool(outs) and any(_is_float(p) for p in bsym.flat_args) and not any(_is_float(p) for p in outs)
+
+
+def _reproduces_bits(bsym: BoundSymbol) -> bool:
+    """Run again on the same bits, any kernel gives the same bits: data movement, and operations that do no
+    floating point arithmetic (integer and boolean math, comparisons, creation from integers)."""
+    return _moves_data(bsym) or not any(_is_float(p) for p in bsym.flat_args) or _decides(bsym)
+
+
+def _leaf_calls(bsyms: Sequence[BoundSymbol]):
+    for b in bsyms:
+        if b.subsymbols:
+            yield from _leaf_calls(b.subsymbols)
+        else:
+            yield b
+
+
+def bit_exact_reads(bsyms: Sequence[BoundSymbol]) -> set[str]:
+    """Names of the values ``bsyms`` (a backward) reads whose exact bits decide its result: the floating point
+    inputs of operations with no floating point output, and what data movement in front of those reads."""
+    exact: set[str] = set()
+    for b in reversed(list(_leaf_calls(bsyms))):
+        if _decides(b) or (_moves_data(b) and any(p.name in exact for p in b.flat_proxy_outs)):
+            exact.update(p.name for p in b.flat_args if isinstance(p, TensorProxy))
+    return exact
+
+
+def _exact_closure(exact: Iterable[str], producer: dict[str, BoundSymbol],
+                   inputs: set[str]) -> tuple[set[str], set[str]]:
+    """(the values whose bits matter: ``exact`` and what a bit-reproducing producer of one reads, recursively;
+    those of them a recomputation would not reproduce)."""
+    closure: set[str] = set()
+    pinned: set[str] = set()
+    stack = [n for n in exact if n in producer]
+    while stack:
+        n = stack.pop()
+        if n in closure:
+            continue
+        closure.add(n)
+        b = producer.get(n)
+        if b is None or n in inputs or not is_recomputable(b):
+            continue
+        if _reproduces_bits(b):
+            stack.extend(p.name for p in b.flat_args if isinstance(p, TensorProxy))
+        else:
+            pinned.add(n)
+    return closure, pinned
 
 
 def _nbytes(p: TensorProxy) -> int:
@@ -124,28 +197,33 @@ class _FlowGraph:
 
 
 def choose_saved(leaves: Sequence[BoundSymbol], inputs: Iterable[Proxy], needed: Iterable[str], *,
-                 recompute: bool = True,
-                 overwritten: Iterable[str] = ()) -> tuple[list[Proxy], dict[str, BoundSymbol]]:
+                 recompute: bool = True, overwritten: Iterable[str] = (),
+                 exact: Iterable[str] = ()) -> tuple[list[Proxy], dict[str, BoundSymbol]]:
     """(values to save, ``{name: producer}`` of the values to recompute) so that the backward can read ``needed``.
 
     ``leaves`` are the forward's finest-grained bound symbols in order; ``inputs`` the forward's inputs, of which
-    the forward updates ``overwritten`` in place (saving one costs a copy).
+    the forward updates ``overwritten`` in place (saving one costs a copy). The backward must read the very bits
+    the forward computed for ``exact`` (``bit_exact_reads``): those are recomputed only by operations that
+    reproduce bits.
     """
     proxies: dict[str, Proxy] = {p.name: p for p in inputs}
     free_inputs = set(proxies) - set(overwritten)
     input_names = set(proxies)
     producer: dict[str, BoundSymbol] = {}
     for b in leaves:
-        for o in b.flat_proxy_outs:
+        for o in b.defined_outs:
             producer.setdefault(o.name, b)
             proxies.setdefault(o.name, o)
     needed = [n for n in dict.fromkeys(needed) if n in proxies]
     if not recompute:
         return [proxies[n] for n in needed], {}
 
+    # values whose producer would not reproduce the bits the backward relies on: saved, never recomputed
+    _, pinned = _exact_closure(exact, producer, input_names)
+
     def cheap(name: str) -> bool:
         b = producer.get(name)
-        return b is not None and name not in input_names and is_recomputable(b)
+        return b is not None and name not in input_names and name not in pinned and is_recomputable(b)
 
     # only the values the backward's needs can be recomputed from matter
     relevant: list[str] = []
@@ -211,23 +289,30 @@ def choose_saved(leaves: Sequence[BoundSymbol], inputs: Iterable[Proxy], needed:
     return sorted(saved.values(), key=lambda p: order[p.name]), recomputed
 
 
-def coarsen(nodes: Sequence, saved: Iterable[str], producers: dict[str, BoundSymbol]) -> dict[str, BoundSymbol]:
+def coarsen(nodes: Sequence, saved: Iterable[str], producers: dict[str, BoundSymbol],
+            exact: Iterable[str] = ()) -> dict[str, BoundSymbol]:
     """Recompute with whole symbols where possible: ``ltorch.repeat_interleave`` as one call rather than the
     three prims of its decomposition. ``nodes`` are ``linearize.Node`` (``bsym``, ``parts``, ``leaves()``).
 
     A node replaces the producers of its outputs when all its leaves are recomputable and everything it reads
-    is saved or recomputed anyway.
+    is saved or recomputed anyway -- and, for an output whose bits matter (``exact``, as for ``choose_saved``),
+    when all its leaves reproduce bits: it may compute that output from values that are saved for its parts.
     """
     available = set(saved) | set(producers)
     coarse = dict(producers)
+    exact, _ = _exact_closure(exact, producers, set())
 
     for node in nodes:
         # Only the symbols the program itself called: a decomposition may call torch-language symbols with
         # arguments their torch function would not take (clamp calls maximum with a Python number).
         if node.parts is not None:
-            outs = [p.name for p in node.bsym.flat_proxy_outs]
+            # values the symbol passes through unchanged keep their own producers: recomputing them with this
+            # symbol would read the value it is meant to define
+            outs = [p.name for p in node.bsym.defined_outs]
+            leaves = node.leaves()
             if any(n in producers for n in outs) and all(a.name in available for a in node.bsym.flat_args) \
-                    and all(is_recomputable(leaf) for leaf in node.leaves()):
+                    and all(is_recomputable(leaf) for leaf in leaves) \
+                    and (exact.isdisjoint(outs) or all(_reproduces_bits(leaf) for leaf in leaves)):
                 coarse.update({n: node.bsym for n in outs if n in producers})
     return coarse
 

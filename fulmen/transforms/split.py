@@ -340,8 +340,10 @@ def split_forward_backward(trace: Trace, executors: Sequence, *, recompute: bool
     everything = (True,) * len(differentiable)
     bw, body, cts, grads, needed = _emit_backward(fb, everything)  # the full backward decides what is saved
     leaves = _leaves(joint.nodes)
-    fb.saved, producers = remat.choose_saved(leaves, trace.args, needed, recompute=recompute, overwritten=written)
-    fb.producers = remat.coarsen(joint.nodes, [p.name for p in fb.saved], producers)
+    exact = remat.bit_exact_reads(body)
+    fb.saved, producers = remat.choose_saved(leaves, trace.args, needed, recompute=recompute, overwritten=written,
+                                             exact=exact)
+    fb.producers = remat.coarsen(joint.nodes, [p.name for p in fb.saved], producers, exact)
     fb.views = _view_outputs(fb, leaves)
     bsyms = emit_forward(joint.nodes, {p.name for p in fb.saved})
     if written:  # the backward must read these values as they were before the forward wrote into them
@@ -435,8 +437,9 @@ def _differentiate(trc: Trace, scope: list, out: Any, inputs: list, active: set,
     seed_names = {c.name for c in seeds.values()}
     body = prune(body, [g.name for g in grads if g is not None])
     needed = forward_values_read(body, seed_names, also_read=[g.name for g in grads if g is not None])
-    saved, producers = remat.choose_saved(_leaves(joint.nodes), inputs, needed)
-    producers = remat.coarsen(joint.nodes, [p.name for p in saved], producers)
+    exact = remat.bit_exact_reads(body)
+    saved, producers = remat.choose_saved(_leaves(joint.nodes), inputs, needed, exact=exact)
+    producers = remat.coarsen(joint.nodes, [p.name for p in saved], producers, exact)
     # the forward computes what is saved: the needed values not recomputed, and what the recomputation reads
     forward = emit_forward(joint.nodes, {p.name for p in saved})
     defined = {x.name for x in inputs} | {p.name for b in forward for p in b.flat_proxy_outs} | seed_names
