@@ -6,7 +6,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -33,6 +32,7 @@ def test_make_demo_installs_no_test_extras():
 
 
 def test_the_package_itself_needs_only_torch():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert [d.split(">")[0].split("=")[0].split("<")[0] for d in project["dependencies"]] == ["torch"]
     assert any(d.startswith("transformers") for d in project["optional-dependencies"]["test"])

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import fulmen.torch as ltorch
+from fulmen.testing import run_decomposed
 from fulmen.tests.opinfos.nn import gelu_opinfo
 from fulmen.tests.opinfos.nn_losses import sdpa_opinfo
-from fulmen.testing import run_decomposed
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
