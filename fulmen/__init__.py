@@ -26,6 +26,7 @@ from fulmen.executors.base import get_default_executors as _default_executors
 from fulmen.frontend import training as _training  # noqa: F401  (imported now, not inside the first call)
 from fulmen.frontend.jit import JittedFunction, get_stats
 from fulmen.frontend.module import JittedModule
+from fulmen.report import report  # noqa: F401  (the function, which shadows its module's name here)
 
 __version__ = "0.1.0"
 
@@ -62,7 +63,7 @@ def __getattr__(name: str):
 
 __all__ = ["jit", "default_executors", "grad", "value_and_grad", "vjp", "trace", "compile", "examine",
            "DataDependentError", "last_traces", "last_backward_traces", "last_prologue_traces", "compile_stats",
-           "cache_hits", "cache_misses"]
+           "cache_hits", "cache_misses", "report"]
 
 
 def jit(fn: Callable | _pytorch.nn.Module, executors: Sequence[Executor | str] | None = None, **options) -> Any:
