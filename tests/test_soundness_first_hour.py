@@ -74,3 +74,17 @@ def test_executors_replace_the_defaults_and_the_documented_spelling_adds(monkeyp
     assert {"fusion", "sdpa"} <= _executors_of(added)
     assert fulmen.default_executors() == fulmen.default_executors()  # a fresh list each time: the caller may edit
     assert fulmen.default_executors() is not fulmen.default_executors()
+
+
+def test_bench_and_demo_state_the_ratio_convention(capsys):
+    from fulmen.bench import cli
+
+    assert cli.main(["bench", "--model", "mlp-tiny", "--mode", "inference", "--backends", "eager,fulmen-torch",
+                     "--steps", "1", "--warmup", "0", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    header = out.splitlines()[0].split()
+    assert "speedup" in header and "x" not in header
+    assert "speedup = eager time / the row's time, eager's steps interleaved with the row's own" in out
+    assert cli.main(["demo", "--model", "mlp-tiny", "--calls", "1", "--lines", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "speedup = eager time / fulmen time" in out and "x eager" not in out
