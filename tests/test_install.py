@@ -63,3 +63,34 @@ def test_the_demo_runs_without_transformers(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+@needs_make
+@pytest.mark.slow
+def test_make_demo_on_a_fresh_clone_installs_fulmen_without_the_test_extras(tmp_path):
+    """A clone of the tracked files, a fresh virtual environment that sees this interpreter's packages (torch is
+    not downloaded again), `make install`, then the demo on a tiny model: transformers is not installed into the
+    environment, and the demo runs from the `fulmen` package the environment installed."""
+    clone = tmp_path / "clone"
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for name in files:
+        if (ROOT / name).is_file():
+            (clone / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, clone / name)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
+    python = venv / "bin" / "python"
+    done = subprocess.run(["make", "install", f"PYTHON={python}"], cwd=clone, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    site = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert not list(Path(site).glob("transformers*")), "make install put transformers into the environment"
+    env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path), "FULMEN_COMPILE": "off"}
+    demo = subprocess.run([str(python), "-m", "fulmen.bench.cli", "demo", "--model", "mlp-tiny", "--calls", "1"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert demo.returncode == 0, demo.stdout[-2000:] + demo.stderr[-2000:]
+    assert "speedup" in demo.stdout
+    where = subprocess.run([str(python), "-c", "import fulmen; print(fulmen.__file__)"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert where.startswith(str(clone)), where
