@@ -105,10 +105,12 @@ def _timed_regions(syms: list, times: dict[str, list[float]], eager_times: dict[
     each call the same region runs once more op by op on PyTorch (``region.eager``), timed for comparison.
     Everything is put back on exit."""
     saved = []
+    seen: set[int] = set()
     for sym in syms:
         region = sym.impl
-        if not hasattr(region, "variants") or not hasattr(region, "eager"):
-            continue
+        if id(region) in seen or not hasattr(region, "variants") or not hasattr(region, "eager"):
+            continue  # a region object shared by two lines is wrapped once, so it is restored to the original
+        seen.add(id(region))
         name = sym.name
 
         def timed(call, name=name, region=region, packs=False):

@@ -143,3 +143,17 @@ def test_the_page_renders_in_a_headless_browser(tmp_path, small_regions):
     subprocess.run([_browser(), *flags, f"--screenshot={shot}", "--window-size=1400,2000", path.resolve().as_uri()],
                    capture_output=True, timeout=120, check=True)
     assert shot.stat().st_size > 10_000
+
+
+def test_report_leaves_the_programs_regions_as_they_were(tmp_path, small_regions):
+    """The timing wrappers last as long as the profiled run: afterwards each region calls what it called before."""
+    jitted = fulmen.jit(_mlp(), compile="off")
+    x = torch.randn(4, 16)
+    jitted(x).sum().backward()
+    jitted(x).sum().backward()
+    traces = fulmen.last_traces(jitted)[-1:] + fulmen.last_backward_traces(jitted)[-1:]
+    regions = [b.sym.impl for t in traces for b in t.bound_symbols if b.sym.is_fusion]
+    before = [(r.eager, dict(r.variants)) for r in regions]
+    assert regions
+    fulmen.report(jitted, x, path=tmp_path / "r.html", steps=1)
+    assert [(r.eager, dict(r.variants)) for r in regions] == before
