@@ -71,12 +71,17 @@ def _outputs(out: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
 
 
-def _make_step(fn: Callable, args: tuple, backward: bool) -> Callable[[], Any]:
-    """One step: the call and, with ``backward``, the backward of the sum of its differentiable outputs."""
+def _make_step(fn: Callable, args: tuple, backward: bool, loss: Callable[[Any], torch.Tensor] | None
+               ) -> Callable[[], Any]:
+    """One step: the call and, with ``backward``, the backward of ``loss(output)`` (by default the sum of every
+    differentiable output)."""
 
     def step():
         out = fn(*args)
         if backward:
+            if loss is not None:
+                loss(out).backward()
+                return out
             diff = [o for o in _outputs(out) if o.requires_grad and o.dtype.is_floating_point]
             if diff:
                 torch.autograd.backward([o.float().sum() for o in diff])
@@ -296,14 +301,15 @@ def _mb(b: int | None) -> str:
 
 
 def report(fn_or_module: Callable | torch.nn.Module, *args, path: str | Path = "report.html", steps: int = 10,
-           backward: bool | None = None, **jit_options) -> Path:
+           backward: bool | None = None, loss: Callable[[Any], torch.Tensor] | None = None, **jit_options) -> Path:
     """Compile ``fn_or_module`` (or use it, when it is already ``fulmen.jit``'d), run it on ``args``, and write one
     self-contained HTML page to ``path``: the pipeline of traces with a diff per step, the final trace(s) with
     each fused region coloured and foldable, per-region and per-operation times next to eager PyTorch's, the
     peak memory of a step and the recompilations with their reasons. Returns the path.
 
-    ``backward`` (default: when an output requires grad) adds the backward of the sum of the outputs to each
-    step. ``jit_options`` go to ``fulmen.jit`` (e.g. ``executors=["torch"]``); regions compile before timing.
+    ``backward`` (default: when an output requires grad) adds a backward to each step: of ``loss(output)`` when
+    given (``loss=lambda out: out[1]`` for a model returning logits and loss), else of the sum of the outputs.
+    ``jit_options`` go to ``fulmen.jit`` (e.g. ``executors=["torch"]``); regions compile before timing.
 
         fulmen.report(model, x, path="report.html")
     """
@@ -320,7 +326,7 @@ def report(fn_or_module: Callable | torch.nn.Module, *args, path: str | Path = "
     out = jitted(*args)
     if backward is None:
         backward = torch.is_grad_enabled() and any(o.requires_grad for o in _outputs(out))
-    fulmen_step, eager_step = _make_step(jitted, args, backward), _make_step(eager_fn, args, backward)
+    fulmen_step, eager_step = _make_step(jitted, args, backward, loss), _make_step(eager_fn, args, backward, loss)
     for _ in range(2):  # the first calls may run on PyTorch autograd while fulmen's program compiles
         fulmen_step()
     from fulmen.executors import inductor

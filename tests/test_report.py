@@ -125,6 +125,12 @@ def test_cli_report_writes_the_page_for_a_built_in_model(tmp_path, capsys):
                      str(out)]) == 0
     assert f"wrote {out}" in capsys.readouterr().out
     _check_html(out.read_text())
+    trained = tmp_path / "mlp-train.html"
+    assert cli.main(["report", "--model", "mlp-tiny", "--mode", "train", "--executors", "torch", "--steps", "1",
+                     "--path", str(trained)]) == 0
+    text = trained.read_text()
+    _check_html(text)
+    assert "Final backward trace" in text and "forward and backward per step" in text
 
 
 def _browser() -> str | None:

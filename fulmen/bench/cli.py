@@ -588,7 +588,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     inputs = make_inputs(args.batch_size, targets=True) if train else make_inputs(args.batch_size)
     options = {"executors": _resolve_executor_names(args.executors)} if args.executors else {}
     with torch.set_grad_enabled(train):
-        path = fulmen.report(model, *inputs, path=args.path, steps=args.steps, backward=train, **options)
+        # a training step's backward starts from the loss, the second output of the built-in models
+        path = fulmen.report(model, *inputs, path=args.path, steps=args.steps, backward=train,
+                             loss=(lambda out: out[1]) if train else None, **options)
     print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB): open it in a browser")
     return 0
 
