@@ -397,7 +397,10 @@ def report(fn_or_module: Callable | torch.nn.Module, *args, path: str | Path = "
         sections += ["<h3>Backward pipeline</h3>", _pipeline_html(backward_traces)]
     sections += [
         "<h2>PyTorch operations in one step</h2>",
-        "<p>Self time per operation from <code>torch.profiler</code>, one step each, busiest first.</p>",
+        "<p>Self time per operation from <code>torch.profiler</code>, one step each, busiest first. The fused "
+        "regions' kernels are not PyTorch operations: their time is in the region table above, and in the self "
+        "time of fulmen's forward and backward (<code>FulmenFunction</code>, <code>FulmenFunctionBackward</code>"
+        ").</p>",
         _profile_html(profile_ours, profile_eager),
         "<h2>Compilation</h2>", phases,
         "<h2>Recompilations</h2>", recompiles,
