@@ -66,7 +66,8 @@ def main() -> None:
     print(f"{args.model}, training step, {args.steps} interleaved steps each, {torch.get_num_threads()} threads")
     for backend in BACKENDS:
         median = statistics.median(times[backend])
-        print(f"  {backend:<14} {median * 1e3:8.2f} ms  {median / eager:5.3f}x eager")
+        print(f"  {backend:<14} {median * 1e3:8.2f} ms  speedup {eager / median:5.3f}")
+    print("speedup = eager time / the backend's time, steps interleaved in this process (above 1: faster than eager)")
 
 
 if __name__ == "__main__":

@@ -110,13 +110,14 @@ def main() -> None:
 
     print(f"{args.model} train, batch {args.batch_size}, {args.optimizer}: medians over {args.rounds} processes per "
           f"backend, {args.steps} steps each (ms, and page faults per step)")
-    header = f"{'backend':8s}" + "".join(f"{p:>20s}" for p in PHASES) + f"{'step':>20s}{'x eager':>9s}"
+    header = f"{'backend':8s}" + "".join(f"{p:>20s}" for p in PHASES) + f"{'step':>20s}{'speedup':>9s}"
     print(header)
     eager_ms = med("eager", "step_ms")
     for b in backends:
         cells = "".join(f"{med(b, 'ms', p):10.1f} {med(b, 'faults', p):7.0f}f  " for p in PHASES)
         step = med(b, "step_ms")
-        print(f"{b:8s}{cells}{step:10.1f} {med(b, 'step_faults'):7.0f}f  {step / eager_ms:7.3f}")
+        print(f"{b:8s}{cells}{step:10.1f} {med(b, 'step_faults'):7.0f}f  {eager_ms / step:7.3f}")
+    print("speedup = eager time / the backend's time (above 1: faster than eager)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rounds": rounds}, f, indent=2)

@@ -22,9 +22,11 @@ from fulmen.core.proxies import DataDependentError  # noqa: F401
 from fulmen.executors import inductor as _inductor  # registers the inductor fusion executor
 from fulmen.executors import torchex as _torchex  # noqa: F401  (registers the torch executor)
 from fulmen.executors.base import Executor, add_default_executor
+from fulmen.executors.base import get_default_executors as _default_executors
 from fulmen.frontend import training as _training  # noqa: F401  (imported now, not inside the first call)
 from fulmen.frontend.jit import JittedFunction, get_stats
 from fulmen.frontend.module import JittedModule
+from fulmen.report import report  # noqa: F401  (the function, which shadows its module's name here)
 
 __version__ = "0.1.0"
 
@@ -59,14 +61,17 @@ def __getattr__(name: str):
     return value
 
 
-__all__ = ["jit", "grad", "value_and_grad", "vjp", "trace", "compile", "examine", "DataDependentError", "last_traces",
-           "last_backward_traces", "last_prologue_traces", "compile_stats", "cache_hits", "cache_misses"]
+__all__ = ["jit", "default_executors", "grad", "value_and_grad", "vjp", "trace", "compile", "examine",
+           "DataDependentError", "last_traces", "last_backward_traces", "last_prologue_traces", "compile_stats",
+           "cache_hits", "cache_misses", "report"]
 
 
 def jit(fn: Callable | _pytorch.nn.Module, executors: Sequence[Executor | str] | None = None, **options) -> Any:
     """Compile a function or an ``nn.Module``.
 
-    ``executors`` lists executors (objects or registered names) in priority order; the torch executor is
+    ``executors`` lists executors (objects or registered names) in priority order, and it REPLACES the default
+    list (``fulmen.default_executors()``: inductor fusion), so ``executors=["sdpa"]`` runs without fusion. To add
+    one to the defaults, put it first: ``executors=["sdpa", *fulmen.default_executors()]``. The torch executor is
     always added last. A module comes back as a wrapper module sharing the original's parameters::
 
         model = fulmen.jit(nn.Linear(4, 4))
@@ -77,6 +82,14 @@ def jit(fn: Callable | _pytorch.nn.Module, executors: Sequence[Executor | str] |
     if isinstance(fn, _pytorch.nn.Module):
         return JittedModule(fn, executors, **options)
     return JittedFunction(fn, executors, **options)
+
+
+def default_executors() -> list[Executor]:
+    """The executors ``fulmen.jit`` uses when given none (the torch executor, always last, not included).
+
+    ``fulmen.jit(f, executors=[...])`` replaces this list; ``executors=["sdpa", *fulmen.default_executors()]``
+    adds to it."""
+    return list(_default_executors())
 
 
 def compile_stats(fn) -> Any:

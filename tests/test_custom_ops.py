@@ -10,11 +10,11 @@ from torch.library import custom_op, register_autograd
 
 import fulmen
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "seed_003_custom_op.py"
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "custom_ops.py"
 
 
 def _load_example():
-    name = "seed_003_custom_op"
+    name = "fulmen_example_custom_ops"
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, EXAMPLE)

@@ -95,9 +95,15 @@ def _fmt_mb(mb: float | None) -> str:
     return _fmt(mb, ".1f" if mb is None or mb >= 10 else ".3f")
 
 
+#: The one ratio convention of fulmen's outputs and docs, stated under every table that shows a ratio.
+SPEEDUP = "speedup = eager time / fulmen time (above 1: faster than eager)"
+BENCH_SPEEDUP_NOTE = ("speedup = eager time / the row's time, eager's steps interleaved with the row's own in the "
+                      "same process (above 1: faster than eager)")
+
+
 def format_table(rows: Sequence[BenchRow]) -> str:
     """An aligned text table of benchmark rows (numbers right-aligned; errors in the last column)."""
-    headers = ["model", "mode", "backend", "median ms", "x eager", "first result s", "compiled s", "peak MB",
+    headers = ["model", "mode", "backend", "median ms", "speedup", "first result s", "compiled s", "peak MB",
                "max diff", "error"]
     numeric = {3, 4, 5, 6, 7, 8}
     body = []
@@ -170,7 +176,7 @@ _non_negative = _int_at_least(0, "non-negative")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fulmen", description="fulmen: a source-to-source compiler for PyTorch programs.")
-    sub = parser.add_subparsers(dest="command", metavar="{bench,examine,demo}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{bench,examine,demo,report}", parser_class=_Parser)
 
     models = model_names()
     bench = sub.add_parser("bench", help="time built-in models under eager, torch.compile and fulmen",
@@ -230,7 +236,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--calls", type=_positive, default=10, help="timed calls per backend (default 10)")
     demo.add_argument("--lines", type=_non_negative, default=12, help="execution-trace lines to show (default 12)")
     _add_device_args(demo)
-    parser.subcommands = {"bench": bench, "examine": examine, "demo": demo}
+    report = sub.add_parser("report", help="write one HTML page showing what fulmen did with a built-in model",
+                            description="Compile a built-in model with fulmen.jit, time and profile it against eager "
+                                        "PyTorch, and write a self-contained HTML page: the pipeline of traces with "
+                                        "their diffs, the fused regions, per-region and per-op times, peak memory, "
+                                        f"recompilations. {SPEEDUP}.")
+    report.add_argument("--model", choices=models, default="gpt-small")
+    report.add_argument("--mode", choices=MODES, default="inference")
+    report.add_argument("--batch-size", type=_positive, default=2)
+    report.add_argument("--steps", type=_positive, default=10, help="timed steps per backend (default 10)")
+    report.add_argument("--executors", help="comma-separated executor names for fulmen.jit, in priority order "
+                                            "(default: fulmen's default executors)")
+    report.add_argument("--path", default="report.html", help="where to write the page (default report.html)")
+    _add_device_args(report)
+    parser.subcommands = {"bench": bench, "examine": examine, "demo": demo, "report": report}
     return parser
 
 
@@ -283,6 +302,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     table_stream = sys.stderr if args.json == "-" else sys.stdout
     print(format_table(rows), file=table_stream)
+    print(BENCH_SPEEDUP_NOTE + ".", file=table_stream)
     if not args.isolate:
         note = "first-result times measured in one process (caches may be warm; --isolate for fresh processes)"
     elif repeat == 1:
@@ -558,6 +578,23 @@ def _median_call_ms(fns: Sequence[Callable[[], Any]], calls: int, device: torch.
     return [statistics.median(b) * 1e3 for b in times]
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    import fulmen
+
+    device = torch.device(args.device)
+    model, make_inputs = build_any(args.model, device=device, dtype=DTYPES[args.dtype])
+    train = args.mode == "train"
+    model.train(train)
+    inputs = make_inputs(args.batch_size, targets=True) if train else make_inputs(args.batch_size)
+    options = {"executors": _resolve_executor_names(args.executors)} if args.executors else {}
+    with torch.set_grad_enabled(train):
+        # a training step's backward starts from the loss, the second output of the built-in models
+        path = fulmen.report(model, *inputs, path=args.path, steps=args.steps, backward=train,
+                             loss=(lambda out: out[1]) if train else None, **options)
+    print(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB): open it in a browser")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     import fulmen
 
@@ -602,8 +639,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         for _ in range(warm):
             model(idx), jitted(idx)
         eager_ms, fulmen_ms = _median_call_ms([lambda: model(idx), lambda: jitted(idx)], args.calls, device)
-    print(f"== median time per call over {args.calls} calls: eager {eager_ms:.2f} ms, fulmen {fulmen_ms:.2f} ms "
-          f"({eager_ms / fulmen_ms:.2f}x eager)")
+    print(f"== median time per call over {args.calls} calls, interleaved: eager {eager_ms:.2f} ms, fulmen "
+          f"{fulmen_ms:.2f} ms; speedup {eager_ms / fulmen_ms:.2f} ({SPEEDUP})")
+    print("   a picture of what fulmen did: fulmen report --model " + args.model)
     return 0 if verdict == "OK" else 1
 
 
@@ -631,6 +669,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_bench(args)
         if args.command == "examine":
             return cmd_examine(args, sub)
+        if args.command == "report":
+            return cmd_report(args)
         return cmd_demo(args)
     except _UsageError as e:
         e.parser.print_usage(sys.stderr)

@@ -47,6 +47,8 @@ RECOMPILE_LIMIT = 8
 #: How many compiled programs one function keeps; beyond that the least recently used is dropped (and compiled
 #: again if a call needs it).
 MAX_CACHE_ENTRIES = 256
+# Recompile reasons kept in the statistics (the latest).
+_MAX_REASONS = 64
 # Programs kept per key for other values of the globals the code read (compiled before, reused when they return).
 _MAX_GLOBAL_VARIANTS = 8
 # Concrete keys that a dynamic entry served are added to the dictionary (so they hit without guard work) up to
@@ -79,12 +81,27 @@ class CompileStats:
     last_trace_time_ms: float = 0.0
     last_prologue_traces: list[Trace] = field(default_factory=list)
     last_recompile_reason: str | None = None
+    recompile_reasons: list[str] = field(default_factory=list)  # why each compilation after the first happened
     _last_compile_time_ms: float = 0.0
     _phase_times_ms: dict[str, float] = field(default_factory=dict)
     _last_traces: list[Trace] = field(default_factory=list)
     _backward_traces: Callable[[], list[Trace]] | None = None
     _settle: Callable[[], Any] | None = None  # compiles a program whose first call ran on PyTorch autograd
     _deferred: int = 0  # programs whose first call ran on PyTorch autograd, not compiled yet
+
+    def __repr__(self) -> str:
+        """A short table: counters, then the last compilation's time per phase (the traces are left out: they
+        are ``last_traces`` and friends). Reading it compiles nothing."""
+        rows = [("calls", f"{self.calls}"), ("cache hits", f"{self.cache_hits}"),
+                ("cache misses", f"{self.cache_misses}")]
+        if self.last_recompile_reason is not None:
+            rows.append(("last recompile", self.last_recompile_reason))
+        if self._settle is not None:
+            rows.append(("note", "the first call ran on PyTorch autograd; fulmen's program compiles at the next"))
+        rows += [(f"{phase} ms", f"{ms:.2f}") for phase, ms in self._phase_times_ms.items()]
+        rows.append(("traces", f"{len(self._last_traces)} (fulmen.last_traces(f))"))
+        width = max(len(name) for name, _ in rows)
+        return "CompileStats(\n" + "".join(f"  {name:<{width}}  {value}\n" for name, value in rows) + ")"
 
     @property
     def pending_compilations(self) -> int:
@@ -356,6 +373,8 @@ class JittedFunction:
             elif guard_failure:
                 reason = f"{reason} ({guard_failure})"
             stats.last_recompile_reason = reason
+            stats.recompile_reasons.append(reason)
+            del stats.recompile_reasons[:-_MAX_REASONS]  # the latest ones, bounded as the cache is
             log.info("fulmen: recompiling %s: %s", getattr(self.fn, "__name__", self.fn), reason)
             changed = self._changed_value(self._last_key, key) if flat is not None else None
             if changed is not None:  # RECOMPILE_LIMIT: _miss counts these

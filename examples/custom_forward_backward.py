@@ -5,7 +5,7 @@ the same contract (the forward returns the per-row losses and log-sum-exp, the b
 ``(softmax - one_hot) * grad``), so the example runs on any machine. Sizes are smaller than the seed's
 (256 x 1000 instead of 2048 x 50257) to keep it quick on a CPU; it uses CUDA when present.
 
-Run it as a script (``python examples/seed_000_custom_fwd_bwd.py``). It asserts what the seed shows: the
+Run it as a script (``python examples/custom_forward_backward.py``). It asserts what the seed shows: the
 joint trace calls ``xentropy_forward`` and ``xentropy_backward``, the compiled program runs them as
 ``xentropy_forward_impl`` / ``xentropy_backward_impl``, and the gradient agrees with PyTorch's autograd
 to better than 1e-6.

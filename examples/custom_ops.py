@@ -1,6 +1,6 @@
 """Seed 003, ported: a ``torch.library`` custom softmax with a registered autograd formula, through fulmen.
 
-Run it as a script (``python examples/seed_003_custom_op.py``). fulmen needs no registration of its own:
+Run it as a script (``python examples/custom_ops.py``). fulmen needs no registration of its own:
 the custom op is recorded as one call (``torch.ops.lynx_cortex.softmax.default``) whose shapes come from the
 op's fake implementation, and its gradient is the op's own ``setup_context`` / ``backward``, traced into
 fulmen's backward trace. It asserts what the lab asks for: forward and backward within 1e-6 of

@@ -1,6 +1,6 @@
 """Seed 002, ported: an operator executor for ``prims.add`` that calls NumPy, made with ``add_operator_executor``.
 
-Run it as a script (``python examples/seed_002_operator_executor.py``); every cell of the seed runs and the
+Run it as a script (``python examples/operator_executors.py``); every cell of the seed runs and the
 script asserts what the seed shows: the trace and its bound symbols, the error when only the NumPy
 executor is allowed, which executor runs ``add``, executor order, and the checker rejecting inputs.
 It uses CUDA when present and the CPU otherwise.

@@ -1,12 +1,12 @@
 """Seed 001, ported: ``fulmen.extend`` -- a new operator, new implementations of ``mul``, grad transforms.
 
-Run it as a script (``python examples/seed_001_extend.py``). It asserts what the seed shows: ``multimul``
+Run it as a script (``python examples/writing_an_executor.py``). It asserts what the seed shows: ``multimul``
 runs through its NumPy implementation, ``ltorch.mul`` is executed as ``multimul`` through an execution
 transform (also in the backward pass), a grad transform makes the backward of ``mul`` a single
 ``multimul``, and a transform may interleave torch operations (``contiguous``) with the new operator.
 
 The seed's last cells use NVIDIA Apex's cross-entropy executor, which needs CUDA and Apex; they are left
-out here. fulmen ships its own cross-entropy executor, and ``examples/seed_000_custom_fwd_bwd.py``
+out here. fulmen ships its own cross-entropy executor, and ``examples/custom_forward_backward.py``
 shows a custom forward and backward for ``cross_entropy`` built with the same API.
 """
 
