@@ -12,6 +12,7 @@ from fulmen.bench import cli
 from fulmen.bench.memory import cpu_step_peak_bytes, tensor_bytes
 from fulmen.bench.models import CONFIGS, GPT, MLP, Llama, build
 from fulmen.bench.runner import BenchConfig, BenchRow, add_speedups, combine_repeats, run_benchmark
+from fulmen.core.ambient import Ambient
 
 TINY = ["gpt-tiny", "llama-tiny", "mlp-tiny"]
 
@@ -212,7 +213,7 @@ def test_fulmen_backend_counts_compilations_in_flight(monkeypatch):
     from fulmen.executors import inductor_compile
 
     def kernel(done):
-        k = inductor_compile.Kernel("k")
+        k = inductor_compile.Kernel("k", Ambient.capture())
         k.done = done
         return k
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import fulmen
+from fulmen.core.ambient import Ambient
 from fulmen.executors import inductor, inductor_compile, inductor_cpp
 
 
@@ -88,7 +89,7 @@ def _jobs(*fns_and_args):
     """Background-compiler jobs for the functions, with example inputs like ``args``."""
     jobs = []
     for i, (fn, args) in enumerate(fns_and_args):
-        kernel = inductor_compile.Kernel(f"test_region_{i}")
+        kernel = inductor_compile.Kernel(f"test_region_{i}", Ambient.capture())
         jobs.append((kernel, fn, [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype) for a in args]))
     return jobs
 
