@@ -1,0 +1,94 @@
+"""Gradients of reductions that pick one element (max pooling, max/min over a dim) go where eager sends them.
+
+Eager's max-pool backward scatters each output's gradient to the one index ``max_pool*_with_indices`` picks (the
+last NaN of the window, else its first maximum in input order); ``max(dim)``/``min(dim)`` send it to the returned
+index; ``max()``/``min()`` over everything split it evenly among the ties (among the NaNs when there are any).
+Inputs here are small integers with NaNs sprinkled in, so windows tie often; the cotangent is distinct per output
+so a gradient sent to the wrong element shows. Gradients compare bit for bit: each input element sums the same
+cotangents in the same order as eager, or the tolerance says why not.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fulmen
+
+EXECUTORS = [pytest.param(["torch"], id="torch"), pytest.param(None, id="default")]
+DTYPES = [torch.float32, torch.float64]
+
+
+def _tied(shape, dtype, seed, nans=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 3, shape, generator=g).to(dtype)
+    if nans:
+        x.view(-1)[torch.randperm(x.numel(), generator=g)[: max(1, x.numel() // 9)]] = float("nan")
+    return x
+
+
+def _grads(fn, x, executors):
+    """Gradient of sum(fn(x) * distinct weights) under eager and under fulmen."""
+    out = fn(x)
+    w = torch.arange(1, out.numel() + 1, dtype=x.dtype).reshape(out.shape)
+    def loss(t):
+        return (fn(t * 1.0) * w).sum()
+    xe = x.clone().requires_grad_()
+    loss(xe).backward()
+    xf = x.clone().requires_grad_()
+    kw = {} if executors is None else {"executors": executors}
+    fulmen.jit(loss, compile="sync", **kw)(xf).backward()
+    return xe.grad, xf.grad
+
+
+def _assert_same(expected, actual):
+    assert torch.equal(expected.isnan(), actual.isnan())
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
+
+
+MAX_POOLS = [
+    ("1d", (2, 3, 11), lambda t: F.max_pool1d(t, 3, 2, 1, ceil_mode=True)),
+    ("1d_dilated", (2, 3, 11), lambda t: F.max_pool1d(t, 2, 1, dilation=3)),
+    ("2d", (2, 2, 4, 6), lambda t: F.max_pool2d(t, 2)),
+    ("2d_overlap_pad", (2, 3, 7, 5), lambda t: F.max_pool2d(t, 3, 1, 1)),
+    ("2d_ceil_dilated", (1, 2, 9, 8), lambda t: F.max_pool2d(t, (2, 3), (2, 1), (1, 0), dilation=(2, 1),
+                                                              ceil_mode=True)),
+    ("2d_unbatched", (3, 6, 6), lambda t: F.max_pool2d(t, 3, 2)),
+    ("3d", (1, 2, 5, 6, 4), lambda t: F.max_pool3d(t, 2, 1, (1, 0, 1))),
+    ("3d_ceil", (2, 1, 5, 5, 5), lambda t: F.max_pool3d(t, 2, 2, ceil_mode=True)),
+]
+
+
+@pytest.mark.parametrize("executors", EXECUTORS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name,shape,fn", MAX_POOLS, ids=[m[0] for m in MAX_POOLS])
+def test_max_pool_gradient_goes_to_eagers_index(name, shape, fn, dtype, executors):
+    for seed, nans in ((0, False), (1, True)):
+        _assert_same(*_grads(fn, _tied(shape, dtype, seed, nans), executors))
+
+
+def test_max_pool_reproducer_ties_go_to_the_first_maximum():
+    x = torch.tensor([[[[1., 1., 0., 2.], [1., 1., 2., 2.]]]])
+    expected, actual = _grads(lambda t: F.max_pool2d(t, 2) * 3, x, None)
+    _assert_same(torch.tensor([[[[3., 0., 0., 6.], [0., 0., 0., 0.]]]]), expected)  # output weights 1 and 2
+    _assert_same(expected, actual)
+
+
+def test_max_pool_all_minus_inf_window_with_padding_goes_to_the_first_real_element():
+    x = torch.full((1, 2, 5), -float("inf"))
+    _assert_same(*_grads(lambda t: F.max_pool1d(t, 3, 1, 1), x, ["torch"]))
+
+
+ADAPTIVE = [
+    ("1d", (2, 3, 9), lambda t: F.adaptive_max_pool1d(t, 4)),
+    ("2d", (2, 3, 7, 5), lambda t: F.adaptive_max_pool2d(t, (3, 2))),
+    ("2d_even", (1, 2, 6, 8), lambda t: F.adaptive_max_pool2d(t, (3, 4))),
+    ("2d_one_dim_same", (2, 2, 5, 7), lambda t: F.adaptive_max_pool2d(t, (None, 3))),
+]
+
+
+@pytest.mark.parametrize("executors", EXECUTORS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name,shape,fn", ADAPTIVE, ids=[m[0] for m in ADAPTIVE])
+def test_adaptive_max_pool_gradient_goes_to_eagers_index(name, shape, fn, dtype, executors):
+    for seed, nans in ((0, False), (1, True)):
+        _assert_same(*_grads(fn, _tied(shape, dtype, seed, nans), executors))
