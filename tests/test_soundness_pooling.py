@@ -92,3 +92,34 @@ ADAPTIVE = [
 def test_adaptive_max_pool_gradient_goes_to_eagers_index(name, shape, fn, dtype, executors):
     for seed, nans in ((0, False), (1, True)):
         _assert_same(*_grads(fn, _tied(shape, dtype, seed, nans), executors))
+
+
+SELECTING = [
+    ("max_dim", lambda t: t.max(-1)[0]),
+    ("min_dim_keepdim", lambda t: torch.min(t, 0, keepdim=True).values),
+    ("max_dim_0d", lambda t: t[1, 2].max(0)[0]),
+]
+
+
+@pytest.mark.parametrize("executors", EXECUTORS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name,fn", SELECTING, ids=[m[0] for m in SELECTING])
+def test_max_min_over_a_dim_gradient_goes_to_the_returned_index(name, fn, dtype, executors):
+    for seed, nans in ((0, False), (1, True)):
+        x = _tied((5, 7), dtype, seed, nans)
+        if nans:
+            x[1, 2] = float("nan")
+        _assert_same(*_grads(fn, x, executors))
+
+
+EVEN = [("max", torch.max), ("min", torch.min), ("amax", lambda t: t.amax((0, 1))), ("amin", lambda t: t.amin(1))]
+
+
+@pytest.mark.parametrize("executors", EXECUTORS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name,fn", EVEN, ids=[m[0] for m in EVEN])
+def test_max_min_over_everything_splits_evenly_as_eager(name, fn, dtype, executors):
+    # max()/min() split among the ties (the NaNs when there are any); amax/amin among the ties (NaN when NaN)
+    for seed, nans in ((0, False), (1, True)):
+        _assert_same(*_grads(fn, _tied((4, 6), dtype, seed, nans), executors))
+    _assert_same(*_grads(fn, torch.full((3, 3), 2.0, dtype=dtype), executors))

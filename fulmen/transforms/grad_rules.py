@@ -325,6 +325,25 @@ def _normalized(shape) -> tuple[int, ...]:
     return (shape,) if isinstance(shape, int) else tuple(shape)
 
 
+@builtin_rule("torch.max", "torch.min")
+def _max_min_all_rule(p: RuleArgs):
+    """``max(a)``/``min(a)`` over all elements split the gradient evenly among the elements equal to the result
+    (among the NaNs when it is NaN), as eager's ``evenly_distribute_backward``; ``amax``'s rule would give NaN
+    everywhere for a NaN result. The dim and two-tensor forms differentiate their decompositions."""
+    a = p[0]
+    if p[1] is not None or p.get("other") is not None or not isinstance(a, TensorProxy) \
+            or not dtypes.is_float_dtype(a.dtype) or a.numel() == 0:
+        return NotImplemented
+    out = (prims.amax if p.bsym.sym.id == "torch.max" else prims.amin)(a, tuple(range(a.ndim)))
+    if needs_grad(a):
+        full = prims.broadcast_in_dim(out, tuple(a.shape), ())
+        mask = ltorch.where(ltorch.isnan(full), ltorch.isnan(a), ltorch.eq(a, full))
+        count = prims.sum(clang.maybe_convert_to_dtype(mask, torch.int64), tuple(range(a.ndim)))
+        share = ltorch.true_divide(get_grad(out), count)
+        put_grad(a, ltorch.where(mask, prims.broadcast_in_dim(share, tuple(a.shape), ()), 0.0))
+    return out
+
+
 @builtin_rule("torch.nn.functional.layer_norm")
 def _layer_norm_rule(p: RuleArgs):
     a, shape, w, b, eps = p[0], _normalized(p[1]), p[2], p[3], p.get("eps", 1e-5)
