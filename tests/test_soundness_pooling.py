@@ -123,3 +123,24 @@ def test_max_min_over_everything_splits_evenly_as_eager(name, fn, dtype, executo
     for seed, nans in ((0, False), (1, True)):
         _assert_same(*_grads(fn, _tied((4, 6), dtype, seed, nans), executors))
     _assert_same(*_grads(fn, torch.full((3, 3), 2.0, dtype=dtype), executors))
+
+
+PICKING = [
+    ("topk", lambda t: t.topk(3, -1)[0]),
+    ("topk_smallest", lambda t: t.topk(2, 0, largest=False)[0]),
+    ("sort", lambda t: t.sort(-1)[0]),
+    ("sort_descending", lambda t: torch.sort(t, 0, descending=True)[0]),
+    ("kthvalue", lambda t: t.kthvalue(2, -1)[0]),
+    ("median_dim", lambda t: t.median(-1)[0]),
+    ("median", lambda t: t.median()),
+    ("nanmedian_dim", lambda t: t.nanmedian(0)[0]),
+    ("mode", lambda t: t.mode(-1)[0]),
+    ("cummax", lambda t: t.cummax(-1)[0]),
+]
+
+
+@pytest.mark.parametrize("executors", EXECUTORS)
+@pytest.mark.parametrize("name,fn", PICKING, ids=[m[0] for m in PICKING])
+def test_selecting_reductions_gradient_goes_where_eager_sends_it(name, fn, executors):
+    for seed, nans in ((0, False), (1, True)):
+        _assert_same(*_grads(fn, _tied((4, 6), torch.float64, seed, nans), executors))
