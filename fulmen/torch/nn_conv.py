@@ -218,7 +218,8 @@ def _windows(x, kernel, stride, padding, dilation, outs, pad_value):
 
 def _pool_pick(values, positions, dims, size):
     """The input position eager's max-pool kernels pick in each window over ``dims``: the last NaN, else the first
-    maximum, in input order. ``positions`` are the flat input positions (``size`` of them), -1 where padded.
+    maximum, in input order. ``positions`` are the flat input positions (``size`` of them), -1 where padded,
+    broadcasting to ``values``.
 
     The output is then gathered at that position, so the gradient goes to it alone, as eager's
     ``max_pool*_with_indices_backward`` scatters it, rather than split among tied maxima."""
@@ -244,8 +245,7 @@ def _max_pool(input, kernel_size, stride, padding, dilation, ceil_mode, return_i
     size = math.prod(spatial)
     positions = clang.reshape(prims.iota(size, start=0, step=1, device=input.device, dtype=torch.int64), spatial)
     positions = _windows(positions, kernel, stride, padding, dilation, outs, -1)
-    picked = _pool_pick(w, prims.broadcast_in_dim(positions, tuple(w.shape), tuple(range(len(lead), w.ndim))),
-                        tuple(range(w.ndim - n, w.ndim)), size)
+    picked = _pool_pick(w, positions, tuple(range(w.ndim - n, w.ndim)), size)
     out_count = math.prod(outs)
     flat = prims.take_along_axis(clang.reshape(input, (*lead, size)), clang.reshape(picked, (*lead, out_count)),
                                  len(lead))
