@@ -203,3 +203,16 @@ def test_hardtanh_at_its_bounds_gets_no_gradient_as_eager(name, fn, dtype, execu
     x = torch.randint(-2, 3, (3, 7), generator=torch.Generator().manual_seed(0)).to(dtype)
     for expected, actual in _bound_grads(fn, [x], executors):
         _assert_same(expected, actual)
+
+
+@pytest.mark.parametrize("executors", EXECUTORS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_max_pool_reduced_precision_gradient_goes_to_eagers_index(dtype, executors):
+    x = _tied((2, 3, 8, 8), dtype, 2, nans=True)
+    _assert_same(*_grads(lambda t: F.max_pool2d(t, 2), x, executors))  # one cotangent per element: exact
+    # overlapping windows: an element sums up to 9 cotangents in reduced precision, in another order than
+    # eager's kernel; 8 additions round at most eps/2 each (the same elements get gradients as in eager)
+    expected, actual = _grads(lambda t: F.max_pool2d(t, 3, 1, 1), x, executors)
+    assert torch.equal(expected == 0, actual == 0)
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(actual, expected, rtol=4 * eps, atol=0, equal_nan=True)
