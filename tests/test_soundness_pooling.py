@@ -55,6 +55,8 @@ MAX_POOLS = [
     ("2d_unbatched", (3, 6, 6), lambda t: F.max_pool2d(t, 3, 2)),
     ("3d", (1, 2, 5, 6, 4), lambda t: F.max_pool3d(t, 2, 1, (1, 0, 1))),
     ("3d_ceil", (2, 1, 5, 5, 5), lambda t: F.max_pool3d(t, 2, 2, ceil_mode=True)),
+    ("2d_return_indices", (2, 2, 7, 7), lambda t: F.max_pool2d(t, 3, 2, 1, return_indices=True)[0]),
+    ("1d_kernel_1", (2, 3, 5), lambda t: F.max_pool1d(t, 1)),
 ]
 
 
@@ -83,6 +85,8 @@ ADAPTIVE = [
     ("2d", (2, 3, 7, 5), lambda t: F.adaptive_max_pool2d(t, (3, 2))),
     ("2d_even", (1, 2, 6, 8), lambda t: F.adaptive_max_pool2d(t, (3, 4))),
     ("2d_one_dim_same", (2, 2, 5, 7), lambda t: F.adaptive_max_pool2d(t, (None, 3))),
+    ("2d_upsampling", (2, 2, 5, 4), lambda t: F.adaptive_max_pool2d(t, (7, 9))),
+    ("2d_return_indices", (2, 2, 7, 5), lambda t: F.adaptive_max_pool2d(t, (3, 2), return_indices=True)[0]),
 ]
 
 
