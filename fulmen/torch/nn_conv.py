@@ -365,8 +365,7 @@ def _adaptive_pool_dim(x, axis, o, reduce):
             expanded = prims.broadcast_in_dim(x_last, (*batch, o, length), (*range(len(batch)), len(batch) + 1))
             j = prims.broadcast_in_dim(prims.iota(length, start=0, step=1, device=x.device, dtype=torch.int64),
                                        (o, length), (1,))
-            positions = clang.expand_to(where(mask, j, -1), expanded.shape)
-            picked = _pool_pick(where(mask, expanded, -math.inf), positions, (len(batch) + 1,), length)
+            picked = _pool_pick(where(mask, expanded, -math.inf), where(mask, j, -1), (len(batch) + 1,), length)
             y = prims.take_along_axis(x_last, picked, len(batch))
     return clang.transpose(y, axis, -1) if axis != x.ndim - 1 else y
 
