@@ -20,6 +20,7 @@ from fulmen.core.symbol import OpTags
 from fulmen.core.utils import check
 from fulmen.torch.elementwise import (
     add,
+    eq,
     floor,
     floor_divide,
     ge,
@@ -215,6 +216,24 @@ def _windows(x, kernel, stride, padding, dilation, outs, pad_value):
     return x
 
 
+def _pool_pick(values, positions, dims, size):
+    """The input position eager's max-pool kernels pick in each window over ``dims``: the last NaN, else the first
+    maximum, in input order. ``positions`` are the flat input positions (``size`` of them), -1 where padded,
+    broadcasting to ``values``.
+
+    The output is then gathered at that position, so the gradient goes to it alone, as eager's
+    ``max_pool*_with_indices_backward`` scatters it, rather than split among tied maxima."""
+    m = prims.amax(values, dims)
+    kept = tuple(i for i in range(values.ndim) if i not in dims)
+    m = prims.broadcast_in_dim(m, tuple(values.shape), kept)
+    valid = ge(positions, 0)
+    # one int key per element whose largest is the pick: NaNs above the maxima, later NaNs and earlier maxima first
+    key = where(logical_and(prims.isnan(values), valid), add(positions, size),
+                where(logical_and(eq(values, m), valid), sub(size - 1, positions), -1))
+    key = prims.amax(key, dims)
+    return where(ge(key, size), sub(key, size), sub(size - 1, key))
+
+
 def _max_pool(input, kernel_size, stride, padding, dilation, ceil_mode, return_indices, n, name):
     check(not return_indices, lambda: f"{name}(return_indices=True) is traced as an opaque torch call, not through "
           "this symbol", NotImplementedError)
@@ -222,7 +241,15 @@ def _max_pool(input, kernel_size, stride, padding, dilation, ceil_mode, return_i
                                                          n, name)
     low = -math.inf if dtypes.is_inexact_dtype(input.dtype) else torch.iinfo(input.dtype).min
     w = _windows(input, kernel, stride, padding, dilation, outs, low)
-    return prims.amax(w, tuple(range(w.ndim - n, w.ndim)))
+    lead, spatial = tuple(input.shape[:input.ndim - n]), tuple(input.shape[input.ndim - n:])
+    size = math.prod(spatial)
+    positions = clang.reshape(prims.iota(size, start=0, step=1, device=input.device, dtype=torch.int64), spatial)
+    positions = _windows(positions, kernel, stride, padding, dilation, outs, -1)
+    picked = _pool_pick(w, positions, tuple(range(w.ndim - n, w.ndim)), size)
+    out_count = math.prod(outs)
+    flat = prims.take_along_axis(clang.reshape(input, (*lead, size)), clang.reshape(picked, (*lead, out_count)),
+                                 len(lead))
+    return clang.reshape(flat, (*lead, *outs))
 
 
 @torchsymbol(F.max_pool1d, torch.max_pool1d, tags=(OpTags.REDUCTION,))
@@ -334,9 +361,12 @@ def _adaptive_pool_dim(x, axis, o, reduce):
                 clang.maybe_convert_to_dtype(counts, x.dtype), (o, length), (0,)))
             y = prims.matmul(x_last, clang.transpose(weights, 0, 1))
         else:
+            # pooling one dim at a time picks the row-major first maximum (last NaN) of the whole window, as eager
             expanded = prims.broadcast_in_dim(x_last, (*batch, o, length), (*range(len(batch)), len(batch) + 1))
-            picked = where(clang.expand_to(mask, expanded.shape), expanded, -math.inf)
-            y = prims.amax(picked, (len(batch) + 1,))
+            j = prims.broadcast_in_dim(prims.iota(length, start=0, step=1, device=x.device, dtype=torch.int64),
+                                       (o, length), (1,))
+            picked = _pool_pick(where(mask, expanded, -math.inf), where(mask, j, -1), (len(batch) + 1,), length)
+            y = prims.take_along_axis(x_last, picked, len(batch))
     return clang.transpose(y, axis, -1) if axis != x.ndim - 1 else y
 
 

@@ -235,12 +235,15 @@ def _max_min(op: str, input, dim, keepdim, other):
     _check_int_dim(dim, op)
     dims = _reduction_dims(input, dim, op)
     _check_nonempty(op, input, dim, dims)
-    values = _reduce(reduce_prim, input, dims, keepdim)
     # argmax/argmin pick the first extreme (a NaN counts as the maximum), as torch.max(dim) does on CPU.
     arg_input = input if input.dtype is not torch.bool else prims.convert_element_type(input, torch.uint8)
-    indices = (prims.argmax if op == "max" else prims.argmin)(arg_input, canonicalize_dim(input.ndim, dim))
-    if keepdim:
-        indices = _keep_dims(indices, input.shape, dims)
+    cdim = canonicalize_dim(input.ndim, dim)
+    indices = _keep_dims((prims.argmax if op == "max" else prims.argmin)(arg_input, cdim), input.shape, dims)
+    # the values are gathered at the indices, so the gradient goes to the returned index alone, as eager's
+    # (an amax's gradient would split among ties, and be NaN for a NaN maximum)
+    values = prims.take_along_axis(input, indices, cdim)
+    if not keepdim:
+        indices, values = clang.squeeze(indices, dims), clang.squeeze(values, dims)
     return _return_type(op, values, indices)
 
 

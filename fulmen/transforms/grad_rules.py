@@ -325,6 +325,74 @@ def _normalized(shape) -> tuple[int, ...]:
     return (shape,) if isinstance(shape, int) else tuple(shape)
 
 
+@builtin_rule("torch.max", "torch.min")
+def _max_min_all_rule(p: RuleArgs):
+    """``max(a)``/``min(a)`` over all elements split the gradient evenly among the elements equal to the result
+    (among the NaNs when it is NaN), as eager's ``evenly_distribute_backward``; ``amax``'s rule would give NaN
+    everywhere for a NaN result. The dim and two-tensor forms differentiate their decompositions."""
+    a = p[0]
+    if p[1] is not None or p.get("other") is not None or not isinstance(a, TensorProxy) \
+            or not dtypes.is_float_dtype(a.dtype) or a.numel() == 0:
+        return NotImplemented
+    out = (prims.amax if p.bsym.sym.id == "torch.max" else prims.amin)(a, tuple(range(a.ndim)))
+    if needs_grad(a):
+        full = prims.broadcast_in_dim(out, tuple(a.shape), ())
+        mask = ltorch.where(ltorch.isnan(full), ltorch.isnan(a), ltorch.eq(a, full))
+        count = prims.sum(clang.maybe_convert_to_dtype(mask, torch.int64), tuple(range(a.ndim)))
+        share = ltorch.true_divide(get_grad(out), count)
+        put_grad(a, ltorch.where(mask, prims.broadcast_in_dim(share, tuple(a.shape), ()), 0.0))
+    return out
+
+
+def _bound_grad(cond, g, shape):
+    from fulmen.transforms.autodiff import sum_to
+
+    return sum_to(ltorch.where(cond, g, 0.0), shape)
+
+
+@builtin_rule("torch.clamp", "torch.clamp_min", "torch.clamp_max")
+def _clamp_rule(p: RuleArgs):
+    """At a bound the input keeps its gradient (``self >= min``, ``self <= max``) and a NaN input gets none, as
+    eager's ``clamp_backward``/``clamp_backward_min_max``; maximum/minimum's rule would split it at the bound."""
+    sid = p.bsym.sym.id
+    a = p[0]
+    lo = p.get("min") if sid != "torch.clamp_max" else None
+    hi = p.get("max") if sid != "torch.clamp_min" else None
+    if not isinstance(a, TensorProxy) or not dtypes.is_float_dtype(a.dtype) or any(
+            isinstance(b, TensorProxy) and (b.dtype != a.dtype) for b in (lo, hi)):
+        return NotImplemented
+    out = p.bsym.sym(*p.bsym.args, **p.bsym.kwargs)
+    if not isinstance(out, TensorProxy) or out.dtype != a.dtype:
+        return NotImplemented
+    g = get_grad(out)
+    ge_lo = ltorch.ge(a, lo) if lo is not None else None
+    le_hi = ltorch.le(a, hi) if hi is not None else None
+    inside = ge_lo if le_hi is None else le_hi if ge_lo is None else ltorch.logical_and(ge_lo, le_hi)
+    if needs_grad(a):
+        put_grad(a, _bound_grad(inside, g, a.shape))
+    if isinstance(lo, TensorProxy) and needs_grad(lo):
+        below = ltorch.lt(a, lo)
+        put_grad(lo, _bound_grad(below if hi is None else ltorch.logical_and(below, ltorch.lt(lo, hi)), g, lo.shape))
+    if isinstance(hi, TensorProxy) and needs_grad(hi):
+        above = ltorch.gt(a, hi)
+        put_grad(hi, _bound_grad(above if lo is None else ltorch.logical_or(above, ltorch.lt(hi, lo)), g, hi.shape))
+    return out
+
+
+@builtin_rule("torch.nn.functional.hardtanh")
+def _hardtanh_rule(p: RuleArgs):
+    """No gradient at the bounds themselves, as eager's ``hardtanh_backward``. A NaN input gets none either: eager's
+    vectorized loop gives it none and its scalar tail all of it, so the bulk of a large tensor is what this follows."""
+    a, lo, hi = p[0], p.get("min_val", -1.0), p.get("max_val", 1.0)
+    if not isinstance(a, TensorProxy) or not dtypes.is_float_dtype(a.dtype):
+        return NotImplemented
+    out = p.bsym.sym(*p.bsym.args, **p.bsym.kwargs)
+    if needs_grad(a):
+        inside = ltorch.logical_and(ltorch.gt(a, lo), ltorch.lt(a, hi))
+        put_grad(a, ltorch.where(inside, get_grad(out), 0.0))
+    return out
+
+
 @builtin_rule("torch.nn.functional.layer_norm")
 def _layer_norm_rule(p: RuleArgs):
     a, shape, w, b, eps = p[0], _normalized(p[1]), p[2], p[3], p.get("eps", 1e-5)
