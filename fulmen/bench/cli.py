@@ -4,6 +4,7 @@
     fulmen bench --model gpt-small --mode train --backends eager,torch.compile,fulmen
     fulmen examine --model llama-tiny               # what fulmen made of a model
     fulmen examine mypackage.models:make_example    # make_example() -> (fn_or_module, args[, kwargs])
+    fulmen fuzz --seconds 300 --seed 0 --executors torch   # random programs, fulmen vs eager (fulmen.fuzz)
 
 Exit codes: 0 success, 1 a run failed (demo/examine), 2 bad arguments.
 """
@@ -170,7 +171,7 @@ _non_negative = _int_at_least(0, "non-negative")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fulmen", description="fulmen: a source-to-source compiler for PyTorch programs.")
-    sub = parser.add_subparsers(dest="command", metavar="{bench,examine,demo}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{bench,examine,demo,fuzz}", parser_class=_Parser)
 
     models = model_names()
     bench = sub.add_parser("bench", help="time built-in models under eager, torch.compile and fulmen",
@@ -230,7 +231,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--calls", type=_positive, default=10, help="timed calls per backend (default 10)")
     demo.add_argument("--lines", type=_non_negative, default=12, help="execution-trace lines to show (default 12)")
     _add_device_args(demo)
-    parser.subcommands = {"bench": bench, "examine": examine, "demo": demo}
+    fuzz = sub.add_parser("fuzz", help="differential fuzzing: random small programs, fulmen.jit against eager",
+                          description="Generate random small programs from consecutive seeds, run each eagerly and "
+                                      "with fulmen.jit (forward and gradients, first call and cache hit) and print a "
+                                      "minimized reproducer for each mismatch, then counts.")
+    fuzz.add_argument("--seconds", type=_positive, default=60, help="how long to generate programs (default 60)")
+    fuzz.add_argument("--seed", type=_non_negative, default=0, help="the first program's seed (default 0)")
+    fuzz.add_argument("--executors", choices=["torch", "default"], default="torch",
+                      help="torch: executors=['torch']; default: fulmen's default executors, fused regions compiled "
+                           "before the call returns (slow on a CPU)")
+    fuzz.add_argument("--max-ops", type=_positive, default=6, help="statements per program at most (default 6)")
+    fuzz.set_defaults(device="cpu")
+    parser.subcommands = {"bench": bench, "examine": examine, "demo": demo, "fuzz": fuzz}
     return parser
 
 
@@ -631,6 +643,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_bench(args)
         if args.command == "examine":
             return cmd_examine(args, sub)
+        if args.command == "fuzz":
+            from fulmen.fuzz import run_fuzz
+
+            summary = run_fuzz(args.seconds, seed=args.seed, executors=args.executors, max_ops=args.max_ops)
+            return 1 if summary.mismatches else 0
         return cmd_demo(args)
     except _UsageError as e:
         e.parser.print_usage(sys.stderr)
