@@ -31,6 +31,13 @@ def scatter_into(base: TensorProxy, select: Callable[[TensorProxy], TensorProxy]
     if not isinstance(values, TensorProxy):
         values = clang.full(picked.shape, values, device=base.device, dtype=base.dtype)
     values = clang.maybe_convert_to_dtype(values, base.dtype)
+    # as eager's index assignment, leading size-1 dims of the values beyond the picked elements' dims are dropped
+    # (``a[0] = b`` with ``a[0]`` of shape (5,) and ``b`` of shape (1, 1))
+    extra = 0
+    while values.ndim - extra > picked.ndim and values.shape[extra] == 1:
+        extra += 1
+    if extra:
+        values = clang.reshape(values, tuple(values.shape[extra:]))
     if values.device != base.device:
         values = prims.device_put(values, base.device)
     values = clang.expand_to(values, picked.shape)
@@ -61,6 +68,10 @@ def mutate(target: TensorProxy, new_value, *, _from_view: TensorProxy | None = N
         raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
     if new is current:  # nothing was computed (x.add_(0) folded away): the value is unchanged
         return target
+    if current.requires_grad and not new.requires_grad and torch.is_grad_enabled():
+        # eager: a tensor that requires grad keeps requiring it after an in-place write of a constant (zero_,
+        # fill_), with a zero gradient; the value made to depend on ``current`` (an always-true select) does too
+        new = clang.where(clang.full(current.shape, True, device=current.device, dtype=torch.bool), new, current)
     current._latest = new
     trc.mutations += 1
     new._view_of, new._views = current._view_of, current._views
@@ -69,19 +80,27 @@ def mutate(target: TensorProxy, new_value, *, _from_view: TensorProxy | None = N
         unview = getattr(remake, "unview", None)
         new_base = unview(new) if unview is not None else scatter_into(latest(base), remake, new)
         mutate(base, new_base, _from_view=current)
-    if current._views:
-        views = list(current._views)  # remake() below registers each refreshed value as a view of `new` too
-        for view in views:
-            if view is _from_view or latest(view) is new:
-                continue
-            base_view, remake = view._view_of
-            refreshed = remake(new)
-            view_now = latest(view)
-            if view_now is not refreshed:
-                view_now._latest = refreshed
-                refreshed._view_of, refreshed._views = view._view_of, view._views
-        current._views[:] = views  # the original view proxies keep standing for their refreshed values
+    _refresh_views(current, new, _from_view)
     return target
+
+
+def _refresh_views(old: TensorProxy, new: TensorProxy, written: TensorProxy | None) -> None:
+    """The views of ``old`` now stand for the same views of ``new``, and so on down to views of views (``b = a[0]``,
+    ``c = b.t()``: a write to ``a`` changes ``c``); ``written``, the view the write came through, is current."""
+    if not old._views:
+        return
+    views = list(old._views)  # remake() below registers each refreshed value as a view of `new` too
+    for view in views:
+        if view is written or latest(view) is new:
+            continue
+        base_view, remake = view._view_of
+        refreshed = remake(new)
+        view_now = latest(view)
+        if view_now is not refreshed:
+            view_now._latest = refreshed
+            refreshed._view_of, refreshed._views = view._view_of, view._views
+            _refresh_views(view, refreshed, None)
+    old._views[:] = views  # the original view proxies keep standing for their refreshed values
 
 
 def setitem(a: TensorProxy, key, value) -> None:

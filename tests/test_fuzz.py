@@ -1,0 +1,226 @@
+"""Differential fuzzing (fulmen.fuzz): a fixed-seed slice of random programs must match eager PyTorch, and what
+earlier fuzzing found stays fixed (or, where not fixed yet, tracked as a strict xfail)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import fulmen
+from fulmen.bench.cli import main as cli_main
+from fulmen.fuzz import check, generate, minimize, run_fuzz
+
+# Seeds of the fixed slice whose programs hit a tracked bug (each has its strict xfail below); the slice skips them.
+KNOWN: dict[int, str] = {}
+
+
+def _mismatches(seeds, executors: str, max_ops: int = 6) -> list[str]:
+    found = []
+    for seed in seeds:
+        if seed in KNOWN:
+            continue
+        m = check(generate(seed, max_ops), executors)
+        if m is not None:
+            found.append(f"seed {seed}: {m}\n{m.program.script(executors)}")
+    return found
+
+
+@pytest.mark.parametrize("start", [0, 120, 240, 360])
+def test_fuzz_slice_torch_executor(start):
+    found = _mismatches(range(start, start + 120), "torch")
+    assert not found, "\n\n".join(found)
+
+
+def test_fuzz_slice_fused_regions():
+    # default executors, fused regions compiled before the call returns; small programs (Inductor compiles are slow)
+    found = _mismatches([2, 4, 5, 7], "default", max_ops=3)
+    assert not found, "\n\n".join(found)
+
+
+def test_generation_is_reproducible_and_scripts_run():
+    a, b = generate(17), generate(17)
+    assert a.script() == b.script()
+    namespace: dict = {}
+    exec(compile(a.script(), "<reproducer>", "exec"), namespace)  # the reproducer is self-contained
+    expected, got = namespace["expected"], namespace["got"]
+    for e, g in zip(expected[0], got[0]):
+        torch.testing.assert_close(g, e, equal_nan=True)
+
+
+def test_check_catches_a_wrong_result(monkeypatch):
+    # a fuzzer whose comparison cannot fail finds nothing: make fulmen's outputs wrong and see it reported
+    real_jit = fulmen.jit
+
+    def wrong_jit(fn, **kwargs):
+        jitted = real_jit(fn, **kwargs)
+        return lambda *args: [o + 1e-3 if o.is_floating_point() else ~o if o.dtype is torch.bool else o + 1
+                              for o in jitted(*args)]
+
+    monkeypatch.setattr(fulmen, "jit", wrong_jit)
+    m = check(generate(3), "torch")
+    assert m is not None and m.kind == "values"
+
+
+def _code_names(fn) -> tuple:
+    return (fn.forward if isinstance(fn, torch.nn.Module) else fn).__code__.co_names
+
+
+def test_minimize_keeps_the_mismatch_and_shrinks(monkeypatch):
+    real_jit = fulmen.jit
+
+    def sin_is_wrong(fn, **kwargs):  # a program calling torch.sin "miscompiles"
+        jitted = real_jit(fn, **kwargs)
+        wrong = "sin" in _code_names(fn)
+        return lambda *args: [o * 2 + 1 if wrong and o.is_floating_point() else o for o in jitted(*args)]
+
+    def has_sin(p):
+        return any("torch.sin(" in st.expr for st in p.stmts)
+
+    seed = next(s for s in range(300) if has_sin(generate(s)) and len(generate(s).stmts) >= 5)
+    program = generate(seed)
+    monkeypatch.setattr(fulmen, "jit", sin_is_wrong)
+    m = check(program, "torch")
+    assert m is not None
+    small = minimize(m, budget_s=60)
+    assert len(small.program.stmts) < len(program.stmts)
+    assert has_sin(small.program)
+
+
+def test_cli_fuzz_prints_counts():
+    out = io.StringIO()
+    summary = run_fuzz(1, seed=500, executors="torch", out=out)
+    assert summary.programs >= 1
+    assert "programs" in out.getvalue() and "mismatches" in out.getvalue()
+    assert cli_main(["fuzz", "--seconds", "0"]) == 2  # bad arguments
+
+
+# ---- what fuzzing found, fixed ----
+
+
+def _compare(fn, *args, executors=("torch",)):
+    expected = fn(*[a.clone() for a in args])
+    got = fulmen.jit(fn, executors=list(executors))(*[a.clone() for a in args])
+    torch.testing.assert_close(got, expected)
+
+
+def test_write_to_a_base_reaches_a_view_of_a_view():
+    # a write to v1 must be seen by v3, a view of the view v2 of v1 (a later in-place op on v3 read a stale value;
+    # fuzz seed 1539)
+    def f(c):
+        v1 = torch.std(c, -1, correction=0)
+        v2 = v1[None]
+        v3 = v2.transpose(1, 0)
+        v1[..., ::2] = -1
+        v3.relu_()
+        return (v2,)
+
+    _compare(f, torch.randn(1, 5))
+
+
+def test_write_to_a_base_reaches_a_view_of_a_view_slice():
+    def f(x):
+        y = x * 1
+        row = y[1]
+        col = row[1:]
+        y.mul_(10)
+        col.add_(1)
+        return y, row, col
+
+    _compare(f, torch.randn(3, 4))
+
+
+def test_setitem_drops_leading_unit_dims_of_the_value():
+    # eager's index assignment drops leading size-1 dims of the value: a[0] (shape (5,)) = b (shape (1, 1))
+    def f(a, c):
+        v1 = torch.cumsum(a, 1)
+        v1[0] = c
+        return v1
+
+    _compare(f, torch.randn(1, 5), torch.randn(1, 1))
+
+    def g(a):
+        v = a.flatten() * 2
+        v[0] = a.flatten()
+        return v
+
+    _compare(g, torch.randn(()))
+
+
+def test_inplace_constant_write_keeps_requires_grad():
+    # eager: zero_/fill_ on a tensor that requires grad leave it requiring grad (with a zero gradient)
+    def f(b):
+        v2 = b.amin() - b
+        return v2.zero_()
+
+    def g(b):
+        v = b * 2
+        v.fill_(1.0)
+        return v
+
+    for fn in (f, g):
+        b = torch.randn(3, dtype=torch.float64, requires_grad=True)
+        expected, got = fn(b), fulmen.jit(fn, executors=["torch"])(b)
+        assert got.requires_grad and expected.requires_grad
+        torch.testing.assert_close(torch.autograd.grad(got.sum(), b)[0], torch.autograd.grad(expected.sum(), b)[0])
+
+
+# ---- what fuzzing found, not fixed yet (tracked) ----
+
+
+@pytest.mark.xfail(strict=True, reason="the gradient of max(dim) is NaN at a NaN input where eager's is the "
+                                       "cotangent (eager routes it to the index max returned); the first call, run on "
+                                       "PyTorch autograd, matches eager (fuzz seed 477)")
+def test_max_dim_gradient_at_nan():
+    def f(a):
+        return torch.max(torch.log(a), -2, keepdim=True).values
+
+    torch.manual_seed(477)
+    a = torch.randn((2, 5, 5), requires_grad=True)
+    jitted = fulmen.jit(f, executors=["torch"])
+    expected = torch.autograd.grad(f(a).sum(), a)[0]
+    for _ in range(2):  # the second call runs the compiled backward
+        got = torch.autograd.grad(jitted(a).sum(), a)[0]
+        torch.testing.assert_close(got, expected, equal_nan=True)
+
+
+@pytest.mark.xfail(strict=True, reason="x.contiguous() (and reshape) of a non-contiguous input copies in eager but is "
+                                       "traced as a view: an in-place write to it is written back into the input "
+                                       "(proxies carry no strides)")
+def test_contiguous_of_a_noncontiguous_input_is_a_copy():
+    def f(a):
+        return a.contiguous().zero_()
+
+    a = torch.randn(2, 10)[..., ::2]
+    a2 = a.clone()
+    with torch.no_grad():
+        fulmen.jit(f, executors=["torch"])(a)
+    torch.testing.assert_close(a, a2)
+
+
+@pytest.mark.xfail(strict=True, reason="reshape of a non-contiguous leaf that requires grad copies in eager, so an "
+                                       "in-place write to the copy is allowed; fulmen treats it as a view of the leaf "
+                                       "and raises")
+def test_inplace_on_reshape_copy_of_a_leaf():
+    def f(b):
+        v1 = b.reshape((12, 1, 2))
+        v1[..., ::2] = 0.5
+        return v1
+
+    def leaf():
+        return torch.randn((3, 4, 2), generator=torch.Generator().manual_seed(0)).transpose(-1, -2).requires_grad_()
+
+    torch.testing.assert_close(fulmen.jit(f, executors=["torch"])(leaf()), f(leaf()))
+
+
+@pytest.mark.xfail(strict=True, reason="clamp is differentiated through maximum/minimum, which pass the gradient at "
+                                       "NaN inputs; eager's clamp backward gives 0 there")
+def test_clamp_gradient_at_nan():
+    def f(x):
+        return torch.clamp(x, min=-0.5)
+
+    x = torch.tensor([float("nan"), 1.0], requires_grad=True)
+    expected = torch.autograd.grad(f(x).sum(), x)[0]
+    got = torch.autograd.grad(fulmen.jit(f, executors=["torch"])(x).sum(), x)[0]
+    torch.testing.assert_close(got, expected, equal_nan=True)
