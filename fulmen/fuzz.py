@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import math
 import random
+import re
 import time
 import traceback
 import warnings
@@ -885,14 +886,20 @@ class Summary:
         return "\n".join(lines)
 
 
+def signature(m: Mismatch) -> str:
+    """What kind of mismatch ``m`` is, without its numbers and value names (for counting repeats of one bug)."""
+    return m.kind + ": " + re.sub(r"\(v\d+\)|\[[^\]]*\]|-?\d[\w.+-]*", "#", m.detail.split(": ", 1)[-1])
+
+
 def run_fuzz(seconds: float, seed: int = 0, executors: str = "torch", max_ops: int = 6,
-             minimize_s: float = 60.0, out: TextIO | None = None, max_mismatches: int = 20) -> Summary:
-    """Generate and check programs (seeds ``seed``, ``seed + 1``, ...) for ``seconds``; print each mismatch's
-    minimized reproducer to ``out`` and return the counts."""
+             minimize_s: float = 60.0, out: TextIO | None = None, max_mismatches: int = 50) -> Summary:
+    """Generate and check programs (seeds ``seed``, ``seed + 1``, ...) for ``seconds``; print a minimized reproducer
+    to ``out`` for the first mismatch of each signature (later ones by seed only) and return the counts."""
     import sys
 
     out = out if out is not None else sys.stdout
     summary = Summary()
+    seen: dict[str, list[int]] = {}
     start = time.monotonic()
     s = seed
     while time.monotonic() - start < seconds and len(summary.mismatches) < max_mismatches:
@@ -907,10 +914,19 @@ def run_fuzz(seconds: float, seed: int = 0, executors: str = "torch", max_ops: i
         summary.eager_errors += eager.error is not None
         if m is None:
             continue
+        summary.mismatches.append(m)
+        key = signature(m)
+        if key in seen:
+            seen[key].append(program.seed)
+            print(f"=== mismatch (seed {program.seed}) like seed {seen[key][0]}'s: {m}", file=out)
+            continue
+        seen[key] = [program.seed]
         small = minimize(m, minimize_s)
-        summary.mismatches.append(small)
         print(f"\n=== mismatch (seed {program.seed}, {small.kind}): {small.detail}", file=out)
         print(small.program.script(executors), file=out)
         out.flush()
     print(summary.format(time.monotonic() - start, executors), file=out)
+    for key, seeds in seen.items():
+        more = ", ..." if len(seeds) > 8 else ""
+        print(f"  {len(seeds)} x {key[:150]} (seeds {', '.join(map(str, seeds[:8]))}{more})", file=out)
     return summary
