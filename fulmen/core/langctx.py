@@ -17,6 +17,9 @@ properties: dict[str, Callable] = {}
 torch_functions: dict[Any, Callable] = {}
 #: Called with a torch callable that has no torch-language function; returns a callable that records it opaquely.
 fallback: list[Callable] = []
+#: ``TensorProxy.__array_ufunc__``'s handler, ``(ufunc, method, inputs, kwargs) -> result``: a NumPy ufunc or operator
+#: met a proxy (``fulmen.torch.numpy_values``).
+numpy_ufunc: list[Callable] = []
 
 
 def method(name: str) -> Callable:

@@ -24,6 +24,7 @@ from fulmen.frontend.global_guard import GlobalGuard, ReadRecorder, build_guard
 from fulmen.frontend.module_writes import ModuleWrites, check_no_proxies_left
 from fulmen.frontend.replay import Replays
 from fulmen.torch.fallback import opaque_symbol
+from fulmen.torch.numpy_values import numpy_data, numpy_scalar
 from fulmen.transforms.autocast import current_policies
 from fulmen.transforms.grad_rules import is_random_op
 
@@ -100,7 +101,7 @@ class _Capture:
                 self.spec.tensor_proxies.append(p)
                 self.trace.args.append(p)
             return latest(p)  # its value now, after in-place updates
-        return x
+        return numpy_scalar(x)  # a NumPy scalar: the Python number torch reads it as
 
 
 #: Values that hold no tensor: ``_Capture`` passes tuples and lists of them through as they are.
@@ -148,6 +149,8 @@ class _UserTorchCalls(TorchFunctionMode):
                     # what func(*args) would reach through torch's dispatch (TensorProxy.__torch_function__), at once
                     return fn(*args, **kwargs)
             elif (fn is not None or is_random_op(func)) and not _called_by_fulmen():
+                if func in _DATA_ARGUMENT and args:  # torch.tensor(np_array): the array as a tensor sharing its memory
+                    args = (numpy_data(args[0]), *args[1:])
                 # a random op with no rule (torch.randperm) is an opaque op that draws on every call, not a
                 # constant drawn once while tracing
                 fn = fn if fn is not None else opaque_symbol(func)
