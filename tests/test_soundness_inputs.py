@@ -1,9 +1,7 @@
 """Unusual inputs: NumPy arrays and scalars as operands (as eager treats them: results, dtypes and errors), and
-tensor kinds fulmen does not compile (nested, quantized), which must fail clearly or run as eager does."""
+tensor kinds fulmen does not compile (nested, quantized), which raise a NotImplementedError naming the argument."""
 
 from __future__ import annotations
-
-import logging
 
 import numpy as np
 import pytest
@@ -120,3 +118,48 @@ def test_numpy_scalar_argument_values_are_keyed():
 def test_np_asarray_of_a_traced_tensor_is_a_clear_error():
     with pytest.raises(fulmen.DataDependentError, match="NumPy"):
         fulmen.jit(lambda x: torch.as_tensor(np.asarray(x)) + 1, executors=["torch"])(torch.randn(3))
+
+
+# ---- tensor kinds fulmen does not compile: a NotImplementedError naming the argument and the way out ----
+
+
+def _nested():
+    return torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)])
+
+
+def _quantized():
+    return torch.quantize_per_tensor(torch.randn(3), 0.1, 0, torch.quint8)
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("make, kind, way_out", [(_nested, "nested", "to_padded_tensor"),
+                                                 (_quantized, "quantized", "dequantize")])
+def test_unsupported_tensor_arguments_raise_clearly(make, kind, way_out):
+    def f(x, scale):
+        return x * scale
+
+    def g(xs):
+        return xs[0] * 2
+
+    for fn, args, name in ((f, (make(), 2.0), r"argument x"), (g, ([make()],), r"argument xs(\[0\]|_0)")):
+        with pytest.raises(NotImplementedError, match=rf"{name} is a {kind} tensor.*{way_out}"):
+            fulmen.jit(fn, executors=["torch"])(*args)
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("make, kind", [(_nested, "nested"), (_quantized, "quantized")])
+def test_unsupported_tensors_in_a_module_call_raise_clearly(make, kind):
+    class M(torch.nn.Module):
+        def forward(self, inp):
+            return inp * 2
+
+    with pytest.raises(NotImplementedError, match=f"argument inp is a {kind} tensor"):
+        fulmen.jit(M(), executors=["torch"])(make())
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_nested_tensor_read_from_a_global_raises_clearly():
+    namespace = {"G": _nested()}
+    exec("def h(x):\n    return G * x\n", namespace)
+    with pytest.raises(NotImplementedError, match="global or closure variable is a nested tensor"):
+        fulmen.jit(namespace["h"], executors=["torch"])(torch.tensor(2.0))

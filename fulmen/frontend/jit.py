@@ -31,7 +31,7 @@ from fulmen.frontend.compile import CompiledProgram, compile_inference
 from fulmen.frontend.dynamic import SizeHistory, SymbolicSizes, describe_change, erase_sizes, key_sizes, symbolic_dims
 from fulmen.frontend.global_guard import GlobalGuard
 from fulmen.frontend.module_writes import assigning
-from fulmen.frontend.tracing import InputSpec, trace_program
+from fulmen.frontend.tracing import InputSpec, check_supported_tensors, trace_program
 from fulmen.transforms.autocast import current_policies
 
 log = logging.getLogger("fulmen")
@@ -154,7 +154,11 @@ class JittedFunction:
     # ---- the call path (keep it short: it runs on every call) ----
     def __call__(self, *args, **kwargs):
         flat: list[torch.Tensor] = []
-        key = (args_key(args, kwargs, flat), global_state_key())
+        try:
+            key = (args_key(args, kwargs, flat), global_state_key())
+        except RuntimeError:  # a nested tensor has no shape to key on
+            check_supported_tensors(self.fn, args, kwargs)
+            raise
         entry = self._cache.get(key)
         stats = self._stats
         stats.calls += 1

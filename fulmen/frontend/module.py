@@ -24,7 +24,7 @@ from fulmen.executors.inductor_compile import call_leaving_a_core
 from fulmen.frontend import module_guard
 from fulmen.frontend.cache import aliases_written_input, args_key, global_state_key, state_key
 from fulmen.frontend.jit import JittedFunction
-from fulmen.frontend.tracing import _arg_names, trace_program
+from fulmen.frontend.tracing import _arg_names, check_supported_tensors, trace_program
 
 log = logging.getLogger("fulmen")
 _MISSING = object()
@@ -156,7 +156,11 @@ class _ModuleProgram(JittedFunction):
                 return self._materialize(args, kwargs)
         tensors = state.tensors()
         flat: list[torch.Tensor] = []
-        key = (state.version, state_key(tensors, flat), args_key(args, kwargs, flat)), global_state_key()
+        try:
+            key = (state.version, state_key(tensors, flat), args_key(args, kwargs, flat)), global_state_key()
+        except RuntimeError:  # a nested tensor has no shape to key on
+            check_supported_tensors(self.module.forward, args, kwargs)
+            raise
         entry = self._cache.get(key)
         self._stats.calls += 1
         if entry is None:
