@@ -214,13 +214,35 @@ def test_inplace_on_reshape_copy_of_a_leaf():
     torch.testing.assert_close(fulmen.jit(f, executors=["torch"])(leaf()), f(leaf()))
 
 
-@pytest.mark.xfail(strict=True, reason="clamp is differentiated through maximum/minimum, which pass the gradient at "
-                                       "NaN inputs; eager's clamp backward gives 0 there")
-def test_clamp_gradient_at_nan():
-    def f(x):
-        return torch.clamp(x, min=-0.5)
+def test_clamp_gradient_at_nan_and_at_the_bounds():
+    # eager's clamp backward passes the whole gradient at a bound and none at NaN (fuzz seeds 1622, 4839, 5203)
+    fns = [lambda x: torch.clamp(x, min=-0.5), lambda x: x.clamp(-0.5, 0.5), lambda x: torch.clamp(x, max=1.0),
+           lambda x: (x * 1).clamp_(min=-0.5), lambda x: x.clamp_min(0.5),
+           lambda x: torch.clamp(x, min=torch.zeros(4, dtype=x.dtype))]
+    for fn in fns:
+        x = torch.tensor([float("nan"), 1.0, -0.5, 0.5], dtype=torch.float64, requires_grad=True)
+        expected = torch.autograd.grad(fn(x).sum(), x)[0]
+        jitted = fulmen.jit(fn, executors=["torch"])
+        for _ in range(2):  # the first call may run on PyTorch autograd; the second runs fulmen's backward
+            got = torch.autograd.grad(jitted(x).sum(), x)[0]
+            torch.testing.assert_close(got, expected, equal_nan=True)
 
-    x = torch.tensor([float("nan"), 1.0], requires_grad=True)
-    expected = torch.autograd.grad(f(x).sum(), x)[0]
-    got = torch.autograd.grad(fulmen.jit(f, executors=["torch"])(x).sum(), x)[0]
-    torch.testing.assert_close(got, expected, equal_nan=True)
+
+def test_add_with_alpha_of_bool_tensors_stays_bool():
+    # eager takes alpha in the result dtype: torch.add(bool, bool, alpha=2) is a bool tensor (fuzz seeds 2042, 2061)
+    def then_write(add):  # a write into the sum checks the dtype fulmen recorded for it against the real one
+        def f(a, b):
+            out = add(a, b)
+            out[:1] = a[:1]
+            return out, out.dtype
+
+        return f
+
+    a = torch.tensor([True, False, False])
+    for b in (torch.tensor([True, True, False]), torch.tensor(True)):  # a 0-d b was promoted by alpha * b
+        for add in (lambda a, b: torch.add(a, b, alpha=2), lambda a, b: torch.add(a, True, alpha=2),
+                    lambda a, b: torch.add(a, b, alpha=0), lambda a, b: torch.add(a, 1, alpha=2)):
+            fn = then_write(add)
+            (expected, expected_dtype), (got, got_dtype) = fn(a, b), fulmen.jit(fn, executors=["torch"])(a, b)
+            assert got.dtype == expected.dtype and got_dtype == expected_dtype
+            assert torch.equal(got, expected)

@@ -453,6 +453,30 @@ def _gelu_rule(p: RuleArgs):
     return out
 
 
+@builtin_rule("torch.clamp")
+def _clamp_rule(p: RuleArgs):
+    """eager's clamp backward: the gradient passes where ``min <= a <= max`` -- whole at a bound (``maximum``'s rule,
+    which the decomposition would use, halves it at a tie) and zero at a NaN input. Tensor bounds that need a gradient
+    or broadcast ``a`` to a larger shape take the decomposition."""
+    a, lo, hi = p[0], p.get("min"), p.get("max")
+    if not isinstance(a, TensorProxy) or not dtypes.is_float_dtype(a.dtype):
+        return NotImplemented
+    bounds = [b for b in (lo, hi) if b is not None]
+    if any(isinstance(b, TensorProxy) and needs_grad(b) for b in bounds):
+        return NotImplemented
+    out = ltorch.clamp(a, lo, hi)
+    if tuple(out.shape) != tuple(a.shape):
+        return NotImplemented
+    inside = None
+    for bound, compare in ((lo, ltorch.ge), (hi, ltorch.le)):
+        if bound is not None:
+            ok = compare(a, bound)
+            inside = ok if inside is None else ltorch.logical_and(inside, ok)
+    g = get_grad(out)
+    put_grad(a, ltorch.where(inside, g, ltorch.zeros_like(g)))
+    return out
+
+
 @builtin_rule("torch.nn.functional.relu", "torch.relu")
 def _relu_rule(p: RuleArgs):
     """Saves the output (which the next layer usually saves anyway), as eager does, not a boolean mask whose
