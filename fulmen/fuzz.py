@@ -543,6 +543,7 @@ class Outcome:
     grads: list[torch.Tensor | None] = field(default_factory=list)
     error: BaseException | None = None
     stage: str = ""  # where the error happened: "forward" or "backward"
+    traced: list[tuple] | None = None  # (shape, dtype) fulmen's computation trace recorded for each output
 
 
 @dataclass
@@ -624,6 +625,8 @@ def run_program(program: Program, fn_wrap: Callable[[Callable], Callable] | None
                 outcome.stage = "forward"
                 outs = list(call(*args))
                 outcome.outputs = outs
+                if fn_wrap is not None and not results:
+                    outcome.traced = _traced_outputs(call)
                 outcome.stage = "backward"
                 diff = [(o, k) for k, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
                 if diff and leaves and program.grad:
@@ -640,8 +643,23 @@ def run_program(program: Program, fn_wrap: Callable[[Callable], Callable] | None
     return results
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, ref: torch.Tensor | None) -> str | None:
-    """None when ``got`` matches ``want`` (eager); else why not."""
+def _traced_outputs(jitted: Any) -> list[tuple] | None:
+    """The shape and dtype fulmen's computation trace recorded for each output (None when not available)."""
+    from torch.utils._pytree import tree_leaves
+
+    import fulmen
+
+    try:
+        leaves = tree_leaves(fulmen.last_traces(jitted)[0].output)
+    except Exception:  # a wrapper that is not fulmen's (the comparison's own tests), or no trace
+        return None
+    return [(tuple(p.shape), p.dtype) if hasattr(p, "dtype") else None for p in leaves]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, ref: torch.Tensor | None, low: bool = False) -> str | None:
+    """None when ``got`` matches ``want`` (eager); else why not. ``low``: the program computes in bfloat16 somewhere,
+    so a float value may carry bfloat16 rounding whatever its own dtype (the float64 run keeps the program's casts
+    and cannot tell how much)."""
     if got.shape != want.shape:
         return f"shape {tuple(got.shape)} != eager's {tuple(want.shape)}"
     if got.dtype != want.dtype:
@@ -669,26 +687,34 @@ def _close(got: torch.Tensor, want: torch.Tensor, ref: torch.Tensor | None) -> s
     finite = torch.isfinite(w64)
     inf_g, inf_w = torch.where(nan_g, 0, g64).isinf(), torch.where(nan_w, 0, w64).isinf()
     if not torch.equal(inf_g, inf_w) or not torch.equal(g64[inf_w], w64[inf_w]):
-        if ref is None or not _ref_explains(g64, w64, ref.detach().double(), w.dtype, ~nan_w):
+        if ref is None or not _ref_explains(g64, w64, ref.detach().double(), _tolerance(w.dtype, low), ~nan_w):
             return "infinities differ"
-    rtol, atol = _TOLERANCES[w.dtype]
+    rtol, atol = _tolerance(w.dtype, low)
     mask = finite & torch.isfinite(g64)
     err = (g64 - w64).abs()
     bad = mask & (err > atol + rtol * w64.abs())
     if not bad.any():
         return None
-    if ref is not None and _ref_explains(g64, w64, ref.detach().double(), w.dtype, mask):
+    if ref is not None and _ref_explains(g64, w64, ref.detach().double(), (rtol, atol), mask):
         return None
     idx = bad.nonzero()[0].tolist()
     return (f"values differ at {idx}: {g64[tuple(idx)].item()!r} != eager's {w64[tuple(idx)].item()!r} "
             f"(max abs diff {err[bad].max().item():.3g}, {w.dtype})")
 
 
-def _ref_explains(g: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, mask: torch.Tensor) -> bool:
+def _tolerance(dtype: torch.dtype, low: bool) -> tuple[float, float]:
+    rtol, atol = _TOLERANCES[dtype]
+    if low:
+        rtol, atol = max(rtol, _TOLERANCES[torch.bfloat16][0]), max(atol, _TOLERANCES[torch.bfloat16][1])
+    return rtol, atol
+
+
+def _ref_explains(g: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, tol: tuple[float, float],
+                  mask: torch.Tensor) -> bool:
     """Whether fulmen is, element by element, no further from the float64 run than eager is (within a factor)."""
     if ref.shape != g.shape:
         return False
-    rtol, atol = _TOLERANCES[dtype]
+    rtol, atol = tol
     ok_ref = torch.isfinite(ref)
     err_g = torch.where(ok_ref, (g - ref).abs(), 0)
     err_w = torch.where(ok_ref, (w - ref).abs(), 0)
@@ -717,6 +743,12 @@ def _compare(program: Program, got: Outcome, want: Outcome, ref: Outcome | None,
                                  f"{_first_line(got.error)}")
     if len(got.outputs) != len(want.outputs):
         return mismatch("structure", f"{len(got.outputs)} outputs, eager {len(want.outputs)}")
+    if got.traced is not None and len(got.traced) == len(got.outputs):
+        for k, (g, meta) in enumerate(zip(got.outputs, got.traced)):
+            if isinstance(g, torch.Tensor) and meta is not None and meta != (tuple(g.shape), g.dtype):
+                return mismatch("metadata", f"output {k} ({program.outputs[k]}): the trace recorded {meta[1]} "
+                                            f"{list(meta[0])}, the call returned {g.dtype} {list(g.shape)}")
+    low = "bfloat16" in program.source() or any(i.dtype is torch.bfloat16 for i in program.inputs)
     refs = ref.outputs if ref is not None and ref.error is None else [None] * len(want.outputs)
     for k, (g, w, r) in enumerate(zip(got.outputs, want.outputs, refs)):
         if not isinstance(g, torch.Tensor) or not isinstance(w, torch.Tensor):
@@ -726,13 +758,13 @@ def _compare(program: Program, got: Outcome, want: Outcome, ref: Outcome | None,
         if g.requires_grad != w.requires_grad:
             return mismatch("metadata", f"output {k} ({program.outputs[k]}): requires_grad {g.requires_grad} != "
                                         f"eager's {w.requires_grad}")
-        why = _close(g, w, r if isinstance(r, torch.Tensor) else None)
+        why = _close(g, w, r if isinstance(r, torch.Tensor) else None, low)
         if why:
             return mismatch("values", f"output {k} ({program.outputs[k]}): {why}")
     names = [i.name for i in program.args()] + [p.name for p in program.params()]
     ref_inputs = ref.inputs if ref is not None and ref.error is None else [None] * len(want.inputs)
     for name, g, w, r in zip(names, got.inputs, want.inputs, ref_inputs):
-        why = _close(g, w, r)
+        why = _close(g, w, r, low)
         if why:
             return mismatch("input-mutation", f"input {name} after the call: {why}")
     ref_grads = ref.grads if ref is not None and ref.error is None and len(ref.grads) == len(want.grads) \
@@ -749,7 +781,7 @@ def _compare(program: Program, got: Outcome, want: Outcome, ref: Outcome | None,
             continue
         if g is None:
             continue
-        why = _close(g, w, r)
+        why = _close(g, w, r, low)
         if why:
             return mismatch("grad", f"gradient {k}: {why}")
     return None

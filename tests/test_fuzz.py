@@ -166,23 +166,33 @@ def test_inplace_constant_write_keeps_requires_grad():
         torch.testing.assert_close(torch.autograd.grad(got.sum(), b)[0], torch.autograd.grad(expected.sum(), b)[0])
 
 
+def _grads_match(fn, *args):
+    expected = torch.autograd.grad(fn(*args).sum(), args)
+    jitted = fulmen.jit(fn, executors=["torch"])
+    for _ in range(2):  # the first call may run on PyTorch autograd; the second runs fulmen's backward
+        got = torch.autograd.grad(jitted(*args).sum(), args)
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, equal_nan=True)
+
+
+def test_max_min_gradients_go_where_eager_sends_them():
+    # over a dim: to the index returned (ties not split, a NaN does not spread; fuzz seed 477); over all elements:
+    # split between the elements equal to the result, the NaNs when it is NaN
+    nan = float("nan")
+    a = torch.tensor([[nan, 2.0, nan, 2.0], [1.0, 2.0, 0.0, 2.0]], dtype=torch.float64, requires_grad=True)
+    for fn in (lambda a: torch.max(a), lambda a: torch.min(a[1]), lambda a: torch.max(a, 1).values,
+               lambda a: a.max(dim=1, keepdim=True)[0], lambda a: a.min(1)[0], lambda a: torch.max(a, -1).values * 2,
+               lambda a: torch.max(torch.log(a), -2, keepdim=True).values):
+        _grads_match(fn, a)
+
+
+def test_atan2_gradient_at_the_origin():
+    # eager's atan2 backward is zero where x*x + y*y is 0 (fuzz seed 4011), not 0 * inf
+    for x, y in [(0.0, 0.0), (1e-30, 1e-30), (1e-30, 0.0), (float("inf"), 1.0), (1.0, 2.0)]:
+        _grads_match(torch.atan2, torch.tensor([x], requires_grad=True), torch.tensor([y], requires_grad=True))
+
+
 # ---- what fuzzing found, not fixed yet (tracked) ----
-
-
-@pytest.mark.xfail(strict=True, reason="the gradient of max(dim) is NaN at a NaN input where eager's is the "
-                                       "cotangent (eager routes it to the index max returned); the first call, run on "
-                                       "PyTorch autograd, matches eager (fuzz seed 477)")
-def test_max_dim_gradient_at_nan():
-    def f(a):
-        return torch.max(torch.log(a), -2, keepdim=True).values
-
-    torch.manual_seed(477)
-    a = torch.randn((2, 5, 5), requires_grad=True)
-    jitted = fulmen.jit(f, executors=["torch"])
-    expected = torch.autograd.grad(f(a).sum(), a)[0]
-    for _ in range(2):  # the second call runs the compiled backward
-        got = torch.autograd.grad(jitted(a).sum(), a)[0]
-        torch.testing.assert_close(got, expected, equal_nan=True)
 
 
 @pytest.mark.xfail(strict=True, reason="x.contiguous() (and reshape) of a non-contiguous input copies in eager but is "

@@ -320,7 +320,9 @@ def _real_nonnegative(y: TensorProxy) -> TensorProxy:
 @_rule(PrimIDs.ATAN2)
 def _atan2_vjp(b, g):
     x, y = _args(b)
-    recip = ltorch.reciprocal(add(mul(x, x), mul(y, y)))
+    # eager's: zero where x*x + y*y is 0 (both 0, or underflowing), not 0 * inf
+    denom = add(mul(x, x), mul(y, y))
+    recip = where(ltorch.eq(denom, 0), 0, ltorch.reciprocal(denom))
     return mul(g, mul(y, recip)), mul(g, mul(neg(x), recip))
 
 

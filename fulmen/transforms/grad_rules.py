@@ -477,6 +477,31 @@ def _clamp_rule(p: RuleArgs):
     return out
 
 
+@builtin_rule("torch.max", "torch.min")
+def _max_min_rule(p: RuleArgs):
+    """eager's backwards of ``max``/``min``: over a dim, the whole gradient goes to the index returned (not split
+    between ties, and a NaN there does not spread); over all elements, it is split evenly between the elements equal
+    to the result (the NaNs, when the result is NaN). ``max(a, b)`` takes the decomposition (``maximum``)."""
+    a, dim, keepdim, other = p[0], p.get("dim"), p.get("keepdim", False), p.get("other")
+    if other is not None or isinstance(dim, TensorProxy) or not isinstance(a, TensorProxy) \
+            or not dtypes.is_float_dtype(a.dtype) or (dim is not None and a.ndim == 0):
+        return NotImplemented
+    op = ltorch.max if p.bsym.sym.id == "torch.max" else ltorch.min
+    if dim is None:
+        out = op(a)
+        hit = ltorch.logical_or(ltorch.eq(a, out), ltorch.logical_and(ltorch.isnan(a), ltorch.isnan(out)))
+        share = ltorch.true_divide(get_grad(out), ltorch.sum(hit))
+        put_grad(a, ltorch.where(hit, share, ltorch.zeros_like(a)))
+        return out
+    out = op(a, dim, keepdim)
+    values, indices = out
+    g = get_grad(values)
+    if not keepdim:
+        g, indices = ltorch.unsqueeze(g, dim), ltorch.unsqueeze(indices, dim)
+    put_grad(a, ltorch.scatter(ltorch.zeros_like(a), dim, indices, g))
+    return out
+
+
 @builtin_rule("torch.nn.functional.relu", "torch.relu")
 def _relu_rule(p: RuleArgs):
     """Saves the output (which the next layer usually saves anyway), as eager does, not a boolean mask whose
