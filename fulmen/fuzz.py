@@ -39,6 +39,8 @@ _DTYPE_NAMES = {torch.float32: "torch.float32", torch.float64: "torch.float64", 
                 torch.int64: "torch.int64", torch.bool: "torch.bool"}
 # (rtol, atol) by dtype: a few units in the last place, as two orders of float rounding give
 _TOLERANCES = {torch.float64: (1e-7, 1e-7), torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
+# the share of statements eager rejects that are kept (ending the program), to check that fulmen raises too
+_KEEP_REJECTED = 0.1
 # fulmen may be this many times further from the float64 run than eager is (plus the dtype's tolerance)
 _REF_MULTIPLIER = 3.0
 
@@ -203,6 +205,7 @@ class _Generator:
         self.values: list[str] = []  # pool: names of tensor values, inputs first
         self.intermediates: list[str] = []
         self.counter = 0
+        self.raises = False  # the last statement makes eager raise
         self.grad = self.rng.random() < 0.75
         self.module = self.rng.random() < 0.2
 
@@ -417,11 +420,13 @@ class _Generator:
         keep ``stmt`` if eager accepts it, else forget it and the inputs made for it."""
         program = Program(self.seed, self.inputs, [*self.stmts, stmt], [], self.grad)
         env: dict[str, Any] = {"torch": torch, **make_inputs(program)}
+        forward = True
         try:
             with warnings.catch_warnings(), torch.set_grad_enabled(self.grad):
                 warnings.simplefilter("ignore")
                 for s in program.stmts:
                     exec(s.line(), env)
+                forward = False
                 if self.grad:
                     _sample_backward(env, [s.target for s in program.stmts if s.target],
                                      [i.name for i in self.inputs])
@@ -430,6 +435,10 @@ class _Generator:
         except Exception as e:
             if DEBUG:
                 print("rejected:", stmt.line(), type(e).__name__, str(e)[:100])
+            if forward and self.rng.random() < _KEEP_REJECTED:  # the program's last statement: fulmen must raise too
+                self.stmts.append(stmt)
+                self.raises = True
+                return True
             self.forget_inputs(n_inputs)
             return False
         self.env = env
@@ -459,7 +468,7 @@ class _Generator:
         for _ in range(rng.randint(1, 3)):
             self.new_input()
         attempts = 0
-        while len(self.stmts) < self.max_ops and attempts < self.max_ops * 8:
+        while len(self.stmts) < self.max_ops and attempts < self.max_ops * 8 and not self.raises:
             attempts += 1
             n_inputs = len(self.inputs)
             try:
