@@ -210,6 +210,54 @@ def test_logsumexp_gradient_in_a_fused_region():
         _grads_match(fn, x.requires_grad_())
 
 
+def test_inplace_op_on_an_expanded_view_raises_as_eager():
+    # eager refuses an in-place op whose target's elements share memory (fuzz seeds 12098, 12155); an index
+    # assignment into one row of it, or an op on a row, is allowed
+    def whole(a):
+        return a.expand(3, 3, 5).clamp_(min=-0.5)
+
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        whole(torch.randn(1, 1, 5))
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        fulmen.jit(whole, executors=["torch"])(torch.randn(1, 1, 5))
+
+    def row(a):
+        v = a.expand(3, 5)
+        v[0] = 1.0
+        return v, a.expand(3, 5)[1].add_(1)
+
+    with torch.no_grad():
+        _compare(row, torch.randn(1, 5))
+
+
+def test_writes_through_an_expanded_view_reach_its_base():
+    # the rows of an expanded view are the same memory: a write to one row is seen by every row and by the base (it
+    # used to be scattered back with the other rows' old values, which won)
+    def g1(a):
+        v = a.expand(3, 5)
+        v[1].add_(2)
+        return v * 1, a + 0
+
+    def g2(a):
+        b = a * 1
+        v = b.unsqueeze(0).expand(2, 2, 5)
+        v[1, 0, 2:] = 7.0
+        v[0][1].mul_(3)
+        return v * 1, b + 0
+
+    def g3(a):
+        b = a * 1
+        v = b.expand(4, 5)[1:3]
+        v[0].sub_(1)
+        return v * 1, b
+
+    for g in (g1, g2, g3):
+        with torch.no_grad():
+            _compare(g, torch.randn(1, 5))
+    for g in (g2, g3):
+        _grads_match(lambda a, g=g: sum(t.sum() for t in g(a)), torch.randn(1, 5, requires_grad=True))
+
+
 # ---- what fuzzing found, not fixed yet (tracked) ----
 
 

@@ -16,6 +16,7 @@ from fulmen import clang, prims
 from fulmen.core.proxies import TensorProxy, latest
 from fulmen.core.trace import get_tracectx
 from fulmen.core.utils import check
+from fulmen.torch.shape import layout_of
 
 
 def scatter_into(base: TensorProxy, select: Callable[[TensorProxy], TensorProxy], values) -> TensorProxy:
@@ -47,14 +48,21 @@ def scatter_into(base: TensorProxy, select: Callable[[TensorProxy], TensorProxy]
     return clang.reshape(flat, base.shape)
 
 
-def mutate(target: TensorProxy, new_value, *, _from_view: TensorProxy | None = None) -> TensorProxy:
-    """Make ``new_value`` (cast and broadcast to ``target``) the current value of ``target``; returns target."""
+def mutate(target: TensorProxy, new_value, *, _from_view: TensorProxy | None = None,
+           whole: bool = True, _refresh_written: bool = False) -> TensorProxy:
+    """Make ``new_value`` (cast and broadcast to ``target``) the current value of ``target``; returns target.
+    ``whole``: every element of ``target`` is written (an in-place op, not an index assignment), so a target whose
+    elements share memory (an ``expand``-ed view) is refused, as eager refuses it."""
     trc = get_tracectx()
     check(trc is not None, lambda: "in-place operations can only be traced", RuntimeError)
     trc.has_mutations = True
     if not isinstance(target, TensorProxy) and isinstance(target, torch.Tensor) and trc.capture is not None:
         target = trc.capture(target)  # a global or closure tensor: an input, written back like the arguments
     current = latest(target)
+    if whole and _from_view is None:
+        check(not _shares_elements(current),
+              lambda: "unsupported operation: more than one element of the written-to tensor refers to a single "
+              "memory location. Please clone() the tensor before performing the operation.")
     if isinstance(new_value, TensorProxy):
         check(clang.broadcast_shapes(current.shape, new_value.shape) == tuple(current.shape),
               lambda: f"output with shape {list(current.shape)} doesn't match the broadcast shape "
@@ -77,10 +85,22 @@ def mutate(target: TensorProxy, new_value, *, _from_view: TensorProxy | None = N
     new._view_of, new._views = current._view_of, current._views
     if current._view_of is not None:
         base, remake = current._view_of
-        unview = getattr(remake, "unview", None)
-        new_base = unview(new) if unview is not None else scatter_into(latest(base), remake, new)
-        mutate(base, new_base, _from_view=current)
-    _refresh_views(current, new, _from_view)
+        select, through = remake, None
+        # a base whose elements share memory (an expand) cannot take the view's new value element by element (its
+        # other elements would carry old values to the same memory): the write goes on up, through the composed
+        # views, to the first base that can
+        while latest(base)._view_of is not None and _shares_elements(latest(base)):
+            through = base
+            outer, outer_remake = latest(base)._view_of
+            select = (lambda inner, view: lambda b: inner(view(b)))(select, outer_remake)
+            base = outer
+        if through is None:
+            unview = getattr(remake, "unview", None)
+            new_base = unview(new) if unview is not None else scatter_into(latest(base), remake, new)
+            mutate(base, new_base, _from_view=current)
+        else:
+            mutate(base, scatter_into(latest(base), select, new), _from_view=through, _refresh_written=True)
+    _refresh_views(current, new, None if _refresh_written else _from_view)
     return target
 
 
@@ -108,4 +128,17 @@ def setitem(a: TensorProxy, key, value) -> None:
     from fulmen.core import langctx
 
     getitem = langctx.method("__getitem__")
-    mutate(a, scatter_into(latest(a), lambda base: getitem(base, key), value))
+    current = latest(a)
+    if current._view_of is not None and _shares_elements(current):
+        # the view's elements share memory (an expand): only those the key picks are written, straight into the
+        # base; a new value of the whole view would also carry the others' old values to the same base elements
+        base, remake = current._view_of
+        mutate(base, scatter_into(latest(base), lambda b: getitem(remake(b), key), value), whole=False)
+        return
+    mutate(a, scatter_into(current, lambda base: getitem(base, key), value), whole=False)
+
+
+def _shares_elements(t: TensorProxy) -> bool:
+    """Whether some elements of the view ``t`` are the same memory (a stride 0 over more than one element)."""
+    strides = layout_of(t)
+    return strides is not None and any(st == 0 and n > 1 for st, n in zip(strides, t.shape))
