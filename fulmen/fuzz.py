@@ -191,7 +191,7 @@ _BINARY_FLOAT = ["{} / {}", "torch.atan2({}, {})", "torch.pow({}.abs(), {})", "t
                  "torch.nn.functional.mse_loss({}, {})", "torch.hypot({}, {})", "torch.lerp({}, {}, 0.25)",
                  "torch.copysign({}, {})", "torch.fmod({}, {})"]
 _BINARY_INT = ["{} & {}", "{} | {}", "{} ^ {}", "torch.bitwise_and({}, {})"]
-_SCALARS = ["2", "-1", "0.5", "True", "3.0", "-2.5"]
+_SCALARS = ["2", "(-1)", "0.5", "True", "3.0", "(-2.5)"]  # parenthesized: a template may call a method on them
 
 
 class _Generator:
@@ -351,7 +351,7 @@ class _Generator:
         a = rng.choice(targets[-4:])
         t = self.env[a]
         b = self.broadcastable(a) if rng.random() < 0.5 else None
-        src = b if b is not None else rng.choice(["2", "0.5", "-1"])
+        src = b if b is not None else rng.choice(["2", "0.5", "(-1)"])
         uses = (a, b) if b else (a,)
         forms = [f"{a}.add_({src})", f"{a}.mul_({src})", f"{a}.sub_({src}, alpha=2)"]
         if t.ndim:
@@ -435,7 +435,8 @@ class _Generator:
         except Exception as e:
             if DEBUG:
                 print("rejected:", stmt.line(), type(e).__name__, str(e)[:100])
-            if forward and self.rng.random() < _KEEP_REJECTED:  # the program's last statement: fulmen must raise too
+            # kept as the program's last statement: fulmen must raise too
+            if forward and not isinstance(e, SyntaxError) and self.rng.random() < _KEEP_REJECTED:
                 self.stmts.append(stmt)
                 self.raises = True
                 return True
