@@ -258,6 +258,21 @@ def test_writes_through_an_expanded_view_reach_its_base():
         _grads_match(lambda a, g=g: sum(t.sum() for t in g(a)), torch.randn(1, 5, requires_grad=True))
 
 
+def test_inplace_write_to_a_multi_output_view_raises_as_eager():
+    # autograd refuses in-place writes to the outputs of split/chunk/unbind (and views of them) made and written with
+    # grad mode on, when they require grad (fuzz seed 12192); fulmen computed them
+    cases = [lambda a: (a * 1).chunk(2)[0].add_(1), lambda a: (a * 1).chunk(2)[0][1:].add_(1),
+             lambda a: (a * 1).unbind(0)[0].mul_(2), lambda a: torch.split(a * 1, [1, 3])[1].__setitem__(0, 5.0)]
+    for fn in cases:
+        with pytest.raises(RuntimeError, match="modified inplace"):
+            fn(torch.randn(4, requires_grad=True))
+        with pytest.raises(RuntimeError, match="modified inplace"):
+            fulmen.jit(fn, executors=["torch"])(torch.randn(4, requires_grad=True))
+        with torch.no_grad():  # allowed without grad mode, and on tensors that do not require grad
+            _compare(fn, torch.randn(4))
+        _compare(fn, torch.randn(4))
+
+
 # ---- what fuzzing found, not fixed yet (tracked) ----
 
 

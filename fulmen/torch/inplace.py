@@ -59,6 +59,8 @@ def mutate(target: TensorProxy, new_value, *, _from_view: TensorProxy | None = N
     if not isinstance(target, TensorProxy) and isinstance(target, torch.Tensor) and trc.capture is not None:
         target = trc.capture(target)  # a global or closure tensor: an input, written back like the arguments
     current = latest(target)
+    if _from_view is None and torch.is_grad_enabled():
+        _check_not_multi_output_view(target)
     if whole and _from_view is None:
         check(not _shares_elements(current),
               lambda: "unsupported operation: more than one element of the written-to tensor refers to a single "
@@ -136,6 +138,17 @@ def setitem(a: TensorProxy, key, value) -> None:
         mutate(base, scatter_into(latest(base), lambda b: getitem(remake(b), key), value), whole=False)
         return
     mutate(a, scatter_into(current, lambda base: getitem(base, key), value), whole=False)
+
+
+def _check_not_multi_output_view(target: TensorProxy) -> None:
+    """Eager's refusal of an in-place write, with grad mode on, to a view (or a view of a view) of one of the outputs
+    of a function returning several views, made with grad mode on and requiring grad."""
+    t = target
+    while t is not None:
+        check(t._origin != "multi-output-view", lambda: "A view of an output of a function that returns multiple "
+              "views (split, chunk, unbind) is being modified inplace. Such functions do not allow the output views "
+              "to be modified inplace. You should replace the inplace operation by an out-of-place one.")
+        t = t._view_of[0] if t._view_of is not None else None
 
 
 def _shares_elements(t: TensorProxy) -> bool:
