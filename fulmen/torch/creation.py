@@ -481,12 +481,12 @@ def fill(a, value):
 
 def fill_(a, value):
     """``Tensor.fill_``: every element of ``a`` (and of what ``a`` views) set to ``value``."""
-    return mutate(a, fill(a, value))
+    return mutate(a, fill(a, value), refuse_overlap=False)
 
 
 def zero_(a):
     """``Tensor.zero_``: every element of ``a`` set to 0."""
-    return mutate(a, 0)
+    return mutate(a, 0, refuse_overlap=False)
 
 
 register_function(tensor_methods("fill_") + (torch.fill_,), fill_, method_names=["fill_"])

@@ -49,10 +49,11 @@ def scatter_into(base: TensorProxy, select: Callable[[TensorProxy], TensorProxy]
 
 
 def mutate(target: TensorProxy, new_value, *, _from_view: TensorProxy | None = None,
-           whole: bool = True, _refresh_written: bool = False) -> TensorProxy:
+           refuse_overlap: bool = True, _refresh_written: bool = False) -> TensorProxy:
     """Make ``new_value`` (cast and broadcast to ``target``) the current value of ``target``; returns target.
-    ``whole``: every element of ``target`` is written (an in-place op, not an index assignment), so a target whose
-    elements share memory (an ``expand``-ed view) is refused, as eager refuses it."""
+    ``refuse_overlap``: a target whose elements share memory (an ``expand``-ed view) is refused, as eager's in-place
+    ops refuse it (not ``fill_``/``zero_``, whose elements all get one value, nor index assignments, which check the
+    part written)."""
     trc = get_tracectx()
     check(trc is not None, lambda: "in-place operations can only be traced", RuntimeError)
     trc.has_mutations = True
@@ -61,7 +62,7 @@ def mutate(target: TensorProxy, new_value, *, _from_view: TensorProxy | None = N
     current = latest(target)
     if _from_view is None and torch.is_grad_enabled():
         _check_not_multi_output_view(target)
-    if whole and _from_view is None:
+    if refuse_overlap and _from_view is None:
         check(not _shares_elements(current),
               lambda: "unsupported operation: more than one element of the written-to tensor refers to a single "
               "memory location. Please clone() the tensor before performing the operation.")
@@ -135,9 +136,9 @@ def setitem(a: TensorProxy, key, value) -> None:
         # the view's elements share memory (an expand): only those the key picks are written, straight into the
         # base; a new value of the whole view would also carry the others' old values to the same base elements
         base, remake = current._view_of
-        mutate(base, scatter_into(latest(base), lambda b: getitem(remake(b), key), value), whole=False)
+        mutate(base, scatter_into(latest(base), lambda b: getitem(remake(b), key), value), refuse_overlap=False)
         return
-    mutate(a, scatter_into(current, lambda base: getitem(base, key), value), whole=False)
+    mutate(a, scatter_into(current, lambda base: getitem(base, key), value), refuse_overlap=False)
 
 
 def _check_not_multi_output_view(target: TensorProxy) -> None:
