@@ -273,6 +273,17 @@ def test_inplace_write_to_a_multi_output_view_raises_as_eager():
         _compare(fn, torch.randn(4))
 
 
+def test_matmul_and_linear_gradients_with_a_zero_size():
+    # the batch of a matmul gradient was flattened to numel // k rows, which is 0 when k (or n) is 0 (fuzz seed 30536:
+    # the second call, which runs fulmen's backward, raised)
+    cases = [(lambda a, b: a.narrow(2, 0, 0) @ b, (torch.randn(5, 1, 1), torch.randn(0, 2))),
+             (lambda a, b: a @ b, (torch.randn(3, 4, 2), torch.randn(2, 0))),
+             (lambda a, b: torch.nn.functional.linear(a, b), (torch.randn(3, 4, 2), torch.randn(0, 2))),
+             (lambda a, b: torch.nn.functional.linear(a, b), (torch.randn(3, 4, 0), torch.randn(5, 0)))]
+    for fn, args in cases:
+        _grads_match(fn, *(x.requires_grad_() for x in args))
+
+
 # ---- what fuzzing found, not fixed yet (tracked) ----
 
 
