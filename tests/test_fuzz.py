@@ -284,6 +284,15 @@ def test_matmul_and_linear_gradients_with_a_zero_size():
         _grads_match(fn, *(x.requires_grad_() for x in args))
 
 
+def test_softplus_gradient_where_the_input_is_large():
+    # the unused log branch's gradient was inf / inf = NaN at an infinite input, kept by where's gradient (fuzz seeds
+    # 34699, 35127)
+    softplus = torch.nn.functional.softplus
+    fns = [lambda x: softplus(x), lambda x: softplus(x, beta=2.0, threshold=5.0), lambda x: softplus(x / 0.0)]
+    for fn in fns:
+        _grads_match(fn, torch.tensor([-3.0, 0.5, 30.0, float("inf"), -float("inf"), 1e30], requires_grad=True))
+
+
 # ---- what fuzzing found, not fixed yet (tracked) ----
 
 
