@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     fuzz = sub.add_parser("fuzz", help="differential fuzzing: random small programs, fulmen.jit against eager",
                           description="Generate random small programs from consecutive seeds, run each eagerly and "
                                       "with fulmen.jit (forward and gradients, first call and cache hit) and print a "
-                                      "minimized reproducer for each mismatch, then counts.")
+                                      "minimized reproducer for the first mismatch of each kind, then counts.")
     fuzz.add_argument("--seconds", type=_positive, default=60, help="how long to generate programs (default 60)")
     fuzz.add_argument("--seed", type=_non_negative, default=0, help="the first program's seed (default 0)")
     fuzz.add_argument("--executors", choices=["torch", "default"], default="torch",
