@@ -221,6 +221,16 @@ def test_inplace_op_on_an_expanded_view_raises_as_eager():
     with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
         fulmen.jit(whole, executors=["torch"])(torch.randn(1, 1, 5))
 
+    def part(a):  # the part written still shares memory: refused too (fuzz seed 54161)
+        v = torch.expm1(a.view(4, -1, 1)).expand(4, 1, 3)
+        v[2] = -1
+        return v
+
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        part(torch.randn(4))
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        fulmen.jit(part, executors=["torch"])(torch.randn(4))
+
     def row(a):
         v = a.expand(3, 5)
         v[0] = 1.0

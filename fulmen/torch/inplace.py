@@ -18,6 +18,9 @@ from fulmen.core.trace import get_tracectx
 from fulmen.core.utils import check
 from fulmen.torch.shape import layout_of
 
+_OVERLAP_MESSAGE = ("unsupported operation: more than one element of the written-to tensor refers to a single memory "
+                    "location. Please clone() the tensor before performing the operation.")
+
 
 def scatter_into(base: TensorProxy, select: Callable[[TensorProxy], TensorProxy], values) -> TensorProxy:
     """A copy of ``base`` whose elements that ``select(base)`` picks are replaced by ``values``.
@@ -63,9 +66,7 @@ def mutate(target: TensorProxy, new_value, *, _from_view: TensorProxy | None = N
     if _from_view is None and torch.is_grad_enabled():
         _check_not_multi_output_view(target)
     if refuse_overlap and _from_view is None:
-        check(not _shares_elements(current),
-              lambda: "unsupported operation: more than one element of the written-to tensor refers to a single "
-              "memory location. Please clone() the tensor before performing the operation.")
+        check(not _shares_elements(current), lambda: _OVERLAP_MESSAGE)
     if isinstance(new_value, TensorProxy):
         check(clang.broadcast_shapes(current.shape, new_value.shape) == tuple(current.shape),
               lambda: f"output with shape {list(current.shape)} doesn't match the broadcast shape "
@@ -135,6 +136,9 @@ def setitem(a: TensorProxy, key, value) -> None:
     if current._view_of is not None and _shares_elements(current):
         # the view's elements share memory (an expand): only those the key picks are written, straight into the
         # base; a new value of the whole view would also carry the others' old values to the same base elements
+        picked = getitem(current, key)
+        check(not (isinstance(picked, TensorProxy) and picked._view_of is not None and _shares_elements(picked)),
+              lambda: _OVERLAP_MESSAGE)
         base, remake = current._view_of
         mutate(base, scatter_into(latest(base), lambda b: getitem(remake(b), key), value), refuse_overlap=False)
         return
