@@ -666,10 +666,11 @@ def _traced_outputs(jitted: Any) -> list[tuple] | None:
     return [(tuple(p.shape), p.dtype) if hasattr(p, "dtype") else None for p in leaves]
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, ref: torch.Tensor | None, low: bool = False) -> str | None:
-    """None when ``got`` matches ``want`` (eager); else why not. ``low``: the program computes in bfloat16 somewhere,
-    so a float value may carry bfloat16 rounding whatever its own dtype (the float64 run keeps the program's casts
-    and cannot tell how much)."""
+def _close(got: torch.Tensor, want: torch.Tensor, ref: torch.Tensor | None,
+           floor: torch.dtype = torch.float64) -> str | None:
+    """None when ``got`` matches ``want`` (eager); else why not. ``floor``: the least precise float dtype the program
+    computes in, whose rounding a float value may carry whatever its own dtype (the float64 run keeps the program's
+    casts and cannot tell how much)."""
     if got.shape != want.shape:
         return f"shape {tuple(got.shape)} != eager's {tuple(want.shape)}"
     if got.dtype != want.dtype:
@@ -697,9 +698,9 @@ def _close(got: torch.Tensor, want: torch.Tensor, ref: torch.Tensor | None, low:
     finite = torch.isfinite(w64)
     inf_g, inf_w = torch.where(nan_g, 0, g64).isinf(), torch.where(nan_w, 0, w64).isinf()
     if not torch.equal(inf_g, inf_w) or not torch.equal(g64[inf_w], w64[inf_w]):
-        if ref is None or not _ref_explains(g64, w64, ref.detach().double(), _tolerance(w.dtype, low), ~nan_w):
+        if ref is None or not _ref_explains(g64, w64, ref.detach().double(), _tolerance(w.dtype, floor), ~nan_w):
             return "infinities differ"
-    rtol, atol = _tolerance(w.dtype, low)
+    rtol, atol = _tolerance(w.dtype, floor)
     mask = finite & torch.isfinite(g64)
     err = (g64 - w64).abs()
     bad = mask & (err > atol + rtol * w64.abs())
@@ -707,18 +708,27 @@ def _close(got: torch.Tensor, want: torch.Tensor, ref: torch.Tensor | None, low:
         return None
     if ref is not None and _ref_explains(g64, w64, ref.detach().double(), (rtol, atol), mask):
         return None
-    if ref is not None and low and _rms_explains(g64, w64, ref.detach().double(), atol, mask):
+    if ref is not None and floor is torch.bfloat16 and _rms_explains(g64, w64, ref.detach().double(), atol, mask):
         return None
     idx = bad.nonzero()[0].tolist()
     return (f"values differ at {idx}: {g64[tuple(idx)].item()!r} != eager's {w64[tuple(idx)].item()!r} "
             f"(max abs diff {err[bad].max().item():.3g}, {w.dtype})")
 
 
-def _tolerance(dtype: torch.dtype, low: bool) -> tuple[float, float]:
-    rtol, atol = _TOLERANCES[dtype]
-    if low:
-        rtol, atol = max(rtol, _TOLERANCES[torch.bfloat16][0]), max(atol, _TOLERANCES[torch.bfloat16][1])
-    return rtol, atol
+def _tolerance(dtype: torch.dtype, floor: torch.dtype) -> tuple[float, float]:
+    (rtol, atol), (floor_rtol, floor_atol) = _TOLERANCES[dtype], _TOLERANCES[floor]
+    return max(rtol, floor_rtol), max(atol, floor_atol)
+
+
+def _floor_dtype(program: Program) -> torch.dtype:
+    """The least precise float dtype ``program`` computes in: bfloat16 if it appears; float32 if a float32 input or
+    cast appears, or an integer or bool input (ops on those make float32, the default dtype); else float64."""
+    source = program.source()
+    if "bfloat16" in source or any(i.dtype is torch.bfloat16 for i in program.inputs):
+        return torch.bfloat16
+    if any(i.dtype is not torch.float64 for i in program.inputs) or ".float()" in source or "float32" in source:
+        return torch.float32
+    return torch.float64
 
 
 def _ref_explains(g: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, tol: tuple[float, float],
@@ -778,7 +788,7 @@ def _compare(program: Program, got: Outcome, want: Outcome, ref: Outcome | None,
             if isinstance(g, torch.Tensor) and meta is not None and meta != (tuple(g.shape), g.dtype):
                 return mismatch("metadata", f"output {k} ({program.outputs[k]}): the trace recorded {meta[1]} "
                                             f"{list(meta[0])}, the call returned {g.dtype} {list(g.shape)}")
-    low = "bfloat16" in program.source() or any(i.dtype is torch.bfloat16 for i in program.inputs)
+    floor = _floor_dtype(program)
     refs = ref.outputs if ref is not None and ref.error is None else [None] * len(want.outputs)
     for k, (g, w, r) in enumerate(zip(got.outputs, want.outputs, refs)):
         if not isinstance(g, torch.Tensor) or not isinstance(w, torch.Tensor):
@@ -788,13 +798,13 @@ def _compare(program: Program, got: Outcome, want: Outcome, ref: Outcome | None,
         if g.requires_grad != w.requires_grad:
             return mismatch("metadata", f"output {k} ({program.outputs[k]}): requires_grad {g.requires_grad} != "
                                         f"eager's {w.requires_grad}")
-        why = _close(g, w, r if isinstance(r, torch.Tensor) else None, low)
+        why = _close(g, w, r if isinstance(r, torch.Tensor) else None, floor)
         if why:
             return mismatch("values", f"output {k} ({program.outputs[k]}): {why}")
     names = [i.name for i in program.args()] + [p.name for p in program.params()]
     ref_inputs = ref.inputs if ref is not None and ref.error is None else [None] * len(want.inputs)
     for name, g, w, r in zip(names, got.inputs, want.inputs, ref_inputs):
-        why = _close(g, w, r, low)
+        why = _close(g, w, r, floor)
         if why:
             return mismatch("input-mutation", f"input {name} after the call: {why}")
     ref_grads = ref.grads if ref is not None and ref.error is None and len(ref.grads) == len(want.grads) \
@@ -811,7 +821,7 @@ def _compare(program: Program, got: Outcome, want: Outcome, ref: Outcome | None,
             continue
         if g is None:
             continue
-        why = _close(g, w, r, low)
+        why = _close(g, w, r, floor)
         if why:
             return mismatch("grad", f"gradient {k}: {why}")
     return None
