@@ -303,6 +303,20 @@ def test_softplus_gradient_where_the_input_is_large():
         _grads_match(fn, torch.tensor([-3.0, 0.5, 30.0, float("inf"), -float("inf"), 1e30], requires_grad=True))
 
 
+def test_fused_program_with_inputs_requiring_grad_and_no_differentiable_output():
+    # no output depends on the inputs that require grad, so the program runs as an inference one -- under grad mode,
+    # where a fused region's extern mm(out=...) refused those inputs (fuzz seed 70005, default executors)
+    def f(b, d):
+        v3 = torch.nn.functional.linear(b[2:].take_along_dim(d, 1), b.mT)
+        return v3 == -1, v3.argmax()
+
+    b = torch.randn((4, 1), generator=torch.Generator().manual_seed(0)).requires_grad_()
+    d = torch.zeros((2, 4), dtype=torch.int64)
+    expected, got = f(b, d), fulmen.jit(f, compile="sync")(b, d)
+    for e, g in zip(expected, got):
+        assert torch.equal(g, e) and not g.requires_grad
+
+
 # ---- what fuzzing found, not fixed yet (tracked) ----
 
 
