@@ -3,7 +3,7 @@ backward each call) allocate nothing that stays alive.
 
 Measured after a warm-up (compilation, first-call caches) with tracemalloc, which sees every Python-level allocation,
 and with the number of objects the garbage collector tracks (tensors among them, so a leaked tensor shows there).
-The bounds are a few hundred bytes and objects for the whole 10,000 calls: one leaked byte or object per call fails.
+The bounds are tens of KiB and 50 objects for the whole 10,000 calls: one object leaked per call fails.
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from torch import nn
 import fulmen
 
 CALLS = 10_000
-# Python-level bytes and gc-tracked objects the 10,000 calls may leave behind in total (allocator and interning noise)
-MAX_GROWTH_BYTES = 8 * 1024
+# What the 10,000 calls may leave behind in total. The smallest Python object is 16-24 bytes, so one leaked per call
+# is 160 KiB or more; PyTorch's autograd recycles buffers of its own, whose count at any moment moves by a few
+# hundred blocks (tens of KiB) whatever the number of calls.
+MAX_GROWTH_BYTES = 64 * 1024
 MAX_GROWTH_OBJECTS = 50
 
 
