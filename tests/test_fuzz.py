@@ -392,3 +392,18 @@ def test_view_after_an_elementwise_op_on_a_transposed_input():
 
     b, c = torch.randint(0, 3, (2, 2)).transpose(-1, -2), torch.randint(-4, 5, (2,))
     torch.testing.assert_close(fulmen.jit(f, executors=["torch"])(b, c), f(b, c))
+
+
+@pytest.mark.xfail(strict=True, reason="advanced indexing with an index out of bounds for its dim but not for the "
+                                       "flattened tensor: differentiated, getitem runs as its decomposition (one take "
+                                       "of flattened indices) and returns other elements instead of raising (the first "
+                                       "call, on PyTorch autograd, raises; fuzz seed 80640)")
+def test_out_of_bounds_advanced_index_raises_on_every_call():
+    def f(a):
+        return a[torch.tensor([1, 0]), torch.tensor([1, 0])]
+
+    a = torch.randn(4, 1, 1, requires_grad=True)
+    jitted = fulmen.jit(f, executors=["torch"])
+    for _ in range(2):
+        with pytest.raises(IndexError, match="out of bounds"):
+            jitted(a)
