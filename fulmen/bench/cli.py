@@ -4,6 +4,7 @@
     fulmen bench --model gpt-small --mode train --backends eager,torch.compile,fulmen
     fulmen examine --model llama-tiny               # what fulmen made of a model
     fulmen examine mypackage.models:make_example    # make_example() -> (fn_or_module, args[, kwargs])
+    fulmen fuzz --seconds 300 --seed 0 --executors torch   # random programs, fulmen vs eager (fulmen.fuzz)
 
 Exit codes: 0 success, 1 a run failed (demo/examine), 2 bad arguments.
 """
@@ -176,7 +177,7 @@ _non_negative = _int_at_least(0, "non-negative")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fulmen", description="fulmen: a source-to-source compiler for PyTorch programs.")
-    sub = parser.add_subparsers(dest="command", metavar="{bench,examine,demo,report}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{bench,examine,demo,report,fuzz}", parser_class=_Parser)
 
     models = model_names()
     bench = sub.add_parser("bench", help="time built-in models under eager, torch.compile and fulmen",
@@ -236,6 +237,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--calls", type=_positive, default=10, help="timed calls per backend (default 10)")
     demo.add_argument("--lines", type=_non_negative, default=12, help="execution-trace lines to show (default 12)")
     _add_device_args(demo)
+    fuzz = sub.add_parser("fuzz", help="differential fuzzing: random small programs, fulmen.jit against eager",
+                          description="Generate random small programs from consecutive seeds, run each eagerly and "
+                                      "with fulmen.jit (forward and gradients, first call and cache hit) and print a "
+                                      "minimized reproducer for the first mismatch of each kind, then counts.")
+    fuzz.add_argument("--seconds", type=_positive, default=60, help="how long to generate programs (default 60)")
+    fuzz.add_argument("--seed", type=_non_negative, default=0, help="the first program's seed (default 0)")
+    fuzz.add_argument("--executors", choices=["torch", "default"], default="torch",
+                      help="torch: executors=['torch']; default: fulmen's default executors, fused regions compiled "
+                           "before the call returns (slow on a CPU)")
+    fuzz.add_argument("--max-ops", type=_positive, default=6, help="statements per program at most (default 6)")
+    fuzz.set_defaults(device="cpu")
     report = sub.add_parser("report", help="write one HTML page showing what fulmen did with a built-in model",
                             description="Compile a built-in model with fulmen.jit, time and profile it against eager "
                                         "PyTorch, and write a self-contained HTML page: the pipeline of traces with "
@@ -249,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
                                             "(default: fulmen's default executors)")
     report.add_argument("--path", default="report.html", help="where to write the page (default report.html)")
     _add_device_args(report)
-    parser.subcommands = {"bench": bench, "examine": examine, "demo": demo, "report": report}
+    parser.subcommands = {"bench": bench, "examine": examine, "demo": demo, "report": report, "fuzz": fuzz}
     return parser
 
 
@@ -671,6 +683,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_examine(args, sub)
         if args.command == "report":
             return cmd_report(args)
+        if args.command == "fuzz":
+            from fulmen.fuzz import run_fuzz
+
+            summary = run_fuzz(args.seconds, seed=args.seed, executors=args.executors, max_ops=args.max_ops)
+            return 1 if summary.mismatches else 0
         return cmd_demo(args)
     except _UsageError as e:
         e.parser.print_usage(sys.stderr)

@@ -19,6 +19,9 @@ torch_functions: dict[Any, Callable] = {}
 fallback: list[Callable] = []
 #: Called as ``check(op name, out tensor, *inputs)`` before ``op(..., out=...)`` writes (eager's overlap check).
 out_checks: list[Callable] = []
+#: ``TensorProxy.__array_ufunc__``'s handler, ``(ufunc, method, inputs, kwargs) -> result``: a NumPy ufunc or operator
+#: met a proxy (``fulmen.torch.numpy_values``).
+numpy_ufunc: list[Callable] = []
 
 
 def method(name: str) -> Callable:

@@ -72,12 +72,23 @@ class Proxy:
         return f"<{type(self).__name__} {self.name}>"
 
 
+def _is_ndarray(x) -> bool:
+    np = sys.modules.get("numpy")  # a NumPy array exists only once NumPy is imported
+    return np is not None and isinstance(x, np.ndarray)
+
+
 def _binop(name: str, reflected: bool = False):
+    # With a NumPy array, torch.Tensor's operators return NotImplemented and NumPy's take over (the array's reflected
+    # operator calls the ufunc, which reaches TensorProxy.__array_ufunc__); a proxy does the same.
     if reflected:
         def fn(self, other):
+            if _is_ndarray(other):
+                return NotImplemented
             return langctx.method(name)(other, self)
     else:
         def fn(self, other):
+            if _is_ndarray(other):
+                return NotImplemented
             return langctx.method(name)(self, other)
     fn.__name__ = name
     return fn
@@ -255,6 +266,17 @@ class TensorProxy(Proxy):
 
     def numpy(self, *args, **kwargs):
         _data_dependent("Tensor.numpy()", self)
+
+    def __array__(self, *args, **kwargs):
+        _data_dependent("converting a tensor to a NumPy array (np.asarray(tensor))", self)
+
+    # as torch.Tensor's: a NumPy scalar's operator defers to the tensor's reflected one
+    __array_priority__ = 1000
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        if not langctx.numpy_ufunc:
+            return NotImplemented
+        return langctx.numpy_ufunc[0](ufunc, method, inputs, kwargs)
 
     def __float__(self):
         _data_dependent("float(tensor)", self)

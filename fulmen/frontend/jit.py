@@ -34,7 +34,7 @@ from fulmen.frontend.dynamic import SizeHistory, SymbolicSizes, describe_change,
 from fulmen.frontend.global_guard import GlobalGuard
 from fulmen.frontend.module_writes import assigning
 from fulmen.frontend.prologue import Prologue, build_prologue
-from fulmen.frontend.tracing import InputSpec, _arg_names, trace_program
+from fulmen.frontend.tracing import InputSpec, _arg_names, check_supported_tensors, trace_program
 from fulmen.transforms.autocast import current_policies
 
 log = logging.getLogger("fulmen")
@@ -195,7 +195,11 @@ class JittedFunction:
         flat = entry.check(args, kwargs) if entry is not None else None  # the prologue of the last entry run
         if flat is None:
             key_flat: list[torch.Tensor] = []
-            key = (args_key(args, kwargs, key_flat), global_state_key())
+            try:
+                key = (args_key(args, kwargs, key_flat), global_state_key())
+            except RuntimeError:  # a nested tensor has no shape to key on
+                check_supported_tensors(self.fn, args, kwargs)
+                raise
             entry, flat = self._find(key, args, kwargs, key_flat, (args, kwargs))
             if entry is None:  # called on an outer fulmen trace's proxies, or a value past RECOMPILE_LIMIT
                 return self.fn(*args, **kwargs)

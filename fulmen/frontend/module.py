@@ -27,7 +27,7 @@ from fulmen.executors.inductor_compile import call_leaving_a_core
 from fulmen.frontend import module_guard
 from fulmen.frontend.cache import aliases_written_input, args_key, global_state_key, state_key
 from fulmen.frontend.jit import JittedFunction, _changed_value
-from fulmen.frontend.tracing import _arg_names, trace_program
+from fulmen.frontend.tracing import _arg_names, check_supported_tensors, trace_program
 
 log = logging.getLogger("fulmen")
 _MISSING = object()
@@ -186,7 +186,12 @@ class _ModuleProgram(JittedFunction):
         flat = entry.check(state.version, tensors, args, kwargs) if entry is not None else None
         if flat is None:
             key_flat: list[torch.Tensor] = []
-            key = (state.version, state_key(tensors, key_flat), args_key(args, kwargs, key_flat)), global_state_key()
+            try:
+                key = ((state.version, state_key(tensors, key_flat), args_key(args, kwargs, key_flat)),
+                       global_state_key())
+            except RuntimeError:  # a nested tensor has no shape to key on
+                check_supported_tensors(self.module.forward, args, kwargs)
+                raise
             entry, flat = self._find(key, args, kwargs, key_flat, (state.version, tensors, args, kwargs))
             if entry is None:  # called on an outer fulmen trace's proxies, or a value past RECOMPILE_LIMIT
                 return self.module(*args, **kwargs)

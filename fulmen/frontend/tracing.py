@@ -25,6 +25,7 @@ from fulmen.frontend.global_guard import GlobalGuard, ReadRecorder, build_guard
 from fulmen.frontend.module_writes import ModuleWrites, check_no_proxies_left
 from fulmen.frontend.replay import Replays
 from fulmen.torch.fallback import opaque_symbol
+from fulmen.torch.numpy_values import numpy_data, numpy_scalar
 from fulmen.transforms.autocast import current_policies
 from fulmen.transforms.grad_rules import is_random_op
 
@@ -57,10 +58,50 @@ def _arg_names(fn: Callable, args: tuple, kwargs: dict) -> list[str]:
     return names
 
 
+_UNSUPPORTED = {
+    "nested": "pass its components (t.unbind()) or a padded tensor (t.to_padded_tensor(0.0)) instead",
+    "quantized": "pass the dequantized tensor (t.dequantize()) instead",
+}
+
+
+def _unsupported_kind(t: torch.Tensor) -> str | None:
+    return "nested" if t.is_nested else "quantized" if t.is_quantized else None
+
+
+def unsupported_tensor_error(what: str, kind: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"fulmen.jit: {what} is a {kind} tensor, which fulmen does not compile. Call the function without "
+        f"fulmen.jit for such inputs, or {_UNSUPPORTED[kind]}.")
+
+
+def check_supported_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
+    """Raise a NotImplementedError naming the first argument of ``fn`` that is (or holds) a tensor kind fulmen does
+    not compile (nested, quantized); the call path asks when computing a cache key failed."""
+    try:
+        names = _arg_names(fn, args, kwargs)
+    except Exception:  # names only improve the message
+        names = []
+    items = [(f"argument {names[i]}" if i < len(names) else f"argument {i}", a) for i, a in enumerate(args)]
+    items += [(f"argument {k}", v) for k, v in kwargs.items()]
+    while items:
+        what, value = items.pop(0)
+        if isinstance(value, torch.Tensor):
+            kind = _unsupported_kind(value)
+            if kind is not None:
+                raise unsupported_tensor_error(what, kind)
+        elif isinstance(value, (tuple, list)):
+            items[:0] = [(f"{what}[{i}]", v) for i, v in enumerate(value)]
+        elif isinstance(value, dict):
+            items[:0] = [(f"{what}[{k!r}]", v) for k, v in value.items()]
+
+
 def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], sizes: list | None = None) -> Any:
     """Replace every tensor in ``value`` (tuples, lists, dicts) by a named TensorProxy input; ``sizes`` (by flat
     position) overrides the tensors' shapes with symbolic ones."""
     if isinstance(value, torch.Tensor):
+        kind = _unsupported_kind(value)
+        if kind is not None:
+            raise unsupported_tensor_error(f"argument {name}", kind)
         shape = value.shape if sizes is None else sizes[len(flat)]
         p = TensorProxy(trace.add_name(name), shape=shape, dtype=value.dtype, device=value.device,
                         requires_grad=value.requires_grad)
@@ -94,6 +135,10 @@ class _Capture:
         if isinstance(x, torch.Tensor):
             p = self.by_id.get(id(x))
             if p is None:
+                kind = _unsupported_kind(x)
+                if kind is not None:
+                    raise unsupported_tensor_error("a tensor the function reads from a global or closure variable",
+                                                   kind)
                 p = TensorProxy(self.trace.add_name("captured"), shape=x.shape, dtype=x.dtype, device=x.device,
                                 requires_grad=x.requires_grad)
                 self.by_id[id(x)] = p
@@ -101,7 +146,7 @@ class _Capture:
                 self.spec.tensor_proxies.append(p)
                 self.trace.args.append(p)
             return latest(p)  # its value now, after in-place updates
-        return x
+        return numpy_scalar(x)  # a NumPy scalar: the Python number torch reads it as
 
 
 #: Values that hold no tensor: ``_Capture`` passes tuples and lists of them through as they are.
@@ -149,6 +194,8 @@ class _UserTorchCalls(TorchFunctionMode):
                     # what func(*args) would reach through torch's dispatch (TensorProxy.__torch_function__), at once
                     return fn(*args, **kwargs)
             elif (fn is not None or is_random_op(func)) and not _called_by_fulmen():
+                if func in _DATA_ARGUMENT and args:  # torch.tensor(np_array): the array as a tensor sharing its memory
+                    args = (numpy_data(args[0]), *args[1:])
                 # a random op with no rule (torch.randperm) is an opaque op that draws on every call, not a
                 # constant drawn once while tracing
                 fn = fn if fn is not None else opaque_symbol(func)

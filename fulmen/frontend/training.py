@@ -302,6 +302,15 @@ def compile_training(trace: Trace, executors: Sequence[Executor], *,
     if fb is None:  # no output depends on an input that requires grad: nothing to differentiate
         program = compile_inference(trace, executors, cuda_graphs=cuda_graphs)
         program.timings_ms = {**timings, **program.timings_ms}
+        run = program.run
+
+        def run_without_grad(flat: list) -> Any:
+            # as an inference program: kernels that write into given outputs (Inductor's extern mm(out=...)) refuse
+            # inputs that require grad while grad mode is on
+            with torch.no_grad():
+                return run(flat)
+
+        program.run = run_without_grad
         return program
     fb.forward.elapsed_ms = timings["autodiff"]
     forward, traces = execution_pipeline(fb.forward, executors, timings, [trace])

@@ -7,7 +7,7 @@ indexing, creation, conversion, nn, nn_conv, nn_attention (multi-head attention)
 """
 
 from fulmen.core.dtypes import to_torch_dtype  # noqa: F401
-from fulmen.torch import fallback, hooks  # noqa: F401  (the fallback for ops without rules; Tensor.register_hook)
+from fulmen.torch import fallback, hooks, numpy_values  # noqa: F401  (opaque ops; register_hook; NumPy operands)
 from fulmen.torch.attention import *  # noqa: F401,F403
 from fulmen.torch.conversion import *  # noqa: F401,F403
 from fulmen.torch.creation import *  # noqa: F401,F403

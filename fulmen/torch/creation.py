@@ -241,9 +241,14 @@ def _data_dtype(data) -> torch.dtype:
 
 @torchsymbol(torch.tensor, tags=_CREATION)
 def tensor(data, *, dtype=None, device=None, requires_grad=False, pin_memory=False):
-    """``torch.tensor`` of Python data: a constant built from prims (see ``indexing.index_constant``)."""
-    check(not isinstance(data, TensorProxy), lambda: "torch.tensor(t) of a tensor: use t.clone().detach() (as "
-          "PyTorch recommends)", TypeError)
+    """``torch.tensor`` of Python data: a constant built from prims (see ``indexing.index_constant``). Of a tensor
+    (a NumPy array's, a global's): a detached copy, as eager makes (which warns, recommending t.clone().detach())."""
+    if isinstance(data, TensorProxy):
+        from fulmen.torch.conversion import to
+        from fulmen.torch.shape import detach
+
+        copy = clone(to(detach(data), device=device, dtype=dtype))
+        return _finish(copy, requires_grad)
     return _finish(index_constant(data, dtype=dtype or _data_dtype(data), device=_device(device), op="tensor"),
                    requires_grad)
 
@@ -476,12 +481,12 @@ def fill(a, value):
 
 def fill_(a, value):
     """``Tensor.fill_``: every element of ``a`` (and of what ``a`` views) set to ``value``."""
-    return mutate(a, fill(a, value), overwrites=True)
+    return mutate(a, fill(a, value), overwrites=True, refuse_overlap=False)
 
 
 def zero_(a):
     """``Tensor.zero_``: every element of ``a`` set to 0."""
-    return mutate(a, 0)
+    return mutate(a, 0, refuse_overlap=False)
 
 
 register_function(tensor_methods("fill_") + (torch.fill_,), fill_, method_names=["fill_"])

@@ -175,9 +175,14 @@ def _binary_torch_fns(name):
 def add(a, b, *, alpha: Number | None = None):
     """torch.add: a + alpha * b with torch's type promotion."""
     if alpha is not None and alpha != 1:
-        check(not (isinstance(alpha, float) and dtypes.is_exact_dtype(clang.result_dtype(a, b))),
+        dtype = clang.result_dtype(a, b)
+        check(not (isinstance(alpha, float) and dtypes.is_exact_dtype(dtype)),
               lambda: "For integral input tensors, argument alpha must not be a floating point number.", RuntimeError)
-        b = b * alpha if isinstance(b, NUMBER_TYPES) else mul(b, alpha)
+        if dtype is torch.bool:  # eager's kernel takes alpha in the result dtype: any nonzero alpha is True
+            alpha = bool(alpha)
+            b = bool(b) and alpha if isinstance(b, NUMBER_TYPES) else mul(b, alpha)
+        else:
+            b = b * alpha if isinstance(b, NUMBER_TYPES) else mul(b, alpha)
     return elementwise_binary(a, b, prims.add)
 
 

@@ -14,6 +14,7 @@ place (``squeeze_``, ``t_``, ...) are refused: a proxy keeps the shape it was ma
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -24,6 +25,10 @@ from fulmen.core.trace import get_tracectx
 from fulmen.core.utils import check
 from fulmen.torch.overlap import check_no_partial_overlap
 from fulmen.torch.registry import register_function, tensor_methods, torchsymbol
+from fulmen.torch.shape import layout_of
+
+_OVERLAP_MESSAGE = ("unsupported operation: more than one element of the written-to tensor refers to a single memory "
+                    "location. Please clone() the tensor before performing the operation.")
 
 
 def scatter_into(base: TensorProxy, select: Callable[[TensorProxy], TensorProxy], values) -> TensorProxy:
@@ -39,6 +44,13 @@ def scatter_into(base: TensorProxy, select: Callable[[TensorProxy], TensorProxy]
     if not isinstance(values, TensorProxy):
         values = clang.full(picked.shape, values, device=base.device, dtype=base.dtype)
     values = clang.maybe_convert_to_dtype(values, base.dtype)
+    # as eager's index assignment, leading size-1 dims of the values beyond the picked elements' dims are dropped
+    # (``a[0] = b`` with ``a[0]`` of shape (5,) and ``b`` of shape (1, 1))
+    extra = 0
+    while values.ndim - extra > picked.ndim and values.shape[extra] == 1:
+        extra += 1
+    if extra:
+        values = clang.reshape(values, tuple(values.shape[extra:]))
     if values.device != base.device:
         values = prims.device_put(values, base.device)
     values = clang.expand_to(values, picked.shape)
@@ -63,17 +75,24 @@ def overwritten(new: TensorProxy, old: TensorProxy, keeps_gradient: bool) -> Ten
     return out
 
 
-def mutate(target: TensorProxy, new_value, *, overwrites: bool = False,
-           _from_view: TensorProxy | None = None) -> TensorProxy:
+def mutate(target: TensorProxy, new_value, *, overwrites: bool = False, refuse_overlap: bool = True,
+           _from_view: TensorProxy | None = None, _refresh_written: bool = False) -> TensorProxy:
     """Make ``new_value`` (cast and broadcast to ``target``) the current value of ``target``; returns target.
 
-    ``overwrites``: the new value replaces the old one instead of being computed from it (``copy_``, ``fill_``)."""
+    ``overwrites``: the new value replaces the old one instead of being computed from it (``copy_``, ``fill_``).
+    ``refuse_overlap``: a target whose elements share memory (an ``expand``-ed view) is refused, as eager's in-place
+    ops refuse it (not ``fill_``/``zero_``, whose elements all get one value, nor index assignments, which check the
+    part written)."""
     trc = get_tracectx()
     check(trc is not None, lambda: "in-place operations can only be traced", RuntimeError)
     trc.has_mutations = True
     if not isinstance(target, TensorProxy) and isinstance(target, torch.Tensor) and trc.capture is not None:
         target = trc.capture(target)  # a global or closure tensor: an input, written back like the arguments
     current = latest(target)
+    if _from_view is None and torch.is_grad_enabled():
+        _check_not_multi_output_view(target)
+    if refuse_overlap and _from_view is None:
+        check(not _shares_elements(current), lambda: _OVERLAP_MESSAGE)
     if isinstance(new_value, TensorProxy):
         check(clang.broadcast_shapes(current.shape, new_value.shape) == tuple(current.shape),
               lambda: f"output with shape {list(current.shape)} doesn't match the broadcast shape "
@@ -99,26 +118,45 @@ def mutate(target: TensorProxy, new_value, *, overwrites: bool = False,
     new._view_of, new._views = current._view_of, current._views
     if current._view_of is not None:
         base, remake = current._view_of
-        unview = getattr(remake, "unview", None)
-        new_base = unview(new) if unview is not None else scatter_into(latest(base), remake, new)
-        mutate(base, new_base, _from_view=current)  # computed from the base's old value
-    if current._views:
-        views = list(current._views)  # remake() below registers each refreshed value as a view of `new` too
-        for view in views:
-            if view is _from_view or latest(view) is new:
-                continue
-            base_view, remake = view._view_of
-            if not unseen or not new.requires_grad:
-                refreshed = remake(new)
-            else:  # a view keeps its history through a write under no_grad, as the base does
-                with torch.enable_grad():
-                    refreshed = remake(new)
-            view_now = latest(view)
-            if view_now is not refreshed:
-                view_now._latest = refreshed
-                refreshed._view_of, refreshed._views = view._view_of, view._views
-        current._views[:] = views  # the original view proxies keep standing for their refreshed values
+        select, through = remake, None
+        # a base whose elements share memory (an expand) cannot take the view's new value element by element (its
+        # other elements would carry old values to the same memory): the write goes on up, through the composed
+        # views, to the first base that can
+        while latest(base)._view_of is not None and _shares_elements(latest(base)):
+            through = base
+            outer, outer_remake = latest(base)._view_of
+            select = (lambda inner, view: lambda b: inner(view(b)))(select, outer_remake)
+            base = outer
+        if through is None:
+            unview = getattr(remake, "unview", None)
+            new_base = unview(new) if unview is not None else scatter_into(latest(base), remake, new)
+            mutate(base, new_base, _from_view=current)  # computed from the base's old value
+        else:
+            mutate(base, scatter_into(latest(base), select, new), _from_view=through, _refresh_written=True)
+    _refresh_views(current, new, None if _refresh_written else _from_view, keep_history=unseen and new.requires_grad)
     return target
+
+
+def _refresh_views(old: TensorProxy, new: TensorProxy, written: TensorProxy | None, keep_history: bool) -> None:
+    """The views of ``old`` now stand for the same views of ``new``, and so on down to views of views (``b = a[0]``,
+    ``c = b.t()``: a write to ``a`` changes ``c``); ``written``, the view the write came through, is current.
+    ``keep_history``: the write was one autograd does not see (under no_grad), and the views keep their history
+    through it, as the base does."""
+    if not old._views:
+        return
+    views = list(old._views)  # remake() below registers each refreshed value as a view of `new` too
+    for view in views:
+        if view is written or latest(view) is new:
+            continue
+        base_view, remake = view._view_of
+        with torch.enable_grad() if keep_history else contextlib.nullcontext():
+            refreshed = remake(new)
+        view_now = latest(view)
+        if view_now is not refreshed:
+            view_now._latest = refreshed
+            refreshed._view_of, refreshed._views = view._view_of, view._views
+            _refresh_views(view, refreshed, None, keep_history)
+    old._views[:] = views  # the original view proxies keep standing for their refreshed values
 
 
 def setitem(a: TensorProxy, key, value) -> None:
@@ -126,10 +164,37 @@ def setitem(a: TensorProxy, key, value) -> None:
     from fulmen.core import langctx
 
     getitem = langctx.method("__getitem__")
+    current = latest(a)
     if isinstance(value, TensorProxy) and value._view_of is not None:  # eager refuses a value overlapping the target
-        target = getitem(latest(a), key)  # recorded only to be compared; dead code elimination drops it
+        target = getitem(current, key)  # recorded only to be compared; dead code elimination drops it
         check_no_partial_overlap("", target if target._view_of is not None else a, value)
-    mutate(a, scatter_into(latest(a), lambda base: getitem(base, key), value))
+    if current._view_of is not None and _shares_elements(current):
+        # the view's elements share memory (an expand): only those the key picks are written, straight into the
+        # base; a new value of the whole view would also carry the others' old values to the same base elements
+        picked = getitem(current, key)
+        check(not (isinstance(picked, TensorProxy) and picked._view_of is not None and _shares_elements(picked)),
+              lambda: _OVERLAP_MESSAGE)
+        base, remake = current._view_of
+        mutate(base, scatter_into(latest(base), lambda b: getitem(remake(b), key), value), refuse_overlap=False)
+        return
+    mutate(a, scatter_into(current, lambda base: getitem(base, key), value), refuse_overlap=False)
+
+
+def _check_not_multi_output_view(target: TensorProxy) -> None:
+    """Eager's refusal of an in-place write, with grad mode on, to a view (or a view of a view) of one of the outputs
+    of a function returning several views, made with grad mode on and requiring grad."""
+    t = target
+    while t is not None:
+        check(t._origin != "multi-output-view", lambda: "A view of an output of a function that returns multiple "
+              "views (split, chunk, unbind) is being modified inplace. Such functions do not allow the output views "
+              "to be modified inplace. You should replace the inplace operation by an out-of-place one.")
+        t = t._view_of[0] if t._view_of is not None else None
+
+
+def _shares_elements(t: TensorProxy) -> bool:
+    """Whether some elements of the view ``t`` are the same memory (a stride 0 over more than one element)."""
+    strides = layout_of(t)
+    return strides is not None and any(st == 0 and n > 1 for st, n in zip(strides, t.shape))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -243,7 +243,11 @@ _inplace_forms(silu, (F.silu,))
 def softplus(input, beta: float = 1.0, threshold: float = 20.0):
     """log(1 + exp(beta x)) / beta, and x itself where beta x > threshold (where the log would lose it)."""
     scaled = mul(input, beta)
-    return where(gt(scaled, threshold), input, true_divide(log1p(exp(scaled)), beta))
+    linear = gt(scaled, threshold)
+    # the log branch sees 0 where it is not taken: exp(inf) there would give its gradient inf / inf = NaN, which
+    # where's gradient (0 times it) keeps; eager's softplus_backward is the input's gradient there
+    safe = where(linear, 0.0, scaled)
+    return where(linear, input, true_divide(log1p(exp(safe)), beta))
 
 
 @torchsymbol(F.leaky_relu, tags=_EW)

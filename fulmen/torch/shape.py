@@ -119,6 +119,11 @@ def _view_hook(bsym: BoundSymbol, unview=None) -> None:
                    for p, m in zip(outs, mouts) if isinstance(p, TensorProxy) and isinstance(m, torch.Tensor)]
     if sym.extra.get("always_alias") or any(aliases for *_, aliases in layouts):
         link_views(sym, bsym.args, bsym.kwargs, bsym.output, unview=unview)
+        if isinstance(bsym.output, (tuple, list)) and torch.is_grad_enabled():
+            # autograd refuses in-place writes to the views a multi-view op (split, chunk, unbind) returns
+            for p in bsym.output:
+                if isinstance(p, TensorProxy) and p.requires_grad and p._origin is None:
+                    p._origin = "multi-output-view"
     for p, strides, conj, neg, _ in layouts:
         if p is not base:
             _set_strides(p, strides)

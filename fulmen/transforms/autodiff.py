@@ -328,7 +328,9 @@ def _real_nonnegative(y: TensorProxy) -> TensorProxy:
 @_rule(PrimIDs.ATAN2)
 def _atan2_vjp(b, g):
     x, y = _args(b)
-    recip = ltorch.reciprocal(add(mul(x, x), mul(y, y)))
+    # eager's: zero where x*x + y*y is 0 (both 0, or underflowing), not 0 * inf
+    denom = add(mul(x, x), mul(y, y))
+    recip = where(ltorch.eq(denom, 0), 0, ltorch.reciprocal(denom))
     return mul(g, mul(y, recip)), mul(g, mul(neg(x), recip))
 
 
@@ -605,8 +607,8 @@ def matmul_vjp(a: TensorProxy, b: TensorProxy, g: TensorProxy) -> tuple[TensorPr
     ga = clang.reshape(sum_to(prims.matmul(g2, _mT(b2)), a2.shape), a.shape)
     if b2.ndim == 2 and a2.ndim > 2:  # the batch folds into the inner dim: one matrix product, as eager does
         k, n = b2.shape
-        a_flat = clang.reshape(a2, (a2.numel() // max(k, 1), k))
-        gb = prims.matmul(_mT(a_flat), clang.reshape(g2, (g2.numel() // max(n, 1), n)))
+        rows = prod(a2.shape[:-1])  # not numel // k: with k or n zero that loses the rows
+        gb = prims.matmul(_mT(clang.reshape(a2, (rows, k))), clang.reshape(g2, (rows, n)))
     else:
         gb = sum_to(prims.matmul(_mT(a2), g2), b2.shape)
     return ga, clang.reshape(gb, b.shape)
@@ -628,7 +630,7 @@ def linear_vjp(a: TensorProxy, w: TensorProxy, bias: TensorProxy | None, g: Tens
         return ga, gw, gb
     out_features, in_features = w.shape
     ga = prims.matmul(g, w)
-    rows = g.numel() // max(out_features, 1)
+    rows = prod(g.shape[:-1])  # not numel // out_features: with a zero size that loses the rows
     gw = prims.matmul(_mT(clang.reshape(g, (rows, out_features))), clang.reshape(a, (rows, in_features)))
     return ga, gw, gb
 

@@ -26,6 +26,7 @@ from fulmen.core import dtypes
 from fulmen.core.devices import to_device
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import OpTags, Symbol
+from fulmen.core.utils import canonicalize_dim
 from fulmen.transforms.linearize import (
     RuleArgs,
     builtin_rule,
@@ -532,6 +533,24 @@ def _gelu_rule(p: RuleArgs):
     a, approximate = p[0], p.get("approximate", "none")
     out = gelu(a, approximate=approximate)
     put_grad(a, gelu_backward(get_grad(out), a, approximate=approximate))
+    return out
+
+
+@builtin_rule("torch.logsumexp")
+def _logsumexp_rule(p: RuleArgs):
+    """eager's logsumexp backward, ``g * exp(a - out)``. Differentiating the decomposition instead also sends a
+    gradient through the row maximum (which cancels out) by an equality mask, which a fused region that does not
+    round ``a`` where eager does can leave empty: NaN."""
+    a, dim, keepdim = p[0], p.get("dim"), p.get("keepdim", False)
+    if not isinstance(a, TensorProxy) or not dtypes.is_float_dtype(a.dtype):
+        return NotImplemented
+    out = ltorch.logsumexp(a, dim, keepdim)
+    g, full = get_grad(out), out
+    if not keepdim and a.ndim:
+        dims = [dim] if isinstance(dim, int) else list(dim)
+        for d in sorted(canonicalize_dim(a.ndim, d) for d in dims):
+            g, full = ltorch.unsqueeze(g, d), ltorch.unsqueeze(full, d)
+    put_grad(a, ltorch.mul(g, ltorch.exp(ltorch.sub(a, full))))
     return out
 
 

@@ -1,0 +1,313 @@
+"""Running a program eagerly and with ``fulmen.jit``, and comparing what each did (``check``)."""
+
+from __future__ import annotations
+
+import math
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fulmen.fuzz.program import _FLOATS, Program, make_inputs
+
+# (rtol, atol) by dtype: a few units in the last place, as two orders of float rounding give
+_TOLERANCES = {torch.float64: (1e-7, 1e-7), torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
+# fulmen may be this many times further from the float64 run than eager is (plus the dtype's tolerance)
+_REF_MULTIPLIER = 3.0
+
+
+@dataclass
+class Outcome:
+    """What one run of a program gave: outputs, the inputs afterwards, gradients, or the error it raised."""
+
+    outputs: list[Any] = field(default_factory=list)
+    inputs: list[torch.Tensor] = field(default_factory=list)
+    grads: list[torch.Tensor | None] = field(default_factory=list)
+    error: BaseException | None = None
+    stage: str = ""  # where the error happened: "forward" or "backward"
+    traced: list[tuple] | None = None  # (shape, dtype) fulmen's computation trace recorded for each output
+
+
+@dataclass
+class Mismatch:
+    kind: str  # "values", "error", "metadata", ...
+    detail: str
+    program: Program
+    executors: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.detail}"
+
+
+def _build(program: Program, inputs: dict[str, torch.Tensor]) -> tuple[Callable, list[torch.Tensor], list]:
+    """The callable (function or module), its arguments, and the leaves whose gradients are compared."""
+    env: dict[str, Any] = {"torch": torch}
+    exec(compile(program.source(), f"<fuzz program {program.seed}>", "exec"), env)
+    args = [inputs[i.name] for i in program.args()]
+    if not program.module:
+        leaves = [inputs[i.name] for i in program.inputs if i.requires_grad]
+        return env["program"], args, leaves
+    module = env["Program"](*(inputs[p.name] for p in program.params()))
+    leaves = [inputs[i.name] for i in program.args() if i.requires_grad]
+    leaves += [getattr(module, p.name) for p in program.params() if p.requires_grad]
+    return module, args, leaves
+
+
+
+def _cotangent(out: torch.Tensor, k: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 + k)
+    return torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.dtype)
+
+
+def run_program(program: Program, fn_wrap: Callable[[Callable], Callable] | None = None,
+                upcast: bool = False, calls: int = 1) -> list[Outcome]:
+    """Run the program ``calls`` times on fresh inputs, through ``fn_wrap`` (e.g. ``fulmen.jit``) applied once: the
+    second call of a compiled program is a cache hit. The module form keeps its module and copies each call's
+    parameter values into it."""
+    results = []
+    call = module = None
+    for _ in range(calls):
+        inputs = make_inputs(program, upcast)
+        fn, args, leaves = _build(program, inputs)
+        if call is None:
+            module = fn if program.module else None
+            call = fn_wrap(fn) if fn_wrap is not None else fn
+        elif module is not None:
+            with torch.no_grad():
+                for p in program.params():
+                    getattr(module, p.name).copy_(inputs[p.name])
+            n_params = sum(p.requires_grad for p in program.params())
+            leaves = leaves[:len(leaves) - n_params] + [getattr(module, p.name) for p in program.params()
+                                                        if p.requires_grad]
+        outcome = Outcome()
+        try:
+            with torch.set_grad_enabled(program.grad), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                outcome.stage = "forward"
+                outs = list(call(*args))
+                outcome.outputs = outs
+                if fn_wrap is not None and not results:
+                    outcome.traced = _traced_outputs(call)
+                outcome.stage = "backward"
+                diff = [(o, k) for k, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
+                if diff and leaves and program.grad:
+                    grads = torch.autograd.grad([o for o, _ in diff], leaves,
+                                                grad_outputs=[_cotangent(o, k) for o, k in diff], allow_unused=True)
+                    outcome.grads = list(grads)
+                outcome.stage = ""
+        except Exception as e:  # compared with what eager did
+            outcome.error = e
+        outcome.inputs = [inputs[i.name] for i in program.args()]
+        if module is not None:  # parameters may be written in place (``p.add_``): compared too
+            outcome.inputs += [getattr(module, p.name) for p in program.params()]
+        results.append(outcome)
+    return results
+
+
+def _traced_outputs(jitted: Any) -> list[tuple] | None:
+    """The shape and dtype fulmen's computation trace recorded for each output (None when not available)."""
+    from torch.utils._pytree import tree_leaves
+
+    import fulmen
+
+    try:
+        leaves = tree_leaves(fulmen.last_traces(jitted)[0].output)
+    except Exception:  # a wrapper that is not fulmen's (the comparison's own tests), or no trace
+        return None
+    return [(tuple(p.shape), p.dtype) if hasattr(p, "dtype") else None for p in leaves]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, ref: torch.Tensor | None,
+           floor: torch.dtype = torch.float64) -> str | None:
+    """None when ``got`` matches ``want`` (eager); else why not. ``floor``: the least precise float dtype the program
+    computes in, whose rounding a float value may carry whatever its own dtype (the float64 run keeps the program's
+    casts and cannot tell how much)."""
+    if got.shape != want.shape:
+        return f"shape {tuple(got.shape)} != eager's {tuple(want.shape)}"
+    if got.dtype != want.dtype:
+        return f"dtype {got.dtype} != eager's {want.dtype}"
+    if got.device != want.device:
+        return f"device {got.device} != eager's {want.device}"
+    g, w = got.detach(), want.detach()
+    if w.dtype not in _FLOATS:
+        bad = g != w
+        if not bad.any():
+            return None
+        if ref is not None:
+            # an int/bool value derived from floats (a comparison, a floor) can flip where eager's own value is
+            # rounding-sensitive: where the float64 run disagrees with eager too
+            sensitive = ref.detach().to(w.dtype) != w
+            if not (bad & ~sensitive).any():
+                return None
+        idx = bad.nonzero()[0].tolist()
+        return f"values differ at {idx}: {g[tuple(idx)].item()} != eager's {w[tuple(idx)].item()}"
+    g64, w64 = g.double(), w.double()
+    nan_g, nan_w = g64.isnan(), w64.isnan()
+    if not torch.equal(nan_g, nan_w):
+        idx = (nan_g != nan_w).nonzero()[0].tolist()
+        return f"NaN positions differ at {idx}: {g64[tuple(idx)].item()} vs eager's {w64[tuple(idx)].item()}"
+    finite = torch.isfinite(w64)
+    inf_g, inf_w = torch.where(nan_g, 0, g64).isinf(), torch.where(nan_w, 0, w64).isinf()
+    if not torch.equal(inf_g, inf_w) or not torch.equal(g64[inf_w], w64[inf_w]):
+        if ref is None or not _ref_explains(g64, w64, ref.detach().double(), _tolerance(w.dtype, floor), ~nan_w):
+            return "infinities differ"
+    rtol, atol = _tolerance(w.dtype, floor)
+    mask = finite & torch.isfinite(g64)
+    err = (g64 - w64).abs()
+    bad = mask & (err > atol + rtol * w64.abs())
+    if not bad.any():
+        return None
+    if ref is not None and _ref_explains(g64, w64, ref.detach().double(), (rtol, atol), mask):
+        return None
+    if ref is not None and floor is torch.bfloat16 and _rms_explains(g64, w64, ref.detach().double(), atol, mask):
+        return None
+    idx = bad.nonzero()[0].tolist()
+    return (f"values differ at {idx}: {g64[tuple(idx)].item()!r} != eager's {w64[tuple(idx)].item()!r} "
+            f"(max abs diff {err[bad].max().item():.3g}, {w.dtype})")
+
+
+def _tolerance(dtype: torch.dtype, floor: torch.dtype) -> tuple[float, float]:
+    (rtol, atol), (floor_rtol, floor_atol) = _TOLERANCES[dtype], _TOLERANCES[floor]
+    return max(rtol, floor_rtol), max(atol, floor_atol)
+
+
+def _floor_dtype(program: Program) -> torch.dtype:
+    """The least precise float dtype ``program`` computes in: bfloat16 if it appears; float32 if a float32 input or
+    cast appears, or an integer or bool input (ops on those make float32, the default dtype); else float64."""
+    source = program.source()
+    if "bfloat16" in source or any(i.dtype is torch.bfloat16 for i in program.inputs):
+        return torch.bfloat16
+    if any(i.dtype is not torch.float64 for i in program.inputs) or ".float()" in source or "float32" in source:
+        return torch.float32
+    return torch.float64
+
+
+def _ref_explains(g: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, tol: tuple[float, float],
+                  mask: torch.Tensor) -> bool:
+    """Whether fulmen is, element by element, no further from the float64 run than eager is (within a factor)."""
+    if ref.shape != g.shape:
+        return False
+    rtol, atol = tol
+    ok_ref = torch.isfinite(ref)
+    err_g = torch.where(ok_ref, (g - ref).abs(), 0)
+    err_w = torch.where(ok_ref, (w - ref).abs(), 0)
+    err_g = torch.where(err_g.isnan(), math.inf, err_g)
+    err_w = torch.where(err_w.isnan(), math.inf, err_w)
+    fine = err_g <= _REF_MULTIPLIER * err_w + atol + rtol * ref.abs().where(ok_ref, 0)
+    # where the float64 run is not finite (overflow in float64 is not expected of these programs) eager decides
+    fine = fine | ~ok_ref & (g == w)
+    return bool(fine[mask].all())
+
+
+def _rms_explains(g: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, atol: float, mask: torch.Tensor) -> bool:
+    """PyTorch's own accuracy check for compiled code (``torch._dynamo.utils.same`` with a float64 reference): the
+    root-mean-square distance from the float64 run, fulmen's within a factor of eager's. Used where a program
+    computes in bfloat16, whose sums differ by the order of their roundings element by element."""
+    if ref.shape != g.shape:
+        return False
+    keep = mask & torch.isfinite(ref)
+    if not keep.any():
+        return False
+
+    def rms(x: torch.Tensor) -> float:
+        return float(((x[keep] - ref[keep]) ** 2).mean().sqrt())
+
+    return rms(g) <= _REF_MULTIPLIER * rms(w) + atol
+
+
+def _compare(program: Program, got: Outcome, want: Outcome, ref: Outcome | None, executors: str,
+             call: int) -> Mismatch | None:
+    where = f"call {call}"
+
+    def mismatch(kind: str, detail: str) -> Mismatch:
+        return Mismatch(kind, f"{where}: {detail}", program, executors)
+
+    if want.error is not None:
+        if "INTERNAL ASSERT FAILED" in str(want.error):
+            return None  # a PyTorch bug (eager asks for a report), not a behaviour to match; counted by run_fuzz
+        if got.error is None:
+            return mismatch("error", f"eager raised in {want.stage} ({type(want.error).__name__}: "
+                                     f"{_first_line(want.error)}) but fulmen did not")
+        return None
+    if got.error is not None:
+        return mismatch("error", f"fulmen raised in {got.stage} but eager did not: {type(got.error).__name__}: "
+                                 f"{_first_line(got.error)}")
+    if len(got.outputs) != len(want.outputs):
+        return mismatch("structure", f"{len(got.outputs)} outputs, eager {len(want.outputs)}")
+    if got.traced is not None and len(got.traced) == len(got.outputs):
+        for k, (g, meta) in enumerate(zip(got.outputs, got.traced)):
+            if isinstance(g, torch.Tensor) and meta is not None and meta != (tuple(g.shape), g.dtype):
+                return mismatch("metadata", f"output {k} ({program.outputs[k]}): the trace recorded {meta[1]} "
+                                            f"{list(meta[0])}, the call returned {g.dtype} {list(g.shape)}")
+    floor = _floor_dtype(program)
+    refs = ref.outputs if ref is not None and ref.error is None else [None] * len(want.outputs)
+    for k, (g, w, r) in enumerate(zip(got.outputs, want.outputs, refs)):
+        if not isinstance(g, torch.Tensor) or not isinstance(w, torch.Tensor):
+            if type(g) is not type(w) or g != w:
+                return mismatch("values", f"output {k}: {g!r} != eager's {w!r}")
+            continue
+        if g.requires_grad != w.requires_grad:
+            return mismatch("metadata", f"output {k} ({program.outputs[k]}): requires_grad {g.requires_grad} != "
+                                        f"eager's {w.requires_grad}")
+        why = _close(g, w, r if isinstance(r, torch.Tensor) else None, floor)
+        if why:
+            return mismatch("values", f"output {k} ({program.outputs[k]}): {why}")
+    names = [i.name for i in program.args()] + [p.name for p in program.params()]
+    ref_inputs = ref.inputs if ref is not None and ref.error is None else [None] * len(want.inputs)
+    for name, g, w, r in zip(names, got.inputs, want.inputs, ref_inputs):
+        why = _close(g, w, r, floor)
+        if why:
+            return mismatch("input-mutation", f"input {name} after the call: {why}")
+    ref_grads = ref.grads if ref is not None and ref.error is None and len(ref.grads) == len(want.grads) \
+        else [None] * len(want.grads)
+    if len(got.grads) != len(want.grads):
+        return mismatch("grad", f"{len(got.grads)} gradients, eager {len(want.grads)}")
+    for k, (g, w, r) in enumerate(zip(got.grads, want.grads, ref_grads)):
+        if (g is None) != (w is None):
+            # no gradient and a zero gradient are the same to a user's optimizer; anything else is not
+            other = g if g is not None else w
+            if not torch.all(other == 0):
+                return mismatch("grad", f"gradient {k}: {'None' if g is None else 'a tensor'} where eager has "
+                                        f"{'None' if w is None else 'a nonzero tensor'}")
+            continue
+        if g is None:
+            continue
+        why = _close(g, w, r, floor)
+        if why:
+            return mismatch("grad", f"gradient {k}: {why}")
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().split("\n")[0]
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _jit(executors: str) -> Callable[[Callable], Callable]:
+    import fulmen
+
+    if executors == "torch":
+        return lambda fn: fulmen.jit(fn, executors=["torch"])
+    return lambda fn: fulmen.jit(fn, compile="sync")
+
+
+def check(program: Program, executors: str = "torch", calls: int = 2) -> Mismatch | None:
+    """Run ``program`` eagerly and with fulmen (``executors``: "torch" or "default"); the first difference."""
+    want = run_program(program, calls=calls)
+    ref = None
+    try:
+        ref = run_program(program, upcast=True)[0]
+    except Exception:
+        ref = None
+    try:
+        got = run_program(program, _jit(executors), calls=calls)
+    except Exception as e:  # outside the call itself (never expected): a mismatch, with its traceback
+        return Mismatch("crash", "".join(traceback.format_exception(e))[-2000:], program, executors)
+    for k, (g, w) in enumerate(zip(got, want)):
+        m = _compare(program, g, w, ref, executors, k + 1)
+        if m is not None:
+            return m
+    return None

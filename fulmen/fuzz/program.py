@@ -1,0 +1,164 @@
+"""Fuzz programs: inputs (made from the program's seed), statements over a pool of values, and their source."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16)
+_DTYPE_NAMES = {torch.float32: "torch.float32", torch.float64: "torch.float64", torch.bfloat16: "torch.bfloat16",
+                torch.int64: "torch.int64", torch.bool: "torch.bool"}
+
+
+@dataclass(frozen=True)
+class Input:
+    """One argument: made by ``make`` (source text that builds it from the seeded generator)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    layout: str = "contiguous"  # or "transposed" (last two dims swapped) or "strided" (every other element)
+    requires_grad: bool = False
+    param: bool = False  # a parameter of the module form
+    high: int = 0  # for an index tensor: values in [0, high)
+
+    def make(self) -> str:
+        shape = list(self.shape)
+        if self.layout == "transposed" and len(shape) >= 2:
+            shape[-1], shape[-2] = shape[-2], shape[-1]
+        elif self.layout == "strided" and shape:
+            shape[-1] *= 2
+        size = repr(tuple(shape))
+        if self.high:
+            text = f"torch.randint(0, {self.high}, {size})"
+        elif self.dtype is torch.int64:
+            text = f"torch.randint(-4, 5, {size})"
+        elif self.dtype is torch.bool:
+            text = f"torch.rand({size}) > 0.5"
+        else:
+            text = f"torch.randn({size}, dtype={_DTYPE_NAMES[self.dtype]})"
+        if self.layout == "transposed" and len(shape) >= 2:
+            text = f"({text}).transpose(-1, -2)"
+        elif self.layout == "strided" and shape:
+            text = f"({text})[..., ::2]"
+        if self.requires_grad:
+            text = f"({text}).requires_grad_()"
+        return text
+
+
+@dataclass(frozen=True)
+class Stmt:
+    """``target = expr`` (or a bare statement, ``target`` None); ``uses`` names the values it reads."""
+
+    target: str | None
+    expr: str
+    uses: tuple[str, ...]
+    category: str
+
+    def line(self) -> str:
+        return f"{self.target} = {self.expr}" if self.target else self.expr
+
+
+@dataclass
+class Program:
+    seed: int
+    inputs: list[Input]
+    stmts: list[Stmt]
+    outputs: list[str]
+    grad: bool = True  # run with grad mode on
+    module: bool = False  # run as an nn.Module whose ``param`` inputs are parameters
+
+    def args(self) -> list[Input]:
+        return [i for i in self.inputs if not (self.module and i.param)]
+
+    def params(self) -> list[Input]:
+        return [i for i in self.inputs if self.module and i.param]
+
+    def body(self, indent: str = "    ") -> list[str]:
+        lines = [indent + s.line() for s in self.stmts]
+        outs = ", ".join(self.outputs)
+        lines.append(f"{indent}return ({outs},)" if len(self.outputs) == 1 else f"{indent}return {outs}")
+        return lines
+
+    def source(self) -> str:
+        """The program as Python source: ``def program(...)``, or a ``Program`` module for the module form."""
+        if not self.module:
+            head = f"def program({', '.join(i.name for i in self.inputs)}):"
+            return "\n".join([head, *self.body()]) + "\n"
+        params = self.params()
+        lines = ["class Program(torch.nn.Module):",
+                 f"    def __init__(self, {', '.join(p.name for p in params)}):",
+                 "        super().__init__()"]
+        lines += [f"        self.{p.name} = torch.nn.Parameter({p.name}, requires_grad={p.requires_grad})"
+                  for p in params]
+        lines.append(f"    def forward(self, {', '.join(i.name for i in self.args())}):")
+        lines += [f"        {p.name} = self.{p.name}" for p in params]
+        lines += self.body("        ")
+        return "\n".join(lines) + "\n"
+
+    def make_inputs(self) -> str:
+        lines = [f"torch.manual_seed({self.seed})"]
+        lines += [f"{i.name} = {i.make()}" for i in self.inputs]
+        return "\n".join(lines) + "\n"
+
+    def script(self, executors: str = "torch") -> str:
+        """A self-contained reproducer: the program, its inputs, and a comparison of fulmen with eager."""
+        jit_args = 'executors=["torch"]' if executors == "torch" else 'compile="sync"'
+        names = [i.name for i in self.inputs]
+        if self.module:
+            make = f"Program({', '.join(p.name for p in self.params())})"
+            call = ", ".join(i.name for i in self.args())
+        else:
+            make, call = "program", ", ".join(names)
+        grad = "" if self.grad else "@torch.no_grad()\n"
+        return (f"# fulmen fuzz reproducer (seed {self.seed}): compare eager with fulmen.jit\n"
+                "import torch\nimport fulmen\n\n"
+                f"{self.source()}\n"
+                f"{grad}def run(use_fulmen):\n"
+                f"    {self.make_inputs().strip().replace(chr(10), chr(10) + '    ')}\n"
+                f"    compiled = {make}\n"
+                f"    compiled = fulmen.jit(compiled, {jit_args}) if use_fulmen else compiled\n"
+                f"    result = compiled({call})\n"
+                f"    return result, [{', '.join(names)}]\n\n"
+                "expected, got = run(False), run(True)\n"
+                "print('eager :', expected)\nprint('fulmen:', got)\n")
+
+
+
+class _seeded:
+    """Draws from ``gen``'s state through torch's global generator (restored afterwards)."""
+
+    def __init__(self, gen: torch.Generator):
+        self.gen = gen
+
+    def __enter__(self):
+        self.saved = torch.random.get_rng_state()
+        torch.random.set_rng_state(self.gen.get_state())
+
+    def __exit__(self, *exc):
+        torch.random.set_rng_state(self.saved)
+
+
+
+def make_inputs(program: Program, upcast: bool = False) -> dict[str, torch.Tensor]:
+    """The program's inputs (the same values every time); ``upcast``: floating ones in float64."""
+    env: dict[str, Any] = {"torch": torch}
+    with _seeded(torch.Generator().manual_seed(program.seed)):
+        exec(program.make_inputs().replace(f"torch.manual_seed({program.seed})", ""), env)
+    out = {}
+    for i in program.inputs:
+        t = env[i.name]
+        if upcast and t.dtype in _FLOATS:
+            t = _upcast(t)
+        out[i.name] = t
+    return out
+
+
+def _upcast(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float64 with the same strides (so that layout-dependent ops act alike)."""
+    base = torch.empty_strided(t.shape, t.stride(), dtype=torch.float64)
+    with torch.no_grad():
+        base.copy_(t)
+    return base.requires_grad_(t.requires_grad)
