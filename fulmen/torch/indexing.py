@@ -187,7 +187,7 @@ def _advanced(x: TensorProxy, positions: list[int], indices: list[TensorProxy]) 
     """``x`` indexed by integer tensors at ``positions`` (the other dims are kept whole)."""
     shape = clang.broadcast_shapes(*(i.shape for i in indices))
     sizes = [x.shape[p] for p in positions]
-    linear = None
+    linear = outside = None
     for index, n in zip(indices, sizes):
         index = clang.maybe_convert_to_dtype(index, torch.int64)
         if index.device != x.device:
@@ -195,7 +195,13 @@ def _advanced(x: TensorProxy, positions: list[int], indices: list[TensorProxy]) 
         index = clang.where(_int_op(index, 0, prims.lt, TypePromotion.ALWAYS_BOOL), _int_op(index, n, prims.add),
                             index)
         index = clang.expand_to(index, shape)
+        if len(indices) > 1:  # an index outside its own dim could land inside the merged one: mark it
+            out = prims.bitwise_or(_int_op(index, 0, prims.lt, TypePromotion.ALWAYS_BOOL),
+                                   _int_op(index, n, prims.ge, TypePromotion.ALWAYS_BOOL))
+            outside = out if outside is None else prims.bitwise_or(outside, out)
         linear = index if linear is None else _int_op(_int_op(linear, n, prims.mul), index, prims.add)
+    if outside is not None:  # eager raises for it: so does take, given a position past the merged dim's end
+        linear = clang.where(outside, clang.full_like(linear, prod(sizes)), linear)
     flat_index = clang.reshape(linear, (prod(shape),))
     adjacent = positions == list(range(positions[0], positions[0] + len(positions)))
     if len(positions) == 1:
