@@ -26,7 +26,7 @@ from fulmen.frontend.module_writes import ModuleWrites, check_no_proxies_left
 from fulmen.frontend.replay import Replays
 from fulmen.torch.fallback import opaque_symbol
 from fulmen.torch.numpy_values import numpy_data, numpy_scalar
-from fulmen.torch.shape import set_input_strides
+from fulmen.torch.shape import set_strides
 from fulmen.transforms.autocast import current_policies
 from fulmen.transforms.grad_rules import is_random_op
 
@@ -107,7 +107,7 @@ def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], sizes:
         p = TensorProxy(trace.add_name(name), shape=shape, dtype=value.dtype, device=value.device,
                         requires_grad=value.requires_grad)
         if not value.is_contiguous():  # keyed with its strides (never with dynamic sizes): eager's copy-or-view
-            set_input_strides(p, value.stride())
+            set_strides(p, value.stride())
         if value.requires_grad and value.is_leaf:
             p._origin = "input-leaf"
         flat.append(p)
@@ -145,7 +145,7 @@ class _Capture:
                 p = TensorProxy(self.trace.add_name("captured"), shape=x.shape, dtype=x.dtype, device=x.device,
                                 requires_grad=x.requires_grad)
                 if not x.is_contiguous():
-                    set_input_strides(p, x.stride())
+                    set_strides(p, x.stride())
                 self.by_id[id(x)] = p
                 self.spec.captured.append(x)
                 self.spec.tensor_proxies.append(p)

@@ -7,7 +7,7 @@ strides, so fulmen keeps the strides eager would give each view here (inputs are
 asks PyTorch itself, on a storage-less ``meta`` tensor with those strides, what the op does: a view, a copy
 (``reshape`` / ``contiguous`` / ``flatten`` of a non-contiguous tensor), or an error (``view`` of a tensor
 whose strides do not allow it). That costs a few microseconds per view op while tracing. Inputs of the
-program have the strides of the tensors they stand for (``set_input_strides``; the cache keys non-contiguous
+program have the strides of the tensors they stand for (``set_strides``; the cache keys non-contiguous
 inputs by their strides). Results of non-view ops are taken to be contiguous (eager's elementwise ops keep a
 transposed input's layout): there fulmen may allow a ``view`` eager rejects, or alias where eager copies.
 
@@ -37,7 +37,7 @@ __all__ = [
     "adjoint", "squeeze", "unsqueeze", "expand", "expand_as", "broadcast_to", "broadcast_tensors", "cat",
     "concatenate", "stack", "hstack", "vstack", "split", "split_with_sizes", "chunk", "unbind", "tensor_split",
     "flatten", "unflatten", "narrow", "select", "movedim", "diagonal", "unfold", "contiguous", "clone", "detach",
-    "as_strided", "view_as_real", "view_as_complex", "strides_of", "layout_of", "set_input_strides", "view_symbol",
+    "as_strided", "view_as_real", "view_as_complex", "strides_of", "layout_of", "set_strides", "view_symbol",
     "sizes_arg", "fresh",
 ]
 
@@ -54,7 +54,7 @@ _view_strides: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def strides_of(p: TensorProxy) -> tuple[int, ...]:
-    """The strides eager PyTorch gives the tensor ``p`` stands for (inputs: those of ``set_input_strides``)."""
+    """The strides eager PyTorch gives the tensor ``p`` stands for (inputs: those of ``set_strides``)."""
     if p._view_of is not None:
         strides = _view_strides.get(p._view_of[1])
         if strides is not None:
@@ -84,9 +84,10 @@ def _set_strides(p: TensorProxy, strides: tuple[int, ...]) -> None:
     _strides[key] = (weakref.ref(p, lambda _, key=key: _strides.pop(key, None)), tuple(strides))
 
 
-def set_input_strides(p: TensorProxy, strides: Sequence[int]) -> None:
-    """Give the program input ``p`` the strides of the non-contiguous tensor it stands for (the cache keys such
-    inputs by their strides), so that its views and copies are decided as eager decides them."""
+def set_strides(p: TensorProxy, strides: Sequence[int]) -> None:
+    """Record the strides of ``p``: a program input, which has those of the tensor it stands for (the cache keys
+    non-contiguous inputs by their strides), or the new value an in-place update gives a tensor, which keeps the
+    tensor's; its views and copies are then decided as eager decides them."""
     _set_strides(p, tuple(int(s) for s in strides))
 
 
