@@ -374,18 +374,15 @@ def test_add_with_alpha_of_bool_tensors_stays_bool():
             assert torch.equal(got, expected)
 
 
-# ---- what fuzzing found, not fixed yet (tracked) ----
-
-
-@pytest.mark.xfail(strict=True, reason="an elementwise op on a transposed input has the input's layout in eager, so a "
-                                       "transpose of the result is contiguous and view(-1) works; fulmen takes inputs "
-                                       "to be contiguous and raises view's error (fuzz seed 37359)")
 def test_view_after_an_elementwise_op_on_a_transposed_input():
     def f(b, c):
         return (b | c).transpose(0, 1).view(-1)
 
     b, c = torch.randint(0, 3, (2, 2)).transpose(-1, -2), torch.randint(-4, 5, (2,))
     torch.testing.assert_close(fulmen.jit(f, executors=["torch"])(b, c), f(b, c))
+
+
+# ---- what fuzzing found, not fixed yet (tracked) ----
 
 
 @pytest.mark.xfail(strict=True, reason="advanced indexing with an index out of bounds for its dim but not for the "

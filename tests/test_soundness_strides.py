@@ -264,3 +264,29 @@ def test_module_recompiles_when_a_buffer_becomes_noncontiguous():
     for _ in range(2):
         torch.testing.assert_close(jitted(x), eager(x))
         torch.testing.assert_close(compiled.buf, eager.buf, rtol=0, atol=0)
+
+
+ELEMENTWISE_THEN_LAYOUT = {
+    # y has x.t()'s layout in eager, so y.t() is contiguous and reshape a view: the write reaches y
+    "unary_then_reshape_write": lambda x: (lambda y: (y.t().reshape(-1).mul_(2), y)[1])(torch.sin(x.t())),
+    "binary_then_view": lambda x: (x.t() * torch.ones(4, dtype=x.dtype)).t().view(-1),
+    "where_then_reshape_write": lambda x: (lambda y: (y.t().reshape(-1).zero_(), y)[1])(
+        torch.where(x.t() > 0, x.t(), 0.0)),
+    # a transposed operand broadcast against a column: eager decides the layout from both
+    "broadcast_then_view": lambda x: (x.t() + torch.ones(3, 1, dtype=x.dtype)).view(-1),
+}
+
+
+@pytest.mark.parametrize("fn", list(ELEMENTWISE_THEN_LAYOUT))
+def test_elementwise_result_has_its_inputs_layout(fn):
+    # x is contiguous: the layouts come from the transposes inside the program
+    f = ELEMENTWISE_THEN_LAYOUT[fn]
+    x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    try:
+        expected = f(x.clone())
+    except RuntimeError as e:
+        with pytest.raises(RuntimeError, match="view size is not compatible"):
+            fulmen.jit(f, executors=["torch"])(x.clone())
+        assert "view size is not compatible" in str(e)
+        return
+    torch.testing.assert_close(fulmen.jit(f, executors=["torch"])(x.clone()), expected, rtol=0, atol=0)

@@ -8,8 +8,9 @@ asks PyTorch itself, on a storage-less ``meta`` tensor with those strides, what 
 (``reshape`` / ``contiguous`` / ``flatten`` of a non-contiguous tensor), or an error (``view`` of a tensor
 whose strides do not allow it). That costs a few microseconds per view op while tracing. Inputs of the
 program have the strides of the tensors they stand for (``set_strides``; the cache keys non-contiguous
-inputs by their strides). Results of non-view ops are taken to be contiguous (eager's elementwise ops keep a
-transposed input's layout): there fulmen may allow a ``view`` eager rejects, or alias where eager copies.
+inputs by their strides). Elementwise results take their inputs' layout as eager's do (``follow_input_layout``);
+results of other non-view ops are taken to be contiguous: there fulmen may allow a ``view`` eager rejects, or
+alias where eager copies.
 
 Copies (``clone``, ``cat``, ``flip``, ``roll``, ``repeat`` ...) never return their input proxy: a value the
 caller may later update in place must not be the input itself. Padding, flipping, rolling, repeating and
@@ -107,6 +108,24 @@ def _on_meta(fn, args, kwargs):
     with torch._C.DisableTorchFunction():
         margs = [_to_meta(a) for a in args]
         return fn(*margs, **{k: _to_meta(v) for k, v in kwargs.items()}), margs[0]
+
+
+def follow_input_layout(bsym: BoundSymbol) -> None:
+    """After an elementwise op is recorded: eager lays its result out as its tensor inputs are (a transposed
+    input gives a transposed result), which decides what a later ``view``/``reshape`` of it does. When some input
+    is not contiguous, the result gets the strides the op gives on meta tensors laid out as the inputs."""
+    out = bsym.output
+    if not isinstance(out, TensorProxy) or out._view_of is not None or any(type(n) is not int for n in out.shape):
+        return
+    tensors = [a for a in (*bsym.args, *bsym.kwargs.values()) if isinstance(a, TensorProxy)]
+    if any(a is out for a in tensors) or all(layout_of(a) is None for a in tensors):
+        return
+    try:
+        mout, _ = _on_meta(bsym.sym.torch_fns[0], bsym.args, bsym.kwargs)
+    except Exception:  # an argument meta tensors cannot take: the result stays taken to be contiguous
+        return
+    if isinstance(mout, torch.Tensor) and tuple(mout.shape) == tuple(out.shape):
+        _set_strides(out, mout.stride())
 
 
 def _view_hook(bsym: BoundSymbol, unview=None) -> None:
