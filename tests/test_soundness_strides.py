@@ -272,6 +272,9 @@ ELEMENTWISE_THEN_LAYOUT = {
     "binary_then_view": lambda x: (x.t() * torch.ones(4, dtype=x.dtype)).t().view(-1),
     "where_then_reshape_write": lambda x: (lambda y: (y.t().reshape(-1).zero_(), y)[1])(
         torch.where(x.t() > 0, x.t(), 0.0)),
+    # the second, equal call is a copy of the first (fulmen.frontend.replay): its result keeps the layout too
+    "repeated_then_reshape_write": lambda x: (lambda y, z: (z.t().reshape(-1).mul_(2), y + z)[1])(
+        torch.nn.functional.gelu(x.t()), torch.nn.functional.gelu(x.t())),
     # a transposed operand broadcast against a column: eager decides the layout from both
     "broadcast_then_view": lambda x: (x.t() + torch.ones(3, 1, dtype=x.dtype)).view(-1),
 }

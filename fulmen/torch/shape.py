@@ -128,6 +128,9 @@ def follow_input_layout(bsym: BoundSymbol) -> None:
         _set_strides(out, mout.stride())
 
 
+follow_input_layout.layout_only = True  # a copy of a recorded call may stand in for it (fulmen.frontend.replay)
+
+
 def _view_hook(bsym: BoundSymbol, unview=None) -> None:
     """After a view op is recorded: link its outputs to the input when eager would alias them, keep strides."""
     base = bsym.args[0] if bsym.args else None
