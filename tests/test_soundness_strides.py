@@ -293,3 +293,14 @@ def test_elementwise_result_has_its_inputs_layout(fn):
         assert "view size is not compatible" in str(e)
         return
     torch.testing.assert_close(fulmen.jit(f, executors=["torch"])(x.clone()), expected, rtol=0, atol=0)
+
+
+def test_recompile_reason_says_a_noncontiguous_input_keeps_exact_sizes():
+    def f(a):
+        return a * 2
+
+    jitted = fulmen.jit(f, executors=["torch"])
+    base = torch.randn(4, 8)
+    jitted(base[:, :3])
+    jitted(base[:, :5])
+    assert fulmen.compile_stats(jitted).last_recompile_reason.endswith("kept exact (a non-contiguous tensor)")

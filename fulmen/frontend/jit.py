@@ -369,8 +369,10 @@ class JittedFunction:
         if history.failed:
             return {}, []
         names = history.names
-        texts = [describe_change(n, self._n_state(), names) + ": marked dynamic" for n in notes]
-        return symbolic_dims(history.changed, sizes, strided_inputs(key)), texts
+        exact = strided_inputs(key)
+        texts = [describe_change(n, self._n_state(), names)
+                 + (": kept exact (a non-contiguous tensor)" if n[0] in exact else ": marked dynamic") for n in notes]
+        return symbolic_dims(history.changed, sizes, exact), texts
 
     def _compile(self, key, args, kwargs, flat: list[torch.Tensor] | None = None,
                  guard_failure: str | None = None, reason: str | None = None) -> CacheEntry:
