@@ -317,12 +317,6 @@ def test_fused_program_with_inputs_requiring_grad_and_no_differentiable_output()
         assert torch.equal(g, e) and not g.requires_grad
 
 
-# ---- what fuzzing found, not fixed yet (tracked) ----
-
-
-@pytest.mark.xfail(strict=True, reason="x.contiguous() (and reshape) of a non-contiguous input copies in eager but is "
-                                       "traced as a view: an in-place write to it is written back into the input "
-                                       "(proxies carry no strides)")
 def test_contiguous_of_a_noncontiguous_input_is_a_copy():
     def f(a):
         return a.contiguous().zero_()
@@ -334,9 +328,6 @@ def test_contiguous_of_a_noncontiguous_input_is_a_copy():
     torch.testing.assert_close(a, a2)
 
 
-@pytest.mark.xfail(strict=True, reason="reshape of a non-contiguous leaf that requires grad copies in eager, so an "
-                                       "in-place write to the copy is allowed; fulmen treats it as a view of the leaf "
-                                       "and raises")
 def test_inplace_on_reshape_copy_of_a_leaf():
     def f(b):
         v1 = b.reshape((12, 1, 2))
@@ -383,9 +374,6 @@ def test_add_with_alpha_of_bool_tensors_stays_bool():
             assert torch.equal(got, expected)
 
 
-@pytest.mark.xfail(strict=True, reason="an elementwise op on a transposed input has the input's layout in eager, so a "
-                                       "transpose of the result is contiguous and view(-1) works; fulmen takes inputs "
-                                       "to be contiguous and raises view's error (fuzz seed 37359)")
 def test_view_after_an_elementwise_op_on_a_transposed_input():
     def f(b, c):
         return (b | c).transpose(0, 1).view(-1)

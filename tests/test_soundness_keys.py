@@ -402,7 +402,9 @@ def _calls():
               x.detach().requires_grad_(), torch._neg_view(x), torch.randn(2, dtype=torch.complex64).conj(),
               (x, 1), (x, 1.0), [x, 1], (x, (1, 2)), {"a": x}, {"b": x}, {"a": x, "b": 1}, Cfg(1.0), Cfg(-0.0),
               FrozenCfg(0.0), Plain(2.0), {1, 2}, frozenset({3}), bytearray(b"a"), np.array([1.0]),
-              np.array([1.0], dtype=np.float32), torch.float32, torch.device("cpu"), slice(1, 2), math.inf]
+              np.array([1.0], dtype=np.float32), torch.float32, torch.device("cpu"), slice(1, 2), math.inf,
+              # non-contiguous, keyed by strides: transposed, sliced, expanded (same shapes as the ones above)
+              torch.randn(2, 3).t(), torch.randn(3, 4)[:, ::2], torch.randn(3).expand(2, 3)]
     calls = []
     for v in values:
         calls += [((x, v), {}), ((x,), {"k": v}), ((x, v, v), {})]

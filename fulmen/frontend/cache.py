@@ -64,8 +64,11 @@ def value_key(x: Any, flat: list[torch.Tensor]) -> Any:
         dtype = x.dtype
         # a lazy view (z.conj(), z.conj().imag) flips values with a bit that compiled code would ignore
         if x.is_neg() or (dtype.is_complex and x.is_conj()):
-            return (x.shape, (dtype, "conj" if x.is_conj() else "neg"), x.device, x.requires_grad)
-        return (x.shape, dtype, x.device, x.requires_grad)
+            dtype = (dtype, "conj" if x.is_conj() else "neg")
+        if x.is_contiguous():
+            return (x.shape, dtype, x.device, x.requires_grad)
+        # traced code decides copy-or-view (contiguous(), reshape, view) from the layout: strides are keyed
+        return (x.shape, dtype, x.device, x.requires_grad, x.stride())
     if t is int or t is bool or t is str or x is None:
         return (t, x)
     if t is float:
@@ -203,12 +206,14 @@ def _warn_identity(x: Any) -> None:
 def state_key(tensors: list[torch.Tensor], flat: list[torch.Tensor]) -> tuple:
     """The key of a module's parameters and buffers (never lazy conjugate or negative views)."""
     flat += tensors
-    return tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors)
+    return tuple((t.shape, t.dtype, t.device, t.requires_grad) if t.is_contiguous()
+                 else (t.shape, t.dtype, t.device, t.requires_grad, t.stride()) for t in tensors)
 
 
 def is_tensor_key(x: Any) -> bool:
-    """Whether ``x`` is the part of a key describing one tensor (``value_key``)."""
-    return type(x) is tuple and len(x) == 4 and type(x[0]) is torch.Size
+    """Whether ``x`` is the part of a key describing one tensor (``value_key``): ``(shape, dtype, device,
+    requires_grad)`` for a contiguous tensor, with its strides as a fifth part for any other."""
+    return type(x) is tuple and (len(x) == 4 or len(x) == 5) and type(x[0]) is torch.Size
 
 
 def tensor_keys(key: Any, out: list | None = None) -> list[tuple]:

@@ -8,8 +8,9 @@ one compiled Python function of the call's tensors, and a later call whose key d
 dimensions reuses the entry when the guards hold. Sizes 0 and 1 are never made symbolic (as in torch, they
 specialize: broadcasting and squeezing depend on them).
 
-A key (``fulmen.frontend.cache``) holds each tensor as ``(torch.Size, dtype, device, requires_grad)``; the
-helpers below walk keys, so they see tensors in the order of the flat input list.
+A key (``fulmen.frontend.cache``) holds each tensor as ``(torch.Size, dtype, device, requires_grad)`` (and its
+strides when it is not contiguous); the helpers below walk keys, so they see tensors in the order of the flat input
+list.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ RAISE_ON_FAILURE = False
 def key_sizes(key: Any) -> list[torch.Size]:
     """The sizes of the tensors a key describes, in flat-input order."""
     return [k[0] for k in tensor_keys(key)]
+
+
+def strided_inputs(key: Any) -> frozenset[int]:
+    """Flat positions of the tensors keyed with their strides (non-contiguous): their sizes stay exact, as the
+    strides the trace gives them are exact."""
+    return frozenset(i for i, k in enumerate(tensor_keys(key)) if len(k) == 5)
 
 
 def erase_sizes(key: Any, dims: dict[int, frozenset] | None, counter: list | None = None) -> Any:
@@ -72,10 +79,14 @@ class SizeHistory:
         return notes
 
 
-def symbolic_dims(changed: dict[int, set], sizes: list[torch.Size]) -> dict[int, frozenset]:
-    """The dims to make symbolic for these sizes: changed ones whose size is not 0 or 1 (those specialize)."""
+def symbolic_dims(changed: dict[int, set], sizes: list[torch.Size],
+                  exact: frozenset[int] = frozenset()) -> dict[int, frozenset]:
+    """The dims to make symbolic for these sizes: changed ones whose size is not 0 or 1 (those specialize), of
+    tensors not in ``exact`` (non-contiguous ones: ``strided_inputs``)."""
     out = {}
     for i, ds in changed.items():
+        if i in exact:
+            continue
         keep = frozenset(d for d in ds if sizes[i][d] > 1)
         if keep:
             out[i] = keep

@@ -30,7 +30,15 @@ from fulmen.frontend.cache import (
     written_inputs,
 )
 from fulmen.frontend.compile import CompiledProgram, compile_inference
-from fulmen.frontend.dynamic import SizeHistory, SymbolicSizes, describe_change, erase_sizes, key_sizes, symbolic_dims
+from fulmen.frontend.dynamic import (
+    SizeHistory,
+    SymbolicSizes,
+    describe_change,
+    erase_sizes,
+    key_sizes,
+    strided_inputs,
+    symbolic_dims,
+)
 from fulmen.frontend.global_guard import GlobalGuard
 from fulmen.frontend.module_writes import assigning
 from fulmen.frontend.prologue import Prologue, build_prologue
@@ -361,8 +369,10 @@ class JittedFunction:
         if history.failed:
             return {}, []
         names = history.names
-        texts = [describe_change(n, self._n_state(), names) + ": marked dynamic" for n in notes]
-        return symbolic_dims(history.changed, sizes), texts
+        exact = strided_inputs(key)
+        texts = [describe_change(n, self._n_state(), names)
+                 + (": kept exact (a non-contiguous tensor)" if n[0] in exact else ": marked dynamic") for n in notes]
+        return symbolic_dims(history.changed, sizes, exact), texts
 
     def _compile(self, key, args, kwargs, flat: list[torch.Tensor] | None = None,
                  guard_failure: str | None = None, reason: str | None = None) -> CacheEntry:

@@ -160,7 +160,7 @@ class _Writer:
 
     def tensor(self, key: tuple, expr: str, label: str, bits: bool = True) -> None:
         """``bits=False``: the lazy conjugate and negative bits are not part of the key (a module's parameters)."""
-        shape, dtype, device, requires_grad = key
+        shape, dtype, device, requires_grad, *strides = key
         lazy = None
         if type(dtype) is tuple:
             dtype, lazy = dtype
@@ -177,7 +177,8 @@ class _Writer:
         dtype_name = self.const(dtype, str(dtype).removeprefix("torch."))
         device_name = self.const(device, f"{device.type}{device.index if device.index is not None else ''}")
         terms = [f"isinstance({expr}, Tensor)", shape_test, f"{expr}.dtype is {dtype_name}",
-                 f"{expr}.device == {device_name}", f"{expr}.requires_grad is {requires_grad}"]
+                 f"{expr}.device == {device_name}", f"{expr}.requires_grad is {requires_grad}",
+                 f"{expr}.stride() == {tuple(strides[0])!r}" if strides else f"{expr}.is_contiguous()"]
         if lazy == "conj":
             terms.append(f"{expr}.is_conj()")
         elif lazy == "neg":
@@ -185,7 +186,8 @@ class _Writer:
         elif bits:
             terms += [f"not {expr}.is_neg()"] + ([f"not {expr}.is_conj()"] if dtype.is_complex else [])
         grad = ", requires_grad" if requires_grad else ""
-        self.check(" and ".join(terms), f"{label}: {device} {str(dtype).removeprefix('torch.')}[{shown}]{grad}"
+        layout = f", strides {tuple(strides[0])}" if strides else ", contiguous"
+        self.check(" and ".join(terms), f"{label}: {device} {str(dtype).removeprefix('torch.')}[{shown}]{grad}{layout}"
                    + (f", a lazy {'conjugate' if lazy == 'conj' else 'negative'} view" if lazy else ""))
 
     def call(self, args_key: tuple, arg_names: list[str]) -> None:

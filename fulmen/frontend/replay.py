@@ -17,9 +17,11 @@ running:
   list of those; the key holds each tensor's sizes, dtype, device, requires_grad, strides and lazy bits, and
   which arguments are the same tensor;
 - the call captured no tensor and updated nothing in place (checked as it returns);
-- nothing in its decomposition has a post hook (view ops: aliasing and strides), draws random numbers, has a side
-  effect or is an opaque torch op, and every proxy it reads is an argument or a value it made (checked when a
-  second call with the same key comes: most calls come once, and never pay for it).
+- nothing in its decomposition has a post hook (view ops: aliasing and strides) other than the elementwise ops'
+  (``layout_only``: a copy gives each value it makes the strides the recorded one had, which the arguments'
+  strides in the key decide), draws random numbers, has a side effect or is an opaque torch op, and every proxy
+  it reads is an argument or a value it made (checked when a second call with the same key comes: most calls
+  come once, and never pay for it).
 
 Switches a decomposition might read besides its arguments (``torch.backends`` flags) are taken not to change
 between two calls of one trace. ``fulmen.frontend.tracing.REPLAY = False`` runs every call.
@@ -35,7 +37,7 @@ from fulmen.core.codeutils import outputs_of
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 from fulmen.core.trace import Trace
-from fulmen.torch.shape import layout_of
+from fulmen.torch.shape import layout_of, set_strides
 
 _NEVER_COPIED = frozenset((OpTags.SIDE_EFFECT, OpTags.FALLBACK, OpTags.IN_PLACE))
 _SCALARS = frozenset((int, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout))
@@ -83,7 +85,7 @@ class Replays:
     def lookup(self, sym: Symbol, args: tuple, kwargs: dict) -> Call | None:
         """The call of ``sym`` on these arguments, with ``bsym`` set when it is a copy of an earlier one; None when
         it can be neither copied nor remembered."""
-        if sym.post_hook is not None or sym.is_prim:
+        if (sym.post_hook is not None and not getattr(sym.post_hook, "layout_only", False)) or sym.is_prim:
             return None
         parts: list = [sym, torch.is_grad_enabled(), torch.get_default_dtype()]
         tensors: list[TensorProxy] = []
@@ -136,7 +138,8 @@ def _replayable(bsym: BoundSymbol, known: set[int], made: dict[int, tuple]) -> b
     dtype, device, requires_grad). In-place updates inside the call were ruled out when it was remembered; later
     ones (of its arguments or results) do not matter: a copy reads the new call's arguments and makes new values."""
     sym, tags = bsym.sym, bsym.sym.tags
-    if sym.post_hook is not None or not _NEVER_COPIED.isdisjoint(tags):
+    if (sym.post_hook is not None and not getattr(sym.post_hook, "layout_only", False)) \
+            or not _NEVER_COPIED.isdisjoint(tags):
         return False
     if OpTags.RANDOM_OP in tags and not bsym.subsymbols:  # a draw itself (a composite may merely be able to draw)
         return False
@@ -152,7 +155,7 @@ def _replayable(bsym: BoundSymbol, known: set[int], made: dict[int, tuple]) -> b
         if type(p) is not TensorProxy or p._view_of is not None or p._lazy_bits is not None:
             return False
         known.add(id(p))
-        made[id(p)] = (p.name.rstrip("0123456789") or "t", p.shape, p.dtype, p.device, p.requires_grad)
+        made[id(p)] = (p.name.rstrip("0123456789") or "t", p.shape, p.dtype, p.device, p.requires_grad, layout_of(p))
     return True
 
 
@@ -183,9 +186,12 @@ class _Recipe:
 
     def replay(self, tensors: list[TensorProxy], trace: Trace) -> BoundSymbol:
         slots = list(tensors)
-        for prefix, shape, dtype, device, requires_grad in self.fresh:  # named in the order running it would
-            slots.append(TensorProxy(trace.make_name(prefix), shape=shape, dtype=dtype, device=device,
-                                     requires_grad=requires_grad))
+        for prefix, shape, dtype, device, requires_grad, strides in self.fresh:  # named in the order running it would
+            p = TensorProxy(trace.make_name(prefix), shape=shape, dtype=dtype, device=device,
+                            requires_grad=requires_grad)
+            if strides is not None:
+                set_strides(p, strides)
+            slots.append(p)
         return _build(self.root, slots)
 
 

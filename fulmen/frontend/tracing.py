@@ -26,6 +26,7 @@ from fulmen.frontend.module_writes import ModuleWrites, check_no_proxies_left
 from fulmen.frontend.replay import Replays
 from fulmen.torch.fallback import opaque_symbol
 from fulmen.torch.numpy_values import numpy_data, numpy_scalar
+from fulmen.torch.shape import set_strides
 from fulmen.transforms.autocast import current_policies
 from fulmen.transforms.grad_rules import is_random_op
 
@@ -105,6 +106,8 @@ def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], sizes:
         shape = value.shape if sizes is None else sizes[len(flat)]
         p = TensorProxy(trace.add_name(name), shape=shape, dtype=value.dtype, device=value.device,
                         requires_grad=value.requires_grad)
+        if not value.is_contiguous():  # keyed with its strides (never with dynamic sizes): eager's copy-or-view
+            set_strides(p, value.stride())
         if value.requires_grad and value.is_leaf:
             p._origin = "input-leaf"
         flat.append(p)
@@ -141,6 +144,8 @@ class _Capture:
                                                    kind)
                 p = TensorProxy(self.trace.add_name("captured"), shape=x.shape, dtype=x.dtype, device=x.device,
                                 requires_grad=x.requires_grad)
+                if not x.is_contiguous():
+                    set_strides(p, x.stride())
                 self.by_id[id(x)] = p
                 self.spec.captured.append(x)
                 self.spec.tensor_proxies.append(p)

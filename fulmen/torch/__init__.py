@@ -7,6 +7,7 @@ indexing, creation, conversion, nn, nn_conv, nn_attention (multi-head attention)
 """
 
 from fulmen.core.dtypes import to_torch_dtype  # noqa: F401
+from fulmen.core.symbol import OpTags as _OpTags
 from fulmen.torch import fallback, hooks, numpy_values  # noqa: F401  (opaque ops; register_hook; NumPy operands)
 from fulmen.torch.attention import *  # noqa: F401,F403
 from fulmen.torch.conversion import *  # noqa: F401,F403
@@ -23,3 +24,10 @@ from fulmen.torch.rearrange import *  # noqa: F401,F403
 from fulmen.torch.reductions import *  # noqa: F401,F403
 from fulmen.torch.registry import symbols_by_id, torchsymbol  # noqa: F401
 from fulmen.torch.shape import *  # noqa: F401,F403
+from fulmen.torch.shape import follow_input_layout as _follow_input_layout
+
+# eager lays an elementwise op's result out as its inputs are: later views and reshapes of it depend on that
+for _sym in symbols_by_id.values():
+    if _OpTags.ELEMENTWISE in _sym.tags and _sym.post_hook is None and _sym.torch_fns:
+        _sym.post_hook = _follow_input_layout
+del _sym

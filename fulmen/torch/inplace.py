@@ -25,7 +25,7 @@ from fulmen.core.trace import get_tracectx
 from fulmen.core.utils import check
 from fulmen.torch.overlap import check_no_partial_overlap
 from fulmen.torch.registry import register_function, tensor_methods, torchsymbol
-from fulmen.torch.shape import layout_of
+from fulmen.torch.shape import layout_of, set_strides
 
 _OVERLAP_MESSAGE = ("unsupported operation: more than one element of the written-to tensor refers to a single memory "
                     "location. Please clone() the tensor before performing the operation.")
@@ -116,6 +116,10 @@ def mutate(target: TensorProxy, new_value, *, overwrites: bool = False, refuse_o
     current._latest = new
     trc.mutations += 1
     new._view_of, new._views = current._view_of, current._views
+    if current._view_of is None:  # the tensor keeps its layout (a view's is kept by its remake function)
+        strides = layout_of(current)
+        if strides is not None:
+            set_strides(new, strides)
     if current._view_of is not None:
         base, remake = current._view_of
         select, through = remake, None

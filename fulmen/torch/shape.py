@@ -7,8 +7,10 @@ strides, so fulmen keeps the strides eager would give each view here (inputs are
 asks PyTorch itself, on a storage-less ``meta`` tensor with those strides, what the op does: a view, a copy
 (``reshape`` / ``contiguous`` / ``flatten`` of a non-contiguous tensor), or an error (``view`` of a tensor
 whose strides do not allow it). That costs a few microseconds per view op while tracing. Inputs of the
-program are taken to be contiguous, and so are results of non-view ops (eager's elementwise ops keep a
-transposed input's layout): there fulmen may allow a ``view`` eager rejects, or alias where eager copies.
+program have the strides of the tensors they stand for (``set_strides``; the cache keys non-contiguous
+inputs by their strides). Elementwise results take their inputs' layout as eager's do (``follow_input_layout``);
+results of other non-view ops are taken to be contiguous: there fulmen may allow a ``view`` eager rejects, or
+alias where eager copies.
 
 Copies (``clone``, ``cat``, ``flip``, ``roll``, ``repeat`` ...) never return their input proxy: a value the
 caller may later update in place must not be the input itself. Padding, flipping, rolling, repeating and
@@ -36,7 +38,8 @@ __all__ = [
     "adjoint", "squeeze", "unsqueeze", "expand", "expand_as", "broadcast_to", "broadcast_tensors", "cat",
     "concatenate", "stack", "hstack", "vstack", "split", "split_with_sizes", "chunk", "unbind", "tensor_split",
     "flatten", "unflatten", "narrow", "select", "movedim", "diagonal", "unfold", "contiguous", "clone", "detach",
-    "as_strided", "view_as_real", "view_as_complex", "strides_of", "layout_of", "view_symbol", "sizes_arg", "fresh",
+    "as_strided", "view_as_real", "view_as_complex", "strides_of", "layout_of", "set_strides", "view_symbol",
+    "sizes_arg", "fresh",
 ]
 
 _SHAPE = (OpTags.SHAPE_OP,)
@@ -52,7 +55,7 @@ _view_strides: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def strides_of(p: TensorProxy) -> tuple[int, ...]:
-    """The strides eager PyTorch gives the tensor ``p`` stands for (inputs are taken to be contiguous)."""
+    """The strides eager PyTorch gives the tensor ``p`` stands for (inputs: those of ``set_strides``)."""
     if p._view_of is not None:
         strides = _view_strides.get(p._view_of[1])
         if strides is not None:
@@ -82,6 +85,13 @@ def _set_strides(p: TensorProxy, strides: tuple[int, ...]) -> None:
     _strides[key] = (weakref.ref(p, lambda _, key=key: _strides.pop(key, None)), tuple(strides))
 
 
+def set_strides(p: TensorProxy, strides: Sequence[int]) -> None:
+    """Record the strides of ``p``: a program input, which has those of the tensor it stands for (the cache keys
+    non-contiguous inputs by their strides), or the new value an in-place update gives a tensor, which keeps the
+    tensor's; its views and copies are then decided as eager decides them."""
+    _set_strides(p, tuple(int(s) for s in strides))
+
+
 def _to_meta(x):
     if isinstance(x, TensorProxy):
         return with_lazy_bits(torch.empty_strided(tuple(x.shape), strides_of(x), dtype=x.dtype, device="meta"), x)
@@ -98,6 +108,27 @@ def _on_meta(fn, args, kwargs):
     with torch._C.DisableTorchFunction():
         margs = [_to_meta(a) for a in args]
         return fn(*margs, **{k: _to_meta(v) for k, v in kwargs.items()}), margs[0]
+
+
+def follow_input_layout(bsym: BoundSymbol) -> None:
+    """After an elementwise op is recorded: eager lays its result out as its tensor inputs are (a transposed
+    input gives a transposed result), which decides what a later ``view``/``reshape`` of it does. When some input
+    is not contiguous, the result gets the strides the op gives on meta tensors laid out as the inputs."""
+    out = bsym.output
+    if not isinstance(out, TensorProxy) or out._view_of is not None or any(type(n) is not int for n in out.shape):
+        return
+    tensors = [a for a in (*bsym.args, *bsym.kwargs.values()) if isinstance(a, TensorProxy)]
+    if any(a is out for a in tensors) or all(layout_of(a) is None for a in tensors):
+        return
+    try:
+        mout, _ = _on_meta(bsym.sym.torch_fns[0], bsym.args, bsym.kwargs)
+    except Exception:  # an argument meta tensors cannot take: the result stays taken to be contiguous
+        return
+    if isinstance(mout, torch.Tensor) and tuple(mout.shape) == tuple(out.shape):
+        _set_strides(out, mout.stride())
+
+
+follow_input_layout.layout_only = True  # a copy of a recorded call may stand in for it (fulmen.frontend.replay)
 
 
 def _view_hook(bsym: BoundSymbol, unview=None) -> None:
