@@ -398,3 +398,21 @@ def test_out_of_bounds_advanced_index_raises_on_every_call():
     for _ in range(2):
         with pytest.raises(IndexError):
             jitted_no_grad(b)
+
+
+def test_index_assignment_into_a_view_of_an_expanded_view():
+    # fuzz seed 9433: v3[1] writes memory that v3[0] shares (the expanded dim), through two views that share
+    # elements; the write goes up to the first base that can take it element by element (here `a`)
+    def f(a):
+        v3 = a.expand(2, 2, 4, 4)[..., 1]
+        v3[1] = -1
+        v5 = v3.diagonal()
+        v5[:1] = 2
+        return v5
+
+    a = torch.randn(2, 4, 4)
+    a_eager, a_jit = a.clone(), a.clone()
+    with torch.no_grad():
+        expected, got = f(a_eager), fulmen.jit(f, executors=["torch"])(a_jit)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(a_jit, a_eager)

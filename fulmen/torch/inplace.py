@@ -179,7 +179,12 @@ def setitem(a: TensorProxy, key, value) -> None:
         check(not (isinstance(picked, TensorProxy) and picked._view_of is not None and _shares_elements(picked)),
               lambda: _OVERLAP_MESSAGE)
         base, remake = current._view_of
-        mutate(base, scatter_into(latest(base), lambda b: getitem(remake(b), key), value), refuse_overlap=False)
+        select = lambda b: getitem(remake(b), key)  # noqa: E731
+        while latest(base)._view_of is not None and _shares_elements(latest(base)):  # up to a base that can take it
+            outer, outer_remake = latest(base)._view_of
+            select = (lambda inner, view: lambda b: inner(view(b)))(select, outer_remake)
+            base = outer
+        mutate(base, scatter_into(latest(base), select, value), refuse_overlap=False)
         return
     mutate(a, scatter_into(current, lambda base: getitem(base, key), value), refuse_overlap=False)
 
