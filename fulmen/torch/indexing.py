@@ -183,6 +183,10 @@ def _symbolic_indices(s: slice, n) -> tuple:
     return bound(s.start, 0), bound(s.stop, n), 1 if s.step is None else s.step
 
 
+# a position no tensor has: where an index is outside its own dim, the merged index becomes this, and take raises
+_PAST_ANY_END = 2**62
+
+
 def _advanced(x: TensorProxy, positions: list[int], indices: list[TensorProxy]) -> TensorProxy:
     """``x`` indexed by integer tensors at ``positions`` (the other dims are kept whole)."""
     shape = clang.broadcast_shapes(*(i.shape for i in indices))
@@ -201,7 +205,7 @@ def _advanced(x: TensorProxy, positions: list[int], indices: list[TensorProxy]) 
             outside = out if outside is None else prims.bitwise_or(outside, out)
         linear = index if linear is None else _int_op(_int_op(linear, n, prims.mul), index, prims.add)
     if outside is not None:  # eager raises for it: so does take, given a position past the merged dim's end
-        linear = clang.where(outside, clang.full_like(linear, prod(sizes)), linear)
+        linear = clang.where(outside, _PAST_ANY_END, linear)
     flat_index = clang.reshape(linear, (prod(shape),))
     adjacent = positions == list(range(positions[0], positions[0] + len(positions)))
     if len(positions) == 1:
