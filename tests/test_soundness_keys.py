@@ -443,3 +443,26 @@ def test_a_call_under_another_default_device_recompiles():
         assert jf(x)[1].device.type == "meta"
     assert jf(x)[1].device.type == "cpu"
     assert fulmen.cache_misses(jf) == 2
+
+
+def test_a_module_argument_whose_parameter_or_submodule_is_replaced_recompiles():
+    # traced code reaches a passed-in module's parameters and submodules through nn.Module.__getattr__ and reads
+    # them by identity: the key holds which ones the module has now
+    def f(x, m):
+        return m(x)
+
+    jf, x = fulmen.jit(f, executors=["torch"]), torch.ones(1, 2)
+    m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    torch.testing.assert_close(jf(x, m), f(x, m))
+    m[0].weight = torch.nn.Parameter(torch.zeros(2, 2))
+    torch.testing.assert_close(jf(x, m), f(x, m))
+    with torch.no_grad():
+        m[0].bias.fill_(-5.0)  # values change in place: the same program reads them
+    torch.testing.assert_close(jf(x, m), f(x, m))
+    m[1] = torch.nn.Sigmoid()
+    torch.testing.assert_close(jf(x, m), f(x, m))
+    m[0].bias = None
+    torch.testing.assert_close(jf(x, m), f(x, m))
+    assert fulmen.cache_misses(jf) == 4
+    jf(x, m)
+    assert fulmen.cache_misses(jf) == 4

@@ -165,7 +165,13 @@ def _content(x: Any, budget: list[int], depth: int) -> Any:
         if budget[0] < 0 or x.dtype.hasobject:  # an array of Python objects: its bytes are their addresses
             raise _TooLarge
         return (t, x.dtype.str, x.shape, x.tobytes())
-    if t.__flags__ & _HEAPTYPE and not isinstance(x, (torch.nn.Module, type)):  # an instance of a user class
+    if isinstance(x, torch.nn.Module):
+        # a module passed in: by identity, and by the submodules, parameters and buffers it holds now, which traced
+        # code reaches through nn.Module.__getattr__ and reads by identity (a parameter replaced recompiles)
+        return (t, _Ref(x), tuple((name, _Ref(m)) for name, m in x.named_modules(remove_duplicate=False)),
+                tuple((name, _Ref(v)) for name, v in x.named_parameters(remove_duplicate=False)),
+                tuple((name, _Ref(v)) for name, v in x.named_buffers(remove_duplicate=False)))
+    if t.__flags__ & _HEAPTYPE and not isinstance(x, type):  # an instance of a user class
         attrs = getattr(x, "__dict__", None)
         items = [] if attrs is None else [(k, _content(v, budget, depth + 1)) for k, v in attrs.items()]
         for name in _slots(t):
