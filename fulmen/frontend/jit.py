@@ -88,7 +88,6 @@ class CompileStats:
     calls: int = 0
     last_trace_time_ms: float = 0.0
     last_prologue_traces: list[Trace] = field(default_factory=list)
-    last_recompile_reason: str | None = None
     recompile_reasons: list[str] = field(default_factory=list)  # why each compilation after the first happened
     _last_compile_time_ms: float = 0.0
     _phase_times_ms: dict[str, float] = field(default_factory=dict)
@@ -96,6 +95,10 @@ class CompileStats:
     _backward_traces: Callable[[], list[Trace]] | None = None
     _settle: Callable[[], Any] | None = None  # compiles a program whose first call ran on PyTorch autograd
     _deferred: int = 0  # programs whose first call ran on PyTorch autograd, not compiled yet
+
+    @property
+    def last_recompile_reason(self) -> str | None:
+        return self.recompile_reasons[-1] if self.recompile_reasons else None
 
     def __repr__(self) -> str:
         """A short table: counters, then the last compilation's time per phase (the traces are left out: they
@@ -386,7 +389,6 @@ class JittedFunction:
                 reason = "; ".join(notes)
             elif guard_failure:
                 reason = f"{reason} ({guard_failure})"
-            stats.last_recompile_reason = reason
             stats.recompile_reasons.append(reason)
             del stats.recompile_reasons[:-_MAX_REASONS]  # the latest ones, bounded as the cache is
             log.info("fulmen: recompiling %s: %s", getattr(self.fn, "__name__", self.fn), reason)
