@@ -52,12 +52,14 @@ def global_state_key() -> tuple:
     )
 
 
-def value_key(x: Any, flat: list[torch.Tensor]) -> Any:
+def value_key(x: Any, flat: list[torch.Tensor], seen: dict[int, int] | None = None) -> Any:
     """A hashable description of ``x``; tensors are appended to ``flat``.
 
     Two arguments get equal keys only when traced code reading them would read the same values: a float by its
-    value, sign and NaN-ness (``0.0`` and ``-0.0`` differ, NaN equals NaN), an object by a snapshot of its contents
-    (``content_key``), never by an address that a freed object's successor can reuse."""
+    value, sign and NaN-ness (``0.0`` and ``-0.0`` differ, NaN equals NaN), an instance of a user class by its
+    structure (``object_key``: its tensors are inputs like any other), another object by a snapshot of its contents
+    (``content_key``), never by an address that a freed object's successor can reuse. ``seen``: the holders
+    (``object_key``) met so far in the call, by id."""
     t = type(x)
     if t is _Tensor or t is _Parameter or isinstance(x, _Tensor):
         flat.append(x)
@@ -74,16 +76,117 @@ def value_key(x: Any, flat: list[torch.Tensor]) -> Any:
     if t is float:
         return (float, x) if x == x and x != 0.0 else _float_key(x)
     if t is tuple or t is list:
-        return (t, tuple([value_key(v, flat) for v in x]))
+        return (t, tuple([value_key(v, flat, seen) for v in x]))
     if t is dict:
-        return (dict, tuple([(k if type(k) is str else content_key(k), value_key(v, flat)) for k, v in x.items()]))
+        return (dict, tuple([(k if type(k) is str else content_key(k), value_key(v, flat, seen))
+                             for k, v in x.items()]))
     if isinstance(x, _ATOMS):
         return x
     if isinstance(x, (tuple, list)) and not isinstance(x, torch.Size):  # namedtuples and subclasses: proxify's walk
-        return (t, tuple([value_key(v, flat) for v in x]))
+        return (t, tuple([value_key(v, flat, seen) for v in x]))
     if isinstance(x, dict):
-        return (t, tuple([(k if type(k) is str else content_key(k), value_key(v, flat)) for k, v in x.items()]))
+        return (t, tuple([(k if type(k) is str else content_key(k), value_key(v, flat, seen)) for k, v in x.items()]))
+    if is_holder(x):
+        return object_key(x, flat, seen if seen is not None else {})
     return content_key(x)
+
+
+# ---- instances of user classes: their tensors are inputs (a Hugging Face cache, a dataclass of tensors) ----
+#: The first part of the key of an instance of a user class: ``(OBJECT, class, member names, member keys)``; a holder
+#: met before in the same call is ``(ALIAS, its index)``. Holders are the objects and the lists and dicts inside them,
+#: numbered in the order the walk meets them (``fulmen.frontend.objects`` swaps proxies into them in that order).
+OBJECT = "<object>"
+ALIAS = "<alias>"
+
+
+def is_holder(x: Any) -> bool:
+    """Whether ``x`` is an instance of a user class whose members are walked (its tensors become inputs): not a
+    module (keyed by identity and contents), a class, an enum, or a subclass of a builtin value type."""
+    t = type(x)
+    return bool(t.__flags__ & _HEAPTYPE) and not isinstance(x, _NOT_HOLDERS)
+
+
+def member_names(x: Any) -> tuple[str, ...]:
+    """The names of an object's members: its ``__dict__`` in order, then its slots that are set."""
+    attrs = getattr(x, "__dict__", None)
+    names = tuple(attrs) if attrs is not None else ()
+    slots = _slots(type(x))
+    if slots:
+        names += tuple(n for n in slots if _slot_value(x, n) is not _UNSET)
+    return names
+
+
+def member_values(x: Any) -> list[Any]:
+    """The values of ``member_names(x)``, in that order."""
+    attrs = getattr(x, "__dict__", None)
+    values = list(attrs.values()) if attrs is not None else []
+    slots = _slots(type(x))
+    if slots:
+        values += [v for v in (_slot_value(x, n) for n in slots) if v is not _UNSET]
+    return values
+
+
+_UNSET = object()
+
+
+def _slot_value(x: Any, name: str) -> Any:
+    try:
+        return object.__getattribute__(x, name)
+    except AttributeError:
+        return _UNSET
+
+
+def object_key(x: Any, flat: list[torch.Tensor], seen: dict[int, int]) -> Any:
+    """The key of an instance of a user class: its class, member names and each member's key, recursively (lists
+    and dicts inside by their items). Tensors inside are appended to ``flat``: they are inputs, keyed by shape, dtype
+    and device as arguments are. An object too large or too deep (``MAX_CONTENT_ITEMS``, ``MAX_CONTENT_DEPTH``) is
+    keyed by ``content_key`` (by identity) instead, its tensors read as captured ones."""
+    n, holders = len(flat), dict(seen)
+    try:
+        return _object_key(x, flat, seen, [MAX_CONTENT_ITEMS], 0)
+    except _TooLarge:
+        del flat[n:]
+        seen.clear()
+        seen.update(holders)
+        return content_key(x)
+
+
+def _object_key(x: Any, flat: list, seen: dict[int, int], budget: list[int], depth: int) -> Any:
+    budget[0] -= 1
+    if budget[0] < 0 or depth > MAX_CONTENT_DEPTH:
+        raise _TooLarge
+    index = seen.get(id(x))
+    if index is not None:
+        return (ALIAS, index)
+    seen[id(x)] = len(seen)
+    return (OBJECT, type(x), member_names(x), tuple([_member_key(v, flat, seen, budget, depth + 1)
+                                                     for v in member_values(x)]))
+
+
+def _member_key(v: Any, flat: list, seen: dict[int, int], budget: list[int], depth: int) -> Any:
+    t = type(v)
+    if t is _Tensor or t is _Parameter or isinstance(v, _Tensor):
+        return value_key(v, flat)
+    if t is int or t is bool or t is str or v is None or t is float:
+        return value_key(v, flat)
+    if isinstance(v, (list, dict)):  # mutable holders inside an object: numbered, updated in place
+        budget[0] -= len(v)
+        if budget[0] < 0 or depth > MAX_CONTENT_DEPTH:
+            raise _TooLarge
+        index = seen.get(id(v))
+        if index is not None:
+            return (ALIAS, index)
+        seen[id(v)] = len(seen)
+        if isinstance(v, list):
+            return (t, tuple([_member_key(e, flat, seen, budget, depth + 1) for e in v]))
+        return (t, tuple([(k if type(k) is str else content_key(k), _member_key(e, flat, seen, budget, depth + 1))
+                             for k, e in v.items()]))
+    if t is tuple or (isinstance(v, tuple) and hasattr(v, "_fields")):
+        budget[0] -= len(v)
+        return (t, tuple([_member_key(e, flat, seen, budget, depth + 1) for e in v]))
+    if is_holder(v):
+        return _object_key(v, flat, seen, budget, depth)
+    return _content(v, budget, depth)
 
 
 _ATOMS = (torch.dtype, torch.device, torch.memory_format, torch.layout)
@@ -186,6 +289,8 @@ def _content(x: Any, budget: list[int], depth: int) -> Any:
 
 
 _HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined by Python code
+_NOT_HOLDERS = (torch.nn.Module, type, enum.Enum, int, float, complex, str, bytes, bytearray, tuple, list, dict, set,
+                frozenset, _Tensor, Proxy)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -259,9 +364,10 @@ def resolving_lazy_views(run, positions: list[int], written: frozenset[int]):
 
 
 def args_key(args: tuple, kwargs: dict, flat: list[torch.Tensor]) -> tuple:
-    key = tuple(value_key(a, flat) for a in args)
+    seen: dict[int, int] = {}
+    key = tuple(value_key(a, flat, seen) for a in args)
     if kwargs:
-        key += (("kwargs",) + tuple((k, value_key(v, flat)) for k, v in kwargs.items()),)
+        key += (("kwargs",) + tuple((k, value_key(v, flat, seen)) for k, v in kwargs.items()),)
     return key
 
 
@@ -283,5 +389,7 @@ def aliases_written_input(flat: list[torch.Tensor], written: frozenset[int], sta
             if ptr in targets:
                 return True
             targets.add(ptr)
+    # past the tensors, the objects a program updates (``fulmen.frontend.objects``)
     return bool(targets) and any(
-        j not in written and flat[j].untyped_storage().data_ptr() in targets for j in range(start, len(flat)))
+        j not in written and isinstance(flat[j], _Tensor) and flat[j].untyped_storage().data_ptr() in targets
+        for j in range(start, len(flat)))

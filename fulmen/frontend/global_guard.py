@@ -255,7 +255,10 @@ def _holder_id(holder: Any, owner: Any) -> int:
 
 
 class _Collector:
-    def __init__(self, covered: Iterable[torch.nn.Module] = ()):
+    def __init__(self, covered: Iterable[torch.nn.Module] = (), walked: Iterable[Any] = ()):
+        # ids of the objects passed in whose whole structure the call's key and prologue check
+        # (fulmen.frontend.objects): reads through them need no check here
+        self.walked: set[int] = {id(x) for x in walked}
         self.items: list[_Item] = []
         self._keys: set = set()
         self._codes: set = set()
@@ -361,6 +364,8 @@ class _Collector:
         ``__dict__``), and follow what it reaches; stop where the value comes from code (a property, whose getter
         is followed instead, ``__getattr__``), a library module or class, or a tensor."""
         for attr in chain:
+            if id(obj) in self.walked and attr in (getattr(obj, "__dict__", None) or ()):
+                return  # an instance member: the prologue checks it (its class attributes are checked below)
             found = lookup(obj, attr, self.covered)
             if found is None:
                 return
@@ -584,13 +589,15 @@ def _generate(items: list[_Item]) -> Callable[[], bool]:
 
 
 def build_guard(recorder: ReadRecorder, captured: list[tuple[str, torch.Tensor]],
-                covered: Iterable[torch.nn.Module] = (), arguments: dict | None = None) -> GlobalGuard | None:
+                covered: Iterable[torch.nn.Module] = (), arguments: dict | None = None,
+                walked: Iterable[Any] = ()) -> GlobalGuard | None:
     """The guard for what the code recorded while tracing can read, and for the metadata of the tensors the
     program captured (``captured``: their names in the trace, and the tensors); None when there is nothing to
     check. ``covered``: the jitted module's tree, whose structure snapshot already checks its plain attributes.
     ``arguments``: the traced function's arguments by parameter name (an object passed in is keyed by identity,
-    so the attributes the code reads from it are checked here)."""
-    collector = _Collector(covered)
+    so the attributes the code reads from it are checked here). ``walked``: objects passed in whose structure the
+    prologue checks (``fulmen.frontend.objects``): what is read through them is not checked again."""
+    collector = _Collector(covered, walked)
     for name, t in captured:  # read by identity on every call, but traced for this shape, dtype and device
         collector.items.append(_Item(f"the captured tensor {name}", "tensor", t, name, _tensor_meta(t), "meta"))
     root, owner = _root_function(recorder.fn)

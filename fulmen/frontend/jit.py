@@ -435,7 +435,8 @@ class JittedFunction:
         entry.key = key
         entry.prologue = build_prologue(key, names, module=self._prologue_of_module, param_names=self._state_names(),
                                         symbolic=entry.symbolic, guard=entry.globals_guard,
-                                        captured=entry.spec.captured)
+                                        captured=entry.spec.captured,
+                                        holders=entry.spec.objects.holders if entry.spec.objects is not None else ())
         entry.check = entry.prologue.check
         entry.n_guards = len(entry.symbolic.env.guards) if entry.symbolic is not None else 0
         if entry is self._stats_entry:
@@ -525,6 +526,8 @@ class JittedFunction:
             program.run = _without_autocast(program.run, autocast_devices)
         if spec.attributes:  # the program returns (result, module attribute values): every call assigns them
             program.run = assigning(program.run, spec.attributes)
+        if spec.objects is not None:  # it returns (result, object tensors): every call updates and builds objects
+            program.run = spec.objects.wrap(program.run)
         done = time.perf_counter()
         entry = CacheEntry(program=program, spec=spec, computation_trace=trace, written=written_inputs(trace),
                            globals_guard=spec.guard)

@@ -26,7 +26,16 @@ from typing import Any
 import torch
 
 from fulmen.core.codeutils import sanitize_name
-from fulmen.frontend.cache import content_key, default_device, is_tensor_key, value_key
+from fulmen.frontend.cache import (
+    ALIAS,
+    OBJECT,
+    content_key,
+    default_device,
+    is_tensor_key,
+    member_names,
+    member_values,
+    value_key,
+)
 
 _LITERAL = (int, bool, type(None))
 _counter = itertools.count()
@@ -72,7 +81,9 @@ class _Writer:
     def __init__(self, dims: dict[int, frozenset]):
         self.dims = dims  # flat input -> its dynamic dims
         self.env: dict[str, Any] = {"Tensor": torch.Tensor, "math": math, "torch": torch, "_dict_keys": _dict_keys,
-                                    "_key_of": _key_of}
+                                    "_key_of": _key_of, "_member_names": member_names, "_member_values": member_values}
+        self.holders: list[str] = []  # the expressions of the holders (objects, lists and dicts inside them) in order
+        self._in_object = 0  # how many objects the walk is inside: their lists and dicts are holders too
         self.lines: list[str] = []
         self.flat: list[str] = []  # the expressions of the tensor inputs, in order
         self.names: set[str] = set(self.env) | {"args", "kwargs", "params", "version", "prologue"}
@@ -115,6 +126,15 @@ class _Writer:
         if is_tensor_key(key):
             self.tensor(key, expr, label)
             return
+        if type(key) is tuple and len(key) == 4 and key[0] == OBJECT:
+            self.object(key, expr, label)
+            return
+        if type(key) is tuple and len(key) == 2 and key[0] == ALIAS:
+            self.check(f"{expr} is {self.holders[key[1]]}", f"{label}: the object {self.holders[key[1]]} again")
+            return
+        if self._in_object and type(key) is tuple and len(key) == 2 and isinstance(key[0], type) \
+                and issubclass(key[0], (list, dict)):
+            self.holders.append(expr)
         if type(key) is tuple and len(key) == 2 and isinstance(key[0], type):
             t, inner = key
             if t in (int, bool, str, type(None)):
@@ -138,6 +158,21 @@ class _Writer:
         else:
             shown = _short(key)
         self.check(f"_key_of({expr}) == {self.const(key)}", f"{label}: {shown}")
+
+    def object(self, key: tuple, expr: str, label: str) -> None:
+        """An instance of a user class (``fulmen.frontend.cache.object_key``): its class, its member names, and
+        each member as a value of its own."""
+        _, t, names, keys = key
+        self.holders.append(expr)
+        self.check(f"type({expr}) is {self.const(t, t.__name__)} and _member_names({expr}) == {self.const(names)}",
+                   f"{label}: a {t.__name__} with members {_short(names)}")
+        if names:
+            values = [self.name(f"{label}_{n}") for n in names]
+            self.lines.append(f"{', '.join(values)}{',' if len(values) == 1 else ''} = _member_values({expr})")
+            self._in_object += 1
+            for k, name in zip(keys, values):
+                self.value(k, name, name)
+            self._in_object -= 1
 
     def sequence(self, t: type, keys: tuple, expr: str, label: str) -> None:
         self.check(f"type({expr}) is {self.const(t)} and len({expr}) == {len(keys)}",
@@ -231,12 +266,14 @@ class _Writer:
 
 
 def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, param_names: list[str] = (),
-                   symbolic=None, guard=None, captured: list[torch.Tensor] = ()) -> Prologue:
+                   symbolic=None, guard=None, captured: list[torch.Tensor] = (), holders: tuple[int, ...] = ()
+                   ) -> Prologue:
     """The prologue of the entry compiled for ``key``. A function's is ``prologue(args, kwargs)``; a module's
     (``module=True``, key ``((version, parameter keys, call key), global state)``) is
     ``prologue(version, params, args, kwargs)``, ``param_names`` naming the parameters and buffers. ``symbolic``
     (dynamic sizes) replaces the exact dynamic sizes by its guards; ``guard`` checks the globals the code read;
-    ``captured`` tensors are appended to the inputs."""
+    ``captured`` tensors are appended to the inputs, then the ``holders`` (their indices in the order the key's walk
+    met them) that the program updates or returns (``fulmen.frontend.objects``)."""
     w = _Writer(symbolic.dims if symbolic is not None else {})
     call_key, state = key
     preamble = ""
@@ -273,6 +310,7 @@ def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, para
         w.check("check_globals()", "the globals and closure variables the traced code read (above)")
     if captured:
         flat.append(f"*{w.const(list(captured), 'captured')}")
+    flat += [w.holders[i] for i in holders]
     w.lines.append(f"return [{', '.join(flat)}]")
     signature = "version, params, args, kwargs" if module else "args, kwargs"
     body = "\n".join("        " + line for line in w.lines)

@@ -22,7 +22,9 @@ from fulmen.core.proxies import Proxy, TensorProxy, call_with_out, has_proxy, is
 from fulmen.core.trace import Trace, get_tracectx, tracectx
 from fulmen.frontend import module_guard
 from fulmen.frontend.global_guard import GlobalGuard, ReadRecorder, build_guard
+from fulmen.frontend.cache import is_holder
 from fulmen.frontend.module_writes import ModuleWrites, check_no_proxies_left
+from fulmen.frontend.objects import ObjectResults, ObjectSwaps
 from fulmen.frontend.replay import Replays
 from fulmen.torch.fallback import opaque_symbol
 from fulmen.torch.numpy_values import numpy_data, numpy_scalar
@@ -40,6 +42,8 @@ class InputSpec:
     guard: GlobalGuard | None = None  # the globals and closure variables the traced code read
     # module attributes the program assigns (fulmen.frontend.module_writes): it returns (result, their values)
     attributes: tuple[tuple[torch.nn.Module, str], ...] = ()
+    # objects the program updates or returns (fulmen.frontend.objects): it returns (result, their tensors)
+    objects: ObjectResults | None = None
 
 
 def _arg_names(fn: Callable, args: tuple, kwargs: dict) -> list[str]:
@@ -96,9 +100,11 @@ def check_supported_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
             items[:0] = [(f"{what}[{k!r}]", v) for k, v in value.items()]
 
 
-def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], sizes: list | None = None) -> Any:
+def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], sizes: list | None = None,
+            objects: ObjectSwaps | None = None) -> Any:
     """Replace every tensor in ``value`` (tuples, lists, dicts) by a named TensorProxy input; ``sizes`` (by flat
-    position) overrides the tensors' shapes with symbolic ones."""
+    position) overrides the tensors' shapes with symbolic ones. ``objects`` swaps proxies into the instances of user
+    classes met (``fulmen.frontend.objects``), in the order the cache key walks them."""
     if isinstance(value, torch.Tensor):
         kind = _unsupported_kind(value)
         if kind is not None:
@@ -113,11 +119,14 @@ def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], sizes:
         flat.append(p)
         return p
     if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
-        return type(value)(proxify(trace, v, f"{name}_{i}", flat, sizes) for i, v in enumerate(value))
+        return type(value)(proxify(trace, v, f"{name}_{i}", flat, sizes, objects) for i, v in enumerate(value))
     if isinstance(value, tuple):  # namedtuple
-        return type(value)(*(proxify(trace, v, f"{name}_{f}", flat, sizes) for f, v in zip(value._fields, value)))
+        return type(value)(*(proxify(trace, v, f"{name}_{f}", flat, sizes, objects)
+                             for f, v in zip(value._fields, value)))
     if isinstance(value, dict):
-        return {k: proxify(trace, v, f"{name}_{k}", flat, sizes) for k, v in value.items()}
+        return {k: proxify(trace, v, f"{name}_{k}", flat, sizes, objects) for k, v in value.items()}
+    if objects is not None and is_holder(value):
+        return objects.enter(value, name)
     return value
 
 
@@ -336,11 +345,16 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     flat = spec.tensor_proxies
     if state is not None:
         proxy_args.append([proxify(trace, t, name, flat, sizes) for name, t in state])
-    for i, a in enumerate(args):
-        proxy_args.append(proxify(trace, a, names[i] if i < len(names) else f"t_{i}", flat, sizes))
-    proxy_kwargs = {k: proxify(trace, v, sanitize_name(k), flat, sizes) for k, v in kwargs.items()}
-    if sizes is not None and len(flat) != len(sizes):
-        raise RuntimeError(f"symbolic sizes: found {len(flat)} tensor inputs, expected {len(sizes)}")
+    swaps = ObjectSwaps(lambda t, name: proxify(trace, t, name, flat, sizes))
+    try:
+        for i, a in enumerate(args):
+            proxy_args.append(proxify(trace, a, names[i] if i < len(names) else f"t_{i}", flat, sizes, swaps))
+        proxy_kwargs = {k: proxify(trace, v, sanitize_name(k), flat, sizes, swaps) for k, v in kwargs.items()}
+        if sizes is not None and len(flat) != len(sizes):
+            raise RuntimeError(f"symbolic sizes: found {len(flat)} tensor inputs, expected {len(sizes)}")
+    except BaseException:
+        swaps.restore()  # the caller's objects as they were
+        raise
     trace.args = list(spec.tensor_proxies)
     trace.capture = _Capture(trace, spec)
     trace.autocast = _AutocastPolicies()
@@ -349,7 +363,12 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     try:
         with tracectx(trace), _UserTorchCalls(trace), _compiling(), _recording_autograd_functions(), \
                 ModuleWrites() as writes:
-            result = fn(*proxy_args, **proxy_kwargs)
+            try:
+                result = fn(*proxy_args, **proxy_kwargs)
+            except BaseException:
+                swaps.restore()  # the caller's objects as they were
+                raise
+            result, spec.objects = swaps.settle(result)
             result = trace.capture(result) if isinstance(result, torch.Tensor) else result
             attributes = writes.settle(frozenset(map(id, own)), trace.capture.by_id,
                                        recorder.codes if recorder is not None else ())
@@ -366,7 +385,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     if recorder is not None:
         names = [p.name for p in trace.args[len(trace.args) - len(spec.captured):]]
         spec.guard = build_guard(recorder, list(zip(names, spec.captured)), own,
-                                 _bound_arguments(guard_reads, args, kwargs))
+                                 _bound_arguments(guard_reads, args, kwargs), [h.obj for h in swaps.holders])
     trace.capture = None
     trace.replay = None
     trace.autocast = []
