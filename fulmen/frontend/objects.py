@@ -23,13 +23,13 @@ inputs, the call's objects the program updates or returns.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from fulmen.core.proxies import Proxy, TensorProxy
-from fulmen.frontend.cache import ALIAS, OBJECT, _slots, is_holder, is_tensor_key, member_names, member_values, value_key
+from fulmen.frontend.cache import OBJECT, _slots, is_holder, is_tensor_key, member_names, member_values, value_key
 
 #: What a returned object is replaced by in the program's output; each call puts the rebuilt object back there.
 _MARKER = 0
@@ -361,7 +361,6 @@ class ObjectResults:
     placed: list
     holders: tuple[int, ...]
     n_tensors: int
-    _positions: dict[int, int] = field(default_factory=dict)
 
     def wrap(self, run: Callable) -> Callable:
         """``run(flat)`` of the program, with the holders the prologue appended to ``flat`` taken off, the objects
@@ -395,5 +394,3 @@ class ObjectResults:
             result = _place(result, path, _build(node, tensors, holders, memo))
         return result
 
-
-__all__ = ["ObjectResults", "ObjectSwaps", "ALIAS"]

@@ -21,8 +21,8 @@ from fulmen.core.codeutils import sanitize_name
 from fulmen.core.proxies import Proxy, TensorProxy, call_with_out, has_proxy, is_library_file, latest
 from fulmen.core.trace import Trace, get_tracectx, tracectx
 from fulmen.frontend import module_guard
-from fulmen.frontend.global_guard import GlobalGuard, ReadRecorder, build_guard
 from fulmen.frontend.cache import is_holder
+from fulmen.frontend.global_guard import GlobalGuard, ReadRecorder, build_guard
 from fulmen.frontend.module_writes import ModuleWrites, check_no_proxies_left
 from fulmen.frontend.objects import ObjectResults, ObjectSwaps
 from fulmen.frontend.replay import Replays
