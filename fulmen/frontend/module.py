@@ -9,6 +9,8 @@ proxies (``module._parameters`` entries are replaced for the duration of tracing
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 import threading
 import types
@@ -298,6 +300,66 @@ class _ModuleProgram(JittedFunction):
         return entry
 
 
+class _Router:
+    """Stands in the original module's ``__dict__`` as its ``forward`` while one of its methods runs through the
+    wrapper (``fulmen.jit(model).generate(...)``): a call runs the compiled program. Inside a trace (the program
+    traces the original forward), or when forward hooks are registered (``nn.Module.__call__`` ran them already,
+    and the program would run them again), it is the original forward. Its signature is the original's (Hugging
+    Face's ``generate`` inspects it to choose the arguments it passes)."""
+
+    def __init__(self, program: _ModuleProgram):
+        self.program = program
+        self.original = program.fn
+        self.__signature__ = inspect.signature(self.original)
+        self.lock = threading.Lock()
+        self.depth = 0  # routed method calls in progress (in any thread)
+        self.saved = _MISSING  # what the module's __dict__ held as "forward" before
+
+    def __call__(self, *args, **kwargs):
+        module = self.program.module
+        if get_tracectx() is not None or _has_forward_hooks(module):
+            return self.original(*args, **kwargs)
+        return self.program(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        attrs = self.program.module.__dict__
+        with self.lock:
+            if self.depth == 0:
+                self.saved = attrs.get("forward", _MISSING)
+                attrs["forward"] = self
+            self.depth += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.depth -= 1
+                if self.depth == 0:
+                    if self.saved is _MISSING:
+                        attrs.pop("forward", None)
+                    else:
+                        attrs["forward"] = self.saved
+
+
+def _has_forward_hooks(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or _torch_module._global_forward_hooks
+                or _torch_module._global_forward_pre_hooks)
+
+
+def _routed(method: types.MethodType, program: _ModuleProgram):
+    """``method`` (bound to the original module) run with the module's forward calls routed to ``program``."""
+    router = program.__dict__.get("_router")
+    if router is None:
+        router = program._router = _Router(program)
+
+    @functools.wraps(method)
+    def run_routed(*args, **kwargs):
+        with router.installed():
+            return method(*args, **kwargs)
+
+    return run_routed
+
+
 _GLOBAL_HOOK_TABLES = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_always_called",
                        "_global_forward_hooks_with_kwargs", "_global_backward_pre_hooks", "_global_backward_hooks")
 
@@ -363,7 +425,12 @@ class JittedModule(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._fulmen_module, name)
+            value = getattr(self._fulmen_module, name)
+        if isinstance(value, types.MethodType) and value.__self__ is self._fulmen_module:
+            # a method of the model's own class (generate): its calls of self(...) and self.forward(...) run the
+            # compiled program, as they would if the method were called on this wrapper
+            return _routed(value, self._fulmen_jitted)
+        return value
 
     # Writes go where reads come from: the original module (which its forward reads). The wrapper keeps only
     # what nn.Module's own machinery put in its __dict__ (its hooks, the shared dictionaries).
