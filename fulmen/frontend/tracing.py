@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import os
 import sys
@@ -124,7 +125,13 @@ def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], sizes:
         return type(value)(*(proxify(trace, v, f"{name}_{f}", flat, sizes, objects)
                              for f, v in zip(value._fields, value)))
     if isinstance(value, dict):
-        return {k: proxify(trace, v, f"{name}_{k}", flat, sizes, objects) for k, v in value.items()}
+        items = {k: proxify(trace, v, f"{name}_{k}", flat, sizes, objects) for k, v in value.items()}
+        if type(value) is dict:
+            return items
+        copied = copy.copy(value)  # a dict subclass keeps its class (a ModelOutput: encoder_outputs[0] works)
+        for k, v in items.items():
+            copied[k] = v
+        return copied
     if objects is not None and is_holder(value):
         return objects.enter(value, name)
     return value
