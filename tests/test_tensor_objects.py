@@ -199,3 +199,71 @@ def test_an_object_reached_twice_is_swapped_once_and_updated_once():
     with pytest.raises(AttributeError):  # as eager: b's layer holds None, a's update did not fill it
         jitted(torch.ones(1, 3), first, second)
     assert first.layers[0].keys is None and not first.layers[0].initialized  # tracing failed: left as it was
+
+
+class Decoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(3, 3)
+
+    def forward(self, x, cache):
+        return self.proj(cache.layers[0].update(x)[-1:])
+
+    def decode(self, x, steps):
+        cache = KVCache(1)
+        for _ in range(steps):
+            x = self(x, cache)
+        return x, cache
+
+
+def test_a_method_reached_through_the_jitted_module_runs_its_forward_calls_compiled():
+    model = Decoder()
+    jitted = fulmen.jit(model, executors=["torch"])
+    x = torch.randn(1, 3)
+    with torch.no_grad():  # as generate(): x keeps requires_grad=False, the cache grows
+        want, want_cache = model.decode(x, 6)
+        got, got_cache = jitted.decode(x, 6)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_cache.layers[0].keys, want_cache.layers[0].keys, rtol=1e-6, atol=1e-6)
+    stats = fulmen.compile_stats(jitted)
+    assert stats.calls == 6 and stats.cache_misses == 3
+    assert "forward" not in model.__dict__  # the routing lasts as long as the method call
+
+
+def test_with_forward_hooks_a_routed_method_runs_eagerly_and_each_hook_runs_once(caplog):
+    model = Decoder()
+    calls = []
+    model.register_forward_hook(lambda mod, args, out: calls.append(1))
+    jitted = fulmen.jit(model, executors=["torch"])
+    x = torch.randn(1, 3)
+    want, _ = model.decode(x, 3)
+    got, _ = jitted.decode(x, 3)
+    torch.testing.assert_close(got, want)
+    assert len(calls) == 6  # three per decode, as eager
+    assert "forward hooks" in caplog.text
+
+
+class Table:
+    def __init__(self):
+        self.entries = {"a": torch.ones(2)}
+        self.pair = (torch.zeros(2), 1)
+
+
+def test_dicts_and_tuples_inside_an_object_are_updated_as_eager():
+    def f(x, table):
+        table.entries["a"] = table.entries["a"] + x
+        table.entries["b"] = x * 2
+        table.pair = (table.pair[0] - x, table.pair[1] + 1)
+        return table.entries["a"].sum()
+
+    jitted = fulmen.jit(f, executors=["torch"])
+    eager, jit = Table(), Table()
+    entries = jit.entries
+    for _ in range(2):
+        x = torch.randn(2)
+        torch.testing.assert_close(jitted(x, jit), f(x, eager))
+        assert jit.entries is entries and list(jit.entries) == list(eager.entries)
+        for k in eager.entries:
+            torch.testing.assert_close(jit.entries[k], eager.entries[k])
+        torch.testing.assert_close(jit.pair[0], eager.pair[0])
+        assert jit.pair[1] == eager.pair[1]

@@ -181,7 +181,7 @@ def _member_key(v: Any, flat: list, seen: dict[int, int], budget: list[int], dep
             return (t, tuple([_member_key(e, flat, seen, budget, depth + 1) for e in v]))
         return (t, tuple([(k if type(k) is str else content_key(k), _member_key(e, flat, seen, budget, depth + 1))
                              for k, e in v.items()]))
-    if t is tuple or (isinstance(v, tuple) and hasattr(v, "_fields")):
+    if isinstance(v, tuple) and t is not torch.Size:  # by its items, as value_key and the prologue read a tuple
         budget[0] -= len(v)
         return (t, tuple([_member_key(e, flat, seen, budget, depth + 1) for e in v]))
     if is_holder(v):

@@ -317,7 +317,14 @@ class _Router:
 
     def __call__(self, *args, **kwargs):
         module = self.program.module
-        if get_tracectx() is not None or _has_forward_hooks(module):
+        if get_tracectx() is not None:
+            return self.original(*args, **kwargs)
+        if _has_forward_hooks(module):
+            if not getattr(self, "_warned_hooks", False):
+                self._warned_hooks = True
+                log.warning("fulmen: %s has forward hooks: the forward calls its own methods make (generate) run "
+                            "eagerly, since the compiled program would run the hooks a second time. Call the jitted "
+                            "module itself to run compiled.", type(module).__name__)
             return self.original(*args, **kwargs)
         return self.program(*args, **kwargs)
 

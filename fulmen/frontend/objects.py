@@ -31,6 +31,7 @@ import torch
 from fulmen.core.proxies import Proxy, TensorProxy
 from fulmen.frontend.cache import OBJECT, _slots, is_holder, is_tensor_key, member_names, member_values, value_key
 
+_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined by Python code
 #: What a returned object is replaced by in the program's output; each call puts the rebuilt object back there.
 _MARKER = 0
 #: How many values a template may hold (an object graph larger than that is not rebuilt: an error).
@@ -68,8 +69,7 @@ class _Holder:
         if isinstance(obj, list):
             obj[:] = self.saved_items
         elif isinstance(obj, dict):
-            obj.clear()
-            obj.update(self.saved_items)
+            _refill(obj, self.saved_items)
         else:
             if self.saved_dict is not None:
                 attrs = obj.__dict__
@@ -95,6 +95,16 @@ def _set_slot(obj: Any, name: str, value: Any) -> None:
             object.__delattr__(obj, name)
     else:
         object.__setattr__(obj, name, value)
+
+
+def _refill(d: dict, items: list[tuple[Any, Any]]) -> None:
+    """Give ``d`` exactly ``items``, through its own ``__setitem__`` (a ``ModelOutput`` keeps its attributes in step
+    with its items; it forbids ``clear``, which only a changed set of keys needs: done as its builtin base does)."""
+    if list(d) != [k for k, _ in items]:
+        base = next(b for b in type(d).__mro__ if not b.__flags__ & _HEAPTYPE and issubclass(b, dict))
+        base.clear(d)
+    for k, v in items:
+        d[k] = v
 
 
 def _set_member(obj: Any, name: str, value: Any) -> None:
@@ -330,7 +340,7 @@ def _build(node: tuple, tensors: list, holders: dict[int, Any], memo: dict[int, 
         return obj
     obj = memo[index] = _new(cls)
     if items:
-        base = next(b for b in cls.__mro__ if b.__flags__ & (1 << 9) == 0 and issubclass(b, dict))
+        base = next(b for b in cls.__mro__ if not b.__flags__ & _HEAPTYPE and issubclass(b, dict))
         for k, n in items:
             base.__setitem__(obj, k, _build(n, tensors, holders, memo))
     for name, n in members:
@@ -387,9 +397,7 @@ class ObjectResults:
             elif kind == "list":
                 obj[:] = [_build(node, tensors, holders, memo) for _, node in changed]
             else:
-                values = [(k, _build(node, tensors, holders, memo)) for k, node in changed]
-                obj.clear()
-                obj.update(values)
+                _refill(obj, [(k, _build(node, tensors, holders, memo)) for k, node in changed])
         for path, node in self.placed:
             result = _place(result, path, _build(node, tensors, holders, memo))
         return result
