@@ -209,11 +209,12 @@ class ObjectSwaps:
             if len(final) == len(h.swapped) and all(a[0] == b[0] and a[1] is b[1] for a, b in zip(final, h.swapped)):
                 continue
             kind = "list" if isinstance(h.obj, list) else "dict" if isinstance(h.obj, dict) else "object"
-            before = {n for n, _ in h.swapped}
-            changed = [(n, builder.node(v)) for (n, v), old in zip(final, [dict(h.swapped).get(n, _UNSET)
-                                                                            for n, _ in final])
-                       if kind != "object" or v is not old]
-            removed = tuple(before - {n for n, _ in final}) if kind == "object" else ()
+            if kind == "object":  # the members rebound, added and removed
+                before = dict(h.swapped)
+                changed = [(n, builder.node(v)) for n, v in final if before.get(n, _UNSET) is not v]
+                removed = tuple(n for n in before if n not in dict(final))
+            else:  # a list or dict: refilled whole, in place
+                changed, removed = [(n, builder.node(v)) for n, v in final], ()
             effects.append((i, kind, changed, removed))
         placed: list[tuple[tuple, Any]] = []
         result = builder.extract(result, (), placed)

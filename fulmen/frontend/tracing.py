@@ -423,10 +423,10 @@ def _resolve_outputs(x):
                         "returned tensors to come from the traced computation")
     if _hides_proxies(x):
         raise TypeError(
-            f"the function returned a {type(x).__name__} object that holds traced tensors inside its attributes; "
-            "fulmen.jit can return tensors in tuples, lists, dicts and pytree-registered containers only (the "
-            "object would hold placeholders instead of tensors). Return the tensors themselves, register the class "
-            "with torch.utils._pytree, or for Hugging Face models pass use_cache=False.")
+            f"the function returned a {type(x).__name__} object that holds traced tensors inside its attributes, "
+            "which fulmen cannot rebuild on every call (it rebuilds instances of Python classes: dataclasses, "
+            "Hugging Face caches and outputs; fulmen.frontend.objects). Return the tensors themselves, or register "
+            "the class with torch.utils._pytree.")
     return x
 
 
