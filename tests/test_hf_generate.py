@@ -1,7 +1,8 @@
 """Hugging Face decoders with their KV caches through ``fulmen.jit``: a forward on a default config (which returns a
 ``DynamicCache``), ``fulmen.jit(model).generate(...)`` and ``model.forward = fulmen.jit(model.forward)``. Tokens must
-be eager's exactly (greedy, and sampling under the same seed), and the compilations bounded: the prompt, the first
-decode step, then one program with a symbolic cache length for every later token.
+be eager's exactly (greedy, and sampling under the same seed), and the compilations bounded: the prompt, then one
+program with a symbolic cache length for every decode step (its first compilation sees the program rebind the
+cache to a longer tensor: fulmen.frontend.jit's _carried_dims).
 
 Tiny random configs, float32, the torch executor. Gradients: the same tolerances as tests/test_hf_models.py
 (1e-5 relative, 1e-5 of the largest magnitude absolute), as the same kernels run in possibly another order.
@@ -21,8 +22,8 @@ import transformers  # noqa: E402
 import fulmen  # noqa: E402
 
 NEW_TOKENS = 8
-# the prompt; the first decode step (its cache is the first with tensors); one program for every longer cache
-COMPILATIONS = 3
+# the prompt; one program, with the cache length symbolic, for every decode step
+COMPILATIONS = 2
 
 
 @pytest.fixture(autouse=True)
@@ -78,15 +79,15 @@ def _generate(model, jitted, **options):
     return want, got
 
 
-def _check_generate(make, **options):
+def _check_generate(make, compilations: int = COMPILATIONS, **options):
     model = make().eval()
     jitted = fulmen.jit(model, executors=["torch"])
     want, got = _generate(model, jitted, **options)
     assert torch.equal(got, want), (got, want)
     stats = fulmen.compile_stats(jitted)
     assert stats.calls == NEW_TOKENS  # every forward of generate() ran through the wrapper's program
-    assert stats.cache_misses == COMPILATIONS, stats.recompile_reasons
-    assert "marked dynamic" in stats.recompile_reasons[-1]
+    assert stats.cache_misses == compilations, stats.recompile_reasons
+    assert "marked dynamic (state carried between calls)" in stats.recompile_reasons[0]
 
 
 def test_a_default_config_forward_returns_its_dynamic_cache_and_gradients_match():
@@ -144,4 +145,6 @@ def test_generate_sampling_gpt2_draws_eagers_tokens():
 @pytest.mark.slow
 @pytest.mark.parametrize("make", [_t5, _bart], ids=["t5", "bart"])
 def test_generate_encoder_decoder_with_an_encoder_decoder_cache(make):
-    _check_generate(make, do_sample=False)
+    # the decoder's prompt is its start token: the first decode step has a cache of length 1, which is never made
+    # symbolic (sizes 0 and 1 specialize, as in torch), so it has its own program
+    _check_generate(make, COMPILATIONS + 1, do_sample=False)

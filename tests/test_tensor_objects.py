@@ -49,15 +49,16 @@ def test_an_object_passed_in_is_updated_as_eager_and_a_growing_tensor_in_it_beco
     jitted = fulmen.jit(step, executors=["torch"])
     eager_cache, jit_cache = KVCache(2), KVCache(2)
     for _ in range(8):
-        x = torch.randn(1, 3)
+        x = torch.randn(2, 3)
         want, want_cache = step(x, eager_cache)
         got, got_cache = jitted(x, jit_cache)
         assert got_cache is jit_cache  # the object passed in, not a copy or the first call's
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         _same_cache(jit_cache, eager_cache)
-    # an empty cache, the first filled one, then one program for every longer cache
-    assert fulmen.cache_misses(jitted) == 3
-    assert "marked dynamic" in fulmen.compile_stats(jitted).last_recompile_reason
+    # an empty cache; then the program for a filled one sees it rebind the cache to a longer tensor: one program
+    # with the cache length symbolic serves every later call
+    assert fulmen.cache_misses(jitted) == 2
+    assert "marked dynamic (state carried between calls)" in fulmen.compile_stats(jitted).last_recompile_reason
 
 
 def test_an_object_created_and_returned_is_rebuilt_on_every_call():

@@ -99,6 +99,15 @@ OBJECT = "<object>"
 ALIAS = "<alias>"
 
 
+def holds_objects(key: Any) -> bool:
+    """Whether a key describes an instance of a user class (``object_key``) somewhere."""
+    if type(key) is not tuple:
+        return False
+    if len(key) == 4 and key[0] == OBJECT:
+        return True
+    return any(holds_objects(k) for k in key)
+
+
 def is_holder(x: Any) -> bool:
     """Whether ``x`` is an instance of a user class whose members are walked (its tensors become inputs): not a
     module (keyed by identity and contents), a class, an enum, or a subclass of a builtin value type."""

@@ -24,6 +24,7 @@ from fulmen.frontend.cache import (
     aliases_written_input,
     args_key,
     global_state_key,
+    holds_objects,
     lazy_view_inputs,
     resolving_lazy_views,
     tensor_keys,
@@ -377,12 +378,47 @@ class JittedFunction:
                  + (": kept exact (a non-contiguous tensor)" if n[0] in exact else ": marked dynamic") for n in notes]
         return symbolic_dims(history.changed, sizes, exact), texts
 
+    def _carried_dims(self, key, args, kwargs, sizes) -> tuple[dict[int, frozenset], list[str]]:
+        """A structure seen for the first time whose program rebinds tensors of the objects passed in to tensors of
+        other sizes (a KV cache one token longer): the next call will bring those sizes, so they are dynamic from
+        this compilation on, with the sizes of the other inputs that differ from the last compilation's (the
+        attention mask that grows with the cache). Traces once more to find out (``fulmen.frontend.objects``)."""
+        history = self._histories.get(erase_sizes(key, None))
+        last = self._stats_entry
+        if history is None or history.changed or history.failed or last is None or last.spec.objects is None \
+                or not last.spec.objects.effects:  # only after a program that stored tensors in objects passed in
+            return {}, []
+        trace, spec = self._trace(args, kwargs)
+        if spec.objects is None or not spec.objects.rebound:
+            return {}, []
+        index = {p.name: i for i, p in enumerate(trace.args)}
+        notes = []
+        for name, old, new in spec.objects.rebound:
+            i = index.get(name)
+            if i is not None and len(old) == len(new):
+                notes += [(i, d, a, b) for d, (a, b) in enumerate(zip(old, new)) if a != b]
+        if not notes:
+            return {}, []
+        before = {p.name: tuple(p.shape) for p in last.computation_trace.args}
+        for i, p in enumerate(trace.args[:len(sizes)]):
+            old = before.get(p.name)
+            if old is not None and len(old) == len(sizes[i]):
+                notes += [(i, d, a, b) for d, (a, b) in enumerate(zip(old, sizes[i])) if a != b]
+        for i, d, *_ in notes:
+            history.changed.setdefault(i, set()).add(d)
+        names = history.names = [p.name for p in trace.args]
+        texts = [describe_change(n, self._n_state(), names) + ": marked dynamic (state carried between calls)"
+                 for n in notes]
+        return symbolic_dims(history.changed, sizes, strided_inputs(key)), texts
+
     def _compile(self, key, args, kwargs, flat: list[torch.Tensor] | None = None,
                  guard_failure: str | None = None, reason: str | None = None) -> CacheEntry:
         stats = self._stats
         stats.cache_misses += 1
         sizes = key_sizes(key)
         dims, notes = self._dynamic_dims(key, sizes) if flat is not None else ({}, [])
+        if not dims and flat is not None and self.dynamic is None and self._compilations and holds_objects(key):
+            dims, notes = self._carried_dims(key, args, kwargs, sizes)
         if self._compilations:
             reason = reason or self._describe_key_change(self._last_key, key, _arg_names(self.fn, args, kwargs))
             if notes:

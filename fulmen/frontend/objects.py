@@ -204,7 +204,7 @@ class ObjectSwaps:
         objects are involved) and that description (None when none are)."""
         finals = self.restore()
         builder = _Templates({id(h.obj): i for i, h in enumerate(self.holders)})
-        effects = []
+        effects, rebound = [], []
         for i, (h, final) in enumerate(zip(self.holders, finals)):
             if len(final) == len(h.swapped) and all(a[0] == b[0] and a[1] is b[1] for a, b in zip(final, h.swapped)):
                 continue
@@ -213,6 +213,8 @@ class ObjectSwaps:
                 before = dict(h.swapped)
                 changed = [(n, builder.node(v)) for n, v in final if before.get(n, _UNSET) is not v]
                 removed = tuple(n for n in before if n not in dict(final))
+                rebound += [(before[n], v) for n, v in final
+                            if isinstance(before.get(n), TensorProxy) and isinstance(v, TensorProxy)]
             else:  # a list or dict: refilled whole, in place
                 changed, removed = [(n, builder.node(v)) for n, v in final], ()
             effects.append((i, kind, changed, removed))
@@ -221,7 +223,8 @@ class ObjectSwaps:
         if not effects and not placed:
             return result, None
         used = sorted(builder.holders_used | {i for i, *_ in effects})
-        objects = ObjectResults(effects=effects, placed=placed, holders=tuple(used), n_tensors=len(builder.tensors))
+        objects = ObjectResults(effects=effects, placed=placed, holders=tuple(used), n_tensors=len(builder.tensors),
+                                rebound=[(old.name, tuple(old.shape), tuple(new.shape)) for old, new in rebound])
         return (result, builder.tensors), objects
 
 
@@ -372,6 +375,9 @@ class ObjectResults:
     placed: list
     holders: tuple[int, ...]
     n_tensors: int
+    # (input name, its shape, the shape of the tensor the program rebinds its member to): state carried between
+    # calls, such as a KV cache growing by one token per call (fulmen.frontend.jit makes such sizes dynamic)
+    rebound: list[tuple[str, tuple, tuple]]
 
     def wrap(self, run: Callable) -> Callable:
         """``run(flat)`` of the program, with the holders the prologue appended to ``flat`` taken off, the objects
