@@ -148,6 +148,10 @@ def test_a_structure_the_prologue_did_not_see_recompiles():
     cache.layers[1].extra = 1  # a new member
     torch.testing.assert_close(jitted(x, cache), f(x, cache))
     assert fulmen.cache_misses(jitted) == 4
+    reasons = fulmen.compile_stats(jitted).recompile_reasons  # the path into the object, in words
+    assert reasons[0] == "argument 1 (cache).layers (length) changed from 2 to 3"
+    assert reasons[1] == "argument 1 (cache).layers[0].keys changed from cpu float32[2, 3] to None"
+    assert "argument 1 (cache).layers[1]" in reasons[2] and "extra" in reasons[2]
 
 
 def test_a_tensor_replaced_in_an_object_between_calls_is_read_anew():

@@ -108,6 +108,51 @@ def holds_objects(key: Any) -> bool:
     return any(holds_objects(k) for k in key)
 
 
+def key_difference(a: Any, b: Any, path: str = "") -> tuple[str, Any, Any] | None:
+    """Where two keys of one argument first differ: a path into it (``.layers[0].keys``, ``['mask']``) and the two
+    parts there; None when they are equal. For recompile reasons."""
+    if a == b:
+        return None
+    if type(a) is not tuple or type(b) is not tuple or is_tensor_key(a) or is_tensor_key(b):
+        return path, a, b
+    if len(a) == 4 and len(b) == 4 and a[0] == OBJECT and b[0] == OBJECT:
+        if a[1] is not b[1] or a[2] != b[2]:
+            return path, a[1:3], b[1:3]
+        return next(filter(None, (key_difference(x, y, f"{path}.{n}") for n, x, y in zip(a[2], a[3], b[3]))), None)
+    if len(a) == 2 and len(b) == 2 and a[0] is b[0] and isinstance(a[0], type) and type(a[1]) is tuple \
+            and type(b[1]) is tuple and issubclass(a[0], (tuple, list, dict)) and a[0] is not torch.Size:
+        if len(a[1]) != len(b[1]):
+            return f"{path} (length)", len(a[1]), len(b[1])
+        if issubclass(a[0], dict):
+            if [k for k, _ in a[1]] != [k for k, _ in b[1]]:
+                return f"{path} (keys)", [k for k, _ in a[1]], [k for k, _ in b[1]]
+            parts = ((f"{path}[{k!r}]", x, y) for (k, x), (_, y) in zip(a[1], b[1]))
+        else:
+            parts = ((f"{path}[{i}]", x, y) for i, (x, y) in enumerate(zip(a[1], b[1])))
+        return next(filter(None, (key_difference(x, y, p) for p, x, y in parts)), None)
+    return path, a, b
+
+
+def describe_key_part(k: Any) -> str:
+    """A part of a key in words: ``cpu float32[1, 6]`` for a tensor, the class and members of an object."""
+    if is_tensor_key(k):
+        dtype = k[1][0] if type(k[1]) is tuple else k[1]
+        grad = ", requires_grad" if k[3] else ""
+        return f"{k[2]} {str(dtype).removeprefix('torch.')}[{', '.join(map(str, k[0]))}]{grad}"
+    if type(k) is tuple and len(k) == 2 and isinstance(k[0], type) and k[0].__name__ in ("int", "float", "bool",
+                                                                                          "str", "NoneType"):
+        return repr(k[1])
+    if type(k) is tuple and len(k) == 2 and isinstance(k[0], type) and type(k[1]) is tuple and issubclass(
+            k[0], (tuple, list, dict)):
+        return f"a {k[0].__name__} of {len(k[1])}"
+    if type(k) is tuple and len(k) == 4 and k[0] == OBJECT:
+        return f"a {k[1].__name__}"
+    if type(k) is tuple and len(k) == 2 and isinstance(k[0], type) and type(k[1]) is tuple:  # class, member names
+        return f"a {k[0].__name__} with members {', '.join(k[1])}"
+    text = repr(k)
+    return text if len(text) < 80 else text[:77] + "..."
+
+
 def is_holder(x: Any) -> bool:
     """Whether ``x`` is an instance of a user class whose members are walked (its tensors become inputs): not a
     module (keyed by identity and contents), a class, an enum, or a subclass of a builtin value type."""

@@ -23,8 +23,10 @@ from fulmen.frontend import warm_start
 from fulmen.frontend.cache import (
     aliases_written_input,
     args_key,
+    describe_key_part,
     global_state_key,
     holds_objects,
+    key_difference,
     lazy_view_inputs,
     resolving_lazy_views,
     tensor_keys,
@@ -627,7 +629,17 @@ def _describe_key_change(old, new, names: list[str] = ()) -> str:
     for i, (a, b) in enumerate(zip(old_args, new_args)):
         if a != b:
             keywords = type(a) is tuple and a[:1] == ("kwargs",)
+            if keywords and type(b) is tuple and b[:1] == ("kwargs",) and [k for k, _ in a[1:]] == [
+                    k for k, _ in b[1:]]:
+                name, x, y = next((k, x, y) for (k, x), (_, y) in zip(a[1:], b[1:]) if x != y)
+                where, x, y = key_difference(x, y, name)
+                return f"keyword argument {where} changed from {describe_key_part(x)} to {describe_key_part(y)}"
+            if keywords and type(b) is tuple and b[:1] == ("kwargs",):
+                return f"keyword arguments changed from {[k for k, _ in a[1:]]} to {[k for k, _ in b[1:]]}"
             name = f" ({names[i]})" if i < len(names) and not keywords else ""
+            if not keywords and holds_objects((a, b)):
+                where, x, y = key_difference(a, b)
+                return f"argument {i}{name}{where} changed from {describe_key_part(x)} to {describe_key_part(y)}"
             return f"argument {i}{name} changed from {_short(a)} to {_short(b)}"
     return "a changed argument"
 
