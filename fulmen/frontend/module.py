@@ -14,6 +14,7 @@ import inspect
 import logging
 import threading
 import types
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -353,11 +354,17 @@ def _has_forward_hooks(module: nn.Module) -> bool:
                 or _torch_module._global_forward_pre_hooks)
 
 
+# program -> its router (kept outside the program, which holds no lock of its own for it)
+_routers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_routers_lock = threading.Lock()
+
+
 def _routed(method: types.MethodType, program: _ModuleProgram):
     """``method`` (bound to the original module) run with the module's forward calls routed to ``program``."""
-    router = program.__dict__.get("_router")
-    if router is None:
-        router = program._router = _Router(program)
+    with _routers_lock:
+        router = _routers.get(program)
+        if router is None:
+            router = _routers[program] = _Router(program)
 
     @functools.wraps(method)
     def run_routed(*args, **kwargs):
