@@ -128,9 +128,12 @@ def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], sizes:
         items = {k: proxify(trace, v, f"{name}_{k}", flat, sizes, objects) for k, v in value.items()}
         if type(value) is dict:
             return items
-        copied = copy.copy(value)  # a dict subclass keeps its class (a ModelOutput: encoder_outputs[0] works)
-        for k, v in items.items():
-            copied[k] = v
+        try:  # a dict subclass keeps its class (a ModelOutput: encoder_outputs[0] works)
+            copied = copy.copy(value)
+            for k, v in items.items():
+                copied[k] = v
+        except Exception:  # one that cannot be copied or written: its items in a dict, as before
+            return items
         return copied
     if objects is not None and is_holder(value):
         return objects.enter(value, name)
