@@ -148,3 +148,23 @@ def test_generate_encoder_decoder_with_an_encoder_decoder_cache(make):
     # the decoder's prompt is its start token: the first decode step has a cache of length 1, which is never made
     # symbolic (sizes 0 and 1 specialize, as in torch), so it has its own program
     _check_generate(make, COMPILATIONS + 1, do_sample=False)
+
+
+def test_a_cache_passed_back_in_is_updated_in_place_and_gradients_flow_through_both_calls():
+    model = _llama()
+    reference = copy.deepcopy(model)
+    jitted = fulmen.jit(model, executors=["torch"])
+    first, second = _prompt(batch=2), _prompt(batch=2, seq=3)
+    want_1 = reference(input_ids=first)
+    want_2 = reference(input_ids=second, past_key_values=want_1.past_key_values, labels=second)
+    got_1 = jitted(input_ids=first)
+    got_2 = jitted(input_ids=second, past_key_values=got_1.past_key_values, labels=second)
+    assert got_2.past_key_values is got_1.past_key_values  # as eager: the cache passed in, appended to
+    for g, w in zip(got_2.past_key_values.layers, want_2.past_key_values.layers):
+        assert g.keys.shape[-2] == 9
+        torch.testing.assert_close(g.keys, w.keys, rtol=1e-5, atol=1e-5)
+    (want_1.logits.sum() * 1e-3 + want_2.loss).backward()
+    (got_1.logits.sum() * 1e-3 + got_2.loss).backward()
+    torch.testing.assert_close(got_2.loss, want_2.loss, rtol=1e-5, atol=1e-5)
+    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-5 * p.grad.abs().max().item(), msg=name)
