@@ -2,6 +2,7 @@
 
     fulmen demo                                     # the README's main job: a GPT traced, compared, timed
     fulmen bench --model gpt-small --mode train --backends eager,torch.compile,fulmen
+    fulmen bench --mode generate --prompt-len 16 --new-tokens 16   # HF generate(): first token, decode tokens/s
     fulmen examine --model llama-tiny               # what fulmen made of a model
     fulmen examine mypackage.models:make_example    # make_example() -> (fn_or_module, args[, kwargs])
     fulmen fuzz --seconds 300 --seed 0 --executors torch   # random programs, fulmen vs eager (fulmen.fuzz)
