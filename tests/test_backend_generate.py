@@ -6,8 +6,6 @@ The models are tiny random-config ones from ``fulmen.bench.hf`` (nothing is down
 one program as the cache grows, which is what the compilation counts check.
 """
 
-import gc
-
 import pytest
 import torch
 
@@ -17,7 +15,7 @@ import torch._dynamo  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 from fulmen.bench.hf import hf_model  # noqa: E402
-from fulmen.frontend.dynamo import backend_stats  # noqa: E402
+from fulmen.frontend.dynamo import backend_stats, reset_backend_stats  # noqa: E402
 
 OPTIONS = {"executors": ["torch"], "compile": "sync"}
 NEW_TOKENS = 6
@@ -53,6 +51,7 @@ def _check_generate(name: str, how: str, cache: str, sample: bool, options: dict
     expected = [_generate(model, ids, kwargs, seed) for seed in (0, 1)]
 
     torch._dynamo.reset()
+    reset_backend_stats()
     counters.clear()
     if how == "forward":
         model.forward = torch.compile(model.forward, backend="fulmen", options=options)
@@ -98,6 +97,7 @@ def test_a_dynamic_dynamo_graph_compiles_once():
     """A graph Dynamo compiled for every size of a dimension is traced by fulmen with that dimension symbolic from
     its first call: no second compilation when the size changes again."""
     torch._dynamo.reset()
+    reset_backend_stats()
 
     def f(x, cache):
         return torch.cat([cache, x], dim=1).softmax(-1)
@@ -115,6 +115,7 @@ def test_backend_stats_report_a_graph_run_eagerly():
     """A graph fulmen cannot trace (a Python float passed as a 0-d tensor and read with .item()) is counted, with
     why, rather than running eagerly unseen."""
     torch._dynamo.reset()
+    reset_backend_stats()
 
     def f(x, k):
         return x.sin() * k + 1
@@ -125,6 +126,5 @@ def test_backend_stats_report_a_graph_run_eagerly():
         torch.testing.assert_close(compiled(x, k), f(x, k))
     stats = backend_stats()
     assert stats.eager_graphs == 1 and len(stats.eager_reasons) == 1
-    torch._dynamo.reset()
-    gc.collect()
-    assert backend_stats().graphs == 0  # graphs Dynamo dropped are not counted
+    reset_backend_stats()
+    assert backend_stats().graphs == 0

@@ -400,6 +400,8 @@ def test_cli_bench_generate_smoke(capsys):
         assert r["tokens_match"] is True and r["ttft_ms"] > 0 and r["first_generate_s"] > 0
         assert r["prompt_len"] == 4 and r["new_tokens"] == 3
     assert rows[1]["compilations"] == 3
+    # eager's figures come from generations interleaved with each row's own (the eager row's are its own)
+    assert rows[0]["eager_ttft_ms"] == rows[0]["ttft_ms"] and rows[1]["eager_ttft_ms"] > 0
     assert "first token ms" in captured.err and "decode tok/s" in captured.err
 
 

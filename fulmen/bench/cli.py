@@ -399,8 +399,9 @@ def cmd_bench_generate(args: argparse.Namespace) -> int:
     load = _load_average()
     print(f"\ngreedy generate(), batch {args.batch_size}, prompt {args.prompt_len} tokens, {args.new_tokens} new "
           f"tokens; medians of {args.steps} steps; first token = generate(max_new_tokens=1); decode tok/s from "
-          f"the difference with generate(max_new_tokens={args.new_tokens}); tokens: the first generate's tokens "
-          f"against eager's.\n{_environment_line(args.device)}"
+          f"the difference with generate(max_new_tokens={args.new_tokens}); x eager: the row's figure over eager's, "
+          f"eager's generations interleaved with the row's; tokens: the first generate's tokens against eager's."
+          f"\n{_environment_line(args.device)}"
           + (f"; 1-minute load average {load:.1f} on {os.cpu_count()} cores" if load is not None else "") + ".",
           file=table_stream)
     if args.json:

@@ -8,6 +8,9 @@ downloaded), generating greedily with its key/value cache. What each number mean
 - ``decode_tok_s``: tokens per second of the decode steps: ``batch * (new_tokens - 1)`` over the difference of the
   medians of ``generate(max_new_tokens=new_tokens)`` and ``generate(max_new_tokens=1)`` (``min_new_tokens`` is
   set too, so that an end-of-sequence token never stops a run early). Each timed step runs both calls.
+- ``eager_ttft_ms`` and ``eager_decode_tok_s``: eager PyTorch's figures on a second copy of the model, its
+  generations timed in turns with the backend's, so that the ``x eager`` ratios compare generations taken side by
+  side (a shared machine's speed drifts over minutes).
 - ``first_generate_s``: wall time from wrapping the model to the end of its first ``generate`` of ``new_tokens``
   tokens, compilation included (in this process: caches may be warm).
 - ``compilations``: what the backend compiled: ``torch.compile``'s graphs (Dynamo's ``unique_graphs``), the
@@ -64,7 +67,10 @@ class _Backend:
         from torch._dynamo.utils import counters
 
         if self.kind == "torch.compile":
+            from fulmen.frontend.dynamo import reset_backend_stats
+
             torch._dynamo.reset()
+            reset_backend_stats()
             counters.clear()
             model.forward = torch.compile(model.forward, **self.options)
             return model
@@ -164,6 +170,8 @@ class GenerateRow:
     steps: int
     ttft_ms: float | None = None
     decode_tok_s: float | None = None
+    eager_ttft_ms: float | None = None  # eager's figures from generations interleaved with this row's
+    eager_decode_tok_s: float | None = None
     first_generate_s: float | None = None
     compilations: int | None = None
     tokens_match: bool | None = None
@@ -205,6 +213,13 @@ def _first_difference(got: torch.Tensor, expected: torch.Tensor) -> str:
     return f"first differing token: sequence {rows[0].item()}, position {cols[0].item()}"
 
 
+def _figures(one: list[float], full: list[float], config: GenerateConfig) -> tuple[float, float | None]:
+    """Time to first token (ms) and decode tokens/s from the times of generate(1) and generate(new_tokens)."""
+    decode_s = statistics.median(full) - statistics.median(one)
+    tok_s = config.batch_size * (config.new_tokens - 1) / decode_s if decode_s > 0 else None
+    return statistics.median(one) * 1e3, tok_s
+
+
 def _measure(config: GenerateConfig, row: GenerateRow, progress: Progress) -> None:
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -214,7 +229,9 @@ def _measure(config: GenerateConfig, row: GenerateRow, progress: Progress) -> No
     progress("eager reference", None, None)
     ref_model, ids = _build(config)
     expected = _generate(ref_model, ids, config.new_tokens)
-    del ref_model
+    pair = backend.kind != "eager"  # eager's steps are timed side by side with the backend's
+    if not pair:
+        del ref_model
 
     model, ids = _build(config)
     progress("compiling" if backend.kind != "eager" else "first generate", None, None)
@@ -233,23 +250,26 @@ def _measure(config: GenerateConfig, row: GenerateRow, progress: Progress) -> No
             raise TimeoutError(f"{config.backend} still compiling after {MAX_BACKGROUND_WAIT_S:.0f} s")
         progress("compiling in background", None, None)
         _generate(holder, ids, config.new_tokens)
+    runs = [holder, ref_model] if pair else [holder]
     for i in range(config.warmup):
         progress("warming up", i, config.warmup)
-        _generate(holder, ids, 1)
-        _generate(holder, ids, config.new_tokens)
+        for run in runs:
+            _generate(run, ids, 1)
+            _generate(run, ids, config.new_tokens)
 
-    one, full = [], []
+    times = [([], []) for _ in runs]  # per run: generate(1) times, generate(new_tokens) times
     for i in range(config.steps):
         progress("timing", i, config.steps)
-        for times, n in ((one, 1), (full, config.new_tokens)):
-            _sync(device)
-            t0 = time.perf_counter()
-            _generate(holder, ids, n)
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-    row.ttft_ms = statistics.median(one) * 1e3
-    decode_s = statistics.median(full) - statistics.median(one)
-    row.decode_tok_s = config.batch_size * (config.new_tokens - 1) / decode_s if decode_s > 0 else None
+        for run, (one, full) in zip(runs, times):
+            for out, n in ((one, 1), (full, config.new_tokens)):
+                _sync(device)
+                t0 = time.perf_counter()
+                _generate(run, ids, n)
+                _sync(device)
+                out.append(time.perf_counter() - t0)
+    figures = [_figures(one, full, config) for one, full in times]
+    row.ttft_ms, row.decode_tok_s = figures[0]
+    row.eager_ttft_ms, row.eager_decode_tok_s = figures[-1]
     row.compilations, note = backend.compilations(holder)
     if note:
         row.note = f"{row.note}; {note}" if row.note else note
@@ -278,15 +298,14 @@ def _fmt(value, spec: str) -> str:
 
 
 def format_generate_table(rows: list[GenerateRow]) -> str:
-    """An aligned text table of generate rows; ``vs eager`` columns divide by the eager row of the same model."""
-    eager = {r.model: r for r in rows if r.backend == "eager" and not r.error}
+    """An aligned text table of generate rows; the ``x eager`` columns divide by eager's figures from generations
+    interleaved with the row's own (``eager_ttft_ms``, ``eager_decode_tok_s``)."""
     headers = ["model", "backend", "first token ms", "x eager", "decode tok/s", "x eager", "first generate s",
                "compiled", "tokens", "note"]
     body = []
     for r in rows:
-        e = eager.get(r.model)
-        ttft_ratio = r.ttft_ms / e.ttft_ms if e and r.ttft_ms and e.ttft_ms else None
-        decode_ratio = r.decode_tok_s / e.decode_tok_s if e and r.decode_tok_s and e.decode_tok_s else None
+        ttft_ratio = r.ttft_ms / r.eager_ttft_ms if r.ttft_ms and r.eager_ttft_ms else None
+        decode_ratio = r.decode_tok_s / r.eager_decode_tok_s if r.decode_tok_s and r.eager_decode_tok_s else None
         tokens = "-" if r.tokens_match is None else ("same" if r.tokens_match else "DIFFER")
         body.append([r.model, r.backend, _fmt(r.ttft_ms, ".2f"), _fmt(ttft_ratio, ".2f"), _fmt(r.decode_tok_s, ".1f"),
                      _fmt(decode_ratio, ".2f"), _fmt(r.first_generate_s, ".2f"), _fmt(r.compilations, "d"), tokens,

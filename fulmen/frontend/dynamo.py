@@ -22,7 +22,7 @@ log = logging.getLogger("fulmen.dynamo")
 
 @dataclass
 class BackendStats:
-    """What ``backend_stats()`` returns: the Dynamo graphs fulmen's backend was handed (and Dynamo still holds).
+    """What ``backend_stats()`` returns: the Dynamo graphs fulmen's backend was handed.
 
     ``graphs`` counts the graphs handed over; ``eager_graphs`` those that run with eager PyTorch because fulmen could
     not trace them (``eager_reasons`` says why, one line each); ``compilations`` the programs fulmen compiled for
@@ -46,8 +46,8 @@ class _GraphRecord:
         self.eager_reason: str | None = None
 
 
-# One record per graph handed to the backend, dropped with the compiled function Dynamo holds (torch._dynamo.reset()
-# drops them all): the statistics describe the graphs that can still run.
+# One record per graph handed to the backend since the last reset_backend_stats(), dropped when the compiled function
+# Dynamo held is collected.
 _records: dict[int, _GraphRecord] = {}
 _records_lock = threading.Lock()
 
@@ -64,10 +64,19 @@ def _forget(key: int) -> None:
         _records.pop(key, None)
 
 
-def backend_stats() -> BackendStats:
-    """Counters of the Dynamo graphs handed to ``backend="fulmen"`` that Dynamo still holds (see ``BackendStats``).
+def reset_backend_stats() -> None:
+    """Forget the graphs handed over so far: ``backend_stats()`` counts from here (call it with
+    ``torch._dynamo.reset()``; the graphs Dynamo drops then linger until Python's cycle collector frees them)."""
+    with _records_lock:
+        _records.clear()
 
-    >>> torch._dynamo.reset(); model.forward = torch.compile(model.forward, backend="fulmen"); model.generate(ids)
+
+def backend_stats() -> BackendStats:
+    """Counters of the Dynamo graphs handed to ``backend="fulmen"`` since ``reset_backend_stats()``, leaving out
+    those whose compiled function was freed (see ``BackendStats``).
+
+    >>> torch._dynamo.reset(); reset_backend_stats()
+    >>> model.forward = torch.compile(model.forward, backend="fulmen"); model.generate(ids)
     >>> s = backend_stats(); assert s.graphs and not s.eager_graphs
     """
     with _records_lock:
