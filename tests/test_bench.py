@@ -426,3 +426,11 @@ def test_generate_rows_report_tokens_that_differ_from_eagers(monkeypatch):
     row = generate.run_generate(generate.GenerateConfig(prompt_len=4, new_tokens=3, steps=1, warmup=0))
     assert row.error is None and row.tokens_match is False
     assert "first differing token: sequence 0, position 0" in row.note
+
+
+def test_generate_models_are_the_decoders():
+    from fulmen.bench.generate import generate_model_names
+
+    names = generate_model_names()
+    assert {"hf:llama", "hf:gpt2", "hf:qwen2"} <= set(names)
+    assert not {"hf:t5", "hf:bert", "hf:mixtral"} & set(names)

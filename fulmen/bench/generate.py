@@ -50,7 +50,7 @@ Progress = Callable[[str, "int | None", "int | None"], None]
 
 def generate_model_names() -> list[str]:
     """The decoder-only models of ``fulmen.bench.hf`` (the ones ``generate`` continues a prompt with)."""
-    return [f"hf:{name}" for name, (_, cls, _) in HF_MODELS.items() if cls.endswith("ForCausalLM")
+    return [f"hf:{name}" for name, (_, cls, _) in HF_MODELS.items() if cls.endswith(("ForCausalLM", "LMHeadModel"))
             and name not in ("qwen2_moe", "mixtral")]  # MoE routing is data-dependent: not a decode benchmark
 
 
