@@ -367,7 +367,8 @@ class JittedFunction:
                 n_state = self._n_state()
                 history.changed = {i: set(range(len(s))) for i, s in enumerate(sizes) if i >= n_state}
             elif self._marked_dims:
-                history.changed = {i: set(ds) for i, ds in self._marked_dims.items() if i < len(sizes)}
+                history.changed = {i: {d for d in ds if d < len(sizes[i])}
+                                   for i, ds in self._marked_dims.items() if i < len(sizes)}
             else:
                 return {}, []
         notes = history.update(sizes)
