@@ -341,6 +341,10 @@ def test_format_table_aligns_columns():
     (["bench", "--device", "tpu"], "--device"),
     (["bench", "--warm-cache"], "--warm-cache only applies with --isolate"),
     (["bench", "--repeat", "3"], "--repeat only applies with --isolate"),
+    (["bench", "--mode", "generate", "--model", "gpt-small"], "'gpt-small' cannot run with --mode generate"),
+    (["bench", "--mode", "inference", "--backends", "torch.compile-fulmen"], "cannot run with --mode inference"),
+    (["bench", "--mode", "generate", "--isolate"], "--isolate does not apply to --mode generate"),
+    (["bench", "--mode", "generate", "--new-tokens", "1"], "expected a 2-or-larger integer"),
     (["examine"], "exactly one"),
     (["examine", "no_colon_here"], "MODULE:FUNCTION"),
     (["frobnicate"], "invalid choice"),
@@ -377,3 +381,56 @@ def test_cli_examine_target(tmp_path, capsys):
 def test_cli_help_exits_0(capsys):
     assert cli.main(["bench", "--help"]) == 0
     assert "--isolate" in capsys.readouterr().out
+
+
+def test_cli_bench_generate_smoke(capsys):
+    """``--mode generate``: a tiny Llama generating under eager and ``backend="fulmen"``; both rows have figures, the
+    tokens are eager's, and every Dynamo graph (prompt, first decode step, decode with a dynamic cache length)
+    compiled once in fulmen."""
+    pytest.importorskip("transformers")
+    code = cli.main(["bench", "--mode", "generate", "--backends", "eager,torch.compile-fulmen-torch", "--prompt-len",
+                     "4", "--new-tokens", "3", "--batch-size", "1", "--steps", "1", "--warmup", "0", "--json", "-"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    rows = json.loads(captured.out)["rows"]
+    assert [(r["model"], r["backend"]) for r in rows] == [("hf:llama", "eager"),
+                                                          ("hf:llama", "torch.compile-fulmen-torch")]
+    for r in rows:
+        assert r["error"] is None and r["note"] is None, r
+        assert r["tokens_match"] is True and r["ttft_ms"] > 0 and r["first_generate_s"] > 0
+        assert r["prompt_len"] == 4 and r["new_tokens"] == 3
+    assert rows[1]["compilations"] == 3
+    # eager's figures come from generations interleaved with each row's own (the eager row's are its own)
+    assert rows[0]["eager_ttft_ms"] == rows[0]["ttft_ms"] and rows[1]["eager_ttft_ms"] > 0
+    assert "first token ms" in captured.err and "decode tok/s" in captured.err
+
+
+def test_generate_rows_report_tokens_that_differ_from_eagers(monkeypatch):
+    """A backend whose tokens are not eager's is reported (and the command fails), not timed as if it were right."""
+    pytest.importorskip("transformers")
+    from fulmen.bench import generate
+
+    real = generate._generate
+
+    def off_by_one(holder, ids, new_tokens):
+        out = real(holder, ids, new_tokens)
+        return out + 1 if holder is not None and getattr(holder, "_fulmen_wrong", False) else out
+
+    class Wrong(generate._Backend):
+        def wrap(self, model):
+            model._fulmen_wrong = True
+            return model
+
+    monkeypatch.setattr(generate, "_generate", off_by_one)
+    monkeypatch.setitem(generate.GENERATE_BACKENDS, "eager", Wrong("eager", "eager"))
+    row = generate.run_generate(generate.GenerateConfig(prompt_len=4, new_tokens=3, steps=1, warmup=0))
+    assert row.error is None and row.tokens_match is False
+    assert "first differing token: sequence 0, position 0" in row.note
+
+
+def test_generate_models_are_the_decoders():
+    from fulmen.bench.generate import generate_model_names
+
+    names = generate_model_names()
+    assert {"hf:llama", "hf:gpt2", "hf:qwen2"} <= set(names)
+    assert not {"hf:t5", "hf:bert", "hf:mixtral"} & set(names)

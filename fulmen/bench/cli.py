@@ -2,6 +2,7 @@
 
     fulmen demo                                     # the README's main job: a GPT traced, compared, timed
     fulmen bench --model gpt-small --mode train --backends eager,torch.compile,fulmen
+    fulmen bench --mode generate --prompt-len 16 --new-tokens 16   # HF generate(): first token, decode tokens/s
     fulmen examine --model llama-tiny               # what fulmen made of a model
     fulmen examine mypackage.models:make_example    # make_example() -> (fn_or_module, args[, kwargs])
     fulmen fuzz --seconds 300 --seed 0 --executors torch   # random programs, fulmen vs eager (fulmen.fuzz)
@@ -25,6 +26,13 @@ from typing import Any, TextIO
 
 import torch
 
+from fulmen.bench.generate import (
+    GENERATE_BACKENDS,
+    GenerateConfig,
+    format_generate_table,
+    generate_model_names,
+    run_generate,
+)
 from fulmen.bench.models import CONFIGS, build_any, model_names
 from fulmen.bench.runner import (
     BACKENDS,
@@ -40,6 +48,8 @@ from fulmen.bench.runner import (
 from fulmen.core.codeutils import outputs_of
 
 DEFAULT_BACKENDS = "eager,fulmen"
+DEFAULT_GENERATE_BACKENDS = "eager,torch.compile,fulmen,torch.compile-fulmen"
+DEFAULT_GENERATE_MODEL = "hf:llama"
 
 # ---------------------------------------------------------------------------------------------------------------
 # Progress display and the results table
@@ -184,13 +194,22 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Benchmark built-in models. Timings are medians of --steps steps after "
                                        "warm-up; first-result and compile times are wall times from wrapping the model "
                                        "(use --isolate for a fresh process per measurement).")
-    bench.add_argument("--model", type=_csv(models, "model"), default=["gpt-small", "llama-small", "mlp"],
-                       help=f"comma-separated models (default: gpt-small,llama-small,mlp; all: {','.join(models)})")
-    bench.add_argument("--mode", choices=[*MODES, "both"], default="both",
-                       help="inference (forward, no grad), train (forward, backward, optimizer step) or both")
-    bench.add_argument("--backends", type=_csv(list(BACKENDS), "backend"), default=DEFAULT_BACKENDS.split(","),
+    bench.add_argument("--model", type=_csv(models, "model"),
+                       help=f"comma-separated models (default: gpt-small,llama-small,mlp; with --mode generate: "
+                            f"{DEFAULT_GENERATE_MODEL}, or one of {','.join(generate_model_names())}; all: "
+                            f"{','.join(models)})")
+    bench.add_argument("--mode", choices=[*MODES, "both", "generate"], default="both",
+                       help="inference (forward, no grad), train (forward, backward, optimizer step), both, or "
+                            "generate (Hugging Face generate(): time to first token and decode tokens/s)")
+    bench.add_argument("--backends", type=_csv(list(dict.fromkeys([*BACKENDS, *GENERATE_BACKENDS])), "backend"),
                        help=f"comma-separated backends (default: {DEFAULT_BACKENDS}; available: "
-                            f"{','.join(BACKENDS)}); torch.compile takes tens of seconds per model on a CPU")
+                            f"{','.join(BACKENDS)}; with --mode generate: {DEFAULT_GENERATE_BACKENDS} by default, "
+                            f"available: {','.join(GENERATE_BACKENDS)}); torch.compile takes tens of seconds per "
+                            "model on a CPU")
+    bench.add_argument("--prompt-len", type=_positive, default=32,
+                       help="--mode generate: prompt tokens per sequence (default 32)")
+    bench.add_argument("--new-tokens", type=_int_at_least(2, "2-or-larger"), default=32,
+                       help="--mode generate: tokens generated per sequence (default 32)")
     bench.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw-fused",
                        help="the optimizer of a training step, the same under every backend (default adamw-fused, "
                             "PyTorch's fastest AdamW; adamw: what torch.optim.AdamW picks by itself, a for-loop "
@@ -265,6 +284,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _bench_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill ``--model`` and ``--backends`` by mode, and reject what the mode cannot run."""
+    generate = args.mode == "generate"
+    if args.model is None:
+        args.model = [DEFAULT_GENERATE_MODEL] if generate else ["gpt-small", "llama-small", "mlp"]
+    if args.backends is None:
+        args.backends = (DEFAULT_GENERATE_BACKENDS if generate else DEFAULT_BACKENDS).split(",")
+    models, backends = (generate_model_names(), GENERATE_BACKENDS) if generate else (model_names(), BACKENDS)
+    what = "--mode generate" if generate else f"--mode {args.mode}"
+    for option, given, known in (("--model", args.model, models), ("--backends", args.backends, backends)):
+        bad = [g for g in given if g not in known]
+        if bad:
+            raise _UsageError(parser, f"argument {option}: {', '.join(map(repr, bad))} cannot run with {what}; "
+                                      f"choose from {', '.join(known)}")
+    if generate and args.isolate:
+        raise _UsageError(parser, "--isolate does not apply to --mode generate (its rows run in this process)")
+
+
 def _add_device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
@@ -287,6 +324,8 @@ def _check_device(parser: argparse.ArgumentParser, device: str) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.mode == "generate":
+        return cmd_bench_generate(args)
     modes = list(MODES) if args.mode == "both" else [args.mode]
     if args.threads:
         torch.set_num_threads(args.threads)  # for the environment line; each measurement sets it too
@@ -333,6 +372,47 @@ def cmd_bench(args: argparse.Namespace) -> int:
             with open(args.json, "w") as f:
                 f.write(text + "\n")
     return 0
+
+
+def cmd_bench_generate(args: argparse.Namespace) -> int:
+    """``fulmen bench --mode generate``: one row per (model, backend), in turns as ``--backends`` lists them."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    progress = ProgressDisplay(enabled=not args.quiet)
+    busy = _busy_warning()
+    if busy:
+        print(busy, file=sys.stderr)
+    rows = []
+    for model in args.model:
+        for backend in args.backends:
+            label = f"{model} generate {backend}"
+            config = GenerateConfig(model=model, backend=backend, prompt_len=args.prompt_len,
+                                    new_tokens=args.new_tokens, batch_size=args.batch_size, steps=args.steps,
+                                    warmup=args.warmup, device=args.device, dtype=args.dtype, threads=args.threads)
+            row = run_generate(config, progress.run(label), verbose=args.verbose)
+            if not args.quiet:
+                done = row.error or f"first token {row.ttft_ms:.2f} ms, decode {row.decode_tok_s or 0:.1f} tokens/s"
+                print(f"[{label}] {'failed: ' if row.error else 'done: '}{done}", file=sys.stderr)
+            rows.append(row)
+    table_stream = sys.stderr if args.json == "-" else sys.stdout
+    print(format_generate_table(rows), file=table_stream)
+    load = _load_average()
+    print(f"\ngreedy generate(), batch {args.batch_size}, prompt {args.prompt_len} tokens, {args.new_tokens} new "
+          f"tokens; medians of {args.steps} steps; first token = generate(max_new_tokens=1); decode tok/s from "
+          f"the difference with generate(max_new_tokens={args.new_tokens}); x eager: the row's figure over eager's, "
+          f"eager's generations interleaved with the row's; tokens: the first generate's tokens against eager's."
+          f"\n{_environment_line(args.device)}"
+          + (f"; 1-minute load average {load:.1f} on {os.cpu_count()} cores" if load is not None else "") + ".",
+          file=table_stream)
+    if args.json:
+        env = {**_environment(args), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
+        text = json.dumps({"environment": env, "rows": [r.to_dict() for r in rows]}, indent=2, allow_nan=False)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    return 1 if any(r.error or r.tokens_match is False for r in rows) else 0
 
 
 def _load_average() -> float | None:
@@ -673,6 +753,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sub = parser.subcommands[args.command]
         _check_device(sub, args.device)
         if args.command == "bench":
+            _bench_defaults(sub, args)
             if args.warm_cache and not args.isolate:
                 raise _UsageError(sub, "--warm-cache only applies with --isolate")
             if args.repeat > 1 and not args.isolate:

@@ -10,11 +10,81 @@ pipeline as ``fulmen.jit`` (autodiff, executors, fusion, caching). The backend i
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 log = logging.getLogger("fulmen.dynamo")
+
+
+@dataclass
+class BackendStats:
+    """What ``backend_stats()`` returns: the Dynamo graphs fulmen's backend was handed.
+
+    ``graphs`` counts the graphs handed over; ``eager_graphs`` those that run with eager PyTorch because fulmen could
+    not trace them (``eager_reasons`` says why, one line each); ``compilations`` the programs fulmen compiled for
+    them (the sum of each graph's cache misses); ``per_graph`` the compilations of each graph in the order Dynamo
+    handed them over. A test asserts with it that graphs reached fulmen and how often they compiled, rather than
+    trusting that no silent eager fallback happened.
+    """
+
+    graphs: int = 0
+    eager_graphs: int = 0
+    compilations: int = 0
+    per_graph: list[int] = field(default_factory=list)
+    eager_reasons: list[str] = field(default_factory=list)
+
+
+class _GraphRecord:
+    __slots__ = ("eager_reason", "jitted")
+
+    def __init__(self, jitted):
+        self.jitted = jitted
+        self.eager_reason: str | None = None
+
+
+# One record per graph handed to the backend since the last reset_backend_stats(), dropped when the compiled function
+# Dynamo held is collected.
+_records: dict[int, _GraphRecord] = {}
+_records_lock = threading.Lock()
+
+
+def _remember(compiled: Callable, record: _GraphRecord) -> None:
+    key = id(record)
+    with _records_lock:
+        _records[key] = record
+    weakref.finalize(compiled, _forget, key)
+
+
+def _forget(key: int) -> None:
+    with _records_lock:
+        _records.pop(key, None)
+
+
+def reset_backend_stats() -> None:
+    """Forget the graphs handed over so far: ``backend_stats()`` counts from here (call it with
+    ``torch._dynamo.reset()``; the graphs Dynamo drops then linger until Python's cycle collector frees them)."""
+    with _records_lock:
+        _records.clear()
+
+
+def backend_stats() -> BackendStats:
+    """Counters of the Dynamo graphs handed to ``backend="fulmen"`` since ``reset_backend_stats()``, leaving out
+    those whose compiled function was freed (see ``BackendStats``).
+
+    >>> torch._dynamo.reset(); reset_backend_stats()
+    >>> model.forward = torch.compile(model.forward, backend="fulmen"); model.generate(ids)
+    >>> s = backend_stats(); assert s.graphs and not s.eager_graphs
+    """
+    with _records_lock:
+        records = list(_records.values())
+    per_graph = [r.jitted._stats.cache_misses for r in records]
+    reasons = [r.eager_reason for r in records if r.eager_reason is not None]
+    return BackendStats(graphs=len(records), eager_graphs=len(reasons), compilations=sum(per_graph),
+                        per_graph=per_graph, eager_reasons=reasons)
 
 
 def _size_sources(gm: torch.fx.GraphModule) -> dict[int, tuple[int, int]] | None:
@@ -34,6 +104,24 @@ def _size_sources(gm: torch.fx.GraphModule) -> dict[int, tuple[int, int]] | None
         if sources[i] is None:
             return None
     return sources
+
+
+def _dynamic_dims(gm: torch.fx.GraphModule, kept: list[int]) -> dict[int, frozenset]:
+    """The dims Dynamo made dynamic, as ``{index among the tensors of the inputs kept: dims}``: the placeholders'
+    example values hold symbolic sizes where Dynamo compiled the graph for every size."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    dims: dict[int, frozenset] = {}
+    flat = 0
+    for i in kept:
+        e = placeholders[i].meta.get("example_value") if i < len(placeholders) else None
+        if not isinstance(e, torch.Tensor):
+            continue
+        symbolic = frozenset(d for d, size in enumerate(e.shape)
+                             if isinstance(size, torch.SymInt) and size.node.expr.free_symbols)
+        if symbolic:
+            dims[flat] = symbolic
+        flat += 1
+    return dims
 
 
 def fulmen_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None,
@@ -68,8 +156,11 @@ def fulmen_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict
     run_graph.__name__ = "dynamo_graph"
     jitted = JittedFunction(run_graph, **{**(options or {}), **kwargs})
     jitted._guard_reads = False  # Dynamo guards the globals the user's code read; the graph's own are its constants
+    if jitted.dynamic is None:  # the dims Dynamo compiled for every size are symbolic in fulmen's first compilation
+        jitted._marked_dims = _dynamic_dims(gm, kept)
 
     select = (lambda args: [args[i] for i in kept]) if sources else (lambda args: args)
+    record = _GraphRecord(jitted)
     eager = None  # set when fulmen cannot trace the graph: Dynamo's graph then runs as it is
 
     def compiled(*args):
@@ -80,11 +171,14 @@ def fulmen_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict
             except DataDependentError as e:
                 # Dynamo passes a Python float that changes between calls as a 0-d tensor read with .item() inside
                 # the graph; fulmen has no symbolic floats. Tracing has no side effects, so eager PyTorch can run it.
+                reason = str(e).splitlines()[0]
                 log.warning("fulmen: a Dynamo graph needs a tensor's value while tracing (%s); it runs with eager "
-                            "PyTorch from now on", str(e).splitlines()[0])
+                            "PyTorch from now on", reason)
+                record.eager_reason = reason
                 eager = gm
         return eager(*args)
 
     compiled._fulmen_jitted = jitted
+    _remember(compiled, record)
     log.debug("fulmen: compiling a Dynamo graph with %d nodes", len(gm.graph.nodes))
     return compiled

@@ -369,6 +369,9 @@ class JittedFunction:
             if self.dynamic:
                 n_state = self._n_state()
                 history.changed = {i: set(range(len(s))) for i, s in enumerate(sizes) if i >= n_state}
+            elif self._marked_dims:
+                history.changed = {i: {d for d in ds if d < len(sizes[i])}
+                                   for i, ds in self._marked_dims.items() if i < len(sizes)}
             else:
                 return {}, []
         notes = history.update(sizes)
@@ -462,6 +465,9 @@ class JittedFunction:
         return entry
 
     _prologue_of_module = False
+    #: Dims symbolic from the first call (flat tensor index -> dims), as if already seen changing size: the Dynamo
+    #: backend sets them to the dims Dynamo made dynamic, so that its dynamic graph compiles once, not twice.
+    _marked_dims: dict[int, frozenset] = {}
 
     def _state_names(self) -> list[str]:
         """The names of a module's parameters and buffers, in the order of the flat inputs."""
