@@ -46,3 +46,31 @@ def test_functional_embedding_max_norm_writes_the_weight_argument():
     idx = torch.tensor([0, 3, 3, 6])
     torch.testing.assert_close(fulmen.jit(f, executors=["torch"])(idx, w), f(idx, w_eager), rtol=0, atol=0)
     torch.testing.assert_close(w, w_eager, rtol=0, atol=0)
+
+
+# ---- LSTM/GRU: forward rebuilds _flat_weights from the parameters it sees (the proxies, while tracing)
+
+
+@pytest.mark.parametrize("cls", [torch.nn.LSTM, torch.nn.GRU])
+def test_rnn_traces_silently_and_keeps_its_flat_weights_real(cls, caplog, recwarn):
+    torch.manual_seed(0)
+    eager = cls(4, 5, num_layers=2, batch_first=True, bidirectional=True)
+    mine = copy.deepcopy(eager)
+    jitted = fulmen.jit(mine, executors=["torch"])
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    x_mine = x.detach().clone().requires_grad_()
+    with caplog.at_level("WARNING", logger="fulmen"):
+        for _ in range(2):
+            expected, got = eager(x)[0], jitted(x_mine)[0]
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+            expected.square().sum().backward()
+            got.square().sum().backward()
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    assert not [str(w.message) for w in recwarn.list if "weight" in str(w.message)]
+    torch.testing.assert_close(x_mine.grad, x.grad, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(mine.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    # the module's own bookkeeping holds its parameters, as eager leaves it (not a tracing placeholder)
+    params = [getattr(mine, n) for n in mine._flat_weights_names]
+    assert all(w is p for w, p in zip(mine._flat_weights, params, strict=True))
+    assert all(r() is p for r, p in zip(mine._flat_weight_refs, params, strict=True))

@@ -351,8 +351,9 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
                 ModuleWrites() as writes:
             result = fn(*proxy_args, **proxy_kwargs)
             result = trace.capture(result) if isinstance(result, torch.Tensor) else result
+            real_state = {id(p): t for p, (_, t) in zip(proxy_args[0], state)} if state is not None else None
             attributes = writes.settle(frozenset(map(id, own)), trace.capture.by_id,
-                                       recorder.codes if recorder is not None else ())
+                                       recorder.codes if recorder is not None else (), real_state)
             check_no_proxies_left(own)
             if attributes:  # the program also returns them; every call assigns them (module_writes.assigning)
                 spec.attributes = tuple((mod, name) for mod, name, _ in attributes)
