@@ -2,12 +2,97 @@
 ops, and a custom op whose meta disagrees with its kernel. Each compares against eager PyTorch."""
 
 import copy
+import io
+import pickle
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fulmen
+
+# ---- pickling, torch.save and deepcopy of jitted code: the function and options travel, compiled programs do not
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
+
+
+def _through_torch_save(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+_COPIES = {"pickle": lambda o: pickle.loads(pickle.dumps(o)), "torch.save": _through_torch_save,
+           "deepcopy": copy.deepcopy}
+
+
+@pytest.mark.parametrize("how", sorted(_COPIES))
+@pytest.mark.parametrize("called_first", [False, True])
+def test_a_jitted_module_survives_pickling(how, called_first):
+    model = _mlp()
+    jitted = fulmen.jit(model, executors=["torch"], dynamic=False)
+    x = torch.randn(5, 4, requires_grad=True)
+    if called_first:
+        jitted(x).sum().backward()
+    loaded = _COPIES[how](jitted)
+    assert type(loaded) is type(jitted) and loaded is not jitted
+    program = loaded._fulmen_jitted
+    assert [e.name for e in program.executors] == [e.name for e in jitted._fulmen_jitted.executors]
+    assert program.dynamic is False and fulmen.compile_stats(loaded).cache_misses == 0
+    # one set of tensors: the wrapper's state is its original module's, and a copy's own
+    assert loaded.state_dict().keys() == model.state_dict().keys()
+    for (name, a), b in zip(loaded.state_dict().items(), model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+        assert a.data_ptr() != b.data_ptr()
+    assert list(loaded.parameters())[0] is list(loaded.original_module.parameters())[0]
+    model.zero_grad()
+    expected = model(x)
+    got = loaded(x)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert fulmen.compile_stats(loaded).cache_misses == 1  # compiled again for the copy
+    got.sum().backward()
+    expected.sum().backward()
+    for (name, a), b in zip(loaded.named_parameters(), model.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-6, msg=name)
+    with torch.no_grad():  # the copy's program reads the copy's parameters
+        loaded.original_module[0].weight.zero_()
+    torch.testing.assert_close(loaded(x), loaded.original_module(x), rtol=0, atol=0)
+
+
+def test_state_dict_of_a_jitted_module_saves_under_the_original_names():
+    model = _mlp()
+    jitted = fulmen.jit(model, executors=["torch"])
+    jitted(torch.randn(2, 4))
+    saved = _through_torch_save(jitted.state_dict())
+    assert list(saved) == list(model.state_dict())
+    fresh = _mlp()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.add_(1)
+    fresh.load_state_dict(saved)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(fresh(x), model(x), rtol=0, atol=0)
+
+
+def _scaled_sin(x, scale: float):
+    return torch.sin(x) * scale + x.cumsum(0)
+
+
+@pytest.mark.parametrize("how", sorted(_COPIES))
+def test_a_jitted_function_survives_pickling_after_its_first_call(how):
+    jitted = fulmen.jit(_scaled_sin, compile="off")
+    x = torch.randn(6, 3)
+    jitted(x, 2.0)
+    loaded = _COPIES[how](jitted)
+    assert loaded.fn is _scaled_sin and loaded.compile_mode == "off"
+    assert [e.name for e in loaded.executors] == [e.name for e in jitted.executors]
+    torch.testing.assert_close(loaded(x, 3.0), _scaled_sin(x, 3.0), rtol=1e-6, atol=1e-6)
+    assert fulmen.compile_stats(loaded).cache_misses == 1
+
 
 # ---- nn.Embedding(max_norm=...): rows renormalized in place before the lookup
 

@@ -45,6 +45,13 @@ class Executor:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
 
+    def __reduce_ex__(self, protocol):
+        # a registered executor is one per process: pickled by name, it is the same object after loading (code
+        # compiled with it pickles with it, fulmen.frontend.jit)
+        if _executors.get(self.name) is self:
+            return get_executor, (self.name,)
+        return super().__reduce_ex__(protocol)
+
 
 class OperatorExecutor(Executor):
     """Runs individual operations with its own implementations.

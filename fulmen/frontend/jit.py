@@ -157,6 +157,10 @@ class JittedFunction:
                  dynamic: bool | None = None, compile: str | None = None, cuda_graphs: bool = False, **options):
         if not callable(fn):
             raise TypeError(f"fulmen.jit expects a function or an nn.Module, but got {type(fn).__name__}")
+        # what pickling keeps (__reduce__): the function and the options, never compiled programs
+        self._init_args = (fn, executors)
+        self._init_options = dict(add_torch_executor=add_torch_executor, disable_torch_autograd=disable_torch_autograd,
+                                  dynamic=dynamic, compile=compile, cuda_graphs=cuda_graphs, **options)
         if options:
             raise TypeError(f"fulmen.jit got unexpected keyword argument(s) {sorted(options)}; it accepts executors=, "
                             "add_torch_executor=, disable_torch_autograd=, dynamic=, compile= and cuda_graphs=")
@@ -197,6 +201,12 @@ class JittedFunction:
         # the hit path never takes it
         self._lock = threading.RLock()
         functools.update_wrapper(self, fn, updated=())
+
+    def __reduce__(self):
+        """Pickling (``pickle``, ``torch.save``, ``copy.deepcopy``) keeps the function and the options: compiled
+        programs hold generated code, locks and kernels, which belong to this process. The copy compiles again at
+        its first call."""
+        return _rebuild, (type(self), self._init_args, self._init_options), {"_guard_reads": self._guard_reads}
 
     # ---- the call path (keep it short: it runs on every call) ----
     def __call__(self, *args, **kwargs):
@@ -553,6 +563,10 @@ class JittedFunction:
             stats._last_compile_time_ms += sum(real.timings_ms.values())
             stats._settle = None
             self._record(entry)
+
+
+def _rebuild(cls: type, args: tuple, options: dict) -> JittedFunction:
+    return cls(*args, **options)
 
 
 def _display_name(fn) -> str:

@@ -165,6 +165,7 @@ class _ModuleProgram(JittedFunction):
 
     def __init__(self, module: nn.Module, executors, **options):
         super().__init__(module.forward, executors, **options)
+        self._init_args = (module, executors)
         self.module = module
         self.state = _ModuleState(module)
 
@@ -327,6 +328,12 @@ class JittedModule(nn.Module):
         self._non_persistent_buffers_set = module._non_persistent_buffers_set
         object.__setattr__(self, "_fulmen_module", module)
         object.__setattr__(self, "_fulmen_jitted", _ModuleProgram(module, executors, **options))
+
+    def __setstate__(self, state: dict) -> None:
+        # unpickled (torch.load, copy.deepcopy): the state holds the original module and a program that compiles
+        # again (_ModuleProgram pickles as its module and options)
+        module_guard.install()
+        super().__setstate__(state)
 
     @property
     def original_module(self) -> nn.Module:
