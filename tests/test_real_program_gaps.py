@@ -10,6 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import fulmen
+from fulmen.core.proxies import TensorProxy
+from fulmen.core.symbol import Symbol
+from fulmen.executors import add_operator_executor
 
 # ---- pickling, torch.save and deepcopy of jitted code: the function and options travel, compiled programs do not
 
@@ -159,3 +162,43 @@ def test_rnn_traces_silently_and_keeps_its_flat_weights_real(cls, caplog, recwar
     params = [getattr(mine, n) for n in mine._flat_weights_names]
     assert all(w is p for w, p in zip(mine._flat_weights, params, strict=True))
     assert all(r() is p for r, p in zip(mine._flat_weight_refs, params, strict=True))
+
+
+# ---- seed 000's form: a symbol whose meta declares int64 outputs for a kernel that returns float32
+
+
+def _xent_meta(logits, labels):
+    return TensorProxy(like=labels), TensorProxy(like=labels)  # as the seed: like=target
+
+
+def _xent_impl(logits, labels):
+    lse = torch.logsumexp(logits, -1)
+    return lse - logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1), lse
+
+
+_xent = Symbol(id="gaps_xent_forward", name="gaps_xent_forward", meta=_xent_meta, is_prim=True)
+_XENT_EXECUTOR = add_operator_executor("gaps_xent", {"gaps_xent_forward": ("gaps_xent_impl", None, _xent_impl)},
+                                       add_to_default_executors=False)
+
+
+def _xent_program(logits, labels):
+    losses, lse = _xent(logits, labels)
+    return losses * 2 + lse.exp().log(), (losses > 1).sum()
+
+
+def test_a_meta_declaring_other_dtypes_than_its_kernel_warns_and_compiles_again():
+    torch.manual_seed(0)
+    logits, labels = torch.randn(6, 5), torch.randint(0, 5, (6,))
+    jitted = fulmen.jit(_xent_program, executors=[_XENT_EXECUTOR])
+    losses, lse = _xent_impl(logits, labels)
+    expected = (losses * 2 + lse.exp().log(), (losses > 1).sum())
+    with pytest.warns(UserWarning, match=r"gaps_xent_impl in executor 'gaps_xent' disagrees with its meta: "
+                                         r"output\[0\] is cpu f32\[6\], but the meta promises cpu i64\[6\]"):
+        got = jitted(logits, labels)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert got[0].dtype == torch.float32  # traced for what the kernel returns, not for int64
+    assert fulmen.cache_misses(jitted) == 2
+    text = str(fulmen.last_traces(jitted)[0])
+    assert 'gaps_xent_forward(logits, labels)' in text and '"cpu f32[6]"' in text
+    torch.testing.assert_close(jitted(logits, labels), expected, rtol=0, atol=0)  # no warning, no compilation
+    assert fulmen.cache_hits(jitted) == 1 and fulmen.cache_misses(jitted) == 2

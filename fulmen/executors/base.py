@@ -89,7 +89,8 @@ class OperatorExecutor(Executor):
         sym = Symbol(name=name, meta=meta if meta is not None else like, id=name, is_prim=meta is not None,
                      tags=tuple(tags or ()), module=module, executor=self,
                      impl=checked_implementation(fn, executor=self.name, symbol=name,
-                                                 meta=meta if meta is not None else like))
+                                                 meta=meta if meta is not None else like,
+                                                 corrects=name if meta is not None else None))
         if like is not None:
             sym.extra["like"] = like
         self.opmap[name] = sym

@@ -16,6 +16,7 @@ import torch
 from fulmen.core.proxies import has_proxy
 from fulmen.core.trace import Trace, get_tracectx
 from fulmen.core.utils import compiler_import_lock
+from fulmen.executors import MetaMismatch
 from fulmen.executors.base import Executor, resolve_executors
 from fulmen.executors.inductor_compile import COMPILE_MODES, call_leaving_a_core, compile_mode_set
 from fulmen.frontend import dynamic as dynamic_sizes
@@ -228,7 +229,25 @@ class JittedFunction:
             stats.cache_hits += 1
         if entry.written and aliases_written_input(flat, entry.written, self._n_state()):
             return self._run_eagerly(args, kwargs)
-        return call_leaving_a_core(entry.program.run, flat)  # a flag read, unless regions are compiling
+        try:
+            return call_leaving_a_core(entry.program.run, flat)  # a flag read, unless regions are compiling
+        except MetaMismatch as e:
+            return self._compile_again(entry, e, args, kwargs)
+
+    def _compile_again(self, entry: CacheEntry, error: MetaMismatch, args, kwargs):
+        """The program's first call found an implementation returning other metadata than its symbol's meta
+        declared (recorded by ``checked_implementation``, which warned): drop the program, and repeat the call
+        on one traced with the metadata returned."""
+        with self._lock:
+            for key in [k for k, e in self._cache.items() if e is entry]:
+                del self._cache[key]
+                self._compiled.pop(key, None)
+                self._variants.pop(key, None)
+            self._dynamic_entries = [e for e in self._dynamic_entries if e is not entry]
+            if self._last_entry is entry:
+                self._last_entry = None
+            self._next_reason = f"{error} (compiled again with the metadata it returned)"
+        return self(*args, **kwargs)
 
     def _find(self, key, args, kwargs, flat: list[torch.Tensor], inputs: tuple) -> tuple[CacheEntry | None, list]:
         """The entry for a call whose key is ``key`` and the flat inputs its prologue returned (``inputs``: the
@@ -394,7 +413,8 @@ class JittedFunction:
         sizes = key_sizes(key)
         dims, notes = self._dynamic_dims(key, sizes) if flat is not None else ({}, [])
         if self._compilations:
-            reason = reason or self._describe_key_change(self._last_key, key, _arg_names(self.fn, args, kwargs))
+            reason = reason or self.__dict__.pop("_next_reason", None) or self._describe_key_change(
+                self._last_key, key, _arg_names(self.fn, args, kwargs))
             if notes:
                 reason = "; ".join(notes)
             elif guard_failure:

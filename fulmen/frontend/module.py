@@ -22,6 +22,7 @@ from torch.nn.modules import module as _torch_module
 from fulmen.core.codeutils import sanitize_name
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.trace import get_tracectx
+from fulmen.executors import MetaMismatch
 from fulmen.executors.base import Executor
 from fulmen.executors.inductor_compile import call_leaving_a_core
 from fulmen.frontend import module_guard
@@ -200,7 +201,10 @@ class _ModuleProgram(JittedFunction):
             self._stats.cache_hits += 1
         if entry.written and aliases_written_input(flat, entry.written, len(state.unique_slots)):
             return self._run_eagerly(args, kwargs)
-        return call_leaving_a_core(entry.program.run, flat)  # a flag read, unless regions are compiling
+        try:
+            return call_leaving_a_core(entry.program.run, flat)  # a flag read, unless regions are compiling
+        except MetaMismatch as e:
+            return self._compile_again(entry, e, args, kwargs)
 
     def _tensors_serialized(self) -> list[torch.Tensor] | None:
         """The module's parameters and buffers, read while no thread has proxies in modules' dictionaries (this
