@@ -202,3 +202,104 @@ def test_a_meta_declaring_other_dtypes_than_its_kernel_warns_and_compiles_again(
     assert 'gaps_xent_forward(logits, labels)' in text and '"cpu f32[6]"' in text
     torch.testing.assert_close(jitted(logits, labels), expected, rtol=0, atol=0)  # no warning, no compilation
     assert fulmen.cache_hits(jitted) == 1 and fulmen.cache_misses(jitted) == 2
+
+
+# ---- higher-order ops: traced as eager runs them (the combine function, the branch, the loop body)
+
+
+def _linear_recurrence(left, right):  # h_t = a_t * h_{t-1} + b_t, as a selective scan (Mamba) writes it
+    (a1, b1), (a2, b2) = left, right
+    return a2 * a1, a2 * b1 + b2
+
+
+@pytest.mark.parametrize("n", [1, 5, 8])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_associative_scan_matches_eager_values_and_gradients(n, reverse):
+    from torch._higher_order_ops import associative_scan
+
+    def f(a, b):
+        _, h = associative_scan(_linear_recurrence, (a, b), dim=1, reverse=reverse, combine_mode="generic")
+        cumsum = associative_scan(torch.add, b, dim=-1, combine_mode="generic")
+        return h * 2, cumsum
+
+    torch.manual_seed(n)
+    a, b = torch.rand(2, n, 3, dtype=torch.float64) * 0.9, torch.randn(2, n, 3, dtype=torch.float64)
+    a_eager, b_eager = a.clone().requires_grad_(), b.clone().requires_grad_()
+    a.requires_grad_()
+    b.requires_grad_()
+    expected, got = f(a_eager, b_eager), fulmen.jit(f, executors=["torch"])(a, b)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    (expected[0].sin().sum() + expected[1].cos().sum()).backward()
+    (got[0].sin().sum() + got[1].cos().sum()).backward()
+    torch.testing.assert_close(a.grad, a_eager.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(b.grad, b_eager.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_associative_scan_refuses_what_eager_refuses():
+    from torch._higher_order_ops import associative_scan
+
+    def f(x):
+        return associative_scan(torch.add, x, dim=0)  # combine_mode="pointwise" needs CUDA tensors
+
+    x = torch.randn(4)
+    with pytest.raises(ValueError, match="pointwise"):
+        f(x)
+    with pytest.raises(ValueError, match="pointwise"):
+        fulmen.jit(f, executors=["torch"])(x)
+
+
+class _Gate(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(3, 3)
+
+    def forward(self, x):  # the predicate is a Python value: the branch reads the module's parameters
+        return torch.cond(x.shape[0] > 2, lambda x: self.proj(x).sin(), lambda x: x.cos() * 2, (x,))
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+def test_cond_with_a_python_predicate_runs_the_branch_it_picks(rows):
+    eager = _Gate()
+    mine = copy.deepcopy(eager)
+    x = torch.randn(rows, 3, requires_grad=True)
+    x_mine = x.detach().clone().requires_grad_()
+    expected, got = eager(x), fulmen.jit(mine, executors=["torch"])(x_mine)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    expected.square().sum().backward()
+    got.square().sum().backward()
+    torch.testing.assert_close(x_mine.grad, x.grad, rtol=1e-6, atol=1e-6)
+    if rows > 2:
+        torch.testing.assert_close(mine.proj.weight.grad, eager.proj.weight.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_while_loop_with_a_python_condition_unrolls():
+    from torch._higher_order_ops import while_loop
+
+    def f(x):
+        return while_loop(lambda i, x: i < 3, lambda i, x: (i + 1, x * 2 + i), (0, x))
+
+    x = torch.randn(4)
+    i, got = fulmen.jit(f, executors=["torch"])(x)
+    assert i == 3
+    torch.testing.assert_close(got, ((x * 2) * 2 + 1) * 2 + 2, rtol=0, atol=0)
+
+
+def _tensor_cond(x):
+    return torch.cond(x.sum() > 0, lambda x: x.sin(), lambda x: x.cos(), (x,))
+
+
+def _tensor_while(x):
+    from torch._higher_order_ops import while_loop
+
+    return while_loop(lambda i, x: i < 3, lambda i, x: (i + 1, x * 2), (torch.tensor(0), x))
+
+
+@pytest.mark.parametrize("fn", [_tensor_cond, _tensor_while], ids=["cond", "while_loop"])
+def test_control_flow_on_tensor_values_stops_with_the_users_line(fn):
+    from fulmen.core.proxies import DataDependentError
+
+    with pytest.raises(DataDependentError, match=r"test_real_program_gaps.py\", line \d+: .*(cond|while_loop)\("):
+        fulmen.jit(fn, executors=["torch"])(torch.randn(3))
+    # the functions are PyTorch's again after tracing: eager calls run as before
+    assert torch.cond.__code__.co_filename.endswith("cond.py")
+    fn(torch.randn(3))

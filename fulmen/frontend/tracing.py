@@ -22,6 +22,7 @@ from fulmen.core.proxies import Proxy, TensorProxy, call_with_out, has_proxy, is
 from fulmen.core.trace import Trace, get_tracectx, tracectx
 from fulmen.frontend import module_guard
 from fulmen.frontend.global_guard import GlobalGuard, ReadRecorder, build_guard
+from fulmen.frontend.higher_order import routing_higher_order_ops
 from fulmen.frontend.module_writes import ModuleWrites, check_no_proxies_left
 from fulmen.frontend.replay import Replays
 from fulmen.torch.fallback import opaque_symbol
@@ -348,7 +349,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     recorder = trace.on_user_op = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
     try:
         with tracectx(trace), _UserTorchCalls(trace), _compiling(), _recording_autograd_functions(), \
-                ModuleWrites() as writes:
+                routing_higher_order_ops(), ModuleWrites() as writes:
             result = fn(*proxy_args, **proxy_kwargs)
             result = trace.capture(result) if isinstance(result, torch.Tensor) else result
             real_state = {id(p): t for p, (_, t) in zip(proxy_args[0], state)} if state is not None else None
