@@ -284,8 +284,62 @@ def test_while_loop_with_a_python_condition_unrolls():
     torch.testing.assert_close(got, ((x * 2) * 2 + 1) * 2 + 2, rtol=0, atol=0)
 
 
-def _tensor_cond(x):
-    return torch.cond(x.sum() > 0, lambda x: x.sin(), lambda x: x.cos(), (x,))
+def _sqrt_or_double(x, w):  # the branch not taken computes NaN (forward and backward); eager never sees them
+    return torch.cond(x.sum() > 0, lambda x: (x * w).sqrt(), lambda x: x * 2 + w, (x,))
+
+
+class _TwoPaths(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(3, 3)
+        self.scale = torch.nn.Parameter(torch.rand(3) + 0.5)
+
+    def forward(self, x):  # each branch reads parameters the other does not
+        return torch.cond(x.mean() > 0, lambda x: self.proj(x).tanh(), lambda x: (x * self.scale).exp(), (x,))
+
+
+def test_cond_with_a_tensor_predicate_is_eagers_branch_to_the_bit():
+    jitted = fulmen.jit(_sqrt_or_double, executors=["torch"])
+    for sign in (-1, 1, -1):
+        x, w = (sign * torch.rand(2, 3)).requires_grad_(), torch.rand(3).requires_grad_()
+        x_mine, w_mine = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        expected, got = _sqrt_or_double(x, w), jitted(x_mine, w_mine)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        expected.sum().backward()
+        got.sum().backward()
+        torch.testing.assert_close(x_mine.grad, x.grad, rtol=0, atol=0)  # finite: no NaN from the other branch
+        torch.testing.assert_close(w_mine.grad, w.grad, rtol=0, atol=0)
+    assert fulmen.cache_misses(jitted) == 1  # one program serves both values of the predicate
+
+
+def test_cond_with_a_tensor_predicate_in_a_module():
+    eager = _TwoPaths()
+    mine = copy.deepcopy(eager)
+    jitted = fulmen.jit(mine, executors=["torch"])
+    for sign in (1, -1):
+        eager.zero_grad()
+        mine.zero_grad()
+        x = sign * torch.rand(4, 3)
+        expected, got = eager(x), jitted(x)
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+        expected.square().sum().backward()
+        got.square().sum().backward()
+        for (name, a), b in zip(mine.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-6, msg=name)  # zeros for the other branch
+
+
+def _writes_in_a_branch(x):
+    return torch.cond(x.sum() > 0, lambda x: x.clone().add_(1), lambda x: x - 1, (x,))
+
+
+def _draws_in_a_branch(x):
+    return torch.cond(x.sum() > 0, lambda x: x + torch.rand_like(x), lambda x: x - 1, (x,))
+
+
+@pytest.mark.parametrize("fn", [_writes_in_a_branch, _draws_in_a_branch], ids=["in place", "random"])
+def test_cond_branches_that_cannot_both_run_are_refused_with_the_users_line(fn):
+    with pytest.raises(NotImplementedError, match=r"torch.cond with a tensor predicate .*test_real_program_gaps.py"):
+        fulmen.jit(fn, executors=["torch"])(torch.randn(3))
 
 
 def _tensor_while(x):
@@ -294,12 +348,12 @@ def _tensor_while(x):
     return while_loop(lambda i, x: i < 3, lambda i, x: (i + 1, x * 2), (torch.tensor(0), x))
 
 
-@pytest.mark.parametrize("fn", [_tensor_cond, _tensor_while], ids=["cond", "while_loop"])
-def test_control_flow_on_tensor_values_stops_with_the_users_line(fn):
+def test_while_loop_on_a_tensor_condition_stops_with_the_users_line():
     from fulmen.core.proxies import DataDependentError
 
-    with pytest.raises(DataDependentError, match=r"test_real_program_gaps.py\", line \d+: .*(cond|while_loop)\("):
-        fulmen.jit(fn, executors=["torch"])(torch.randn(3))
+    with pytest.raises(DataDependentError, match=r"test_real_program_gaps.py\", line \d+: .*while_loop\("):
+        fulmen.jit(_tensor_while, executors=["torch"])(torch.randn(3))
     # the functions are PyTorch's again after tracing: eager calls run as before
     assert torch.cond.__code__.co_filename.endswith("cond.py")
-    fn(torch.randn(3))
+    i, x = _tensor_while(torch.ones(3))
+    assert int(i) == 3 and x.tolist() == [8.0, 8.0, 8.0]

@@ -5,9 +5,10 @@ Python functions. Eager PyTorch runs them on real tensors: ``cond`` calls the br
 ``while_loop`` calls the body while the condition holds, and ``associative_scan`` (mode ``"generic"``) combines
 elements pairwise in a fixed tree, the combine function applied to each element (``torch.vmap``). Here the same
 calls are made on proxies, so the functions' operations are traced into the program (and differentiated by
-fulmen's autodiff, as eager's autograd differentiates what ran). A predicate or condition that is a tensor needs
-its value: ``bool()`` on it stops tracing with fulmen's data-dependent error, naming the user's line, as any
-Python branch on a tensor does. ``fulmen.frontend.higher_order`` routes the calls here while a program is traced.
+fulmen's autodiff, as eager's autograd differentiates what ran). ``cond`` with a tensor predicate traces both
+branches and selects (``cond``'s docstring). A loop condition that is a tensor needs its value: ``bool()`` on it
+stops tracing with fulmen's data-dependent error, naming the user's line, as any Python loop on a tensor does.
+``fulmen.frontend.higher_order`` routes the calls here while a program is traced.
 """
 
 from __future__ import annotations
@@ -18,16 +19,35 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from fulmen.core.proxies import TensorProxy
+from fulmen import clang, prims
+from fulmen.core.proxies import TensorProxy, _user_location
+from fulmen.core.symbol import OpTags
+from fulmen.core.trace import get_tracectx
 from fulmen.core.utils import canonicalize_dim, check
+from fulmen.torch.elementwise import logical_not, ne, where
+from fulmen.torch.registry import torchsymbol
 
 
 def _is_tensor(x: Any) -> bool:
     return isinstance(x, TensorProxy | torch.Tensor)  # a proxy first: it may also be a torch.Tensor
 
 
+@torchsymbol(id="ltorch.cond_gate")
+def cond_gate(a: TensorProxy, taken: TensorProxy) -> TensorProxy:
+    """``a`` as one branch of a ``torch.cond`` with a tensor predicate reads it; ``taken`` (a bool scalar) says
+    whether the predicate picks that branch. Its gradient is ``a``'s cotangent where ``taken``, else zeros
+    (``fulmen.transforms.grad_rules``): selected, not multiplied, so what the other branch's backward computes
+    (NaN or inf from values it would not have seen in eager) never reaches ``a``."""
+    return prims.reshape(a, tuple(a.shape))
+
+
 def cond(pred, true_fn: Callable, false_fn: Callable, operands: tuple | list = ()) -> Any:
-    """``torch.cond``: ``true_fn(*operands)`` if ``pred`` else ``false_fn(*operands)``."""
+    """``torch.cond``: ``true_fn(*operands)`` if ``pred`` else ``false_fn(*operands)``.
+
+    A tensor predicate's value is not known while tracing: both branches are traced, each reading its inputs
+    (the operands, and the tensors it reads from elsewhere: module parameters, closures) through ``cond_gate``,
+    and each output is ``where(pred, true_out, false_out)``, which is the branch eager takes, to the bit, with its
+    gradients. Branches that write in place or draw random numbers cannot run both: refused."""
     check(isinstance(pred, bool | int | float) or _is_tensor(pred),
           lambda: f"Expected pred to be bool or tensor, but got {pred}.", RuntimeError)
     check(not _is_tensor(pred) or pred.numel() == 1,
@@ -36,7 +56,65 @@ def cond(pred, true_fn: Callable, false_fn: Callable, operands: tuple | list = (
     check(isinstance(operands, tuple | list) and all(_is_tensor(t) for t in pytree.tree_leaves(operands)),
           lambda: "Expect operands to be a tuple of possibly nested dict/list/tuple that only consists of tensor "
           f"leaves, but got {operands}.", RuntimeError)
-    return true_fn(*operands) if bool(pred) else false_fn(*operands)
+    if not _is_tensor(pred):
+        return true_fn(*operands) if pred else false_fn(*operands)
+    trc = get_tracectx()
+    if not isinstance(pred, TensorProxy):
+        pred = trc.capture(pred)  # a real tensor the code holds (a global): read at every call
+    pred = clang.reshape(pred, ())
+    if pred.dtype is not torch.bool:
+        pred = ne(pred, 0)
+    true_out = _branch(trc, true_fn, operands, pred, "true_fn")
+    false_out = _branch(trc, false_fn, operands, logical_not(pred), "false_fn")
+    true_leaves, true_spec = pytree.tree_flatten(true_out)
+    false_leaves, false_spec = pytree.tree_flatten(false_out)
+    check(true_spec == false_spec, lambda: "Unmatched output spec from torch.cond branches: true branch tree_spec "
+          f"{true_spec} vs false branch tree_spec {false_spec}.", RuntimeError)
+    out = []
+    for t, f in zip(true_leaves, false_leaves):
+        check(_is_tensor(t) and _is_tensor(f), lambda: f"torch.cond branches must return tensors, got {t} and {f}",
+              RuntimeError)
+        check((tuple(t.shape), t.dtype, t.device) == (tuple(f.shape), f.dtype, f.device),
+              lambda: f"torch.cond branches returned tensors with different metadata: {t} and {f}", RuntimeError)
+        out.append(where(pred, t, f))
+    return pytree.tree_unflatten(out, true_spec)
+
+
+def _branch(trc, fn: Callable, operands, taken: TensorProxy, name: str) -> Any:
+    """``fn(*operands)`` traced with every tensor it reads that requires grad behind ``cond_gate(tensor, taken)``."""
+    scope, mutations, replay = trc.scopes[0], trc.mutations, trc.replay
+    start = len(scope)
+    trc.replay = None  # a call made in one branch is not the value of the same call made later
+    try:
+        out = fn(*operands)
+    finally:
+        trc.replay = replay
+    recorded = scope[start:]
+    check(trc.mutations == mutations, lambda: f"the {name} of a torch.cond with a tensor predicate writes to a "
+          f"tensor in place; fulmen traces both branches of such a cond, so they must not write in place (at "
+          f"{_user_location()}). Assign the result instead.", NotImplementedError)
+    check(not any(map(_draws_random, recorded)), lambda: f"the {name} of a torch.cond with a tensor predicate "
+          f"draws random numbers; fulmen traces both branches of such a cond, and eager draws only in the one it "
+          f"takes (at {_user_location()}).", NotImplementedError)
+    made = {p.name for b in recorded for p in b.flat_proxy_outs}
+    read = {}
+    for b in recorded:
+        for p in b.flat_args:
+            if isinstance(p, TensorProxy) and p.name not in made:
+                read.setdefault(p.name, p)
+    for leaf in pytree.tree_leaves(out):
+        if isinstance(leaf, TensorProxy) and leaf.name not in made:
+            read.setdefault(leaf.name, leaf)  # returned as it was read (lambda x: x)
+    del scope[start:]
+    swap = {n: cond_gate(p, taken) for n, p in read.items() if p.requires_grad}  # only gradients need it
+    scope.extend(b.from_bsym_swap_proxies(swap, skip_output=True) for b in recorded)
+    return pytree.tree_map(lambda v: swap.get(v.name, v) if isinstance(v, TensorProxy) else v, out)
+
+
+def _draws_random(bsym) -> bool:
+    if bsym.subsymbols:
+        return any(map(_draws_random, bsym.subsymbols))
+    return OpTags.RANDOM_OP in bsym.sym.tags
 
 
 def while_loop(cond_fn: Callable, body_fn: Callable, carried_inputs: tuple | list) -> Any:
