@@ -20,8 +20,11 @@ import torch
 from fulmen.core.devices import to_device
 from fulmen.core.proxies import TensorProxy
 
-#: meta function -> {argument signature: [(shape, dtype, device) of each output tensor, in order]}
-corrections: dict[Callable, dict[tuple, list[tuple]]] = {}
+#: meta function -> {argument signature: ([(shape, dtype, device) of each output tensor, in order], epoch)}
+corrections: dict[Callable, dict[tuple, tuple[list[tuple], int]]] = {}
+#: How many corrections were recorded: a trace remembers it (``Trace.meta_epoch``), and its program's check tells a
+#: correction it was traced with from one recorded after (``recorded_after``).
+epoch = 0
 
 
 def signature(args: tuple, kwargs: dict) -> tuple:
@@ -54,15 +57,23 @@ def tensor_metas(out: Any) -> list[tuple]:
 
 
 def record(meta: Callable, args: tuple, kwargs: dict, actual: Any) -> None:
-    corrections.setdefault(meta, {})[signature(args, kwargs)] = tensor_metas(actual)
+    global epoch
+    epoch += 1
+    corrections.setdefault(meta, {})[signature(args, kwargs)] = (tensor_metas(actual), epoch)
+
+
+def recorded_after(meta: Callable, args: tuple, kwargs: dict, traced_at: int) -> bool:
+    """Whether the correction for this call was recorded after a trace made at epoch ``traced_at``."""
+    found = corrections.get(meta, {}).get(signature(args, kwargs))
+    return found is not None and found[1] > traced_at
 
 
 def corrected(meta: Callable, args: tuple, kwargs: dict, out: Any) -> Any:
     """``out`` (what ``meta`` returned for these arguments) with the recorded metadata, if any was recorded."""
-    metas = corrections.get(meta, {}).get(signature(args, kwargs))
-    if metas is None:
+    found = corrections.get(meta, {}).get(signature(args, kwargs))
+    if found is None:
         return out
-    remaining = iter(metas)
+    remaining = iter(found[0])
 
     def fix(v):
         if isinstance(v, TensorProxy):

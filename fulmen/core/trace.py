@@ -47,6 +47,8 @@ class Trace:
         self.autocast: list = []  # autocast policies applied to outermost calls (fulmen.transforms.autocast)
         self.on_user_op = None  # called at each torch call user code makes (frontend.global_guard)
         self.replay = None  # frontend hook copying decompositions recorded earlier (fulmen.frontend.replay)
+        # the meta corrections its symbols' outputs were traced with (fulmen.core.meta_corrections)
+        self.meta_epoch = parent.meta_epoch if parent is not None else meta_corrections.epoch
 
     # ---- names ----
     def make_name(self, prefix: str = "t") -> str:

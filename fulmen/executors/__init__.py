@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from fulmen.core import meta_corrections
+from fulmen.core.codegen import META_EPOCH
 from fulmen.core.codeutils import outputs_of
 from fulmen.core.devices import to_device
 from fulmen.core.dtypes import short_name
@@ -121,6 +122,13 @@ def checked_implementation(fn: Callable, *, executor: str, symbol: str, meta: Ca
                 raise ExecutorError(f"the meta of {symbol} (executor {executor!r}) rejects the arguments its "
                                     f"implementation was called with: {type(e).__name__}: {e}") from e
             if corrects is not None:
+                traced_at = sys._getframe(1).f_globals.get(META_EPOCH)
+                if traced_at is not None and meta_corrections.recorded_after(meta, args, kwargs, traced_at):
+                    # traced before the correction (another program found it): its later operations expect the
+                    # declared metadata, so it compiles again too
+                    _replace_in_caller(first_call_check, _stale(MetaMismatch(f"{symbol}: traced before")))
+                    raise MetaMismatch(f"the program calling {symbol} was traced with the metadata its meta declares, "
+                                       "which its implementation does not return")
                 expected = meta_corrections.corrected(meta, args, kwargs, expected)
             problems = _mismatches(expected, out)
             if problems and corrects is None:

@@ -247,7 +247,10 @@ class JittedFunction:
             if self._last_entry is entry:
                 self._last_entry = None
             self._next_reason = f"{error} (compiled again with the metadata it returned)"
-        return self(*args, **kwargs)
+        try:
+            return self(*args, **kwargs)
+        finally:
+            self.__dict__.pop("_next_reason", None)  # read by the compilation that call made
 
     def _find(self, key, args, kwargs, flat: list[torch.Tensor], inputs: tuple) -> tuple[CacheEntry | None, list]:
         """The entry for a call whose key is ``key`` and the flat inputs its prologue returned (``inputs``: the
