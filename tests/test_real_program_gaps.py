@@ -342,18 +342,37 @@ def test_cond_branches_that_cannot_both_run_are_refused_with_the_users_line(fn):
         fulmen.jit(fn, executors=["torch"])(torch.randn(3))
 
 
-def _tensor_while(x):
+def _grow_until_large(x, w):  # the number of iterations depends on the values
     from torch._higher_order_ops import while_loop
 
-    return while_loop(lambda i, x: i < 3, lambda i, x: (i + 1, x * 2), (torch.tensor(0), x))
+    i, y, _ = while_loop(lambda i, y, w: y.abs().sum() < 50, lambda i, y, w: (i + 1, y * w + 1, w.clone()),
+                         (torch.tensor(0), x, w))
+    return i, y * 2
 
 
-def test_while_loop_on_a_tensor_condition_stops_with_the_users_line():
-    from fulmen.core.proxies import DataDependentError
-
-    with pytest.raises(DataDependentError, match=r"test_real_program_gaps.py\", line \d+: .*while_loop\("):
-        fulmen.jit(_tensor_while, executors=["torch"])(torch.randn(3))
+def test_while_loop_on_a_tensor_condition_runs_eagers_loop_at_every_call():
+    jitted = fulmen.jit(_grow_until_large, executors=["torch"])
+    for scale in (1.0, 3.0, 0.5):
+        x, w = (torch.ones(3) * scale).requires_grad_(), torch.tensor([1.5, 2.0, 1.1], requires_grad=True)
+        x_mine, w_mine = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        expected, got = _grow_until_large(x, w), jitted(x_mine, w_mine)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        expected[1].sum().backward()
+        got[1].sum().backward()
+        torch.testing.assert_close(x_mine.grad, x.grad, rtol=0, atol=0)
+        torch.testing.assert_close(w_mine.grad, w.grad, rtol=0, atol=0)
+    assert fulmen.cache_misses(jitted) == 1  # one program for every number of iterations
     # the functions are PyTorch's again after tracing: eager calls run as before
     assert torch.cond.__code__.co_filename.endswith("cond.py")
-    i, x = _tensor_while(torch.ones(3))
-    assert int(i) == 3 and x.tolist() == [8.0, 8.0, 8.0]
+
+
+def _loop_reading_a_closure(x, w):
+    from torch._higher_order_ops import while_loop
+
+    return while_loop(lambda i, y: y.abs().sum() < 50, lambda i, y: (i + 1, y * w + 1), (torch.tensor(0), x))
+
+
+def test_while_loop_on_a_tensor_condition_refuses_functions_reading_traced_tensors():
+    x, w = torch.ones(3), torch.full((3,), 2.0)
+    with pytest.raises(NotImplementedError, match=r"test_real_program_gaps.py(.|\n)*Carry those tensors in carried"):
+        fulmen.jit(_loop_reading_a_closure, executors=["torch"])(x, w)

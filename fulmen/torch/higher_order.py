@@ -6,13 +6,13 @@ Python functions. Eager PyTorch runs them on real tensors: ``cond`` calls the br
 elements pairwise in a fixed tree, the combine function applied to each element (``torch.vmap``). Here the same
 calls are made on proxies, so the functions' operations are traced into the program (and differentiated by
 fulmen's autodiff, as eager's autograd differentiates what ran). ``cond`` with a tensor predicate traces both
-branches and selects (``cond``'s docstring). A loop condition that is a tensor needs its value: ``bool()`` on it
-stops tracing with fulmen's data-dependent error, naming the user's line, as any Python loop on a tensor does.
-``fulmen.frontend.higher_order`` routes the calls here while a program is traced.
+branches and selects; ``while_loop`` with a tensor condition runs eager's loop as one opaque op (their
+docstrings). ``fulmen.frontend.higher_order`` routes the calls here while a program is traced.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -21,11 +21,14 @@ from torch.utils import _pytree as pytree
 
 from fulmen import clang, prims
 from fulmen.core.proxies import TensorProxy, _user_location
-from fulmen.core.symbol import OpTags
+from fulmen.core.symbol import OpTags, Symbol
 from fulmen.core.trace import get_tracectx
 from fulmen.core.utils import canonicalize_dim, check
 from fulmen.torch.elementwise import logical_not, ne, where
+from fulmen.torch.fallback import _fake_meta as fake_meta
 from fulmen.torch.registry import torchsymbol
+
+_loops = itertools.count()
 
 
 def _is_tensor(x: Any) -> bool:
@@ -118,7 +121,12 @@ def _draws_random(bsym) -> bool:
 
 
 def while_loop(cond_fn: Callable, body_fn: Callable, carried_inputs: tuple | list) -> Any:
-    """``torch._higher_order_ops.while_loop``: ``carried = body_fn(*carried)`` while ``cond_fn(*carried)``."""
+    """``torch._higher_order_ops.while_loop``: ``carried = body_fn(*carried)`` while ``cond_fn(*carried)``.
+
+    A condition that is a Python value unrolls the loop into the trace. A tensor condition's value is not known
+    while tracing: the loop becomes one opaque op that runs eager's loop on the real tensors at every call (and is
+    differentiated by PyTorch's autograd, as eager's). Its functions must then read no traced tensor other than the
+    carried ones (autograd could not give the others gradients): refused otherwise."""
     check(callable(cond_fn) and callable(body_fn), lambda: "Expect cond_fn and body_fn to be callable.",
           RuntimeError)
     check(isinstance(carried_inputs, tuple | list) and all(
@@ -126,23 +134,82 @@ def while_loop(cond_fn: Callable, body_fn: Callable, carried_inputs: tuple | lis
         lambda: "Expect carried_inputs to be a tuple of possibly nested dict/list/tuple that only consists of "
         f"tensor or int leaves, but got {carried_inputs}.", RuntimeError)
     carried = tuple(carried_inputs)
+    trc = get_tracectx()
     while True:
+        start, mutations = len(trc.scopes[0]), trc.mutations
         pred = cond_fn(*carried)
-        check(isinstance(pred, bool) or (_is_tensor(pred) and pred.numel() == 1 and pred.dtype is torch.bool),
-              lambda: f"cond_fn must return a boolean scalar tensor or a boolean but got {pred}", RuntimeError)
-        if not bool(pred):
+        _check_condition(pred)
+        if _is_tensor(pred):
+            check(trc.mutations == mutations, lambda: "the cond_fn of a while_loop writes to a tensor in place (at "
+                  f"{_user_location()}); a condition must not have side effects.", NotImplementedError)
+            del trc.scopes[0][start:]  # the opaque op evaluates the condition itself, at every call
+            return _opaque_loop(cond_fn, body_fn, carried)
+        if not pred:
             return carried
         out = body_fn(*carried)
         out = tuple(out) if isinstance(out, tuple | list) else (out,)
-        check(pytree.tree_structure(out) == pytree.tree_structure(carried), lambda: "body_fn should return the "
-              f"same pytree as the carried inputs: got {pytree.tree_structure(out)}, expected "
-              f"{pytree.tree_structure(carried)}", RuntimeError)
-        for new, old in zip(pytree.tree_leaves(out), pytree.tree_leaves(carried)):
-            if _is_tensor(old):
-                check(_is_tensor(new) and (tuple(new.shape), new.dtype) == (tuple(old.shape), old.dtype),
-                      lambda: f"body_fn should return tensors with the metadata of the carried inputs: {new} for "
-                      f"{old}", RuntimeError)
+        _check_body_output(out, carried)
         carried = out
+
+
+def _check_condition(pred) -> None:
+    check(isinstance(pred, bool) or (_is_tensor(pred) and pred.numel() == 1 and pred.dtype is torch.bool),
+          lambda: f"cond_fn must return a boolean scalar tensor or a boolean but got {pred}", RuntimeError)
+
+
+def _check_body_output(out: tuple, carried: tuple) -> None:
+    check(pytree.tree_structure(out) == pytree.tree_structure(carried), lambda: "body_fn should return the "
+          f"same pytree as the carried inputs: got {pytree.tree_structure(out)}, expected "
+          f"{pytree.tree_structure(carried)}", RuntimeError)
+    for new, old in zip(pytree.tree_leaves(out), pytree.tree_leaves(carried)):
+        if _is_tensor(old):
+            check(_is_tensor(new) and (tuple(new.shape), new.dtype) == (tuple(old.shape), old.dtype),
+                  lambda: f"body_fn should return tensors with the metadata of the carried inputs: {new} for {old}",
+                  RuntimeError)
+
+
+def _opaque_loop(cond_fn: Callable, body_fn: Callable, carried: tuple) -> Any:
+    leaves, spec = pytree.tree_flatten(carried)
+    check(all(_is_tensor(x) for x in leaves), lambda: "while_loop with a tensor condition carries Python ints, whose "
+          "values after the loop are not known while fulmen traces the program; carry them as tensors "
+          f"(torch.tensor(i)).\n  at {_user_location()}", NotImplementedError)
+
+    def run(*flat):
+        state = pytree.tree_unflatten(list(flat), spec)
+        while cond_fn(*state):  # eager's loop (while_loop_dense), on the real tensors
+            state = tuple(body_fn(*state))
+        return tuple(pytree.tree_leaves(state))
+
+    run.__name__ = run.__qualname__ = "while_loop"
+    run.draws_random = True  # its backward runs it again: with the random numbers it drew, if it draws any
+
+    def meta(*flat):
+        # the functions run once on fake tensors: they must accept the carried values and read no other traced
+        # tensor (reading one records it into this op's scope)
+        scope = get_tracectx().scopes[-1]
+        try:
+            fake_meta(lambda *f: (cond_fn(*pytree.tree_unflatten(list(f), spec)),
+                                  body_fn(*pytree.tree_unflatten(list(f), spec))), "while_loop")(*flat)
+        except Exception as e:
+            if scope:
+                raise _reads_traced("while_loop") from e
+            raise
+        if scope:
+            raise _reads_traced("while_loop")
+        return tuple(TensorProxy(like=x) for x in flat)
+
+    sym = Symbol(name="while_loop", meta=meta, id=f"fallback:while_loop:{next(_loops)}", is_prim=True,
+                 tags=(OpTags.FALLBACK,), torch_fns=(run,))
+    sym.extra["torch_impl"] = run
+    sym.extra["skip_meta_check"] = True  # its meta runs user functions; the first run's outputs are checked
+    return pytree.tree_unflatten(list(sym(*leaves)), spec)
+
+
+def _reads_traced(name: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{name} with a tensor condition runs as one op, whose cond_fn and body_fn here read tensors of the traced "
+        "program they are not given (a module's parameters, or tensors they close over); autograd could not give "
+        f"those gradients.\n  at {_user_location()}\nCarry those tensors in carried_inputs instead.")
 
 
 def associative_scan(combine_fn: Callable, xs: Any, dim: int, reverse: bool = False,
