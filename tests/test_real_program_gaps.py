@@ -376,3 +376,20 @@ def test_while_loop_on_a_tensor_condition_refuses_functions_reading_traced_tenso
     x, w = torch.ones(3), torch.full((3,), 2.0)
     with pytest.raises(NotImplementedError, match=r"test_real_program_gaps.py(.|\n)*Carry those tensors in carried"):
         fulmen.jit(_loop_reading_a_closure, executors=["torch"])(x, w)
+
+
+def test_the_operators_in_dynamos_graphs_run_under_the_fulmen_backend():
+    def f(x, w):
+        y = torch.cond(x.sum() > 0, lambda x: (x * w).sqrt(), lambda x: x * 2 + w, (x,))
+        return _grow_until_large(y.detach() + 1, w.detach() + 1.5)[1] + y  # w > 1: the loop ends
+
+    compiled = torch.compile(f, backend="fulmen")
+    for sign in (1, -1):
+        x, w = (sign * torch.rand(3)).requires_grad_(), torch.rand(3).requires_grad_()
+        x_mine, w_mine = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        expected, got = f(x, w), compiled(x_mine, w_mine)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        expected.sum().backward()
+        got.sum().backward()
+        torch.testing.assert_close(x_mine.grad, x.grad, rtol=0, atol=0)
+        torch.testing.assert_close(w_mine.grad, w.grad, rtol=0, atol=0)

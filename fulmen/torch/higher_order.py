@@ -267,3 +267,24 @@ def _tree_scan(combine: Callable[[list, list], list], elems: list[list]) -> list
     for k in range(n):
         out.append(even[k // 2] if k % 2 == 0 else odd[k // 2])
     return out
+
+
+# ---- the operators themselves, as Dynamo's graphs call them (torch.compile(backend="fulmen")) ----
+
+
+def cond_op(pred, true_fn: Callable, false_fn: Callable, operands) -> Any:
+    return cond(pred, true_fn, false_fn, tuple(operands))
+
+
+def while_loop_op(cond_fn: Callable, body_fn: Callable, carried_inputs, additional_inputs=(), *,
+                  mutated_arg_indices: str = "") -> Any:
+    """The operator's functions take ``(*carried, *additional)``; the additional inputs (lifted parameters) are
+    carried through the loop unchanged, so a loop run as one op receives them as its inputs."""
+    check(not mutated_arg_indices, lambda: f"while_loop writes to its inputs in place ({mutated_arg_indices}); "
+          "fulmen runs loops on their values: return the new values instead", NotImplementedError)
+    carried, extra = tuple(carried_inputs), tuple(additional_inputs)
+    if not extra:
+        return while_loop(cond_fn, body_fn, carried)
+    n = len(carried)
+    out = while_loop(lambda *c: cond_fn(*c), lambda *c: (*body_fn(*c), *c[n:]), carried + extra)
+    return tuple(out[:n])
