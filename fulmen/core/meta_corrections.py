@@ -33,7 +33,7 @@ def signature(args: tuple, kwargs: dict) -> tuple:
 
     def sig(x):
         if isinstance(x, TensorProxy | torch.Tensor):  # a proxy may also be a torch.Tensor: same description
-            return ("tensor", tuple(int(s) for s in x.shape), x.dtype, str(to_device(x.device)))
+            return ("tensor", _sizes(x), x.dtype, str(to_device(x.device)))
         if type(x) in (tuple, list):
             return (type(x).__name__, *map(sig, x))
         if type(x) is dict:
@@ -47,10 +47,15 @@ def signature(args: tuple, kwargs: dict) -> tuple:
     return sig(args), sig(kwargs)
 
 
+def _sizes(x) -> tuple:
+    # a symbolic size by its name: int() would record a guard that specializes the program on its value
+    return tuple(s if type(s) is int else str(s) for s in x.shape)
+
+
 def tensor_metas(out: Any) -> list[tuple]:
     """(shape, dtype, device) of each tensor in ``out`` (tuples and lists walked in order)."""
     if isinstance(out, TensorProxy | torch.Tensor):
-        return [(tuple(int(s) for s in out.shape), out.dtype, str(to_device(out.device)))]
+        return [(_sizes(out), out.dtype, str(to_device(out.device)))]
     if isinstance(out, tuple | list):
         return [m for v in out for m in tensor_metas(v)]
     return []
@@ -64,13 +69,15 @@ def record(meta: Callable, args: tuple, kwargs: dict, actual: Any) -> None:
 
 def recorded_after(meta: Callable, args: tuple, kwargs: dict, traced_at: int) -> bool:
     """Whether the correction for this call was recorded after a trace made at epoch ``traced_at``."""
-    found = corrections.get(meta, {}).get(signature(args, kwargs))
+    table = corrections.get(meta)
+    found = table.get(signature(args, kwargs)) if table else None
     return found is not None and found[1] > traced_at
 
 
 def corrected(meta: Callable, args: tuple, kwargs: dict, out: Any) -> Any:
     """``out`` (what ``meta`` returned for these arguments) with the recorded metadata, if any was recorded."""
-    found = corrections.get(meta, {}).get(signature(args, kwargs))
+    table = corrections.get(meta)
+    found = table.get(signature(args, kwargs)) if table else None
     if found is None:
         return out
     remaining = iter(found[0])
