@@ -11,6 +11,8 @@ joint trace calls ``xentropy_forward`` and ``xentropy_backward``, the compiled p
 to better than 1e-6.
 """
 
+import warnings
+
 import torch
 
 import fulmen
@@ -33,12 +35,12 @@ def xentropy_forward_meta(
     label_smoothing=0.0,
 ):
     calls["forward meta"] += 1
-    # The seed declares both outputs `like=target` (int64). fulmen checks an implementation's first outputs
-    # against its meta and would reject float losses declared as int64, so the meta says what the kernel
-    # returns: per-row losses and log-sum-exp in the logits' dtype.
-    max_log_sum_exp = TensorProxy(like=target, dtype=a.dtype)
+    # As in the seed, both outputs are declared `like=target` (int64), while the kernel returns float losses and
+    # log-sum-exp. fulmen checks an implementation's first outputs against its meta: it warns, and compiles again
+    # with what the kernel returned (`dtype=a.dtype` here would compile once).
+    max_log_sum_exp = TensorProxy(like=target)
     if reduction == "none":
-        return TensorProxy(like=target, dtype=a.dtype), max_log_sum_exp
+        return TensorProxy(like=target), max_log_sum_exp
     else:
         raise ValueError(f"Invalid reduction: {reduction}")
 
@@ -198,8 +200,14 @@ add_operator_executor("xentropy", op_to_xentropy)
 
 # ---- compile and run ----
 cfun = fulmen.compile(fun, disable_preprocessing=True)
-out, (grad_logits, grad_labels) = cfun(logits, labels)
-assert calls["forward impl"] == 1 and calls["backward impl"] == 1, calls
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out, (grad_logits, grad_labels) = cfun(logits, labels)
+# the first program's check stopped it at the forward kernel: the call ran again on the program compiled again
+assert calls["forward impl"] == 2 and calls["backward impl"] == 1, calls
+messages = [str(w.message) for w in caught]
+assert any("xentropy_forward" in m and "f32[256]" in m and "i64[256]" in m for m in messages), messages
+assert out.dtype == logits.dtype and fulmen.cache_misses(cfun) == 2
 assert grad_labels is None  # integer labels have no gradient
 
 execution = fulmen.last_traces(cfun)[-1]
@@ -210,7 +218,7 @@ assert "= xentropy_backward_impl(" in text
 
 # a second call reuses the compiled program
 out2, (grad_logits2, _) = cfun(logits, labels)
-assert calls["forward impl"] == 2 and fulmen.cache_hits(cfun) == 1
+assert calls["forward impl"] == 3 and fulmen.cache_hits(cfun) == 1
 torch.testing.assert_close(grad_logits2, grad_logits)
 
 # ---- compare with PyTorch's autograd ----

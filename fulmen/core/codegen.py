@@ -99,6 +99,10 @@ def _value_names(trace: Trace) -> set[str]:
     return names
 
 
+#: The name under which a program's globals hold its trace's ``meta_epoch`` (read by executors' output checks).
+META_EPOCH = "__fulmen_meta_epoch__"
+
+
 def python_source(trace: Trace, ctx: dict[str, Any] | None = None, *, comments: bool = True
                   ) -> tuple[str, dict[str, Any]]:
     """Source of an execution trace and the globals it needs (torch, implementations, constants). Without
@@ -108,7 +112,8 @@ def python_source(trace: Trace, ctx: dict[str, Any] | None = None, *, comments: 
     (``Printer``); every name is a legal identifier, distinct, after Python's NFKC normalization, from every
     other name the code uses."""
     ctx = ctx if ctx is not None else {}
-    ctx.update({"torch": torch, "devices": devices, "dtypes": dtypes, "inf": math.inf, "nan": math.nan})
+    ctx.update({"torch": torch, "devices": devices, "dtypes": dtypes, "inf": math.inf, "nan": math.nan,
+                META_EPOCH: trace.meta_epoch})
     reserved = _value_names(trace)
     fn_name = sanitize_name(trace.fn_name)
     reserved.add(fn_name)  # a global of the module: no constant or implementation may take its name

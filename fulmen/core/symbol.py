@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from fulmen.core import meta_corrections
 from fulmen.core.codeutils import Printer, outputs_of, type_comment
 from fulmen.core.proxies import Proxy, TensorProxy, latest
 from fulmen.core.tracectx import current
@@ -125,6 +126,8 @@ class Symbol:
             finally:
                 trc.scopes.pop()
             subsymbols = tuple(scope)
+        if meta_corrections.corrections and self.meta in meta_corrections.corrections:
+            out = meta_corrections.corrected(self.meta, args, kwargs, out)  # what its implementation returned
         bsym = BoundSymbol(self, args, kwargs, out, subsymbols, no_grad=not torch.is_grad_enabled())
         trc.scopes[-1].append(bsym)
         if self.post_hook is not None:

@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from fulmen.core import meta_corrections
 from fulmen.core.codeutils import Printer, comment_text, outputs_of, sanitize_name, type_comment
 from fulmen.core.proxies import Proxy, TensorProxy
 from fulmen.core.symbol import BoundSymbol
@@ -46,6 +47,8 @@ class Trace:
         self.autocast: list = []  # autocast policies applied to outermost calls (fulmen.transforms.autocast)
         self.on_user_op = None  # called at each torch call user code makes (frontend.global_guard)
         self.replay = None  # frontend hook copying decompositions recorded earlier (fulmen.frontend.replay)
+        # the meta corrections its symbols' outputs were traced with (fulmen.core.meta_corrections)
+        self.meta_epoch = parent.meta_epoch if parent is not None else meta_corrections.epoch
 
     # ---- names ----
     def make_name(self, prefix: str = "t") -> str:
@@ -188,7 +191,8 @@ def _check_meta(bsym: BoundSymbol) -> None:
     scratch = Trace("check")
     with tracectx(scratch):
         try:
-            expected = sym.meta(*bsym.args, **bsym.kwargs)
+            expected = meta_corrections.corrected(sym.meta, bsym.args, bsym.kwargs,
+                                                  sym.meta(*bsym.args, **bsym.kwargs))
         except Exception as e:  # a meta that now rejects its own recorded inputs is a broken trace
             raise TraceCheckError(f"meta of {sym.qualified_name} rejects its recorded inputs ({e}) in:\n{bsym}") from e
     got, want = outputs_of(bsym.output), outputs_of(expected)

@@ -13,11 +13,14 @@ executor's implementation returns what the operation's meta promised.
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from fulmen.core import meta_corrections
+from fulmen.core.codegen import META_EPOCH
 from fulmen.core.codeutils import outputs_of
 from fulmen.core.devices import to_device
 from fulmen.core.dtypes import short_name
@@ -32,7 +35,7 @@ from fulmen.executors.base import (
     register_executor,
 )
 
-__all__ = ["add_operator_executor", "checked_implementation", "TORCH"]
+__all__ = ["add_operator_executor", "checked_implementation", "MetaMismatch", "TORCH"]
 
 
 # ---- the one-time output check ----
@@ -79,7 +82,14 @@ def _expected_outputs(meta: Callable, args: tuple, kwargs: dict) -> Any:
         return meta(*proxy(args), **{k: proxy(v) for k, v in kwargs.items()})
 
 
-def checked_implementation(fn: Callable, *, executor: str, symbol: str, meta: Callable | None) -> Callable:
+class MetaMismatch(ExecutorError):
+    """An implementation returned tensors of other shapes, dtypes or devices than its symbol's meta declared. The
+    metadata it returned is recorded (``fulmen.core.meta_corrections``); the jitted function that ran the program
+    traces and compiles again (``fulmen.frontend.jit``) and runs the call on the new program."""
+
+
+def checked_implementation(fn: Callable, *, executor: str, symbol: str, meta: Callable | None,
+                           corrects: str | None = None) -> Callable:
     """``fn`` wrapped so that its first call in each compiled program is checked.
 
     The first call runs ``fn``, turns an exception into an ``ExecutorError`` naming ``executor`` and
@@ -87,6 +97,12 @@ def checked_implementation(fn: Callable, *, executor: str, symbol: str, meta: Ca
     computes for the same arguments. Once a call passed, the wrapper replaces itself by ``fn`` in the
     generated program's globals, so later calls of that program call ``fn`` directly (no per-call cost).
     Called from anywhere else, it checks once and then only forwards.
+
+    ``corrects``: the name of the traced symbol ``fn`` runs (``symbol`` names the implementation), given for a prim
+    an executor or a user declared, whose meta may be what is wrong. Where that meta and the returned tensors differ
+    only in metadata, the check warns, records what ``fn`` returned for the symbol and raises ``MetaMismatch``: the
+    jitted function compiles again with that metadata and repeats the call. Without it (a symbol of fulmen's own
+    languages, whose meta is torch's semantics) a disagreement is the implementation's error.
     """
     done_elsewhere = False
 
@@ -105,17 +121,24 @@ def checked_implementation(fn: Callable, *, executor: str, symbol: str, meta: Ca
             except Exception as e:
                 raise ExecutorError(f"the meta of {symbol} (executor {executor!r}) rejects the arguments its "
                                     f"implementation was called with: {type(e).__name__}: {e}") from e
+            if corrects is not None:
+                traced_at = sys._getframe(1).f_globals.get(META_EPOCH)
+                if traced_at is not None and meta_corrections.recorded_after(meta, args, kwargs, traced_at):
+                    # traced before the correction (another program found it): its later operations expect the
+                    # declared metadata, so it compiles again too
+                    _replace_in_caller(first_call_check, _stale(MetaMismatch(f"{symbol}: traced before")))
+                    raise MetaMismatch(f"the program calling {symbol} was traced with the metadata its meta declares, "
+                                       "which its implementation does not return")
+                expected = meta_corrections.corrected(meta, args, kwargs, expected)
             problems = _mismatches(expected, out)
-            if problems:
+            if problems and corrects is None:
                 raise ExecutorError(f"the implementation of {symbol} in executor {executor!r} disagrees with its "
                                     "meta: " + "; ".join(problems))
-        caller = sys._getframe(1)
-        if caller.f_code.co_filename.startswith("<fulmen"):
-            names = caller.f_globals
-            for name, value in list(names.items()):
-                if value is first_call_check:
-                    names[name] = fn
-        else:
+            if problems:
+                error = _corrected(meta, corrects, symbol, executor, args, kwargs, expected, out, problems)
+                _replace_in_caller(first_call_check, _stale(error))  # its program never runs this call again
+                raise error
+        if not _replace_in_caller(first_call_check, fn):
             done_elsewhere = True
         return out
 
@@ -123,6 +146,57 @@ def checked_implementation(fn: Callable, *, executor: str, symbol: str, meta: Ca
     first_call_check.__name__ = getattr(fn, "__name__", symbol)
     first_call_check.__qualname__ = first_call_check.__name__
     return first_call_check
+
+
+def _replace_in_caller(check: Callable, by: Callable) -> bool:
+    """Replace ``check`` by ``by`` in the generated program that called it; False when called from elsewhere."""
+    caller = sys._getframe(2)
+    if not caller.f_code.co_filename.startswith("<fulmen"):
+        return False
+    names = caller.f_globals
+    for name, value in list(names.items()):
+        if value is check:
+            names[name] = by
+    return True
+
+
+def _stale(error: MetaMismatch) -> Callable:
+    def traced_with_other_metadata(*args, **kwargs):
+        raise MetaMismatch(str(error))
+
+    return traced_with_other_metadata
+
+
+def _own_meta(sym: Symbol) -> bool:
+    """Whether ``sym``'s meta is its author's claim about an implementation (a prim a user or an executor
+    declared), which the implementation's outputs may correct; a symbol of fulmen's languages means torch's
+    semantics, and a composite's outputs are those of its decomposition."""
+    return sym.is_prim and sym.module not in ("prims", "ltorch")
+
+
+def _tensors_in_same_places(expected: Any, actual: Any) -> bool:
+    """Whether ``actual`` has a tensor exactly where the meta's ``expected`` has one (their metadata may differ)."""
+    if isinstance(expected, TensorProxy):
+        return isinstance(actual, torch.Tensor)
+    if isinstance(expected, (tuple, list)) and outputs_of(expected):
+        return isinstance(actual, (tuple, list)) and len(actual) == len(expected) and all(
+            map(_tensors_in_same_places, expected, actual))
+    return not meta_corrections.tensor_metas(actual)
+
+
+def _corrected(meta: Callable, traced: str, symbol: str, executor: str, args: tuple, kwargs: dict,
+               expected: Any, out: Any, problems: list[str]) -> MetaMismatch:
+    """Record what the implementation returned, warn, and return the error that has the call compiled again;
+    raise an ``ExecutorError`` where no tracing can match it (other outputs, or other metadata again)."""
+    disagreement = f"the implementation of {symbol} in executor {executor!r} disagrees with its meta: " + \
+        "; ".join(problems)
+    signature = meta_corrections.signature(args, kwargs)
+    if not _tensors_in_same_places(expected, out) or signature in meta_corrections.corrections.get(meta, {}):
+        raise ExecutorError(disagreement)  # already corrected once: the implementation is not consistent
+    meta_corrections.record(meta, args, kwargs, out)
+    warnings.warn(f"{disagreement}. fulmen compiles {traced!r} again with the metadata the implementation "
+                  "returned and repeats the call; make the meta return it to compile once.", stacklevel=4)
+    return MetaMismatch(disagreement)
 
 
 # ---- executors from an op map (the seeds' older form) ----
@@ -167,7 +241,8 @@ class OpMapExecutor(OperatorExecutor):
         cached = self._exec_symbols.get(id(sym))
         if cached is None:
             impl_name, fn = self._ops[sym.id]
-            impl = checked_implementation(fn, executor=self.name, symbol=impl_name, meta=sym.meta)
+            impl = checked_implementation(fn, executor=self.name, symbol=impl_name, meta=sym.meta,
+                                          corrects=sym.name if _own_meta(sym) else None)
             cached = Symbol(name=impl_name, id=f"{self.name}:{impl_name}", meta=sym.meta, is_prim=True, impl=impl,
                             executor=self, tags=sym.tags)
             self._exec_symbols[id(sym)] = cached

@@ -45,6 +45,13 @@ class Executor:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
 
+    def __reduce_ex__(self, protocol):
+        # a registered executor is one per process: pickled by name, it is the same object after loading (code
+        # compiled with it pickles with it, fulmen.frontend.jit)
+        if _executors.get(self.name) is self:
+            return get_executor, (self.name,)
+        return super().__reduce_ex__(protocol)
+
 
 class OperatorExecutor(Executor):
     """Runs individual operations with its own implementations.
@@ -82,7 +89,8 @@ class OperatorExecutor(Executor):
         sym = Symbol(name=name, meta=meta if meta is not None else like, id=name, is_prim=meta is not None,
                      tags=tuple(tags or ()), module=module, executor=self,
                      impl=checked_implementation(fn, executor=self.name, symbol=name,
-                                                 meta=meta if meta is not None else like))
+                                                 meta=meta if meta is not None else like,
+                                                 corrects=name if meta is not None else None))
         if like is not None:
             sym.extra["like"] = like
         self.opmap[name] = sym

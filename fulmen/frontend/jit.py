@@ -16,6 +16,7 @@ import torch
 from fulmen.core.proxies import has_proxy
 from fulmen.core.trace import Trace, get_tracectx
 from fulmen.core.utils import compiler_import_lock
+from fulmen.executors import MetaMismatch
 from fulmen.executors.base import Executor, resolve_executors
 from fulmen.executors.inductor_compile import COMPILE_MODES, call_leaving_a_core, compile_mode_set
 from fulmen.frontend import dynamic as dynamic_sizes
@@ -160,6 +161,10 @@ class JittedFunction:
                  dynamic: bool | None = None, compile: str | None = None, cuda_graphs: bool = False, **options):
         if not callable(fn):
             raise TypeError(f"fulmen.jit expects a function or an nn.Module, but got {type(fn).__name__}")
+        # what pickling keeps (__reduce__): the function and the options, never compiled programs
+        self._init_args = (fn, executors)
+        self._init_options = dict(add_torch_executor=add_torch_executor, disable_torch_autograd=disable_torch_autograd,
+                                  dynamic=dynamic, compile=compile, cuda_graphs=cuda_graphs, **options)
         if options:
             raise TypeError(f"fulmen.jit got unexpected keyword argument(s) {sorted(options)}; it accepts executors=, "
                             "add_torch_executor=, disable_torch_autograd=, dynamic=, compile= and cuda_graphs=")
@@ -201,6 +206,12 @@ class JittedFunction:
         self._lock = threading.RLock()
         functools.update_wrapper(self, fn, updated=())
 
+    def __reduce__(self):
+        """Pickling (``pickle``, ``torch.save``, ``copy.deepcopy``) keeps the function and the options: compiled
+        programs hold generated code, locks and kernels, which belong to this process. The copy compiles again at
+        its first call."""
+        return _rebuild, (type(self), self._init_args, self._init_options), {"_guard_reads": self._guard_reads}
+
     # ---- the call path (keep it short: it runs on every call) ----
     def __call__(self, *args, **kwargs):
         stats = self._stats
@@ -221,7 +232,28 @@ class JittedFunction:
             stats.cache_hits += 1
         if entry.written and aliases_written_input(flat, entry.written, self._n_state()):
             return self._run_eagerly(args, kwargs)
-        return call_leaving_a_core(entry.program.run, flat)  # a flag read, unless regions are compiling
+        try:
+            return call_leaving_a_core(entry.program.run, flat)  # a flag read, unless regions are compiling
+        except MetaMismatch as e:
+            return self._compile_again(entry, e, args, kwargs)
+
+    def _compile_again(self, entry: CacheEntry, error: MetaMismatch, args, kwargs):
+        """The program's first call found an implementation returning other metadata than its symbol's meta
+        declared (recorded by ``checked_implementation``, which warned): drop the program, and repeat the call
+        on one traced with the metadata returned."""
+        with self._lock:
+            for key in [k for k, e in self._cache.items() if e is entry]:
+                del self._cache[key]
+                self._compiled.pop(key, None)
+                self._variants.pop(key, None)
+            self._dynamic_entries = [e for e in self._dynamic_entries if e is not entry]
+            if self._last_entry is entry:
+                self._last_entry = None
+            self._next_reason = f"{error} (compiled again with the metadata it returned)"
+        try:
+            return self(*args, **kwargs)
+        finally:
+            self.__dict__.pop("_next_reason", None)  # read by the compilation that call made
 
     def _find(self, key, args, kwargs, flat: list[torch.Tensor], inputs: tuple) -> tuple[CacheEntry | None, list]:
         """The entry for a call whose key is ``key`` and the flat inputs its prologue returned (``inputs``: the
@@ -425,7 +457,8 @@ class JittedFunction:
         if not dims and flat is not None and self.dynamic is None and self._compilations and holds_objects(key):
             dims, notes = self._carried_dims(key, args, kwargs, sizes)
         if self._compilations:
-            reason = reason or self._describe_key_change(self._last_key, key, _arg_names(self.fn, args, kwargs))
+            reason = reason or self.__dict__.pop("_next_reason", None) or self._describe_key_change(
+                self._last_key, key, _arg_names(self.fn, args, kwargs))
             if notes:
                 reason = "; ".join(notes)
             elif guard_failure:
@@ -600,6 +633,10 @@ class JittedFunction:
             stats._last_compile_time_ms += sum(real.timings_ms.values())
             stats._settle = None
             self._record(entry)
+
+
+def _rebuild(cls: type, args: tuple, options: dict) -> JittedFunction:
+    return cls(*args, **options)
 
 
 def _display_name(fn) -> str:

@@ -25,6 +25,7 @@ from torch.nn.modules import module as _torch_module
 from fulmen.core.codeutils import sanitize_name
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.trace import get_tracectx
+from fulmen.executors import MetaMismatch
 from fulmen.executors.base import Executor
 from fulmen.executors.inductor_compile import call_leaving_a_core
 from fulmen.frontend import module_guard
@@ -168,6 +169,7 @@ class _ModuleProgram(JittedFunction):
 
     def __init__(self, module: nn.Module, executors, **options):
         super().__init__(module.forward, executors, **options)
+        self._init_args = (module, executors)
         self.module = module
         self.state = _ModuleState(module)
 
@@ -202,7 +204,10 @@ class _ModuleProgram(JittedFunction):
             self._stats.cache_hits += 1
         if entry.written and aliases_written_input(flat, entry.written, len(state.unique_slots)):
             return self._run_eagerly(args, kwargs)
-        return call_leaving_a_core(entry.program.run, flat)  # a flag read, unless regions are compiling
+        try:
+            return call_leaving_a_core(entry.program.run, flat)  # a flag read, unless regions are compiling
+        except MetaMismatch as e:
+            return self._compile_again(entry, e, args, kwargs)
 
     def _tensors_serialized(self) -> list[torch.Tensor] | None:
         """The module's parameters and buffers, read while no thread has proxies in modules' dictionaries (this
@@ -403,6 +408,12 @@ class JittedModule(nn.Module):
         self._non_persistent_buffers_set = module._non_persistent_buffers_set
         object.__setattr__(self, "_fulmen_module", module)
         object.__setattr__(self, "_fulmen_jitted", _ModuleProgram(module, executors, **options))
+
+    def __setstate__(self, state: dict) -> None:
+        # unpickled (torch.load, copy.deepcopy): the state holds the original module and a program that compiles
+        # again (_ModuleProgram pickles as its module and options)
+        module_guard.install()
+        super().__setstate__(state)
 
     @property
     def original_module(self) -> nn.Module:

@@ -28,6 +28,7 @@ import logging
 import sys
 import threading
 import types
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -113,12 +114,13 @@ class ModuleWrites:
             if not isinstance(old, Proxy):  # a jitted module's parameter or buffer, swapped for its proxy: put back
                 _put(mod, name, where, old)  # by fulmen.frontend.module
 
-    def settle(self, own: frozenset[int], captured: Iterable[int], codes: Iterable[types.CodeType]
-               ) -> list[tuple[nn.Module, str, TensorProxy]]:
+    def settle(self, own: frozenset[int], captured: Iterable[int], codes: Iterable[types.CodeType],
+               state: dict[int, torch.Tensor] | None = None) -> list[tuple[nn.Module, str, TensorProxy]]:
         """After the traced call: restore what the program must not leave set, raise for what it cannot compile,
         and return the program outputs (module, name, traced value), marked as such in ``module_guard``. ``own``:
         ids of the jitted module's tree; ``captured``: ids of the tensors the trace captured; ``codes``: the user
-        code that ran."""
+        code that ran; ``state``: the jitted module's parameters and buffers by the id of the proxy standing for
+        each while tracing."""
         captured = set(captured)
         outputs = []
         try:
@@ -146,6 +148,11 @@ class ModuleWrites:
                             "__init__; fulmen.jit(module) then updates the buffer on every call.")
                     outputs.append((mod, name, _may_read(type(mod), name, codes), new))
                     continue
+                if state:
+                    found, real = _with_real_state(new, state)
+                    if found:  # built from the module's own parameters and buffers: what eager leaves, kept
+                        _put(mod, name, now, real)
+                        continue
                 if has_proxy(new):  # a traced number or a container of traced values: nothing real to keep
                     _put(mod, name, where, old)
                     log.warning("fulmen: %s set the attribute %r of a %s to a %s holding traced values; fulmen.jit "
@@ -162,6 +169,40 @@ class ModuleWrites:
         for mod, name, read, _ in outputs:
             module_guard.mark_program_output(mod, name, read)
         return [(mod, name, value) for mod, name, _, value in outputs]
+
+
+def _with_real_state(value: Any, state: dict[int, torch.Tensor]) -> tuple[bool, Any]:
+    """``value`` with each proxy of a parameter or buffer (also one a weak reference points to) replaced by the
+    tensor it stands for, and whether there was one; (False, value) when it holds any other traced value.
+
+    A module may keep Python structures derived from its own parameters (``nn.RNNBase._flat_weights`` and its weak
+    references, rebuilt by ``forward`` when the parameters it sees are not those it saw last, as the proxies are):
+    with the real tensors put back it holds what eager would leave, and what every later call would write again
+    (a call with other parameters or buffers has another key, and traces again)."""
+    found = False
+
+    def real(v):
+        nonlocal found
+        if isinstance(v, Proxy):
+            t = state.get(id(v))
+            if t is None:
+                raise LookupError
+            found = True
+            return t
+        if isinstance(v, weakref.ReferenceType):
+            target = v()
+            return weakref.ref(real(target)) if isinstance(target, Proxy) else v
+        if type(v) in (list, tuple):
+            return type(v)(real(x) for x in v)
+        if type(v) is dict:
+            return {k: real(x) for k, x in v.items()}
+        return v
+
+    try:
+        value = real(value)
+    except LookupError:
+        return False, value
+    return found, value
 
 
 def check_no_proxies_left(modules: Iterable[nn.Module]) -> None:

@@ -24,6 +24,7 @@ from fulmen.core.trace import Trace, get_tracectx, tracectx
 from fulmen.frontend import module_guard
 from fulmen.frontend.cache import is_holder
 from fulmen.frontend.global_guard import GlobalGuard, ReadRecorder, build_guard
+from fulmen.frontend.higher_order import routing_higher_order_ops
 from fulmen.frontend.module_writes import ModuleWrites, check_no_proxies_left
 from fulmen.frontend.objects import ObjectResults, ObjectSwaps
 from fulmen.frontend.replay import Replays
@@ -372,7 +373,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     recorder = trace.on_user_op = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
     try:
         with tracectx(trace), _UserTorchCalls(trace), _compiling(), _recording_autograd_functions(), \
-                ModuleWrites() as writes:
+                routing_higher_order_ops(), ModuleWrites() as writes:
             try:
                 result = fn(*proxy_args, **proxy_kwargs)
             except BaseException:
@@ -380,8 +381,9 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
                 raise
             result, spec.objects = swaps.settle(result)
             result = trace.capture(result) if isinstance(result, torch.Tensor) else result
+            real_state = {id(p): t for p, (_, t) in zip(proxy_args[0], state)} if state is not None else None
             attributes = writes.settle(frozenset(map(id, own)), trace.capture.by_id,
-                                       recorder.codes if recorder is not None else ())
+                                       recorder.codes if recorder is not None else (), real_state)
             check_no_proxies_left(own)
             if attributes:  # the program also returns them; every call assigns them (module_writes.assigning)
                 spec.attributes = tuple((mod, name) for mod, name, _ in attributes)

@@ -627,11 +627,43 @@ def embedding(input, weight, padding_idx: int | None = None, max_norm: float | N
     if padding_idx is not None:
         check(-weight.shape[0] <= padding_idx < weight.shape[0], lambda: "Padding_idx must be within num_embeddings",
               AssertionError)
-    check(max_norm is None, lambda: "embedding(max_norm=...) renormalizes rows of weight in place; fulmen does not "
-          "trace it yet", NotImplementedError)
+    check(max_norm is None, lambda: "ltorch.embedding takes max_norm=None: F.embedding(max_norm=...) renormalizes "
+          "the weight in place first (embedding_renorm_)", NotImplementedError)
     flat = clang.reshape(input, (input.numel(),))
     rows = prims.take(weight, flat, 0)
     return clang.reshape(rows, (*input.shape, weight.shape[1]))
+
+
+def _embedding(input, weight, padding_idx: int | None = None, max_norm: float | None = None, norm_type: float = 2.0,
+               scale_grad_by_freq: bool = False, sparse: bool = False):
+    """``F.embedding``: with ``max_norm``, eager first renormalizes (in place, under no_grad) the rows of ``weight``
+    that ``input`` picks, then looks them up in the updated weight."""
+    if max_norm is not None:
+        with torch.no_grad():
+            embedding_renorm_(weight, input, max_norm, norm_type)
+    return embedding(input, weight, padding_idx, None, norm_type, scale_grad_by_freq, sparse)
+
+
+def embedding_renorm_(weight, input, max_norm: float, norm_type: float):
+    """``torch.embedding_renorm_``: each row of ``weight`` that ``input`` picks whose ``norm_type``-norm exceeds
+    ``max_norm`` is scaled by ``max_norm / (norm + 1e-7)``, in place. Eager computes that scale in double
+    precision and multiplies the row by it; a row picked twice is scaled once (the same value written twice)."""
+    check(isinstance(weight, TensorProxy) and weight.ndim == 2, lambda: "embedding_renorm_: weight must be a 2-D "
+          "tensor", RuntimeError)
+    check(input.dtype in (torch.int64, torch.int32), lambda: "embedding_renorm_: indices must be Long or Int, got "
+          f"{input.dtype}", RuntimeError)
+    flat = clang.reshape(input, (input.numel(),))
+    rows = prims.take(weight, flat, 0)
+    norms = vector_norm(rows, norm_type, (1,), keepdim=True)
+    norms = clang.maybe_convert_to_dtype(norms, torch.float64)
+    scale = where(gt(norms, max_norm), true_divide(max_norm, add(norms, 1e-7)), 1.0)
+    scaled = mul(rows, clang.maybe_convert_to_dtype(scale, weight.dtype))
+    mutate(weight, prims.index_put(weight, [flat], scaled, False))
+    return weight
+
+
+register_function((F.embedding,), _embedding)
+register_function((torch.embedding_renorm_,), embedding_renorm_)
 
 
 def _tensor_type_name(t) -> str:

@@ -305,6 +305,20 @@ def _overwritten_rule(p: RuleArgs):
     return out
 
 
+@builtin_rule("ltorch.cond_gate")
+def _cond_gate_rule(p: RuleArgs):
+    """A tensor as one branch of ``torch.cond`` reads it (``ltorch.cond_gate``): the cotangent where the predicate
+    takes that branch, zeros where not, by selection, so non-finite values of the other branch's backward are
+    dropped as eager never computes them."""
+    a, taken = p[0], p[1]
+    out = prims.reshape(a, tuple(a.shape))
+    if needs_grad(a):
+        g = get_grad(out)
+        put_grad(a, clang.where(clang.expand_to(taken, tuple(g.shape)), g,
+                                clang.full(tuple(g.shape), 0, device=g.device, dtype=g.dtype)))
+    return out
+
+
 def _pieces_rule(p: RuleArgs, *, stacked: bool = False):
     """split, chunk, tensor_split and unbind: the pieces cover the input along ``dim``, so its gradient is the
     pieces' cotangents concatenated (stacked for unbind), zeros for pieces that got none -- one ``cat``, as

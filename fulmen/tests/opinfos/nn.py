@@ -336,7 +336,6 @@ def _embedding_errors(op, device, **kw):
     yield SampleInput(torch.tensor([1], device=device), make_tensor((3,), device=device, dtype=F32)), RuntimeError, \
         "'weight' must be 2-D"
     yield SampleInput(torch.tensor([1], device=device), w, padding_idx=10), AssertionError, "Padding_idx must be"
-    yield SampleInput(torch.tensor([1], device=device), w, max_norm=1.0), NotImplementedError, "max_norm"
 
 
 embedding_opinfo = OpInfo(ltorch.embedding, torch_reference=F.embedding, dtypes=FLOATS,
