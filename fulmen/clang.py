@@ -17,6 +17,7 @@ from fulmen.core import dtypes
 from fulmen.core.devices import to_device
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbolic import INT_TYPES, NUMBER_TYPES, SYMBOLIC_NUMBERS
+from fulmen.core.unbacked import known_equal, same_shape
 from fulmen.core.utils import canonicalize_dim, check, prod
 
 
@@ -118,10 +119,10 @@ def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:
     for s in shapes:
         for i, length in enumerate(s):
             j = ndim - len(s) + i
-            if out[j] == 1:
+            if known_equal(out[j], 1):  # a data-dependent size is taken as not 1, as PyTorch's broadcasting does
                 out[j] = length
             else:
-                check(length == 1 or length == out[j],
+                check(known_equal(length, 1) or length == out[j],
                       lambda: f"The size of tensor a ({out[j]}) must match the size of tensor b ({length}) at "
                       f"non-singleton dimension {j}")
     return tuple(out)
@@ -234,7 +235,7 @@ def zeros_like(a: TensorProxy):
 
 def reshape(a: TensorProxy, shape: Sequence[int]) -> TensorProxy:
     shape = tuple(shape)
-    if tuple(a.shape) == shape:
+    if same_shape(a.shape, shape):
         return a
     return prims.reshape(a, shape)
 

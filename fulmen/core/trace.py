@@ -46,6 +46,8 @@ class Trace:
         self.autocast: list = []  # autocast policies applied to outermost calls (fulmen.transforms.autocast)
         self.on_user_op = None  # called at each torch call user code makes (frontend.global_guard)
         self.replay = None  # frontend hook copying decompositions recorded earlier (fulmen.frontend.replay)
+        # the ShapeEnv of the trace's symbolic sizes, dynamic or data-dependent (fulmen.core.unbacked.trace_shape_env)
+        self.shape_env = parent.shape_env if parent is not None else None
 
     # ---- names ----
     def make_name(self, prefix: str = "t") -> str:

@@ -20,6 +20,7 @@ from fulmen.core import langctx
 from fulmen.core.codeutils import sanitize_name
 from fulmen.core.proxies import Proxy, TensorProxy, call_with_out, has_proxy, is_library_file, latest
 from fulmen.core.trace import Trace, get_tracectx, tracectx
+from fulmen.core.unbacked import GuardOnDataDependentSymNode, data_dependent_guard
 from fulmen.frontend import module_guard
 from fulmen.frontend.global_guard import GlobalGuard, ReadRecorder, build_guard
 from fulmen.frontend.module_writes import ModuleWrites, check_no_proxies_left
@@ -359,6 +360,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
                 result = (result, [value for *_, value in attributes])
             result = _resolve_outputs(result)
             result = _write_back_mutated_inputs(trace, result)
+    except GuardOnDataDependentSymNode as e:  # a meta asked a question about a data-dependent size
+        raise data_dependent_guard(None, e) from e
     finally:
         trace.on_user_op = None
         if recorder is not None:

@@ -21,6 +21,7 @@ from fulmen.core.devices import to_torch_device
 from fulmen.core.proxies import DataDependentError, TensorProxy, _user_location
 from fulmen.core.symbol import OpTags, Symbol
 from fulmen.core.trace import get_tracectx
+from fulmen.core.unbacked import GuardOnDataDependentSymNode, data_dependent_guard, shape_env_of, trace_shape_env
 from fulmen.torch.registry import link_views, set_lazy_bits, torch_id, with_lazy_bits
 
 _opaque: dict[Any, Symbol] = {}
@@ -42,17 +43,19 @@ def _fake_meta(func: Callable, name: str, views: bool = False) -> Callable:
     are recorded as views of it, so in-place updates of either reach the other."""
 
     def meta(*args, **kwargs):
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
         # a trace with symbolic sizes: fake tensors get the same symbols, and the op's checks record guards
         env = _shape_env_of((args, kwargs))
-        mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=env)
         fargs = ()
         try:
-            # autocast casts are explicit in the trace and generated code runs without autocast
-            with mode, torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
-                fargs, fkwargs = tree_map(lambda x: _to_fake(mode, x), (args, kwargs))
-                out = func(*fargs, **fkwargs)
+            try:
+                fargs, out = _run_fake(func, args, kwargs, env)
+            except (torch._subclasses.fake_tensor.DynamicOutputShapeException,
+                    torch._subclasses.fake_tensor.DataDependentOutputException):
+                if env is not None:
+                    raise
+                # an output size that depends on the data (nonzero, masked_select): an unbacked size of the
+                # trace's ShapeEnv (fulmen.core.unbacked)
+                fargs, out = _run_fake(func, args, kwargs, trace_shape_env())
         except (torch._subclasses.fake_tensor.DynamicOutputShapeException,
                 torch._subclasses.fake_tensor.DataDependentOutputException) as e:
             raise DataDependentError(
@@ -60,6 +63,8 @@ def _fake_meta(func: Callable, name: str, views: bool = False) -> Callable:
                 f"  at {_user_location()}\nUse torch.compile(model, backend=\"fulmen\") to run it eagerly between "
                 "compiled parts, or move it out of the compiled function."
             ) from e
+        except GuardOnDataDependentSymNode as e:
+            raise data_dependent_guard(name, e) from e
         except RuntimeError:
             # Some meta kernels are stricter than the real ones (grouped_mm's demands bf16; the CPU kernel takes
             # float32, and Hugging Face MoE models call it so): learn the output metadata from one real call on
@@ -88,6 +93,17 @@ def _fake_meta(func: Callable, name: str, views: bool = False) -> Callable:
     return meta
 
 
+def _run_fake(func: Callable, args, kwargs, env) -> tuple:
+    """(the fake arguments, the op's fake result) from running it under a FakeTensorMode of ``env``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=env)
+    # autocast casts are explicit in the trace and generated code runs without autocast
+    with mode, torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+        fargs, fkwargs = tree_map(lambda x: _to_fake(mode, x), (args, kwargs))
+        return fargs, func(*fargs, **fkwargs)
+
+
 def _link_aliases(func: Callable, args, kwargs, base: torch.Tensor, out, result) -> None:
     """Record the outputs that eager makes views of ``base`` as views of the first argument."""
     fakes = out if isinstance(out, (tuple, list)) else (out,)
@@ -114,12 +130,7 @@ def _refuse_write(func: Callable) -> Callable:
     return unview
 
 
-def _shape_env_of(x: Any):
-    for leaf in torch.utils._pytree.tree_leaves(x):
-        for s in getattr(leaf, "shape", ()) if isinstance(leaf, TensorProxy) else (leaf,):
-            if isinstance(s, torch.SymInt):
-                return s.node.shape_env
-    return None
+_shape_env_of = shape_env_of
 
 
 def _run_on_zeros(func: Callable, args, kwargs):

@@ -32,6 +32,7 @@ from fulmen.core import dtypes
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol
 from fulmen.core.trace import get_tracectx
+from fulmen.core.unbacked import known_equal
 from fulmen.core.utils import canonicalize_dim, check, prod
 from fulmen.prims import PrimIDs
 from fulmen.transforms.linearize import (  # noqa: F401  (public names)
@@ -133,7 +134,9 @@ def sum_to(g: TensorProxy, shape: Sequence[int]) -> TensorProxy:
     """Sum ``g`` down to ``shape``: the VJP of broadcasting ``shape`` to ``g.shape``."""
     shape = tuple(shape)
     lead = g.ndim - len(shape)
-    dims = list(range(lead)) + [lead + i for i, s in enumerate(shape) if s == 1 and g.shape[lead + i] != 1]
+    # a data-dependent size is taken as not 1 (as broadcasting took it): summing a dim of size 1 would be right too
+    dims = list(range(lead)) + [lead + i for i, s in enumerate(shape)
+                                if known_equal(s, 1) and not known_equal(g.shape[lead + i], 1)]
     if dims:
         g = prims.sum(g, tuple(dims))
     return clang.reshape(g, shape)

@@ -1,0 +1,164 @@
+"""Data-dependent sizes and values under ``fulmen.jit`` (issue 44).
+
+Ops whose result size depends on the data (nonzero, masked_select, boolean-mask indexing, unique, repeat_interleave
+with tensor repeats) trace with an unbacked size (``u0``): one compilation serves every data pattern, forward and
+backward, and the code after them stays in the trace. Each case runs three data patterns: no element selected,
+every element selected, and some.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fulmen
+
+PATTERNS = ("none", "all", "some")
+
+
+def _data(shape, pattern: str, *, requires_grad: bool = False, seed: int = 0) -> torch.Tensor:
+    """Values whose sign decides what the cases select: all negative, all positive, or mixed."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(shape, generator=g, dtype=torch.float64) + 0.1
+    if pattern == "none":
+        x = -x
+    elif pattern == "some":
+        x = x * torch.where(torch.rand(shape, generator=g) < 0.5, -1.0, 1.0).to(torch.float64)
+    return x.requires_grad_(requires_grad)
+
+
+def _check(fn, shape=(4, 5), *, grad: bool = True, executors=("torch",)):
+    """fn under fulmen.jit vs eager on every pattern (values, then gradients of a weighted sum of the outputs),
+    compiled once."""
+    jfn = fulmen.jit(fn, executors=list(executors))
+    for k, pattern in enumerate(PATTERNS):
+        x = _data(shape, pattern, requires_grad=grad, seed=k)
+        xe = x.detach().clone().requires_grad_(grad)
+        got, want = jfn(x), fn(xe)
+        got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and g.dtype == w.dtype, (pattern, g.shape, w.shape)
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+        if grad:
+            floats = [(g, w) for g, w in zip(got, want) if g.requires_grad]
+            seed = torch.Generator().manual_seed(7)
+            weights = [torch.rand(w.shape, generator=seed, dtype=w.dtype) for _, w in floats]
+            sum(((g * c).sum() for (g, _), c in zip(floats, weights)), torch.zeros((), dtype=torch.float64)).backward()
+            sum(((w * c).sum() for (_, w), c in zip(floats, weights)), torch.zeros((), dtype=torch.float64)).backward()
+            want_grad = xe.grad if xe.grad is not None else torch.zeros_like(xe)
+            got_grad = x.grad if x.grad is not None else torch.zeros_like(x)
+            torch.testing.assert_close(got_grad, want_grad, rtol=1e-12, atol=1e-12)
+    assert fulmen.cache_misses(jfn) == 1, fulmen.compile_stats(jfn).recompile_reasons
+    assert fulmen.cache_hits(jfn) == len(PATTERNS) - 1
+    return jfn
+
+
+def _masked_write_tensor(x):
+    y = torch.zeros_like(x)
+    m = x > 0
+    y[m] = x[m] * 2  # values of the mask's data-dependent length
+    return y + 1
+
+
+def _masked_write_scalar(x):
+    y = x.clone()
+    y[y > 0] = 0.0
+    return y * 3
+
+
+def _columns(x):
+    return x[:, x[0] > 0].tanh() * 2
+
+
+def _rows_then_matmul(x):
+    rows = x[x.sum(1) > 0]
+    return (rows @ torch.linspace(-1, 1, 15, dtype=x.dtype).reshape(5, 3)).relu().sum(0)
+
+
+def _unique(x):
+    values, inverse, counts = torch.unique((x * 2).round().detach(), sorted=True, return_inverse=True,
+                                           return_counts=True)
+    return values * counts, inverse, x * values.sum()
+
+
+def _repeat_interleave(x):
+    repeats = (x > 0).long().sum(1)
+    return torch.repeat_interleave(x, repeats, dim=0).sum(0) * 2
+
+
+CASES = {
+    "nonzero": (lambda x: torch.nonzero(x > 0) * 2 + 1, False),
+    "argwhere": (lambda x: torch.argwhere(x > 0) + 1, False),
+    "masked_select": (lambda x: torch.masked_select(x, x > 0).exp() * 2, True),
+    "mask_read": (lambda x: x[x > 0].sin() + 1, True),
+    "mask_read_sum": (lambda x: x[x > 0].sum() + x.sum(), True),
+    "mask_write_tensor": (_masked_write_tensor, True),
+    "mask_write_scalar": (_masked_write_scalar, True),
+    "mask_columns": (_columns, True),
+    "mask_rows_matmul": (_rows_then_matmul, True),
+    "index_put_mask": (lambda x: (m := x > 0) is not None and x.index_put((m,), x[m] * 5), True),
+    "unique": (_unique, True),
+    "repeat_interleave": (_repeat_interleave, True),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_data_dependent_size_matches_eager_and_compiles_once(name):
+    fn, grad = CASES[name]
+    _check(fn, grad=grad)
+
+
+def test_trace_shows_the_data_dependent_size():
+    jfn = fulmen.jit(lambda x: x[x > 0] * 3, executors=["torch"])
+    jfn(torch.randn(6))
+    source = str(fulmen.last_traces(jfn)[-1])
+    assert 'f32[u0]' in source  # the result's length is the symbol u0
+    assert "nonzero" in str(fulmen.last_traces(jfn)[0])
+
+
+def test_data_dependent_size_with_dynamic_input_sizes():
+    def fn(x):
+        return (x[x > 0] * 2).sum() + x.sum(0)
+
+    jfn = fulmen.jit(fn, executors=["torch"])
+    for n in (5, 7, 9, 7):
+        for k, pattern in enumerate(PATTERNS):
+            x = _data((n, 3), pattern, seed=n + k)
+            torch.testing.assert_close(jfn(x), fn(x), rtol=1e-12, atol=1e-12)
+    # the first size, then once more when dim 0 is marked dynamic; data patterns never recompile
+    assert fulmen.cache_misses(jfn) == 2, fulmen.compile_stats(jfn).recompile_reasons
+
+
+def test_same_mask_twice_gives_the_same_size():
+    # y[m] = x[m] reads m twice: both sides must have the same data-dependent length, or tracing would have to ask
+    # whether two unknown sizes are equal
+    _check(_masked_write_tensor, shape=(3, 4, 2))
+
+
+def test_inductor_regions_around_data_dependent_ops():
+    def fn(x):
+        h = (x * 2).sin() + 1  # fusable, static sizes
+        picked = h[x > 0]  # data-dependent: stays on the torch executor
+        return picked.exp().sum() + (h * h).sum()
+
+    jfn = fulmen.jit(fn, compile="sync")
+    for k, pattern in enumerate(PATTERNS):
+        x = _data((8, 8), pattern, seed=k)
+        torch.testing.assert_close(jfn(x), fn(x), rtol=1e-10, atol=1e-10)
+    assert fulmen.cache_misses(jfn) == 1
+    source = str(fulmen.last_traces(jfn)[-1])
+    assert "inductor_fusion" in source  # the static part still fuses
+
+
+def test_mask_shape_mismatch_is_eagers_index_error():
+    with pytest.raises(IndexError, match="The shape of the mask"):
+        fulmen.jit(lambda x, m: x[m], executors=["torch"])(torch.randn(3, 4), torch.tensor([True, False]))
+
+
+def test_two_masks_computed_apart_are_a_clear_error():
+    # the same values, but two mask tensors: nothing while tracing says their counts agree (eager learns it from
+    # the data), so fulmen names the line rather than guess
+    with pytest.raises(fulmen.DataDependentError, match="test_data_dependent.py") as info:
+        fulmen.jit(lambda x: x.index_put((x > 0,), x[x > 0] * 5), executors=["torch"])(torch.randn(5))
+    assert "Eq(u0, u1)" in str(info.value)
