@@ -162,3 +162,129 @@ def test_two_masks_computed_apart_are_a_clear_error():
     with pytest.raises(fulmen.DataDependentError, match="test_data_dependent.py") as info:
         fulmen.jit(lambda x: x.index_put((x > 0,), x[x > 0] * 5), executors=["torch"])(torch.randn(5))
     assert "Eq(u0, u1)" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# split points: values the traced Python reads (fulmen.frontend.split_points)
+
+
+def _branchy(x):
+    h = x * 2
+    if h.sum() > 0:  # split point: bool
+        h = h.sin()
+    else:
+        h = h.cos()
+    n = int((x > 0).sum())  # split point: int
+    return h * n + x
+
+
+def _signs(sign: float, seed: int, *, requires_grad: bool = True) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return ((torch.rand(5, generator=g, dtype=torch.float64) + 0.1) * sign).requires_grad_(requires_grad)
+
+
+def test_branch_on_a_value_compiles_each_branch_once_and_matches_eager():
+    jfn = fulmen.jit(_branchy, executors=["torch"])
+    for k, sign in enumerate((1.0, 1.0, -1.0, -1.0, 1.0, -1.0)):
+        x = _signs(sign, k)
+        xe = x.detach().clone().requires_grad_()
+        got, want = jfn(x), _branchy(xe)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        got.sum().backward()
+        want.sum().backward()
+        torch.testing.assert_close(x.grad, xe.grad, rtol=1e-12, atol=1e-12)
+    # two branches (the int read follows the bool: all positive, or all negative), each compiled once
+    assert fulmen.cache_misses(jfn) == 2, fulmen.compile_stats(jfn).recompile_reasons
+    assert fulmen.cache_hits(jfn) == 4
+    assert "split point 0" in fulmen.compile_stats(jfn).last_recompile_reason
+
+
+def test_split_points_are_in_the_trace_and_the_logs(caplog):
+    jfn = fulmen.jit(_branchy, executors=["torch"])
+    with caplog.at_level("INFO", logger="fulmen"):
+        jfn(_signs(1.0, 0, requires_grad=False))
+    source = str(fulmen.last_traces(jfn)[0])
+    assert source.count("fulmen.value_guard(") == 2
+    assert "'bool', True, 0" in source and "'int', 5, 1" in source
+    assert "line" in source and "if h.sum() > 0:" in source  # the user's line
+    assert any("split point 0" in r.getMessage() and "if h.sum() > 0:" in r.getMessage() for r in caplog.records)
+
+
+def test_item_and_tolist_values_feed_python():
+    def fn(x, lengths):
+        parts = torch.split(x, lengths.tolist())  # split sizes from a tensor
+        scale = lengths.max().item()
+        return torch.stack([p.sum(0) for p in parts]) / scale
+
+    jfn = fulmen.jit(fn, executors=["torch"])
+    x = torch.randn(6, 3, dtype=torch.float64)
+    for lengths in ([1, 2, 3], [1, 2, 3], [3, 2, 1]):
+        t = torch.tensor(lengths)
+        torch.testing.assert_close(jfn(x, t), fn(x, t), rtol=1e-12, atol=1e-12)
+    assert fulmen.cache_misses(jfn) == 2
+
+
+def test_a_while_loop_on_a_value_runs_its_iterations():
+    def fn(x):
+        while x.sum() < 10:
+            x = x * 2
+        return x
+
+    jfn = fulmen.jit(fn, executors=["torch"])
+    for v in (1.0, 1.0, 3.0):
+        x = torch.full((2,), v, dtype=torch.float64)
+        torch.testing.assert_close(jfn(x), fn(x))
+    assert fulmen.cache_misses(jfn) == 2  # 1.0 doubles three times, 3.0 once
+
+
+def test_writes_into_inputs_happen_once_when_the_branch_changes():
+    def fn(x):
+        x.add_(1)
+        if x.sum() > 3:
+            return x * 2
+        return x * 3
+
+    jfn = fulmen.jit(fn, executors=["torch"])
+    for v in (1.0, -5.0, 1.0, -5.0):
+        a, b = torch.full((3,), v), torch.full((3,), v)
+        torch.testing.assert_close(jfn(a), fn(b))
+        torch.testing.assert_close(a, b)  # the program that met the other value wrote nothing
+
+
+def test_random_numbers_before_a_split_point_match_eager():
+    def fn(x):
+        noise = torch.rand(4, dtype=torch.float64)
+        if noise.sum() > 2:
+            return x + noise
+        return x - noise
+
+    jfn = fulmen.jit(fn, executors=["torch"])
+    x = torch.zeros(4, dtype=torch.float64)
+    for seed in (0, 1, 2, 3):
+        torch.manual_seed(seed)
+        got = jfn(x)
+        torch.manual_seed(seed)
+        torch.testing.assert_close(got, fn(x), rtol=0, atol=0)
+
+
+def test_branch_in_a_module():
+    class Gate(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 3, dtype=torch.float64)
+
+        def forward(self, x):
+            h = self.fc(x)
+            if h.mean() > 0:
+                return h.relu()
+            return h.tanh()
+
+    torch.manual_seed(0)
+    model = Gate()
+    jm = fulmen.jit(model, executors=["torch"])
+    for sign in (1.0, -1.0, 1.0, -1.0):
+        x = torch.full((2, 3), 50.0 * sign, dtype=torch.float64) + torch.randn(2, 3, dtype=torch.float64)
+        got, want = jm(x), model(x)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert fulmen.cache_misses(jm) == len({bool(model.fc(torch.full((2, 3), 50.0 * s, dtype=torch.float64)).mean() > 0)
+                                           for s in (1.0, -1.0)})

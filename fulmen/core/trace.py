@@ -48,6 +48,7 @@ class Trace:
         self.replay = None  # frontend hook copying decompositions recorded earlier (fulmen.frontend.replay)
         # the ShapeEnv of the trace's symbolic sizes, dynamic or data-dependent (fulmen.core.unbacked.trace_shape_env)
         self.shape_env = parent.shape_env if parent is not None else None
+        self.read_value = None  # frontend hook reading a tensor's value for Python (fulmen.frontend.split_points)
 
     # ---- names ----
     def make_name(self, prefix: str = "t") -> str:

@@ -27,6 +27,7 @@ from fulmen.executors.inductor_compile import call_leaving_a_core
 from fulmen.frontend import module_guard
 from fulmen.frontend.cache import aliases_written_input, args_key, global_state_key, state_key
 from fulmen.frontend.jit import JittedFunction, _changed_value
+from fulmen.frontend.split_points import ValueChanged
 from fulmen.frontend.tracing import _arg_names, check_supported_tensors, trace_program
 
 log = logging.getLogger("fulmen")
@@ -199,7 +200,17 @@ class _ModuleProgram(JittedFunction):
             self._stats.cache_hits += 1
         if entry.written and aliases_written_input(flat, entry.written, len(state.unique_slots)):
             return self._run_eagerly(args, kwargs)
-        return call_leaving_a_core(entry.program.run, flat)  # a flag read, unless regions are compiling
+        try:
+            return call_leaving_a_core(entry.program.run, flat)  # a flag read, unless regions are compiling
+        except ValueChanged as e:  # a value the traced Python read differs: another branch's program
+            return self._value_changed(e, entry, args, kwargs)
+
+    def _call_key(self, args, kwargs) -> tuple[Any, list[torch.Tensor], tuple]:
+        state = self.state
+        tensors = state.tensors()
+        flat: list[torch.Tensor] = []
+        key = ((state.version, state_key(tensors, flat), args_key(args, kwargs, flat)), global_state_key())
+        return key, flat, (state.version, tensors, args, kwargs)
 
     def _tensors_serialized(self) -> list[torch.Tensor] | None:
         """The module's parameters and buffers, read while no thread has proxies in modules' dictionaries (this

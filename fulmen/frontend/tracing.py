@@ -25,6 +25,7 @@ from fulmen.frontend import module_guard
 from fulmen.frontend.global_guard import GlobalGuard, ReadRecorder, build_guard
 from fulmen.frontend.module_writes import ModuleWrites, check_no_proxies_left
 from fulmen.frontend.replay import Replays
+from fulmen.frontend.split_points import ValueReader
 from fulmen.torch.fallback import opaque_symbol
 from fulmen.torch.numpy_values import numpy_data, numpy_scalar
 from fulmen.torch.shape import set_strides
@@ -41,6 +42,9 @@ class InputSpec:
     guard: GlobalGuard | None = None  # the globals and closure variables the traced code read
     # module attributes the program assigns (fulmen.frontend.module_writes): it returns (result, their values)
     attributes: tuple[tuple[torch.nn.Module, str], ...] = ()
+    # the tensor values the traced Python read, in order, and where (fulmen.frontend.split_points): the branch
+    values: tuple = ()
+    value_lines: tuple[str, ...] = ()
 
 
 def _arg_names(fn: Callable, args: tuple, kwargs: dict) -> list[str]:
@@ -120,6 +124,18 @@ def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], sizes:
     if isinstance(value, dict):
         return {k: proxify(trace, v, f"{name}_{k}", flat, sizes) for k, v in value.items()}
     return value
+
+
+def _real_tensors(value: Any, out: list[torch.Tensor]) -> None:
+    """The tensors in ``value`` in the order ``proxify`` makes them inputs."""
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _real_tensors(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _real_tensors(v, out)
 
 
 class _Capture:
@@ -346,6 +362,9 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     trace.capture = _Capture(trace, spec)
     trace.autocast = _AutocastPolicies()
     trace.replay = Replays(trace) if REPLAY else None
+    real = [t for _, t in state] if state is not None else []
+    _real_tensors((args, kwargs), real)
+    trace.read_value = reader = ValueReader(trace, lambda: real + spec.captured)
     recorder = trace.on_user_op = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
     try:
         with tracectx(trace), _UserTorchCalls(trace), _compiling(), _recording_autograd_functions(), \
@@ -364,12 +383,14 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
         raise data_dependent_guard(None, e) from e
     finally:
         trace.on_user_op = None
+        trace.read_value = None
         if recorder is not None:
             recorder.close()
     if recorder is not None:
         names = [p.name for p in trace.args[len(trace.args) - len(spec.captured):]]
         spec.guard = build_guard(recorder, list(zip(names, spec.captured)), own,
                                  _bound_arguments(guard_reads, args, kwargs))
+    spec.values, spec.value_lines = tuple(reader.values), tuple(reader.where)
     trace.capture = None
     trace.replay = None
     trace.autocast = []
