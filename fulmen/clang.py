@@ -297,7 +297,7 @@ def slice_in_dim(a: TensorProxy, start: int, stop: int, step: int = 1, dim: int 
     dim = canonicalize_dim(a.ndim, dim)
     starts, stops, steps = [0] * a.ndim, list(a.shape), [1] * a.ndim
     starts[dim], stops[dim], steps[dim] = start, stop, step
-    if start == 0 and stop == a.shape[dim] and step == 1:
+    if start == 0 and known_equal(stop, a.shape[dim]) and step == 1:
         return a
     return prims.slice_prim(a, starts, stops, steps)
 

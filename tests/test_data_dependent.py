@@ -288,3 +288,31 @@ def test_branch_in_a_module():
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert fulmen.cache_misses(jm) == len({bool(model.fc(torch.full((2, 3), 50.0 * s, dtype=torch.float64)).mean() > 0)
                                            for s in (1.0, -1.0)})
+
+
+def test_index_into_a_data_dependent_size_is_checked_when_the_program_runs():
+    def fn(x):
+        return x[x > 0][0] * 2  # eager raises IndexError when no element is positive
+
+    jfn = fulmen.jit(fn, executors=["torch"])
+    for k, pattern in enumerate(("some", "all")):
+        x = _data((6,), pattern, seed=k)
+        torch.testing.assert_close(jfn(x), fn(x))
+    assert "check_sizes" in str(fulmen.last_traces(jfn)[-1])
+    x = _data((6,), "none")
+    with pytest.raises(IndexError, match="index 0 is out of bounds"):
+        fn(x)
+    with pytest.raises(IndexError, match="index 0 is out of bounds"):
+        jfn(x)
+    assert fulmen.cache_misses(jfn) == 1
+
+
+def test_a_tensor_as_a_size_is_a_split_point():
+    def fn(x, n):
+        return torch.zeros(2, n, dtype=x.dtype) + x.sum()  # as LSTM does with a PackedSequence
+
+    jfn = fulmen.jit(fn, executors=["torch"])
+    x = torch.randn(3)
+    for n in (2, 2, 4):
+        torch.testing.assert_close(jfn(x, torch.tensor(n)), fn(x, torch.tensor(n)))
+    assert fulmen.cache_misses(jfn) == 2

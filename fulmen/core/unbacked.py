@@ -167,3 +167,44 @@ def same_shape(a, b) -> bool:
         return tuple(a) == tuple(b)
     except GuardOnDataDependentSymNode:
         return len(a) == len(b) and all(known_equal(x, y) for x, y in zip(a, b))
+
+
+_ERRORS = {"IndexError": IndexError, "RuntimeError": RuntimeError, "ValueError": ValueError}
+
+
+def _check_sizes(cond: bool, message: str, error: str) -> None:
+    if not cond:
+        raise _ERRORS[error](message)
+
+
+def _check_sizes_meta(cond, message, error):
+    return None
+
+
+def _make_check_symbol():
+    from fulmen.core.symbol import OpTags, Symbol
+
+    sym = Symbol(name="check_sizes", meta=_check_sizes_meta, id="fulmen.check_sizes", is_prim=True, module="fulmen",
+                 tags=(OpTags.SIDE_EFFECT, OpTags.DONT_DCE, OpTags.NON_DIFFERENTIABLE))
+    sym.extra["torch_impl"] = _check_sizes
+    sym.extra["skip_meta_check"] = True
+    return sym
+
+
+check_sizes = _make_check_symbol()
+
+
+def expect(cond: Any, message, error: type[Exception] = RuntimeError) -> None:
+    """``check(cond, message, error)`` for a condition on sizes: decided now where the sizes decide it (a guard for
+    dynamic ones), and where it depends on a data-dependent size, checked when the program runs
+    (``fulmen.check_sizes(0 < u0, ...)`` in the trace) and assumed true while tracing goes on, as eager would
+    have raised otherwise."""
+    try:
+        ok = bool(cond)
+    except GuardOnDataDependentSymNode:
+        trace = current.trace
+        trace.scopes[-1].append(check_sizes.bind(cond, message(), error.__name__, output=None))
+        torch._check(cond)  # the ShapeEnv takes it as known from here on (0 < u0 makes u0 == 0 false)
+        return
+    if not ok:
+        raise error(message())

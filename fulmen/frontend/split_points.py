@@ -93,16 +93,18 @@ class ValueReader:
 
     def __call__(self, kind: str, proxy: TensorProxy, what: str) -> Any:
         trace = self.trace
-        if len(trace.scopes) != 1:  # inside an operation's decomposition or an opaque op: no place to split
-            raise _not_splittable(what, proxy, "it is read inside an operation fulmen records as a whole")
+        if len(trace.scopes) != 1 and not _defined_at_top(trace, proxy):
+            # a value an operation's decomposition computed: the program has no line between its parts to split at
+            raise _not_splittable(what, proxy, "it is computed inside an operation fulmen records as a whole")
         real = self._compute(proxy)
         value = READERS[kind](real)  # eager's own conversion: a tensor of several elements raises as in eager
         index = len(self.values)
         where = _user_location()
         self.values.append(value)
         self.where.append(where)
-        bsym = value_guard.bind(proxy, kind, value, index, where, output=None)
-        trace.bound_symbols.append(bsym)
+        # at the top of the trace, before the operation being recorded if the read is in its arguments
+        # (torch.zeros(n, 4) with n a tensor): a guard among its subsymbols would be dropped with them
+        trace.bound_symbols.append(value_guard.bind(proxy, kind, value, index, where, output=None))
         log.info("fulmen: split point %d in %s: %s read as %r at %s", index, trace.fn_name,
                  _SPELLING[kind].format(proxy.name), value, where)
         return value
@@ -127,6 +129,12 @@ class ValueReader:
         devices = sorted({t.device.index or 0 for t in inputs if t.device.type == "cuda"})
         with torch.no_grad(), torch.random.fork_rng(devices=devices):  # the program draws the same numbers again
             return fn(*inputs)
+
+
+def _defined_at_top(trace: Trace, proxy: TensorProxy) -> bool:
+    name = proxy.name
+    return any(a.name == name for a in trace.args) or any(
+        p.name == name for b in trace.bound_symbols for p in b.flat_proxy_outs)
 
 
 def _not_splittable(what: str, proxy: TensorProxy, why: str) -> DataDependentError:
