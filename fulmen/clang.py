@@ -129,7 +129,7 @@ def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:
 
 
 def expand_to(a: TensorProxy, shape: Sequence[int]) -> TensorProxy:
-    if len(a.shape) == len(shape) and tuple(a.shape) == tuple(shape):  # rank first: no guard on sizes
+    if len(a.shape) == len(shape) and same_shape(a.shape, shape):  # rank first: no guard on sizes
         return a
     offset = len(shape) - a.ndim
     return prims.broadcast_in_dim(a, list(shape), tuple(range(offset, len(shape))))

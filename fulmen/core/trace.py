@@ -12,6 +12,7 @@ from fulmen.core.proxies import Proxy, TensorProxy
 from fulmen.core.symbol import BoundSymbol
 from fulmen.core.symbolic import SymbolBinder
 from fulmen.core.tracectx import get_tracectx, tracectx  # noqa: F401  (where callers have always found them)
+from fulmen.core.unbacked import shapes_agree
 
 
 class Trace:
@@ -200,7 +201,7 @@ def _check_meta(bsym: BoundSymbol) -> None:
                               f"{len(want)}:\n{bsym}")
     for g, w in zip(got, want):
         if isinstance(g, TensorProxy) and isinstance(w, TensorProxy):
-            if (tuple(g.shape), g.dtype, g.device) != (tuple(w.shape), w.dtype, w.device):
+            if not shapes_agree(g.shape, w.shape) or (g.dtype, g.device) != (w.dtype, w.device):
                 raise TraceCheckError(
                     f"{g.name} is recorded as {g.type_string()} but the meta of {sym.qualified_name} gives "
                     f"{w.type_string()}:\n{bsym}"

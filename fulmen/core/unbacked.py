@@ -149,15 +149,17 @@ _positions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def mask_positions(mask, compute):
-    """``compute(mask)`` (the positions of a mask's set elements), once per mask value in the trace being built:
-    ``y[m] = x[m]`` reads the same mask twice, and both sides must get the same data-dependent size to match."""
-    trace = current.trace
-    memo = _positions.setdefault(trace, {})
-    hit = memo.get(id(mask))
-    if hit is not None and hit[0] is mask:
-        return hit[1]
+    """``compute(mask)`` (the positions of a mask's set elements, one tensor per dim), whose length is the same
+    data-dependent size for every read of one mask value in the trace being built: ``y[m] = x[m]`` reads the mask
+    twice, and both sides must have the same length to match. Each read computes the positions itself (a read may
+    be claimed whole by an executor, which hides what its decomposition computed from the next one)."""
     out = compute(mask)
-    memo[id(mask)] = (mask, out)
+    memo = _positions.setdefault(current.trace, {})
+    seen = memo.get(id(mask))
+    if seen is not None and seen[0] is mask:
+        torch._check(out[0].shape[0] == seen[1])  # the ShapeEnv replaces the new symbol by the first one
+    else:
+        memo[id(mask)] = (mask, out[0].shape[0])
     return out
 
 
@@ -208,3 +210,17 @@ def expect(cond: Any, message, error: type[Exception] = RuntimeError) -> None:
         return
     if not ok:
         raise error(message())
+
+
+def shapes_agree(recorded, rerun) -> bool:
+    """Whether a meta run again (``check_trace``) agrees with the shape it recorded: a data-dependent size is a new
+    symbol on every run, so such a pair only needs to be data-dependent on both sides."""
+    if len(recorded) != len(rerun):
+        return False
+    for a, b in zip(recorded, rerun):
+        if has_unbacked(a) or has_unbacked(b):
+            if not (has_unbacked(a) and has_unbacked(b)):
+                return False
+        elif a != b:
+            return False
+    return True

@@ -195,6 +195,8 @@ def _slice_bounds(s: slice, n: int) -> tuple[int, int, int]:
         start, stop, step = _symbolic_indices(s, n)
     else:
         start, stop, step = s.indices(n)
+    if isinstance(start, torch.SymInt) or isinstance(stop, torch.SymInt):  # max() would ask which is larger
+        return start, torch.sym_max(start, stop), step
     return start, max(start, stop), step
 
 

@@ -373,8 +373,9 @@ def _where_vjp(b, g):
 @_rule(PrimIDs.BROADCAST_IN_DIM)
 def _broadcast_in_dim_vjp(b, g):
     a, shape, bdims = _args(b)
-    dims = [d for d in range(len(shape)) if d not in bdims and shape[d] != 1]  # new length-1 dims: a reshape
-    dims += [d for i, d in enumerate(bdims) if a.shape[i] == 1 and shape[d] != 1]
+    # new length-1 dims: a reshape; a data-dependent length is summed over (right for a length 1 too)
+    dims = [d for d in range(len(shape)) if d not in bdims and not known_equal(shape[d], 1)]
+    dims += [d for i, d in enumerate(bdims) if known_equal(a.shape[i], 1) and not known_equal(shape[d], 1)]
     if dims:
         g = prims.sum(g, tuple(sorted(dims)))
     return clang.reshape(g, a.shape), None, None
@@ -406,7 +407,7 @@ def _flip_vjp(b, g):
 def _slice_vjp(b, g):
     a, starts, _, strides = _args(b)
     strides = strides if strides is not None else [1] * a.ndim
-    if g.numel() == 0:
+    if known_equal(g.numel(), 0):  # a data-dependent length may be 0 too: padding covers it
         return zeros_like(a), None, None, None
     config = [(s, n_in - (s + (n_out - 1) * st) - 1, st - 1)
               for s, st, n_in, n_out in zip(starts, strides, a.shape, g.shape)]
