@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fulmen
 
@@ -352,3 +353,24 @@ def test_two_reads_of_one_mask_with_the_default_executors():
         for g, w in zip(got, [p.grad for p in model.parameters()]):
             torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
     assert fulmen.cache_misses(jm) == 1
+
+
+def test_ctc_loss_forward_and_gradients_compile_once():
+    # Wav2Vec2's loss: the fake-tensor kernel refuses the alignment table's data-dependent length, but the loss's
+    # shape does not depend on the data
+    def fn(logits, targets, input_lengths, target_lengths):
+        return F.ctc_loss(logits.log_softmax(-1), targets, input_lengths, target_lengths) * 2
+
+    jfn = fulmen.jit(fn, executors=["torch"])
+    for k in range(3):
+        g = torch.Generator().manual_seed(k)
+        logits = torch.randn(12, 2, 6, generator=g, dtype=torch.float64, requires_grad=True)
+        targets = torch.randint(1, 6, (2, 4), generator=g)
+        lengths = (torch.tensor([12, 10 - k]), torch.tensor([4, 3 - k]))
+        le = logits.detach().clone().requires_grad_()
+        got, want = jfn(logits, targets, *lengths), fn(le, targets, *lengths)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(logits.grad, le.grad, rtol=1e-10, atol=1e-12)
+    assert fulmen.cache_misses(jfn) == 1

@@ -58,6 +58,9 @@ def _fake_meta(func: Callable, name: str, views: bool = False) -> Callable:
                 fargs, out = _run_fake(func, args, kwargs, trace_shape_env())
         except (torch._subclasses.fake_tensor.DynamicOutputShapeException,
                 torch._subclasses.fake_tensor.DataDependentOutputException) as e:
+            static = STATIC_RESULT_METAS.get(func)
+            if static is not None:
+                return static(*args, **kwargs)
             raise DataDependentError(
                 f"{name} returns a tensor whose shape depends on tensor values, which fulmen.jit cannot trace.\n"
                 f"  at {_user_location()}\nUse torch.compile(model, backend=\"fulmen\") to run it eagerly between "
@@ -91,6 +94,22 @@ def _fake_meta(func: Callable, name: str, views: bool = False) -> Callable:
         return result
 
     return meta
+
+
+def _ctc_loss_meta(log_probs, targets, input_lengths, target_lengths, blank=0, reduction="mean",
+                   zero_infinity=False):
+    batched = log_probs.ndim == 3
+    shape = (log_probs.shape[1],) if batched and reduction == "none" else ()
+    return TensorProxy(shape=shape, dtype=log_probs.dtype, device=log_probs.device,
+                       requires_grad=log_probs.requires_grad)
+
+
+#: Results of ops whose fake-tensor kernels refuse data-dependent sizes they only use inside (ctc_loss's alignment
+#: table is as long as the longest target) although the result's shape does not depend on the data; the torch
+#: executor runs the op and checks its arguments, and PyTorch's autograd differentiates it.
+STATIC_RESULT_METAS: dict[Callable, Callable] = {
+    torch.nn.functional.ctc_loss: _ctc_loss_meta,
+}
 
 
 def _run_fake(func: Callable, args, kwargs, env) -> tuple:
