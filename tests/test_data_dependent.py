@@ -374,3 +374,31 @@ def test_ctc_loss_forward_and_gradients_compile_once():
         want.backward()
         torch.testing.assert_close(logits.grad, le.grad, rtol=1e-10, atol=1e-12)
     assert fulmen.cache_misses(jfn) == 1
+
+
+def test_packed_sequence_lstm_forward_and_gradients_compile_once():
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(4, 5, batch_first=True, dtype=torch.float64)
+
+    def fn(x, lengths):
+        packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, (h, c) = lstm(packed)
+        out, out_lengths = torch.nn.utils.rnn.pad_packed_sequence(out, batch_first=True)
+        return out.tanh().sum(1) + h.sum(0) + c.sum(0), out_lengths
+
+    jfn = fulmen.jit(fn, executors=["torch"])
+    for k, lengths in enumerate(([6, 3, 4], [6, 2, 5], [5, 1, 6])):
+        x = torch.randn(3, 6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(k), requires_grad=True)
+        xe = x.detach().clone().requires_grad_()
+        lstm.zero_grad()
+        got, got_lengths = jfn(x, torch.tensor(lengths))
+        got.sum().backward()
+        weight_grad = lstm.weight_hh_l0.grad.clone()
+        lstm.zero_grad()
+        want, want_lengths = fn(xe, torch.tensor(lengths))
+        want.sum().backward()
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        assert torch.equal(got_lengths, want_lengths)
+        torch.testing.assert_close(x.grad, xe.grad, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(weight_grad, lstm.weight_hh_l0.grad, rtol=1e-10, atol=1e-12)
+    assert fulmen.cache_misses(jfn) == 1, fulmen.compile_stats(jfn).recompile_reasons

@@ -67,6 +67,10 @@ def _fake_meta(func: Callable, name: str, views: bool = False) -> Callable:
                 "compiled parts, or move it out of the compiled function."
             ) from e
         except GuardOnDataDependentSymNode as e:
+            special = DATA_DEPENDENT_INPUT_METAS.get(func)
+            out = special(*args, **kwargs) if special is not None else None
+            if out is not None:
+                return out
             raise data_dependent_guard(name, e) from e
         except RuntimeError:
             # Some meta kernels are stricter than the real ones (grouped_mm's demands bf16; the CPU kernel takes
@@ -110,6 +114,34 @@ def _ctc_loss_meta(log_probs, targets, input_lengths, target_lengths, blank=0, r
 STATIC_RESULT_METAS: dict[Callable, Callable] = {
     torch.nn.functional.ctc_loss: _ctc_loss_meta,
 }
+
+
+def _packed_lstm_meta(data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidirectional):
+    """``torch.lstm`` on a PackedSequence's data, whose row count (the sum of the lengths) is data-dependent: one
+    output row per input row; the final states have the shapes of the initial ones."""
+    if not isinstance(batch_sizes, TensorProxy):  # the padded form: its fake kernel takes every size
+        return None
+    h, c = hx
+    out = TensorProxy(like=data, shape=(data.shape[0], h.shape[2] * (2 if bidirectional else 1)),
+                      requires_grad=data.requires_grad or h.requires_grad or any(p.requires_grad for p in params))
+    return out, TensorProxy(like=h, requires_grad=out.requires_grad), TensorProxy(like=c,
+                                                                                   requires_grad=out.requires_grad)
+
+
+def _pad_packed_meta(data, batch_sizes, batch_first, padding_value, total_length):
+    """``torch._pad_packed_sequence``: ``(max length, batch, *features)`` (batch first if asked) and the lengths;
+    the batch is ``batch_sizes[0]``, a value, so a new data-dependent size."""
+    batch = trace_shape_env().create_unbacked_symint()
+    torch._check(batch >= 0)
+    steps = batch_sizes.shape[0] if total_length is None or total_length < 0 else total_length
+    dims = (batch, steps) if batch_first else (steps, batch)
+    padded = TensorProxy(like=data, shape=(*dims, *data.shape[1:]))
+    return padded, TensorProxy(shape=(batch,), dtype=torch.int64, device=batch_sizes.device)
+
+
+#: Metas for ops whose fake-tensor kernels cannot take a data-dependent size in their inputs (None: not this form).
+DATA_DEPENDENT_INPUT_METAS: dict[Callable, Callable] = {torch.lstm: _packed_lstm_meta,
+                                                        torch._pad_packed_sequence: _pad_packed_meta}
 
 
 def _run_fake(func: Callable, args, kwargs, env) -> tuple:
