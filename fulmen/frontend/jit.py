@@ -15,6 +15,7 @@ import torch
 
 from fulmen.core.proxies import has_proxy
 from fulmen.core.trace import Trace, get_tracectx
+from fulmen.core.unbacked import has_unbacked
 from fulmen.core.utils import compiler_import_lock
 from fulmen.executors.base import Executor, resolve_executors
 from fulmen.executors.inductor_compile import COMPILE_MODES, call_leaving_a_core, compile_mode_set
@@ -567,6 +568,11 @@ class JittedFunction:
         if graph_name and symbolic is not None:
             log.warning("fulmen: %s runs without CUDA graphs: its sizes are dynamic (pass dynamic=False to compile "
                         "for exact sizes)", graph_name)
+            graph_name = None
+        if graph_name and (spec.values or any(has_unbacked(b.flat_proxy_outs) for b in trace.bound_symbols)):
+            # a replayed graph runs no Python (a split point's check) and fixes every size (a data-dependent one)
+            log.warning("fulmen: %s runs without CUDA graphs: it has data-dependent sizes or split points",
+                        graph_name)
             graph_name = None
         if self._needs_grad(spec.tensor_proxies):
             from fulmen.frontend.training import compile_training
