@@ -68,6 +68,7 @@ def fulmen_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict
     run_graph.__name__ = "dynamo_graph"
     jitted = JittedFunction(run_graph, **{**(options or {}), **kwargs})
     jitted._guard_reads = False  # Dynamo guards the globals the user's code read; the graph's own are its constants
+    jitted._split_points = False  # a value the graph reads (.item()) is a float Dynamo passes anew on each call
 
     select = (lambda args: [args[i] for i in kept]) if sources else (lambda args: args)
     eager = None  # set when fulmen cannot trace the graph: Dynamo's graph then runs as it is

@@ -198,6 +198,9 @@ class JittedFunction:
         self._stats_entry: CacheEntry | None = None  # the compilation the statistics describe
         self._variants: dict[Any, list[CacheEntry]] = {}  # key -> entries compiled for other global values
         self._guard_reads = True  # check the globals and closures the code read (the Dynamo backend: Dynamo does)
+        # read tensor values Python needs at split points (the Dynamo backend: Dynamo breaks the graph there, and a
+        # value its graph reads with .item() changes on every call, so the graph runs eagerly instead)
+        self._split_points = True
         # held while a cache entry is filled (a miss traces and compiles): two threads that miss at once compile once;
         # the hit path never takes it
         self._lock = threading.RLock()
@@ -331,7 +334,8 @@ class JittedFunction:
             p.requires_grad for p in flat_proxies)
 
     def _trace(self, args, kwargs, sizes=None) -> tuple[Trace, InputSpec]:
-        return trace_program(self.fn, args, kwargs, sizes=sizes, guard_reads=self.fn if self._guard_reads else None)
+        return trace_program(self.fn, args, kwargs, sizes=sizes, guard_reads=self.fn if self._guard_reads else None,
+                             split_points=self._split_points)
 
     def _globals_changed(self, key, entry: CacheEntry, args, kwargs, flat, inputs: tuple) -> CacheEntry:
         """The key matched but the entry's prologue failed: a global or closure variable the program's code read

@@ -296,7 +296,7 @@ class _ModuleProgram(JittedFunction):
         names = _arg_names(module.forward, args, kwargs)
         return trace_program(forward, args, kwargs, state=named, fn_name="computation", arg_names=names,
                              sizes=sizes, guard_reads=module.forward if self._guard_reads else None,
-                             own=list(module.modules()))
+                             own=list(module.modules()), split_points=self._split_points)
 
     def _build_entry(self, key, args, kwargs, symbolic):
         entry = super()._build_entry(key, args, kwargs, symbolic)  # assigns the module attributes on every call

@@ -336,7 +336,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
                   fn_name: str = "computation",
                   state: list[tuple[str, torch.Tensor]] | None = None,
                   sizes: list | None = None, guard_reads: Callable | None = None,
-                  own: Sequence[torch.nn.Module] = ()) -> tuple[Trace, InputSpec]:
+                  own: Sequence[torch.nn.Module] = (), split_points: bool = False) -> tuple[Trace, InputSpec]:
     """Trace ``fn(*args, **kwargs)``: tensors become proxies, every torch call becomes a bound symbol.
 
     ``state`` (a module's parameters and buffers, by name) becomes the first inputs; ``fn`` then receives
@@ -344,7 +344,9 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     order (state first), with ``torch.SymInt`` for dynamic dimensions (``fulmen.frontend.dynamic``).
     ``guard_reads`` (the user's function) asks for ``spec.guard``: a check of the globals and closure variables the
     user's code read (``fulmen.frontend.global_guard``). ``own``: the jitted module's tree, whose parameters and
-    buffers are inputs (writes to other modules: ``fulmen.frontend.module_writes``).
+    buffers are inputs (writes to other modules: ``fulmen.frontend.module_writes``). With ``split_points``, Python
+    that reads a tensor's value gets it from the call's tensors, guarded (``fulmen.frontend.split_points``; the
+    caller runs the branch a guard picks); without, it raises ``DataDependentError``.
     """
     trace = Trace(fn_name)
     spec = InputSpec()
@@ -364,7 +366,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     trace.replay = Replays(trace) if REPLAY else None
     real = [t for _, t in state] if state is not None else []
     _real_tensors((args, kwargs), real)
-    trace.read_value = reader = ValueReader(trace, lambda: real + spec.captured)
+    reader = ValueReader(trace, lambda: real + spec.captured)
+    trace.read_value = reader if split_points else None
     recorder = trace.on_user_op = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
     try:
         with tracectx(trace), _UserTorchCalls(trace), _compiling(), _recording_autograd_functions(), \
