@@ -127,7 +127,7 @@ def main() -> None:
     print(f"MoE top-1 ({args.experts} experts, {args.tokens} tokens x {args.dim}) + masked loss, training step, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     for name, ms in results.items():
-        print(f"  {name:<14} {ms:8.2f} ms/step  (x{ms / results['eager']:.2f} eager)  "
+        print(f"  {name:<14} {ms:8.2f} ms/step  speedup {results['eager'] / ms:.2f} (eager time / this time)  "
               f"min {min(samples[name]):8.2f} ms  first calls {first_ms[name]:.0f} ms")
     print(f"  fulmen.jit compilations: {misses} for {len(batches)} data patterns")
     if args.json:
