@@ -17,6 +17,7 @@ from fulmen.core import dtypes
 from fulmen.core.devices import to_device
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbolic import INT_TYPES, NUMBER_TYPES, SYMBOLIC_NUMBERS
+from fulmen.core.unbacked import known_equal, same_shape
 from fulmen.core.utils import canonicalize_dim, check, prod
 
 
@@ -118,17 +119,17 @@ def broadcast_shapes(*shapes: Sequence[int]) -> tuple[int, ...]:
     for s in shapes:
         for i, length in enumerate(s):
             j = ndim - len(s) + i
-            if out[j] == 1:
+            if known_equal(out[j], 1):  # a data-dependent size is taken as not 1, as PyTorch's broadcasting does
                 out[j] = length
             else:
-                check(length == 1 or length == out[j],
+                check(known_equal(length, 1) or length == out[j],
                       lambda: f"The size of tensor a ({out[j]}) must match the size of tensor b ({length}) at "
                       f"non-singleton dimension {j}")
     return tuple(out)
 
 
 def expand_to(a: TensorProxy, shape: Sequence[int]) -> TensorProxy:
-    if len(a.shape) == len(shape) and tuple(a.shape) == tuple(shape):  # rank first: no guard on sizes
+    if len(a.shape) == len(shape) and same_shape(a.shape, shape):  # rank first: no guard on sizes
         return a
     offset = len(shape) - a.ndim
     return prims.broadcast_in_dim(a, list(shape), tuple(range(offset, len(shape))))
@@ -234,7 +235,7 @@ def zeros_like(a: TensorProxy):
 
 def reshape(a: TensorProxy, shape: Sequence[int]) -> TensorProxy:
     shape = tuple(shape)
-    if tuple(a.shape) == shape:
+    if same_shape(a.shape, shape):
         return a
     return prims.reshape(a, shape)
 
@@ -296,7 +297,7 @@ def slice_in_dim(a: TensorProxy, start: int, stop: int, step: int = 1, dim: int 
     dim = canonicalize_dim(a.ndim, dim)
     starts, stops, steps = [0] * a.ndim, list(a.shape), [1] * a.ndim
     starts[dim], stops[dim], steps[dim] = start, stop, step
-    if start == 0 and stop == a.shape[dim] and step == 1:
+    if start == 0 and known_equal(stop, a.shape[dim]) and step == 1:
         return a
     return prims.slice_prim(a, starts, stops, steps)
 

@@ -257,17 +257,24 @@ def _numpy(x):
     return x + x.numpy().sum()
 
 
-@pytest.mark.parametrize("fn, what", [(_branch_on_value, "bool"), (_item, "item"), (_tolist, "tolist"),
-                                      (_numpy, "numpy")], ids=["bool", "item", "tolist", "numpy"])
-def test_data_dependent_error_names_the_users_line(fn, what):
-    line = fn.__code__.co_firstlineno + 1
-    x = torch.tensor(1.5) if what in ("bool", "item") else torch.randn(3)
+def test_data_dependent_error_names_the_users_line():
+    line = _numpy.__code__.co_firstlineno + 1
     with pytest.raises(DataDependentError) as info:
-        fulmen.jit(fn)(x)
+        fulmen.jit(_numpy)(torch.randn(3))
     message = str(info.value)
     assert f'File "{__file__}", line {line}' in message, message
-    assert what in message
+    assert "numpy" in message
     assert "torch.compile" in message  # the way out
+
+
+@pytest.mark.parametrize("fn", [_branch_on_value, _item, _tolist], ids=["bool", "item", "tolist"])
+def test_values_read_by_python_are_split_points(fn):
+    # fulmen.jit reads the value from the call's tensors and guards it (tests/test_data_dependent.py covers more)
+    line = fn.__code__.co_firstlineno + 1
+    jfn = fulmen.jit(fn, executors=["torch"])
+    for x in (torch.tensor([1.5]), torch.tensor([-2.0])):
+        torch.testing.assert_close(jfn(x), fn(x))
+    assert f'line {line}' in str(fulmen.last_traces(jfn)[0])
 
 
 # ---------------------------------------------------------------------------------------------------------

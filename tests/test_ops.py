@@ -289,6 +289,10 @@ def _substitute(x, env):
         if x.name not in env:
             raise AssertionError(f"{x.name} is read before any bound symbol produced it")
         return env[x.name]
+    if isinstance(x, torch.SymInt):  # a data-dependent size: its value in the real results bound so far
+        from fulmen.core.symbolic import expr_of
+
+        return int(expr_of(x).subs(env.get(_SYMBOLS, {})))
     if isinstance(x, tuple) and not hasattr(x, "_fields"):
         return tuple(_substitute(v, env) for v in x)
     if isinstance(x, list):
@@ -298,24 +302,48 @@ def _substitute(x, env):
     return x
 
 
-def _compare_meta(proxy_struct, real, where: str):
+def _concrete_shape(shape, real_shape, symbols: dict | None = None) -> tuple:
+    """The traced shape with each data-dependent size (``u0``: nonzero, boolean masks) replaced by the value the
+    same symbol takes in the real result; a size that is an expression of them is evaluated with those values."""
+    from fulmen.core.symbolic import expr_of
+    from fulmen.core.unbacked import has_unbacked
+
+    if not has_unbacked(shape):
+        return tuple(shape)
+    values = dict(symbols or {})
+    for d, r in zip(shape, real_shape):
+        if has_unbacked(d) and expr_of(d).is_Symbol:
+            values.setdefault(expr_of(d), r)
+    return tuple(int(expr_of(d).subs(values)) if has_unbacked(d) else d for d in shape)
+
+
+def _compare_meta(proxy_struct, real, where: str, symbols: dict | None = None):
     if isinstance(proxy_struct, TensorProxy):
         assert isinstance(real, torch.Tensor), f"{where}: {proxy_struct.name} stands for a tensor, got " \
                                                f"{type(real).__name__}"
         want = (tuple(real.shape), real.dtype, str(real.device))
-        got = (tuple(proxy_struct.shape), proxy_struct.dtype, str(proxy_struct.device))
+        got = (_concrete_shape(proxy_struct.shape, real.shape, symbols), proxy_struct.dtype, str(proxy_struct.device))
         assert got == want, f"{where}: {proxy_struct.name} is {proxy_struct.type_string()} in the trace but the " \
                             f"real value is {real.device} {real.dtype}{list(real.shape)}"
     elif isinstance(proxy_struct, (tuple, list)):
         assert isinstance(real, (tuple, list)) and len(real) == len(proxy_struct), \
             f"{where}: the trace has {len(proxy_struct)} outputs, the real call returned {_describe(real)}"
         for p, r in zip(proxy_struct, real):
-            _compare_meta(p, r, where)
+            _compare_meta(p, r, where, symbols)
+
+
+_SYMBOLS = "<symbols>"  # the env's key for the values of the data-dependent sizes (u0) met so far
 
 
 def _bind(proxy_struct, real, env):
     if isinstance(proxy_struct, Proxy):
         env[proxy_struct.name] = real
+        if isinstance(proxy_struct, TensorProxy) and isinstance(real, torch.Tensor):
+            from fulmen.core.symbolic import bare_symbol
+
+            for d, r in zip(proxy_struct.shape, real.shape):
+                if bare_symbol(d) is not None:
+                    env.setdefault(_SYMBOLS, {})[bare_symbol(d)] = r
     elif isinstance(proxy_struct, (tuple, list)) and isinstance(real, (tuple, list)):
         for p, r in zip(proxy_struct, real):
             _bind(p, r, env)
@@ -350,8 +378,8 @@ def interpret_and_check_meta(bound_symbols, env, path=""):
             real = _substitute(bsym.output, sub_env)
         else:
             raise AssertionError(f"no torch implementation for {where}")
-        _compare_meta(bsym.output, real, where)
         _bind(bsym.output, real, env)
+        _compare_meta(bsym.output, real, where, env.get(_SYMBOLS))
 
 
 def _strides_agree(a: torch.Tensor, b: torch.Tensor) -> bool:

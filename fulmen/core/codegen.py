@@ -142,10 +142,16 @@ def python_source(trace: Trace, ctx: dict[str, Any] | None = None, *, comments: 
         if bsym.sym.id == "comment":
             body.append(f"# {comment_text(str(bsym.args[0]), 10_000)}")
             continue
-        body.extend(bsym.python_lines(printer, name=names.name_for(bsym.sym), unused=trace.unused_outputs,
+        # an output nothing reads is printed "_", unless it is the one value that carries a size the code uses
+        carriers = binder.carriers([p for p in bsym.flat_proxy_outs if p.name in unused]) if unused else []
+        if carriers:
+            unused = set(unused) - {p.name for p in carriers}
+        body.extend(bsym.python_lines(printer, name=names.name_for(bsym.sym), unused=unused,
                                       with_subsymbols=comments))
         if binder.needed:
             body.extend(binder.lines_for([p for p in bsym.flat_proxy_outs if p.name not in unused]))
+        if carriers:
+            body.append("del " + ", ".join(p.name for p in carriers))
     binder.check(trace.output, "the return statement")
     body.append(f"return {printer(trace.output)}")
     if printer.constants:  # after "import torch": what each constant holds, for a reader

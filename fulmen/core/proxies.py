@@ -46,7 +46,11 @@ def _user_location() -> str:
     return "<unknown location>"
 
 
-def _data_dependent(what: str, proxy: TensorProxy):
+def _data_dependent(what: str, proxy: TensorProxy, kind: str | None = None):
+    trace = current.trace
+    read = trace.read_value if trace is not None and kind is not None else None
+    if read is not None:  # the frontend reads the value from the call's tensors (fulmen.frontend.split_points)
+        return read(kind, proxy, what)
     raise DataDependentError(
         f"{what} needs the value of tensor {proxy.name} ({proxy.type_string()}), which is not known while fulmen "
         f"traces the program.\n  at {_user_location()}\n"
@@ -256,13 +260,13 @@ class TensorProxy(Proxy):
 
     # ---- values fulmen cannot know while tracing ----
     def __bool__(self):
-        _data_dependent("bool(tensor) (an `if`, `while`, `and`/`or` or `assert` on a tensor)", self)
+        return _data_dependent("bool(tensor) (an `if`, `while`, `and`/`or` or `assert` on a tensor)", self, "bool")
 
     def item(self):
-        _data_dependent("Tensor.item()", self)
+        return _data_dependent("Tensor.item()", self, "item")
 
     def tolist(self):
-        _data_dependent("Tensor.tolist()", self)
+        return _data_dependent("Tensor.tolist()", self, "tolist")
 
     def numpy(self, *args, **kwargs):
         _data_dependent("Tensor.numpy()", self)
@@ -279,13 +283,13 @@ class TensorProxy(Proxy):
         return langctx.numpy_ufunc[0](ufunc, method, inputs, kwargs)
 
     def __float__(self):
-        _data_dependent("float(tensor)", self)
+        return _data_dependent("float(tensor)", self, "float")
 
     def __int__(self):
-        _data_dependent("int(tensor)", self)
+        return _data_dependent("int(tensor)", self, "int")
 
     def __index__(self):
-        _data_dependent("using a tensor as a Python index", self)
+        return _data_dependent("using a tensor as a Python index", self, "index")
 
     def __len__(self) -> int:
         if not self.shape:

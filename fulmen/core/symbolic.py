@@ -182,6 +182,19 @@ class SymbolBinder:
                     lines.append(f"{symbol_name(sym)} = {p.name}.shape[{i}]")
         return lines + _solve_lines(defined, self.needed, self.bound)
 
+    def carriers(self, values: Any) -> list:
+        """Those of ``values`` whose shapes carry, bare, a needed symbol not bound yet."""
+        if not self.needed or len(self.bound) == len(self.needed):
+            return []
+        out = []
+        for p in values:
+            shape = getattr(p, "shape", None)
+            if type(shape) is torch.Size and any(
+                    (sym := bare_symbol(d)) is not None and sym in self.needed and sym not in self.bound
+                    for d in shape):
+                out.append(p)
+        return out
+
     def check(self, x: Any, where: str) -> None:
         if not self.needed:
             return

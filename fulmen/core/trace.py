@@ -13,6 +13,7 @@ from fulmen.core.proxies import Proxy, TensorProxy
 from fulmen.core.symbol import BoundSymbol
 from fulmen.core.symbolic import SymbolBinder
 from fulmen.core.tracectx import get_tracectx, tracectx  # noqa: F401  (where callers have always found them)
+from fulmen.core.unbacked import shapes_agree
 
 
 class Trace:
@@ -49,6 +50,9 @@ class Trace:
         self.replay = None  # frontend hook copying decompositions recorded earlier (fulmen.frontend.replay)
         # the meta corrections its symbols' outputs were traced with (fulmen.core.meta_corrections)
         self.meta_epoch = parent.meta_epoch if parent is not None else meta_corrections.epoch
+        # the ShapeEnv of the trace's symbolic sizes, dynamic or data-dependent (fulmen.core.unbacked.trace_shape_env)
+        self.shape_env = parent.shape_env if parent is not None else None
+        self.read_value = None  # frontend hook reading a tensor's value for Python (fulmen.frontend.split_points)
 
     # ---- names ----
     def make_name(self, prefix: str = "t") -> str:
@@ -201,7 +205,7 @@ def _check_meta(bsym: BoundSymbol) -> None:
                               f"{len(want)}:\n{bsym}")
     for g, w in zip(got, want):
         if isinstance(g, TensorProxy) and isinstance(w, TensorProxy):
-            if (tuple(g.shape), g.dtype, g.device) != (tuple(w.shape), w.dtype, w.device):
+            if not shapes_agree(g.shape, w.shape) or (g.dtype, g.device) != (w.dtype, w.device):
                 raise TraceCheckError(
                     f"{g.name} is recorded as {g.type_string()} but the meta of {sym.qualified_name} gives "
                     f"{w.type_string()}:\n{bsym}"

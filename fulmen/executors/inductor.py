@@ -31,6 +31,7 @@ from fulmen.core.proxies import Proxy, TensorProxy
 from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 from fulmen.core.symbolic import SYMBOLIC_TYPES, contains_symbolic
 from fulmen.core.trace import Trace
+from fulmen.core.unbacked import has_unbacked
 from fulmen.executors.base import FusionExecutor, claim_symbols, get_always_executors, register_executor
 from fulmen.executors.inductor_compile import (  # noqa: F401  (re-exported: the public helpers live here)
     COMPILE_MODES,
@@ -207,6 +208,10 @@ class InductorExecutor(FusionExecutor):
         # A size expression in the arguments (view(t, s0, 4)) would need the symbols' values passed in; tensors
         # with symbolic shapes are fine: a region compiles for the concrete shapes it is called with.
         if symbolic.in_use and contains_symbolic((bsym.args, bsym.kwargs), shapes=False):
+            return False
+        # a data-dependent size changes from call to call with the data, and a region compiles once per concrete
+        # shape: such values stay on the torch executor, which splits the fused regions there
+        if symbolic.in_use and has_unbacked((bsym.flat_args, bsym.flat_proxy_outs)):
             return False
         if sym.executor is not None:
             # the aten calls autodiff writes (native_layer_norm, gelu_backward, ...): Inductor decomposes them

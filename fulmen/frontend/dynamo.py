@@ -158,6 +158,7 @@ def fulmen_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict
     jitted._guard_reads = False  # Dynamo guards the globals the user's code read; the graph's own are its constants
     if jitted.dynamic is None:  # the dims Dynamo compiled for every size are symbolic in fulmen's first compilation
         jitted._marked_dims = _dynamic_dims(gm, kept)
+    jitted._split_points = False  # a value the graph reads (.item()) is a float Dynamo passes anew on each call
 
     select = (lambda args: [args[i] for i in kept]) if sources else (lambda args: args)
     record = _GraphRecord(jitted)

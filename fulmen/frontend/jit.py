@@ -15,6 +15,7 @@ import torch
 
 from fulmen.core.proxies import has_proxy
 from fulmen.core.trace import Trace, get_tracectx
+from fulmen.core.unbacked import has_unbacked
 from fulmen.core.utils import compiler_import_lock
 from fulmen.executors import MetaMismatch
 from fulmen.executors.base import Executor, resolve_executors
@@ -46,6 +47,7 @@ from fulmen.frontend.dynamic import (
 from fulmen.frontend.global_guard import GlobalGuard
 from fulmen.frontend.module_writes import assigning
 from fulmen.frontend.prologue import Prologue, build_prologue
+from fulmen.frontend.split_points import MAX_BRANCHES, ValueChanged, restoring_rng, same_value
 from fulmen.frontend.tracing import InputSpec, _arg_names, check_supported_tensors, trace_program
 from fulmen.transforms.autocast import current_policies
 
@@ -81,6 +83,9 @@ class CacheEntry:
     pattern: Any = None  # its key with the dynamic sizes erased
     written: frozenset[int] = frozenset()  # positions of the inputs the program writes to
     globals_guard: GlobalGuard | None = None  # the globals and closure variables the traced code read
+    # the programs of one call signature that differ in the tensor values their Python read (split points,
+    # fulmen.frontend.split_points); shared by all of them
+    branches: list[CacheEntry] | None = None
 
 
 @dataclass
@@ -201,6 +206,9 @@ class JittedFunction:
         self._stats_entry: CacheEntry | None = None  # the compilation the statistics describe
         self._variants: dict[Any, list[CacheEntry]] = {}  # key -> entries compiled for other global values
         self._guard_reads = True  # check the globals and closures the code read (the Dynamo backend: Dynamo does)
+        # read tensor values Python needs at split points (the Dynamo backend: Dynamo breaks the graph there, and a
+        # value its graph reads with .item() changes on every call, so the graph runs eagerly instead)
+        self._split_points = True
         # held while a cache entry is filled (a miss traces and compiles): two threads that miss at once compile once;
         # the hit path never takes it
         self._lock = threading.RLock()
@@ -236,6 +244,8 @@ class JittedFunction:
             return call_leaving_a_core(entry.program.run, flat)  # a flag read, unless regions are compiling
         except MetaMismatch as e:
             return self._compile_again(entry, e, args, kwargs)
+        except ValueChanged as e:  # a value the traced Python read differs: another branch's program
+            return self._value_changed(e, entry, args, kwargs)
 
     def _compile_again(self, entry: CacheEntry, error: MetaMismatch, args, kwargs):
         """The program's first call found an implementation returning other metadata than its symbol's meta
@@ -254,6 +264,59 @@ class JittedFunction:
             return self(*args, **kwargs)
         finally:
             self.__dict__.pop("_next_reason", None)  # read by the compilation that call made
+
+    def _call_key(self, args, kwargs) -> tuple[Any, list[torch.Tensor], tuple]:
+        """(the call's cache key, its flat tensors, the arguments its prologue takes)."""
+        flat: list[torch.Tensor] = []
+        return (args_key(args, kwargs, flat), global_state_key()), flat, (args, kwargs)
+
+    def _value_changed(self, changed: ValueChanged, entry: CacheEntry, args, kwargs):
+        """Run the program of the branch the call's values take (``fulmen.frontend.split_points``): one compiled
+        before for the same values read up to the split point that changed, or a new compilation."""
+        counted = [True]  # the call counted as a cache hit until it turns out to need a new compilation
+        while True:
+            with self._lock:
+                other = self._branch_for(changed, entry, args, kwargs, counted)
+            if other is None:
+                return self._call_eagerly(*args, **kwargs)
+            key, _, inputs = self._call_key(args, kwargs)
+            flat = other.check(*inputs)
+            if flat is None:  # a branch compiled for this call rejects it: run eagerly rather than guess
+                return self._call_eagerly(*args, **kwargs)
+            self._last_entry = entry = other
+            try:
+                return call_leaving_a_core(other.program.run, flat)
+            except ValueChanged as e:
+                changed = e
+
+    def _branch_for(self, changed: ValueChanged, entry: CacheEntry, args, kwargs, counted: list[bool]
+                    ) -> CacheEntry | None:
+        i, values = changed.index, entry.spec.values
+        branches = entry.branches if entry.branches is not None else [entry]
+        entry.branches = branches
+        for other in branches:
+            seen = other.spec.values
+            if len(seen) > i and all(same_value(a, b) for a, b in zip(seen[:i], values[:i])) and same_value(
+                    seen[i], changed.value):
+                return other
+        if len(branches) >= MAX_BRANCHES:
+            if not getattr(self, "_warned_branches", False):
+                self._warned_branches = True
+                log.warning("fulmen: %s has compiled %d branches for the tensor values its Python reads (the latest "
+                            "at %s); calls that need another branch run eagerly (not compiled) from now on. Keep "
+                            "values that change on every call in tensors (torch.where) rather than in Python.",
+                            _display_name(self.fn), len(branches), entry.spec.value_lines[i])
+            return None
+        if counted[0]:
+            counted[0] = False
+            self._stats.cache_hits -= 1
+        key, flat, _ = self._call_key(args, kwargs)
+        reason = (f"split point {i} ({entry.spec.value_lines[i]}) read {changed.value!r}; the program was traced with "
+                  f"{values[i]!r}")
+        other = self._compile(key, args, kwargs, flat, reason=reason)
+        other.branches = branches
+        branches.append(other)
+        return other
 
     def _find(self, key, args, kwargs, flat: list[torch.Tensor], inputs: tuple) -> tuple[CacheEntry | None, list]:
         """The entry for a call whose key is ``key`` and the flat inputs its prologue returned (``inputs``: the
@@ -305,7 +368,8 @@ class JittedFunction:
             p.requires_grad for p in flat_proxies)
 
     def _trace(self, args, kwargs, sizes=None) -> tuple[Trace, InputSpec]:
-        return trace_program(self.fn, args, kwargs, sizes=sizes, guard_reads=self.fn if self._guard_reads else None)
+        return trace_program(self.fn, args, kwargs, sizes=sizes, guard_reads=self.fn if self._guard_reads else None,
+                             split_points=self._split_points)
 
     def _globals_changed(self, key, entry: CacheEntry, args, kwargs, flat, inputs: tuple) -> CacheEntry:
         """The key matched but the entry's prologue failed: a global or closure variable the program's code read
@@ -586,6 +650,11 @@ class JittedFunction:
             log.warning("fulmen: %s runs without CUDA graphs: its sizes are dynamic (pass dynamic=False to compile "
                         "for exact sizes)", graph_name)
             graph_name = None
+        if graph_name and (spec.values or any(has_unbacked(b.flat_proxy_outs) for b in trace.bound_symbols)):
+            # a replayed graph runs no Python (a split point's check) and fixes every size (a data-dependent one)
+            log.warning("fulmen: %s runs without CUDA graphs: it has data-dependent sizes or split points",
+                        graph_name)
+            graph_name = None
         if self._needs_grad(spec.tensor_proxies):
             from fulmen.frontend.training import compile_training
 
@@ -601,6 +670,8 @@ class JittedFunction:
             program = compile_inference(trace, self.executors, cuda_graphs=graph_name)
         if autocast_devices:
             program.run = _without_autocast(program.run, autocast_devices)
+        if spec.values:  # split points: a program that stops at one must not have used up random numbers
+            program.run = restoring_rng(program.run)
         if spec.attributes:  # the program returns (result, module attribute values): every call assigns them
             program.run = assigning(program.run, spec.attributes)
         if spec.objects is not None:  # it returns (result, object tensors): every call updates and builds objects

@@ -31,6 +31,7 @@ from fulmen.executors.inductor_compile import call_leaving_a_core
 from fulmen.frontend import module_guard
 from fulmen.frontend.cache import aliases_written_input, args_key, global_state_key, state_key
 from fulmen.frontend.jit import JittedFunction, _changed_value
+from fulmen.frontend.split_points import ValueChanged
 from fulmen.frontend.tracing import _arg_names, check_supported_tensors, trace_program
 
 log = logging.getLogger("fulmen")
@@ -209,6 +210,16 @@ class _ModuleProgram(JittedFunction):
         except MetaMismatch as e:
             return self._compile_again(entry, e, args, kwargs)
 
+        except ValueChanged as e:  # a value the traced Python read differs: another branch's program
+            return self._value_changed(e, entry, args, kwargs)
+
+    def _call_key(self, args, kwargs) -> tuple[Any, list[torch.Tensor], tuple]:
+        state = self.state
+        tensors = state.tensors()
+        flat: list[torch.Tensor] = []
+        key = ((state.version, state_key(tensors, flat), args_key(args, kwargs, flat)), global_state_key())
+        return key, flat, (state.version, tensors, args, kwargs)
+
     def _tensors_serialized(self) -> list[torch.Tensor] | None:
         """The module's parameters and buffers, read while no thread has proxies in modules' dictionaries (this
         thread's own trace may: the lock is reentrant), after revalidating the module tree when a watched module
@@ -293,7 +304,7 @@ class _ModuleProgram(JittedFunction):
         names = _arg_names(module.forward, args, kwargs)
         return trace_program(forward, args, kwargs, state=named, fn_name="computation", arg_names=names,
                              sizes=sizes, guard_reads=module.forward if self._guard_reads else None,
-                             own=list(module.modules()))
+                             own=list(module.modules()), split_points=self._split_points)
 
     def _build_entry(self, key, args, kwargs, symbolic):
         entry = super()._build_entry(key, args, kwargs, symbolic)  # assigns the module attributes on every call

@@ -21,6 +21,7 @@ from fulmen.core import langctx
 from fulmen.core.codeutils import sanitize_name
 from fulmen.core.proxies import Proxy, TensorProxy, call_with_out, has_proxy, is_library_file, latest
 from fulmen.core.trace import Trace, get_tracectx, tracectx
+from fulmen.core.unbacked import GuardOnDataDependentSymNode, data_dependent_guard
 from fulmen.frontend import module_guard
 from fulmen.frontend.cache import is_holder
 from fulmen.frontend.global_guard import GlobalGuard, ReadRecorder, build_guard
@@ -28,6 +29,7 @@ from fulmen.frontend.higher_order import routing_higher_order_ops
 from fulmen.frontend.module_writes import ModuleWrites, check_no_proxies_left
 from fulmen.frontend.objects import ObjectResults, ObjectSwaps
 from fulmen.frontend.replay import Replays
+from fulmen.frontend.split_points import ValueReader
 from fulmen.torch.fallback import opaque_symbol
 from fulmen.torch.numpy_values import numpy_data, numpy_scalar
 from fulmen.torch.shape import set_strides
@@ -46,6 +48,9 @@ class InputSpec:
     attributes: tuple[tuple[torch.nn.Module, str], ...] = ()
     # objects the program updates or returns (fulmen.frontend.objects): it returns (result, their tensors)
     objects: ObjectResults | None = None
+    # the tensor values the traced Python read, in order, and where (fulmen.frontend.split_points): the branch
+    values: tuple = ()
+    value_lines: tuple[str, ...] = ()
 
 
 def _arg_names(fn: Callable, args: tuple, kwargs: dict) -> list[str]:
@@ -139,6 +144,18 @@ def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], sizes:
     if objects is not None and is_holder(value):
         return objects.enter(value, name)
     return value
+
+
+def _real_tensors(value: Any, out: list[torch.Tensor]) -> None:
+    """The tensors in ``value`` in the order ``proxify`` makes them inputs."""
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _real_tensors(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _real_tensors(v, out)
 
 
 class _Capture:
@@ -339,7 +356,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
                   fn_name: str = "computation",
                   state: list[tuple[str, torch.Tensor]] | None = None,
                   sizes: list | None = None, guard_reads: Callable | None = None,
-                  own: Sequence[torch.nn.Module] = ()) -> tuple[Trace, InputSpec]:
+                  own: Sequence[torch.nn.Module] = (), split_points: bool = False) -> tuple[Trace, InputSpec]:
     """Trace ``fn(*args, **kwargs)``: tensors become proxies, every torch call becomes a bound symbol.
 
     ``state`` (a module's parameters and buffers, by name) becomes the first inputs; ``fn`` then receives
@@ -347,7 +364,9 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     order (state first), with ``torch.SymInt`` for dynamic dimensions (``fulmen.frontend.dynamic``).
     ``guard_reads`` (the user's function) asks for ``spec.guard``: a check of the globals and closure variables the
     user's code read (``fulmen.frontend.global_guard``). ``own``: the jitted module's tree, whose parameters and
-    buffers are inputs (writes to other modules: ``fulmen.frontend.module_writes``).
+    buffers are inputs (writes to other modules: ``fulmen.frontend.module_writes``). With ``split_points``, Python
+    that reads a tensor's value gets it from the call's tensors, guarded (``fulmen.frontend.split_points``; the
+    caller runs the branch a guard picks); without, it raises ``DataDependentError``.
     """
     trace = Trace(fn_name)
     spec = InputSpec()
@@ -370,6 +389,10 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     trace.capture = _Capture(trace, spec)
     trace.autocast = _AutocastPolicies()
     trace.replay = Replays(trace) if REPLAY else None
+    real = [t for _, t in state] if state is not None else []
+    _real_tensors((args, kwargs), real)
+    reader = ValueReader(trace, lambda: real + spec.captured)
+    trace.read_value = reader if split_points else None
     recorder = trace.on_user_op = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
     try:
         with tracectx(trace), _UserTorchCalls(trace), _compiling(), _recording_autograd_functions(), \
@@ -390,14 +413,18 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
                 result = (result, [value for *_, value in attributes])
             result = _resolve_outputs(result)
             result = _write_back_mutated_inputs(trace, result)
+    except GuardOnDataDependentSymNode as e:  # a meta asked a question about a data-dependent size
+        raise data_dependent_guard(None, e) from e
     finally:
         trace.on_user_op = None
+        trace.read_value = None
         if recorder is not None:
             recorder.close()
     if recorder is not None:
         names = [p.name for p in trace.args[len(trace.args) - len(spec.captured):]]
         spec.guard = build_guard(recorder, list(zip(names, spec.captured)), own,
                                  _bound_arguments(guard_reads, args, kwargs), [h.obj for h in swaps.holders])
+    spec.values, spec.value_lines = tuple(reader.values), tuple(reader.where)
     trace.capture = None
     trace.replay = None
     trace.autocast = []

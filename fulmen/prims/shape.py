@@ -6,6 +6,7 @@ import torch
 
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import OpTags
+from fulmen.core.unbacked import known_equal
 from fulmen.core.utils import canonicalize_dim, check, prod
 from fulmen.prims.base import PrimIDs, check_valid_shape, make_prim
 
@@ -22,7 +23,7 @@ def _broadcast_in_dim_meta(a, shape, broadcast_dimensions):
         check(last < d < len(shape), lambda: f"broadcast_in_dim: broadcast_dimensions {tuple(broadcast_dimensions)} "
               f"must be increasing and less than {len(shape)}")
         last = d
-        check(a.shape[src] == 1 or a.shape[src] == shape[d],
+        check(known_equal(a.shape[src], 1) or a.shape[src] == shape[d],
               lambda: f"The size of tensor a ({a.shape[src]}) must match the size of tensor b ({shape[d]}) at "
               f"non-singleton dimension {d}")
     return TensorProxy(like=a, shape=tuple(shape))

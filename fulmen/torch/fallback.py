@@ -21,6 +21,7 @@ from fulmen.core.devices import to_torch_device
 from fulmen.core.proxies import DataDependentError, TensorProxy, _user_location
 from fulmen.core.symbol import OpTags, Symbol
 from fulmen.core.trace import get_tracectx
+from fulmen.core.unbacked import GuardOnDataDependentSymNode, data_dependent_guard, shape_env_of, trace_shape_env
 from fulmen.torch.registry import link_views, set_lazy_bits, torch_id, with_lazy_bits
 
 _opaque: dict[Any, Symbol] = {}
@@ -42,24 +43,35 @@ def _fake_meta(func: Callable, name: str, views: bool = False) -> Callable:
     are recorded as views of it, so in-place updates of either reach the other."""
 
     def meta(*args, **kwargs):
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
         # a trace with symbolic sizes: fake tensors get the same symbols, and the op's checks record guards
         env = _shape_env_of((args, kwargs))
-        mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=env)
         fargs = ()
         try:
-            # autocast casts are explicit in the trace and generated code runs without autocast
-            with mode, torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
-                fargs, fkwargs = tree_map(lambda x: _to_fake(mode, x), (args, kwargs))
-                out = func(*fargs, **fkwargs)
+            try:
+                fargs, out = _run_fake(func, args, kwargs, env)
+            except (torch._subclasses.fake_tensor.DynamicOutputShapeException,
+                    torch._subclasses.fake_tensor.DataDependentOutputException):
+                if env is not None:
+                    raise
+                # an output size that depends on the data (nonzero, masked_select): an unbacked size of the
+                # trace's ShapeEnv (fulmen.core.unbacked)
+                fargs, out = _run_fake(func, args, kwargs, trace_shape_env())
         except (torch._subclasses.fake_tensor.DynamicOutputShapeException,
                 torch._subclasses.fake_tensor.DataDependentOutputException) as e:
+            static = STATIC_RESULT_METAS.get(func)
+            if static is not None:
+                return static(*args, **kwargs)
             raise DataDependentError(
                 f"{name} returns a tensor whose shape depends on tensor values, which fulmen.jit cannot trace.\n"
                 f"  at {_user_location()}\nUse torch.compile(model, backend=\"fulmen\") to run it eagerly between "
                 "compiled parts, or move it out of the compiled function."
             ) from e
+        except GuardOnDataDependentSymNode as e:
+            special = DATA_DEPENDENT_INPUT_METAS.get(func)
+            out = special(*args, **kwargs) if special is not None else None
+            if out is not None:
+                return out
+            raise data_dependent_guard(name, e) from e
         except RuntimeError:
             # Some meta kernels are stricter than the real ones (grouped_mm's demands bf16; the CPU kernel takes
             # float32, and Hugging Face MoE models call it so): learn the output metadata from one real call on
@@ -88,6 +100,61 @@ def _fake_meta(func: Callable, name: str, views: bool = False) -> Callable:
     return meta
 
 
+def _ctc_loss_meta(log_probs, targets, input_lengths, target_lengths, blank=0, reduction="mean",
+                   zero_infinity=False):
+    batched = log_probs.ndim == 3
+    shape = (log_probs.shape[1],) if batched and reduction == "none" else ()
+    return TensorProxy(shape=shape, dtype=log_probs.dtype, device=log_probs.device,
+                       requires_grad=log_probs.requires_grad)
+
+
+#: Results of ops whose fake-tensor kernels refuse data-dependent sizes they only use inside (ctc_loss's alignment
+#: table is as long as the longest target) although the result's shape does not depend on the data; the torch
+#: executor runs the op and checks its arguments, and PyTorch's autograd differentiates it.
+STATIC_RESULT_METAS: dict[Callable, Callable] = {
+    torch.nn.functional.ctc_loss: _ctc_loss_meta,
+}
+
+
+def _packed_lstm_meta(data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidirectional):
+    """``torch.lstm`` on a PackedSequence's data, whose row count (the sum of the lengths) is data-dependent: one
+    output row per input row; the final states have the shapes of the initial ones."""
+    if not isinstance(batch_sizes, TensorProxy):  # the padded form: its fake kernel takes every size
+        return None
+    h, c = hx
+    out = TensorProxy(like=data, shape=(data.shape[0], h.shape[2] * (2 if bidirectional else 1)),
+                      requires_grad=data.requires_grad or h.requires_grad or any(p.requires_grad for p in params))
+    return out, TensorProxy(like=h, requires_grad=out.requires_grad), TensorProxy(like=c,
+                                                                                   requires_grad=out.requires_grad)
+
+
+def _pad_packed_meta(data, batch_sizes, batch_first, padding_value, total_length):
+    """``torch._pad_packed_sequence``: ``(max length, batch, *features)`` (batch first if asked) and the lengths;
+    the batch is ``batch_sizes[0]``, a value, so a new data-dependent size."""
+    batch = trace_shape_env().create_unbacked_symint()
+    torch._check(batch >= 0)
+    steps = batch_sizes.shape[0] if total_length is None or total_length < 0 else total_length
+    dims = (batch, steps) if batch_first else (steps, batch)
+    padded = TensorProxy(like=data, shape=(*dims, *data.shape[1:]))
+    return padded, TensorProxy(shape=(batch,), dtype=torch.int64, device=batch_sizes.device)
+
+
+#: Metas for ops whose fake-tensor kernels cannot take a data-dependent size in their inputs (None: not this form).
+DATA_DEPENDENT_INPUT_METAS: dict[Callable, Callable] = {torch.lstm: _packed_lstm_meta,
+                                                        torch._pad_packed_sequence: _pad_packed_meta}
+
+
+def _run_fake(func: Callable, args, kwargs, env) -> tuple:
+    """(the fake arguments, the op's fake result) from running it under a FakeTensorMode of ``env``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=env)
+    # autocast casts are explicit in the trace and generated code runs without autocast
+    with mode, torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+        fargs, fkwargs = tree_map(lambda x: _to_fake(mode, x), (args, kwargs))
+        return fargs, func(*fargs, **fkwargs)
+
+
 def _link_aliases(func: Callable, args, kwargs, base: torch.Tensor, out, result) -> None:
     """Record the outputs that eager makes views of ``base`` as views of the first argument."""
     fakes = out if isinstance(out, (tuple, list)) else (out,)
@@ -114,12 +181,7 @@ def _refuse_write(func: Callable) -> Callable:
     return unview
 
 
-def _shape_env_of(x: Any):
-    for leaf in torch.utils._pytree.tree_leaves(x):
-        for s in getattr(leaf, "shape", ()) if isinstance(leaf, TensorProxy) else (leaf,):
-            if isinstance(s, torch.SymInt):
-                return s.node.shape_env
-    return None
+_shape_env_of = shape_env_of
 
 
 def _run_on_zeros(func: Callable, args, kwargs):

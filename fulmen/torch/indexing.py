@@ -4,10 +4,10 @@
 indexing: the result is a view of ``a`` (an in-place update of it reaches ``a``). Integer tensors and lists
 of ints are *advanced* indexing: the result is a new tensor; the indexed dims are replaced by the broadcast
 shape of the indices, in place when the advanced indices are next to each other and in front otherwise
-(ints are applied first, as PyTorch does, so they do not separate advanced indices). A boolean mask gives a
-result whose shape depends on the mask's values, which a trace cannot express: ``a[mask]`` raises
-``DataDependentError``, while ``a[mask] = value`` with a scalar (or one-element) value is an elementwise
-``where`` and traces fine. A 0-d integer tensor index is advanced indexing here (eager treats it as an int,
+(ints are applied first, as PyTorch does, so they do not separate advanced indices). A boolean mask is the
+positions of its set elements (``mask.nonzero(as_tuple=True)``), whose count is a data-dependent size
+(``fulmen.core.unbacked``); ``a[mask] = value`` with a scalar (or one-element) value is an elementwise ``where``
+instead, with no data-dependent size. A 0-d integer tensor index is advanced indexing here (eager treats it as an int,
 so the result is a view there; values agree, only in-place updates through it differ).
 """
 
@@ -23,6 +23,7 @@ from fulmen.core import dtypes
 from fulmen.core.proxies import DataDependentError, TensorProxy, _user_location, latest
 from fulmen.core.symbol import BoundSymbol, OpTags
 from fulmen.core.trace import get_tracectx
+from fulmen.core.unbacked import expect, known_equal, mask_positions
 from fulmen.core.utils import canonicalize_dim, check, prod
 from fulmen.torch.inplace import mutate
 from fulmen.torch.inplace import setitem as _functional_setitem
@@ -152,6 +153,34 @@ def _expand_ellipsis(items: tuple, a: TensorProxy) -> list:
     return list(items[:dots[0]]) + fill + list(items[dots[0] + 1:])
 
 
+def _nonzero_tuple(mask: TensorProxy) -> tuple:
+    from fulmen.core import langctx
+
+    return langctx.fallback[0](torch.nonzero)(mask, as_tuple=True)
+
+
+def _mask_indices(items: list, a: TensorProxy) -> list:
+    """Each boolean (or uint8) mask replaced by the positions of its nonzero elements, one int64 index per dim it
+    covers, as PyTorch does: ``a[mask]`` is ``a[mask.nonzero(as_tuple=True)]``. Their length is the number of
+    elements set, an unbacked size (``fulmen.core.unbacked``)."""
+    if not any(_is_mask(x) for x in items):
+        return items
+    out, dim = [], 0
+    for x in items:
+        if not _is_mask(x):
+            out.append(x)
+            dim += 0 if x is None or isinstance(x, bool) else 1
+            continue
+        if x.ndim == 0:  # eager adds a dim of size 1 or 0; kept out: it needs the mask's value as a size
+            _mask_error(x, "indexing with a 0-d mask")
+        for k in range(x.ndim):
+            check(x.shape[k] == a.shape[dim + k], lambda: f"The shape of the mask {list(x.shape)} at index {k} does "
+                  f"not match the shape of the indexed tensor {list(a.shape)} at index {dim + k}", IndexError)
+        out.extend(mask_positions(x, _nonzero_tuple))
+        dim += x.ndim
+    return out
+
+
 def is_basic_key(key) -> bool:
     """True when ``a[key]`` is a view in eager PyTorch (ints, slices, None, Ellipsis only)."""
     return all(x is None or x is Ellipsis or isinstance(x, slice) or _is_int(x) for x in _key_items(key))
@@ -166,6 +195,8 @@ def _slice_bounds(s: slice, n: int) -> tuple[int, int, int]:
         start, stop, step = _symbolic_indices(s, n)
     else:
         start, stop, step = s.indices(n)
+    if isinstance(start, torch.SymInt) or isinstance(stop, torch.SymInt):  # max() would ask which is larger
+        return start, torch.sym_max(start, stop), step
     return start, max(start, stop), step
 
 
@@ -225,14 +256,11 @@ def _advanced(x: TensorProxy, positions: list[int], indices: list[TensorProxy]) 
 
 def _getitem(a: TensorProxy, key) -> TensorProxy:
     items = [_as_index(x, a) for x in _key_items(key)]
-    for x in items:
-        if _is_mask(x):
-            _mask_error(x, "indexing")
     py_bools = [x for x in items if isinstance(x, bool)]
     if py_bools and any(isinstance(x, TensorProxy) for x in items):
         raise NotImplementedError("fulmen.jit does not support indexing with Python bools together with tensor "
                                   "indices; index in two steps")
-    items = _expand_ellipsis(tuple(items), a)
+    items = _mask_indices(_expand_ellipsis(tuple(items), a), a)
     out, dim = a, 0
     positions: list[int] = []
     indices: list[TensorProxy] = []
@@ -253,7 +281,9 @@ def _getitem(a: TensorProxy, key) -> TensorProxy:
             dim += 1
         else:
             n = out.shape[dim]
-            check(-n <= x < n, lambda: f"index {x} is out of bounds for dimension {dim} with size {n}", IndexError)
+            # one condition for a data-dependent size (a chained comparison would ask about each half)
+            expect(n > x if x >= 0 else n >= -x, lambda: f"index {x} is out of bounds for dimension {dim} with size "
+                   f"{n}", IndexError)
             x = int(x) + n if x < 0 else int(x)
             out = clang.squeeze(clang.slice_in_dim(out, x, x + 1, 1, dim), (dim,))
     for d in empty_dims:
@@ -324,8 +354,8 @@ def _mask_fill(a: TensorProxy, items: list, value) -> TensorProxy | None:
         check(mask.shape[k] == a.shape[start + k], lambda: f"The shape of the mask {list(mask.shape)} at index {k} "
               f"does not match the shape of the indexed tensor {list(a.shape)} at index {start + k}", IndexError)
     if isinstance(value, TensorProxy):
-        if value.numel() != 1:
-            _mask_error(mask, "assigning a tensor of several values (masked_scatter)")
+        if not known_equal(value.numel(), 1):  # several values: advanced indexing with the mask's positions
+            return None
         value = clang.maybe_convert_to_dtype(clang.reshape(value, ()), a.dtype)
         if value.device != a.device and value.device.type != "cpu":
             value = prims.device_put(value, a.device)
@@ -342,10 +372,9 @@ def setitem(a: TensorProxy, key, value) -> None:
     items = [_as_index(x, current) for x in _key_items(key)]
     if any(_is_mask(x) for x in items):
         new = _mask_fill(current, items, value)
-        if new is None:
-            _mask_error(next(x for x in items if _is_mask(x)), "assigning through a key")
-        mutate(a, new)
-        return
+        if new is not None:  # one value: an elementwise where, with no data-dependent size
+            mutate(a, new)
+            return
     if isinstance(value, (list, tuple)):
         value = index_constant(value, dtype=current.dtype, device=current.device, op="__setitem__")
     _functional_setitem(a, tuple(items) if isinstance(key, (tuple, list)) else items[0], value)
@@ -479,10 +508,9 @@ def index_put(a, indices, values, accumulate: bool = False):
     items = [slice(None) if i is None else _as_index(i, a) for i in _captured(indices)]
     if any(_is_mask(x) for x in items):
         target = _int_op(a, values, prims.add) if accumulate else values
-        new = _mask_fill(a, items, target) if values.numel() == 1 else None
-        if new is None:
-            _mask_error(next(x for x in items if _is_mask(x)), "index_put")
-        return new
+        new = _mask_fill(a, items, target) if known_equal(values.numel(), 1) else None
+        if new is not None:
+            return new
     return _put(a, tuple(items), values, accumulate)
 
 

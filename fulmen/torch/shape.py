@@ -19,6 +19,7 @@ triangles are in ``rearrange.py``; indexing (``a[key]``, gather, scatter) is in 
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Sequence
 
@@ -196,6 +197,8 @@ def sizes_arg(op: str, args: Sequence, keyword=None, *, name: str = "size") -> t
         args = (keyword,)
     if len(args) == 1 and isinstance(args[0], (tuple, list)):
         args = tuple(args[0])
+    # a one-element integer tensor is a size as in eager, which reads its value (a split point under fulmen.jit)
+    args = tuple(operator.index(s) if isinstance(s, TensorProxy) else s for s in args)
     for s in args:
         check(isinstance(s, INT_TYPES) and not isinstance(s, bool),
               lambda: f"{op}(): argument '{name}' must be tuple of ints, but found element of type "

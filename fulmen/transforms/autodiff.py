@@ -32,6 +32,7 @@ from fulmen.core import dtypes
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol
 from fulmen.core.trace import get_tracectx
+from fulmen.core.unbacked import known_equal
 from fulmen.core.utils import canonicalize_dim, check, prod
 from fulmen.prims import PrimIDs
 from fulmen.transforms.linearize import (  # noqa: F401  (public names)
@@ -133,7 +134,9 @@ def sum_to(g: TensorProxy, shape: Sequence[int]) -> TensorProxy:
     """Sum ``g`` down to ``shape``: the VJP of broadcasting ``shape`` to ``g.shape``."""
     shape = tuple(shape)
     lead = g.ndim - len(shape)
-    dims = list(range(lead)) + [lead + i for i, s in enumerate(shape) if s == 1 and g.shape[lead + i] != 1]
+    # a data-dependent size is taken as not 1 (as broadcasting took it): summing a dim of size 1 would be right too
+    dims = list(range(lead)) + [lead + i for i, s in enumerate(shape)
+                                if known_equal(s, 1) and not known_equal(g.shape[lead + i], 1)]
     if dims:
         g = prims.sum(g, tuple(dims))
     return clang.reshape(g, shape)
@@ -370,8 +373,9 @@ def _where_vjp(b, g):
 @_rule(PrimIDs.BROADCAST_IN_DIM)
 def _broadcast_in_dim_vjp(b, g):
     a, shape, bdims = _args(b)
-    dims = [d for d in range(len(shape)) if d not in bdims and shape[d] != 1]  # new length-1 dims: a reshape
-    dims += [d for i, d in enumerate(bdims) if a.shape[i] == 1 and shape[d] != 1]
+    # new length-1 dims: a reshape; a data-dependent length is summed over (right for a length 1 too)
+    dims = [d for d in range(len(shape)) if d not in bdims and not known_equal(shape[d], 1)]
+    dims += [d for i, d in enumerate(bdims) if known_equal(a.shape[i], 1) and not known_equal(shape[d], 1)]
     if dims:
         g = prims.sum(g, tuple(sorted(dims)))
     return clang.reshape(g, a.shape), None, None
@@ -403,7 +407,7 @@ def _flip_vjp(b, g):
 def _slice_vjp(b, g):
     a, starts, _, strides = _args(b)
     strides = strides if strides is not None else [1] * a.ndim
-    if g.numel() == 0:
+    if known_equal(g.numel(), 0):  # a data-dependent length may be 0 too: padding covers it
         return zeros_like(a), None, None, None
     config = [(s, n_in - (s + (n_out - 1) * st) - 1, st - 1)
               for s, st, n_in, n_out in zip(starts, strides, a.shape, g.shape)]

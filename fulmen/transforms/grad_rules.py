@@ -236,7 +236,9 @@ def autograd_vjp(fn: Callable) -> Symbol:
         positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
         inputs = []
         for j in which:
-            t = flat[positions[j]].detach().requires_grad_()
+            t = flat[positions[j]].detach()
+            # an integer input (a PackedSequence's batch_sizes) reached from differentiable values gets zeros
+            t = t.requires_grad_() if t.is_floating_point() or t.is_complex() else t
             flat[positions[j]] = t
             inputs.append(t)
         args, kwargs = tree_unflatten(flat, spec)
@@ -249,7 +251,9 @@ def autograd_vjp(fn: Callable) -> Symbol:
             if c is not None and o.requires_grad:
                 outs.append(o)
                 cts.append(c)
-        grads = torch.autograd.grad(outs, inputs, cts, allow_unused=True) if outs else (None,) * len(inputs)
+        wrt = [x for x in inputs if x.requires_grad]
+        found = iter(torch.autograd.grad(outs, wrt, cts, allow_unused=True) if outs and wrt else (None,) * len(wrt))
+        grads = [next(found) if x.requires_grad else None for x in inputs]
         return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs))
 
     base = getattr(fn, "__name__", None) or "op"

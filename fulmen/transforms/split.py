@@ -27,6 +27,7 @@ from fulmen.core.codeutils import outputs_of
 from fulmen.core.proxies import Proxy, TensorProxy, latest
 from fulmen.core.symbol import BoundSymbol, Symbol
 from fulmen.core.trace import Trace, get_tracectx, tracectx
+from fulmen.core.unbacked import size_carriers
 from fulmen.prims import PrimIDs
 from fulmen.transforms import remat
 from fulmen.transforms.autodiff import backward_pass, flat_tensor_args
@@ -75,6 +76,16 @@ def prune(bsyms: Sequence[BoundSymbol], wanted: Sequence[str]) -> list[BoundSymb
             needed.update(p.name for p in b.flat_args)
     kept.reverse()
     return kept
+
+
+def _size_carriers(body: Sequence[BoundSymbol], cts: Sequence[TensorProxy], needed: Sequence[str],
+                   inputs: Sequence[Proxy], leaves: Sequence[BoundSymbol]) -> list[str]:
+    """Names of forward values to save only for their shapes: the backward binds from them the data-dependent sizes
+    (``fulmen.core.unbacked``) it uses and no tensor it reads carries."""
+    values = {p.name: p for p in inputs}
+    values.update((p.name, p) for b in leaves for p in b.flat_proxy_outs)
+    available = [*cts, *(values[n] for n in needed if n in values)]
+    return [p.name for p in size_carriers(body, available, values.values()) if p.name not in needed]
 
 
 def _leaves(nodes: Sequence[Node]) -> list[BoundSymbol]:
@@ -340,6 +351,7 @@ def split_forward_backward(trace: Trace, executors: Sequence, *, recompute: bool
     everything = (True,) * len(differentiable)
     bw, body, cts, grads, needed = _emit_backward(fb, everything)  # the full backward decides what is saved
     leaves = _leaves(joint.nodes)
+    needed += _size_carriers(body, cts, needed, trace.args, leaves)
     exact = remat.bit_exact_reads(body)
     fb.saved, producers = remat.choose_saved(leaves, trace.args, needed, recompute=recompute, overwritten=written,
                                              exact=exact)
