@@ -68,8 +68,8 @@ QUIET_SECONDS = 0.3
 
 _jobs: queue.SimpleQueue = queue.SimpleQueue()
 _workers: list[threading.Thread] = []
-#: Compile threads. One: Inductor is not thread-safe (two threads compiling at once fail inside its
-#: patching of FX, "CURRENT_PATCHER is None"); its C++ compiles already run in worker processes.
+#: Compile threads. One: Inductor's compilation is not written for two threads at once (shared caches and
+#: counters); its C++ compiles already run in worker processes.
 WORKERS = 1
 _worker_lock = threading.Lock()
 _shutting_down = False
@@ -246,56 +246,18 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
         with compiler_import_lock:
             from torch._guards import TracingContext, tracing
             from torch._inductor.compile_fx import compile_fx_inner
-            from torch.fx.experimental.proxy_tensor import make_fx
 
+            from fulmen.executors.inductor_graph import aten_graph
             from fulmen.executors.inductor_sympy import install as install_index_shortcut  # imports sympy
 
             decompositions = decomposition_table()
             install_index_shortcut()
-        with _lowering_on_this_thread():
-            gm = make_fx(fn, decomposition_table=decompositions, tracing_mode="fake")(*example)
-            keep_output_strides(gm)
-            fake_mode = _fake_mode()
-            with merged_cpp_build(cpp), tracing(TracingContext(fake_mode)):
-                compiled = compile_fx_inner(gm, [fake_mode.from_tensor(a) for a in example])
+        gm = aten_graph(fn, example, decompositions)
+        keep_output_strides(gm)
+        fake_mode = _fake_mode()
+        with merged_cpp_build(cpp), tracing(TracingContext(fake_mode)):
+            compiled = compile_fx_inner(gm, [fake_mode.from_tensor(a) for a in example])
         return with_eager_strides(getattr(compiled, "current_callable", compiled), compiled, gm, fn, example)
-
-
-# Threads lowering a region now. make_fx sets FX's process-wide "symbolic tracing" flag while it traces, and Dynamo
-# refuses to run a torch.compile'd function while that flag is set ("Detected that you are using FX to symbolically
-# trace a dynamo-optimized function"): a background lowering would break the user's torch.compile calls on the
-# main thread. ``_install_thread_aware_fx_flag`` makes the flag read as set only on the thread that set it.
-_lowering_threads: set[int] = set()
-
-
-def _install_thread_aware_fx_flag() -> None:
-    from torch.fx import _symbolic_trace
-
-    process_wide = _symbolic_trace.is_fx_symbolic_tracing
-    if getattr(process_wide, "_fulmen", False):
-        return
-
-    def is_fx_symbolic_tracing() -> bool:
-        if _lowering_threads and threading.get_ident() not in _lowering_threads:
-            return False  # the flag is fulmen's lowering on another thread, not a trace of this thread's code
-        return process_wide()
-
-    is_fx_symbolic_tracing._fulmen = True
-    is_fx_symbolic_tracing.__doc__ = process_wide.__doc__
-    _symbolic_trace.is_fx_symbolic_tracing = is_fx_symbolic_tracing  # read by torch.compile's wrapper when made
-
-
-_install_thread_aware_fx_flag()
-
-
-@contextlib.contextmanager
-def _lowering_on_this_thread():
-    ident = threading.get_ident()
-    _lowering_threads.add(ident)
-    try:
-        yield
-    finally:
-        _lowering_threads.discard(ident)
 
 
 def _fake_mode():
