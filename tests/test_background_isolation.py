@@ -8,6 +8,7 @@ symbolic-tracing flag) and at a ``torch.compile``'d module called meanwhile.
 
 import threading
 
+import pytest
 import torch
 from torch import nn
 from torch._dynamo.utils import counters
@@ -75,24 +76,22 @@ class _CompiledModule:
         self.pairs.append((self.compiled(x), self.model(x)))
 
 
-def test_a_paused_background_lowering_changes_nothing_the_main_thread_sees(monkeypatch):
-    """The background compiler is stopped inside a decomposition, in the middle of tracing a region's aten graph;
-    the main thread then finds torch as it was and a torch.compile'd module compiling once, as without fulmen."""
-    assert _main_thread_view() == _UNTOUCHED
+@pytest.fixture
+def paused_lowering(monkeypatch):
+    """A region's Inductor lowering on the background compiler, stopped in the middle of its aten trace (at its
+    first multiplication) until the test calls the fixture's value, or ends; then it finishes, and the fixture
+    checks that it compiled and that the main thread's random numbers were not drawn from meanwhile."""
     tracing, release = threading.Event(), threading.Event()
     main = threading.current_thread()
     table = dict(inductor_compile.decomposition_table())
-    default_gelu = table.get(torch.ops.aten.gelu.default)
 
-    def pausing_gelu(x, approximate="none"):
+    def pause(*args, **kwargs):
         if threading.current_thread() is not main:
             tracing.set()
-            release.wait(120)
-        if default_gelu is not None:
-            return default_gelu(x, approximate=approximate)
-        return torch.ops.aten.gelu.default(x, approximate=approximate)
+            release.wait(300)
+        return NotImplemented  # no decomposition: the multiplication is recorded as it is
 
-    table[torch.ops.aten.gelu.default] = pausing_gelu
+    table[torch.ops.aten.mul.Tensor] = pause
     monkeypatch.setattr(inductor_compile, "decomposition_table", lambda: table)
 
     def f(a):
@@ -100,24 +99,41 @@ def test_a_paused_background_lowering_changes_nothing_the_main_thread_sees(monke
 
     a = torch.randn(8, 4)
     jf = fulmen.jit(f, executors=["inductor"], compile="async")
+    rng = []
+
+    def finish():
+        """Let the lowering go on, wait for it, and check what it did."""
+        if release.is_set():
+            return
+        rng.append(torch.get_rng_state())
+        release.set()
+        inductor.wait_for_compilations(timeout=300)
+        assert torch.equal(torch.get_rng_state(), rng[0]), "the background compiler drew from the main generator"
+        region = [b for b in fulmen.last_traces(jf)[-1].bound_symbols if b.sym.is_fusion][0].sym.impl
+        torch.testing.assert_close(jf(a), f(a))
+        assert region.variants, "the paused lowering went on to compile the region"
+
     try:
         torch.testing.assert_close(jf(a), f(a))  # schedules the region's lowering on the background compiler
-        assert tracing.wait(300), "the background compiler never reached the region's gelu"
-        during = _main_thread_view()
-        module = _CompiledModule()
-        module()  # Dynamo traces and guards the module while the lowering is paused
-        during_after_compile = _main_thread_view()
-    finally:
+        assert tracing.wait(300), "the background compiler never reached the region's multiplication"
+        yield finish
+    except BaseException:
         release.set()
-    inductor.wait_for_compilations(timeout=300)
+        raise
+    finish()
+
+
+def test_a_paused_background_lowering_changes_nothing_the_main_thread_sees(paused_lowering):
+    """While the background compiler is stopped in the middle of tracing a region's aten graph, the main thread
+    finds torch as it was, and a torch.compile'd module compiles once, as without fulmen."""
+    assert _main_thread_view() == _UNTOUCHED
+    module = _CompiledModule()
+    module()  # Dynamo traces and guards the module while the lowering is paused
+    assert _main_thread_view() == _UNTOUCHED
+    paused_lowering()
     module()  # the guards Dynamo made during the pause still hold once the lowering has finished
     module()
-    assert during == _UNTOUCHED
-    assert during_after_compile == _UNTOUCHED
     for out, exp in module.pairs:
         torch.testing.assert_close(out, exp)
     assert len(module.graphs) == 1, f"Dynamo compiled {len(module.graphs)} graphs for one module at one shape"
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-    region = [b for b in fulmen.last_traces(jf)[-1].bound_symbols if b.sym.is_fusion][0].sym.impl
-    torch.testing.assert_close(jf(a), f(a))
-    assert region.variants, "the paused lowering went on to compile the region"
