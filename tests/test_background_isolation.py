@@ -6,6 +6,7 @@ have replaced for the whole process (``nn.Module.__call__``/``__getattr__``, ``t
 symbolic-tracing flag) and at a ``torch.compile``'d module called meanwhile.
 """
 
+import itertools
 import threading
 
 import pytest
@@ -76,6 +77,9 @@ class _CompiledModule:
         self.pairs.append((self.compiled(x), self.model(x)))
 
 
+_fresh = itertools.count()
+
+
 @pytest.fixture
 def paused_lowering(monkeypatch):
     """A region's Inductor lowering on the background compiler, stopped in the middle of its aten trace (at its
@@ -94,8 +98,10 @@ def paused_lowering(monkeypatch):
     table[torch.ops.aten.mul.Tensor] = pause
     monkeypatch.setattr(inductor_compile, "decomposition_table", lambda: table)
 
+    scale = 1.5 + next(_fresh) / 8  # a region no earlier test compiled: the kernels of equal code are shared
+
     def f(a):
-        return nn.functional.gelu(a * 1.5 + 0.25) * a
+        return nn.functional.gelu(a * scale + 0.25) * a
 
     a = torch.randn(8, 4)
     jf = fulmen.jit(f, executors=["inductor"], compile="async")
@@ -137,3 +143,65 @@ def test_a_paused_background_lowering_changes_nothing_the_main_thread_sees(pause
         torch.testing.assert_close(out, exp)
     assert len(module.graphs) == 1, f"Dynamo compiled {len(module.graphs)} graphs for one module at one shape"
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+
+
+# Tiny random configs of families whose torch.compile(backend="fulmen") runs broke or silently fell back to eager
+# while fulmen's background compiler traced with FX's tracer.
+_VOCAB = 128
+_HF_FAMILIES = {
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM",
+                 dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)),
+    "opt": ("OPTConfig", "OPTForCausalLM",
+            dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+                 word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0, pad_token_id=1)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
+              dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=8, max_position_embeddings=64)),
+    "bloom": ("BloomConfig", "BloomForCausalLM",
+              dict(hidden_size=32, n_layer=2, n_head=4, hidden_dropout=0.0, attention_dropout=0.0)),
+}
+
+
+@pytest.mark.parametrize("family", list(_HF_FAMILIES))
+def test_torch_compile_of_hf_models_beside_a_background_lowering(paused_lowering, family, caplog):
+    """torch.compile(model, backend="fulmen") while the background compiler is in the middle of a lowering, which
+    ends while Dynamo compiles: one Dynamo graph, no graph break, fulmen compiles and runs it (no eager fallback),
+    and the loss, logits and every parameter's gradient match eager PyTorch (float64)."""
+    transformers = pytest.importorskip("transformers")
+    from fulmen.frontend.dynamo import fulmen_backend
+
+    config_cls, model_cls, fields = _HF_FAMILIES[family]
+    config = getattr(transformers, config_cls)(vocab_size=_VOCAB, use_cache=False, **fields)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).to(torch.float64)
+    torch._dynamo.reset()
+    counters.clear()
+    made = []
+
+    def backend(gm, example_inputs):
+        made.append(fulmen_backend(gm, example_inputs, options={"compile": "off"}))
+        # Dynamo traced the model while the lowering was paused; it ends before Dynamo makes and checks the guards
+        paused_lowering()
+        return made[-1]
+
+    compiled = torch.compile(model, backend=backend)
+    ids = torch.randint(0, _VOCAB, (2, 12))
+    with caplog.at_level("WARNING", logger="fulmen"):
+        for _ in range(3):
+            model.zero_grad()
+            out = compiled(input_ids=ids, labels=ids)
+            out.loss.backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            model.zero_grad()
+            expected = model(input_ids=ids, labels=ids)
+            expected.loss.backward()
+            torch.testing.assert_close(out.loss, expected.loss)
+            torch.testing.assert_close(out.logits, expected.logits)
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(grads[name], p.grad, msg=lambda m, name=name: f"{name}: {m}")
+    assert len(made) == 1, f"Dynamo compiled {len(made)} graphs for one model at one shape"
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    jitted = made[0]._fulmen_jitted
+    assert fulmen.cache_misses(jitted) == 1 and fulmen.cache_hits(jitted) == 2, "fulmen ran every call"
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("fulmen")] == []
