@@ -205,3 +205,38 @@ def test_torch_compile_of_hf_models_beside_a_background_lowering(paused_lowering
     jitted = made[0]._fulmen_jitted
     assert fulmen.cache_misses(jitted) == 1 and fulmen.cache_hits(jitted) == 2, "fulmen ran every call"
     assert [r.getMessage() for r in caplog.records if r.name.startswith("fulmen")] == []
+
+
+def test_a_graph_module_generating_its_code_while_traced_is_no_side_effect(caplog):
+    """A lazy GraphModule (what Dynamo hands the torch.compile backend, or torch.fx.symbolic_trace makes) writes
+    its generated code onto itself at its first call. Inside a trace, that is no side effect of the user's program:
+    nothing is reported, and the jitted callables run from their cache afterwards."""
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    torch.manual_seed(0)
+    model = _Small()
+    x = torch.randn(2, 4)
+    with _use_lazy_graph_module(True):
+        as_module, called = torch.fx.symbolic_trace(model), torch.fx.symbolic_trace(model)
+    jitted_module = fulmen.jit(as_module, executors=["torch"])
+    jitted_function = fulmen.jit(lambda a: called(a) * 2, executors=["torch"])
+    with caplog.at_level("WARNING", logger="fulmen"):
+        for _ in range(2):
+            torch.testing.assert_close(jitted_module(x), model(x))
+            torch.testing.assert_close(jitted_function(x), model(x) * 2)
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("fulmen")] == []
+    assert fulmen.cache_hits(jitted_module) == 1 and fulmen.cache_hits(jitted_function) == 1
+
+
+def test_torch_compile_backend_reports_no_module_writes(caplog):
+    """Each Dynamo graph reaches fulmen as a lazy GraphModule whose first call is fulmen's trace."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Small()
+    compiled = torch.compile(model, backend="fulmen", options={"executors": ["torch"]})
+    x = torch.randn(2, 4, requires_grad=True)
+    with caplog.at_level("WARNING", logger="fulmen"):
+        out = compiled(x)
+        out.sum().backward()
+    torch.testing.assert_close(out, model(x))
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("fulmen")] == []
