@@ -240,3 +240,47 @@ def test_torch_compile_backend_reports_no_module_writes(caplog):
         out.sum().backward()
     torch.testing.assert_close(out, model(x))
     assert [r.getMessage() for r in caplog.records if r.name.startswith("fulmen")] == []
+
+
+def test_inductor_state_of_a_lowering_in_flight_is_its_own(monkeypatch):
+    """The background compiler is stopped inside Inductor's compilation of a region (as its C++ kernel is handed
+    over): its configuration patches, graph and tracing context are not the main thread's, and a torch.compile of
+    the user's with Inductor runs beside it and matches eager."""
+    from torch._inductor import config, virtualized
+
+    from fulmen.executors import inductor_cpp
+
+    inside, release = threading.Event(), threading.Event()
+    main = threading.current_thread()
+    add = inductor_cpp.MergedBuild.add
+
+    def pausing_add(self, *args):
+        if threading.current_thread() is not main:
+            inside.set()
+            release.wait(300)
+        return add(self, *args)
+
+    monkeypatch.setattr(inductor_cpp.MergedBuild, "add", pausing_add)
+    scale = 1.25 + next(_fresh) / 8
+
+    def f(a):
+        return (a * scale).tanh() + a
+
+    a = torch.randn(16, 8)
+    jf = fulmen.jit(f, executors=["inductor"], compile="async")
+    before = (config.emulate_precision_casts, config.cpp.vec_isa_ok, config.cpp.threads)
+    try:
+        torch.testing.assert_close(jf(a), f(a))
+        assert inside.wait(300), "the background compiler never reached the region's C++ kernel"
+        assert (config.emulate_precision_casts, config.cpp.vec_isa_ok, config.cpp.threads) == before
+        assert isinstance(virtualized._graph._get_handler(), virtualized.NullHandler)
+        assert torch._guards.TracingContext.try_get() is None
+        torch._dynamo.reset()
+        user = torch.compile(lambda t: torch.nn.functional.gelu(t * 3) - t)
+        torch.testing.assert_close(user(a), torch.nn.functional.gelu(a * 3) - a)
+    finally:
+        release.set()
+    inductor.wait_for_compilations(timeout=300)
+    region = [b for b in fulmen.last_traces(jf)[-1].bound_symbols if b.sym.is_fusion][0].sym.impl
+    torch.testing.assert_close(jf(a), f(a))
+    assert region.variants, "the paused compilation went on to finish"

@@ -232,6 +232,10 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
     # A region computes what its operations compute one by one: a cast to a lower precision rounds there, even
     # when Inductor fuses it with the operations around it (which it otherwise computes in float32 throughout).
     patch = {"emulate_precision_casts": True}
+    # Inductor gathers the Triton kernels of the compilation in flight into one process-wide list (TritonBundler),
+    # one compilation at a time: a torch.compile of the user's running beside a background lowering failed on
+    # it. Without the bundle a region's Triton kernels come from Triton's own on-disk cache.
+    patch["bundle_triton_into_fx_graph_cache"] = False
     if config.cpp.vec_isa_ok is None and on_cpu and _vector_isa_known():
         patch["cpp.vec_isa_ok"] = True
     if on_cpu and threads and threads != torch.get_num_threads():
@@ -249,13 +253,14 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
 
             from fulmen.executors.inductor_graph import aten_graph
             from fulmen.executors.inductor_sympy import install as install_index_shortcut  # imports sympy
+            from fulmen.executors.inductor_sympy import shortcut_here as index_shortcut
 
             decompositions = decomposition_table()
             install_index_shortcut()
         gm = aten_graph(fn, example, decompositions)
         keep_output_strides(gm)
         fake_mode = _fake_mode()
-        with merged_cpp_build(cpp), tracing(TracingContext(fake_mode)):
+        with merged_cpp_build(cpp), tracing(TracingContext(fake_mode)), index_shortcut():
             compiled = compile_fx_inner(gm, [fake_mode.from_tensor(a) for a in example])
         return with_eager_strides(getattr(compiled, "current_callable", compiled), compiled, gm, fn, example)
 
