@@ -7,6 +7,7 @@ symbolic-tracing flag) and at a ``torch.compile``'d module called meanwhile.
 """
 
 import itertools
+import random
 import threading
 
 import pytest
@@ -77,7 +78,9 @@ class _CompiledModule:
         self.pairs.append((self.compiled(x), self.model(x)))
 
 
-_fresh = itertools.count()
+# Regions (and a user's graphs) no earlier test or process compiled: kernels of equal code are shared in the process,
+# and Inductor's on-disk graph cache would answer a compilation without lowering it.
+_fresh = itertools.count(random.Random().randrange(1 << 30))
 
 
 @pytest.fixture
@@ -98,7 +101,7 @@ def paused_lowering(monkeypatch):
     table[torch.ops.aten.mul.Tensor] = pause
     monkeypatch.setattr(inductor_compile, "decomposition_table", lambda: table)
 
-    scale = 1.5 + next(_fresh) / 8  # a region no earlier test compiled: the kernels of equal code are shared
+    scale = 1.5 + next(_fresh) / 2**31
 
     def f(a):
         return nn.functional.gelu(a * scale + 0.25) * a
@@ -261,7 +264,7 @@ def test_inductor_state_of_a_lowering_in_flight_is_its_own(monkeypatch):
         return add(self, *args)
 
     monkeypatch.setattr(inductor_cpp.MergedBuild, "add", pausing_add)
-    scale = 1.25 + next(_fresh) / 8
+    scale, user_scale = 1.25 + next(_fresh) / 2**31, 3 + next(_fresh) / 2**31
 
     def f(a):
         return (a * scale).tanh() + a
@@ -276,8 +279,8 @@ def test_inductor_state_of_a_lowering_in_flight_is_its_own(monkeypatch):
         assert isinstance(virtualized._graph._get_handler(), virtualized.NullHandler)
         assert torch._guards.TracingContext.try_get() is None
         torch._dynamo.reset()
-        user = torch.compile(lambda t: torch.nn.functional.gelu(t * 3) - t)
-        torch.testing.assert_close(user(a), torch.nn.functional.gelu(a * 3) - a)
+        user = torch.compile(lambda t: torch.nn.functional.gelu(t * user_scale) - t)
+        torch.testing.assert_close(user(a), torch.nn.functional.gelu(a * user_scale) - a)
     finally:
         release.set()
     inductor.wait_for_compilations(timeout=300)
