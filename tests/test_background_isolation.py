@@ -60,7 +60,7 @@ _UNTOUCHED = {"Module.__call__": True, "Module.__getattr__": True, "fx.wrap'd fu
 class _CompiledModule:
     """A fresh ``torch.compile``'d module, the graphs Dynamo hands its backend, and its results next to eager's."""
 
-    def __init__(self):
+    def __init__(self, paused=None):
         torch._dynamo.reset()
         counters.clear()
         torch.manual_seed(0)
@@ -68,9 +68,13 @@ class _CompiledModule:
         self.graphs = []
         self.compiled = torch.compile(self.model, backend=self._backend)
         self.pairs = []
+        self.lowered_first = []
+        self.paused = paused
 
     def _backend(self, gm, example_inputs):
         self.graphs.append(gm)
+        if self.paused is not None:
+            self.lowered_first.append(self.paused.lowered.is_set())
         return gm.forward
 
     def __call__(self):
@@ -83,24 +87,44 @@ class _CompiledModule:
 _fresh = itertools.count(random.Random().randrange(1 << 30))
 
 
-@pytest.fixture
-def paused_lowering(monkeypatch):
-    """A region's Inductor lowering on the background compiler, stopped in the middle of its aten trace (at its
-    first multiplication) until the test calls the fixture's value, or ends; then it finishes, and the fixture
-    checks that it compiled and that the main thread's random numbers were not drawn from meanwhile."""
-    tracing, release = threading.Event(), threading.Event()
-    main = threading.current_thread()
-    table = dict(inductor_compile.decomposition_table())
+class _Paused:
+    """A background lowering stopped at a point of a test's choosing: ``release_in(seconds)`` lets it go on from
+    another thread (the main thread may be waiting for it then); ``lowered`` is set once Inductor's compilation of
+    it returned; ``finish()`` waits for it and checks what it did."""
 
-    def pause(*args, **kwargs):
-        if threading.current_thread() is not main:
-            tracing.set()
-            release.wait(300)
-        return NotImplemented  # no decomposition: the multiplication is recorded as it is
+    def __init__(self):
+        self.reached, self.release, self.lowered = threading.Event(), threading.Event(), threading.Event()
+        self.main = threading.current_thread()
+        self.check = None
 
-    table[torch.ops.aten.mul.Tensor] = pause
-    monkeypatch.setattr(inductor_compile, "decomposition_table", lambda: table)
+    def pause(self):
+        if threading.current_thread() is not self.main:
+            self.reached.set()
+            self.release.wait(300)
 
+    def release_in(self, seconds: float) -> None:
+        threading.Timer(seconds, self.release.set).start()
+
+    def finish(self):
+        if self.check is not None:
+            check, self.check = self.check, None
+            check()
+
+
+def _paused_region(monkeypatch, paused: _Paused):
+    """Start a fresh region's lowering on the background compiler; ``paused.pause`` must stop it somewhere."""
+    from torch._inductor import compile_fx
+
+    compile_inner = compile_fx.compile_fx_inner
+
+    def noting_the_end(*args, **kwargs):  # _lower looks the function up at each lowering
+        try:
+            return compile_inner(*args, **kwargs)
+        finally:
+            if threading.current_thread() is not paused.main:
+                paused.lowered.set()
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", noting_the_end)
     scale = 1.5 + next(_fresh) / 2**31
 
     def f(a):
@@ -110,37 +134,53 @@ def paused_lowering(monkeypatch):
     jf = fulmen.jit(f, executors=["inductor"], compile="async")
     rng = []
 
-    def finish():
-        """Let the lowering go on, wait for it, and check what it did."""
-        if release.is_set():
-            return
+    def check():
         rng.append(torch.get_rng_state())
-        release.set()
+        paused.release.set()
         inductor.wait_for_compilations(timeout=300)
         assert torch.equal(torch.get_rng_state(), rng[0]), "the background compiler drew from the main generator"
         region = [b for b in fulmen.last_traces(jf)[-1].bound_symbols if b.sym.is_fusion][0].sym.impl
         torch.testing.assert_close(jf(a), f(a))
         assert region.variants, "the paused lowering went on to compile the region"
 
+    paused.check = check
+    torch.testing.assert_close(jf(a), f(a))  # schedules the region's lowering on the background compiler
+    assert paused.reached.wait(300), "the background compiler never reached the pause"
+
+
+@pytest.fixture
+def paused_lowering(monkeypatch):
+    """A region's Inductor lowering on the background compiler, stopped in the middle of its aten trace (at its
+    first multiplication)."""
+    paused = _Paused()
+    table = dict(inductor_compile.decomposition_table())
+
+    def pause(*args, **kwargs):
+        paused.pause()
+        return NotImplemented  # no decomposition: the multiplication is recorded as it is
+
+    table[torch.ops.aten.mul.Tensor] = pause
+    monkeypatch.setattr(inductor_compile, "decomposition_table", lambda: table)
     try:
-        torch.testing.assert_close(jf(a), f(a))  # schedules the region's lowering on the background compiler
-        assert tracing.wait(300), "the background compiler never reached the region's multiplication"
-        yield finish
-    except BaseException:
-        release.set()
-        raise
-    finish()
+        _paused_region(monkeypatch, paused)
+        yield paused
+    finally:
+        paused.release.set()
+    paused.finish()
 
 
 def test_a_paused_background_lowering_changes_nothing_the_main_thread_sees(paused_lowering):
     """While the background compiler is stopped in the middle of tracing a region's aten graph, the main thread
-    finds torch as it was, and a torch.compile'd module compiles once, as without fulmen."""
+    finds torch as it was; a torch.compile started meanwhile waits for the lowering (Dynamo's compile lock), then
+    compiles once, as without fulmen."""
     assert _main_thread_view() == _UNTOUCHED
-    module = _CompiledModule()
-    module()  # Dynamo traces and guards the module while the lowering is paused
+    paused_lowering.release_in(1.0)
+    module = _CompiledModule(paused_lowering)  # torch._dynamo.reset() waits for the lowering too
+    module()
+    assert module.lowered_first == [True], "Dynamo traced the module while the lowering was in flight"
     assert _main_thread_view() == _UNTOUCHED
-    paused_lowering()
-    module()  # the guards Dynamo made during the pause still hold once the lowering has finished
+    paused_lowering.finish()
+    module()
     module()
     for out, exp in module.pairs:
         torch.testing.assert_close(out, exp)
@@ -168,9 +208,10 @@ _HF_FAMILIES = {
 
 @pytest.mark.parametrize("family", list(_HF_FAMILIES))
 def test_torch_compile_of_hf_models_beside_a_background_lowering(paused_lowering, family, caplog):
-    """torch.compile(model, backend="fulmen") while the background compiler is in the middle of a lowering, which
-    ends while Dynamo compiles: one Dynamo graph, no graph break, fulmen compiles and runs it (no eager fallback),
-    and the loss, logits and every parameter's gradient match eager PyTorch (float64)."""
+    """torch.compile(model, backend="fulmen") started while the background compiler is in the middle of a lowering
+    (which FX's tracer, patching nn.Module.__call__, broke: "Guard failed on the same frame it was created"): one
+    Dynamo graph, traced after the lowering, no graph break, fulmen compiles and runs it (no eager fallback), and
+    the loss, logits and every parameter's gradient match eager PyTorch (float64)."""
     transformers = pytest.importorskip("transformers")
     from fulmen.frontend.dynamo import fulmen_backend
 
@@ -178,14 +219,14 @@ def test_torch_compile_of_hf_models_beside_a_background_lowering(paused_lowering
     config = getattr(transformers, config_cls)(vocab_size=_VOCAB, use_cache=False, **fields)
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).to(torch.float64)
-    torch._dynamo.reset()
+    paused_lowering.release_in(1.0)
+    torch._dynamo.reset()  # waits for the lowering in flight (Dynamo's compile lock), as Dynamo's compile does
     counters.clear()
-    made = []
+    made, lowered_first = [], []
 
     def backend(gm, example_inputs):
+        lowered_first.append(paused_lowering.lowered.is_set())
         made.append(fulmen_backend(gm, example_inputs, options={"compile": "off"}))
-        # Dynamo traced the model while the lowering was paused; it ends before Dynamo makes and checks the guards
-        paused_lowering()
         return made[-1]
 
     compiled = torch.compile(model, backend=backend)
@@ -204,6 +245,7 @@ def test_torch_compile_of_hf_models_beside_a_background_lowering(paused_lowering
             for name, p in model.named_parameters():
                 torch.testing.assert_close(grads[name], p.grad, msg=lambda m, name=name: f"{name}: {m}")
     assert len(made) == 1, f"Dynamo compiled {len(made)} graphs for one model at one shape"
+    assert lowered_first == [True], "Dynamo traced the model while the lowering was in flight"
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     jitted = made[0]._fulmen_jitted
     assert fulmen.cache_misses(jitted) == 1 and fulmen.cache_hits(jitted) == 2, "fulmen ran every call"
@@ -248,42 +290,41 @@ def test_torch_compile_backend_reports_no_module_writes(caplog):
 def test_inductor_state_of_a_lowering_in_flight_is_its_own(monkeypatch):
     """The background compiler is stopped inside Inductor's compilation of a region (as its C++ kernel is handed
     over): its configuration patches, graph and tracing context are not the main thread's, and a torch.compile of
-    the user's with Inductor runs beside it and matches eager."""
+    the user's with Inductor waits for it (the two would share Inductor's per-compilation class state), then runs
+    and matches eager."""
     from torch._inductor import config, virtualized
+    from torch._inductor.compile_fx import compile_fx
 
     from fulmen.executors import inductor_cpp
 
-    inside, release = threading.Event(), threading.Event()
-    main = threading.current_thread()
+    paused = _Paused()
     add = inductor_cpp.MergedBuild.add
 
     def pausing_add(self, *args):
-        if threading.current_thread() is not main:
-            inside.set()
-            release.wait(300)
+        paused.pause()
         return add(self, *args)
 
     monkeypatch.setattr(inductor_cpp.MergedBuild, "add", pausing_add)
-    scale, user_scale = 1.25 + next(_fresh) / 2**31, 3 + next(_fresh) / 2**31
+    before = (config.emulate_precision_casts, config.cpp.vec_isa_ok, config.bundle_triton_into_fx_graph_cache)
+    user_scale = 3 + next(_fresh) / 2**31
+    lowered_first = []
 
-    def f(a):
-        return (a * scale).tanh() + a
+    def user_backend(gm, example_inputs):
+        lowered_first.append(paused.lowered.is_set())
+        return compile_fx(gm, example_inputs)
 
-    a = torch.randn(16, 8)
-    jf = fulmen.jit(f, executors=["inductor"], compile="async")
-    before = (config.emulate_precision_casts, config.cpp.vec_isa_ok, config.cpp.threads)
     try:
-        torch.testing.assert_close(jf(a), f(a))
-        assert inside.wait(300), "the background compiler never reached the region's C++ kernel"
-        assert (config.emulate_precision_casts, config.cpp.vec_isa_ok, config.cpp.threads) == before
+        _paused_region(monkeypatch, paused)
+        assert (config.emulate_precision_casts, config.cpp.vec_isa_ok,
+                config.bundle_triton_into_fx_graph_cache) == before
         assert isinstance(virtualized._graph._get_handler(), virtualized.NullHandler)
         assert torch._guards.TracingContext.try_get() is None
+        paused.release_in(1.0)
         torch._dynamo.reset()
-        user = torch.compile(lambda t: torch.nn.functional.gelu(t * user_scale) - t)
+        a = torch.randn(16, 8)
+        user = torch.compile(lambda t: torch.nn.functional.gelu(t * user_scale) - t, backend=user_backend)
         torch.testing.assert_close(user(a), torch.nn.functional.gelu(a * user_scale) - a)
     finally:
-        release.set()
-    inductor.wait_for_compilations(timeout=300)
-    region = [b for b in fulmen.last_traces(jf)[-1].bound_symbols if b.sym.is_fusion][0].sym.impl
-    torch.testing.assert_close(jf(a), f(a))
-    assert region.variants, "the paused compilation went on to finish"
+        paused.release.set()
+    paused.finish()
+    assert lowered_first == [True], "Inductor compiled the user's graph while the lowering was in flight"

@@ -248,6 +248,7 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
         if on_cpu:
             prefetch_header()  # before the rest of Inductor's imports (about 1.5 s): they run beside the header
         with compiler_import_lock:
+            from torch._dynamo.convert_frame import compile_lock
             from torch._guards import TracingContext, tracing
             from torch._inductor.compile_fx import compile_fx_inner
 
@@ -257,11 +258,17 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
 
             decompositions = decomposition_table()
             install_index_shortcut()
-        gm = aten_graph(fn, example, decompositions)
-        keep_output_strides(gm)
-        fake_mode = _fake_mode()
-        with merged_cpp_build(cpp), tracing(TracingContext(fake_mode)), index_shortcut():
-            compiled = compile_fx_inner(gm, [fake_mode.from_tensor(a) for a in example])
+        # Inductor's compilation has process-wide moments: its own passes trace with FX (pattern replacements,
+        # loop bounds), which replaces nn.Module.__call__ for the process while it runs, and it keeps one
+        # compilation's state in class attributes. Dynamo compiles (and Inductor compiles a backward) holding
+        # Dynamo's compile lock; a lowering holds it too, so it never runs while Dynamo traces the user's code on
+        # another thread, which would see FX's wrappers. The C++ build after it runs without the lock.
+        with compile_lock:
+            gm = aten_graph(fn, example, decompositions)
+            keep_output_strides(gm)
+            fake_mode = _fake_mode()
+            with merged_cpp_build(cpp), tracing(TracingContext(fake_mode)), index_shortcut():
+                compiled = compile_fx_inner(gm, [fake_mode.from_tensor(a) for a in example])
         return with_eager_strides(getattr(compiled, "current_callable", compiled), compiled, gm, fn, example)
 
 
