@@ -233,8 +233,9 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
     # when Inductor fuses it with the operations around it (which it otherwise computes in float32 throughout).
     patch = {"emulate_precision_casts": True}
     # Inductor gathers the Triton kernels of the compilation in flight into one process-wide list (TritonBundler),
-    # one compilation at a time: a torch.compile of the user's running beside a background lowering failed on
-    # it. Without the bundle a region's Triton kernels come from Triton's own on-disk cache.
+    # one compilation at a time. The compile lock below keeps Dynamo's compilations apart from a lowering; Inductor
+    # entry points that do not take it (torch._inductor.compile, standalone compiles) would fail on the list.
+    # Without the bundle a region's Triton kernels come from Triton's own on-disk cache.
     patch["bundle_triton_into_fx_graph_cache"] = False
     if config.cpp.vec_isa_ok is None and on_cpu and _vector_isa_known():
         patch["cpp.vec_isa_ok"] = True
