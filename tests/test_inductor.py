@@ -750,33 +750,3 @@ def test_a_later_process_takes_whole_compilations_from_inductors_graph_cache(tmp
     assert first["cache"] == {"fxgraph_cache_miss": 1} and first["cpp_compiled"] > 0, first
     assert second["cache"] == {"fxgraph_cache_hit": 1} and second["cpp_compiled"] == 0, second
 
-
-def test_a_lowering_on_another_thread_does_not_stop_torch_compile_here():
-    """make_fx sets FX's process-wide "symbolic tracing" flag while the background compiler lowers a region;
-    torch.compile'd code on the user's thread must keep running (fulmen makes the flag per thread)."""
-    import threading
-
-    from torch.fx import _symbolic_trace
-
-    from fulmen.executors import inductor_compile
-
-    torch._dynamo.reset()
-    compiled = torch.compile(lambda x: x.sin() + 1, backend="eager")
-    x = torch.randn(4)
-    lowering, done = threading.Event(), threading.Event()
-
-    def lower_elsewhere():  # what a background lowering looks like from here: the flag set by another thread
-        with inductor_compile._lowering_on_this_thread():
-            _symbolic_trace._is_fx_tracing_flag = True
-            lowering.set()
-            done.wait(30)
-            _symbolic_trace._is_fx_tracing_flag = False
-
-    worker = threading.Thread(target=lower_elsewhere)
-    worker.start()
-    try:
-        assert lowering.wait(30)
-        torch.testing.assert_close(compiled(x), x.sin() + 1)
-    finally:
-        done.set()
-        worker.join()

@@ -32,7 +32,8 @@ def test_plain_linear_indices_come_back_as_sympy_simplify_returns_them():
     for _ in range(150):
         index = _random_index(rng)
         expected = sympy.simplify(index)
-        got = inductor_sympy.simplify(index)
+        with inductor_sympy.shortcut_here():
+            got = inductor_sympy.simplify(index)
         assert sympy.srepr(got) == sympy.srepr(expected), index
         shortcut += inductor_sympy.is_plain_linear(index)
     assert shortcut > 50, "the random indices should mostly take the shortcut"
@@ -117,3 +118,17 @@ def test_inductor_generates_the_same_code_with_the_shortcut(fresh_sizevars, monk
         inductor.compile_mode.reset(token)
     assert any(taken), "the second compilation should have taken the shortcut"
     assert files[0] == files[1]
+
+
+def test_the_shortcut_answers_only_on_a_lowering_thread(monkeypatch):
+    """Outside ``shortcut_here()`` (a torch.compile of the user's beside fulmen's background compiler) the
+    installed ``simplify`` is sympy's, search included."""
+    asked = []
+    real = inductor_sympy.is_plain_linear
+    monkeypatch.setattr(inductor_sympy, "is_plain_linear", lambda e: asked.append(e) or real(e))
+    x, y = _SYMBOLS[:2]
+    assert sympy.srepr(inductor_sympy.simplify(8 * x + y)) == sympy.srepr(sympy.simplify(8 * x + y))
+    assert asked == []
+    with inductor_sympy.shortcut_here():
+        assert inductor_sympy.simplify(8 * x + y) == 8 * x + y
+    assert asked == [8 * x + y]

@@ -68,8 +68,8 @@ QUIET_SECONDS = 0.3
 
 _jobs: queue.SimpleQueue = queue.SimpleQueue()
 _workers: list[threading.Thread] = []
-#: Compile threads. One: Inductor is not thread-safe (two threads compiling at once fail inside its
-#: patching of FX, "CURRENT_PATCHER is None"); its C++ compiles already run in worker processes.
+#: Compile threads. One: Inductor's compilation is not written for two threads at once (shared caches and
+#: counters); its C++ compiles already run in worker processes.
 WORKERS = 1
 _worker_lock = threading.Lock()
 _shutting_down = False
@@ -232,6 +232,11 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
     # A region computes what its operations compute one by one: a cast to a lower precision rounds there, even
     # when Inductor fuses it with the operations around it (which it otherwise computes in float32 throughout).
     patch = {"emulate_precision_casts": True}
+    # Inductor gathers the Triton kernels of the compilation in flight into one process-wide list (TritonBundler),
+    # one compilation at a time. The compile lock below keeps Dynamo's compilations apart from a lowering; Inductor
+    # entry points that do not take it (torch._inductor.compile, standalone compiles) would fail on the list.
+    # Without the bundle a region's Triton kernels come from Triton's own on-disk cache.
+    patch["bundle_triton_into_fx_graph_cache"] = False
     if config.cpp.vec_isa_ok is None and on_cpu and _vector_isa_known():
         patch["cpp.vec_isa_ok"] = True
     if on_cpu and threads and threads != torch.get_num_threads():
@@ -244,58 +249,28 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
         if on_cpu:
             prefetch_header()  # before the rest of Inductor's imports (about 1.5 s): they run beside the header
         with compiler_import_lock:
+            from torch._dynamo.convert_frame import compile_lock
             from torch._guards import TracingContext, tracing
             from torch._inductor.compile_fx import compile_fx_inner
-            from torch.fx.experimental.proxy_tensor import make_fx
 
+            from fulmen.executors.inductor_graph import aten_graph
             from fulmen.executors.inductor_sympy import install as install_index_shortcut  # imports sympy
+            from fulmen.executors.inductor_sympy import shortcut_here as index_shortcut
 
             decompositions = decomposition_table()
             install_index_shortcut()
-        with _lowering_on_this_thread():
-            gm = make_fx(fn, decomposition_table=decompositions, tracing_mode="fake")(*example)
+        # Inductor's compilation has process-wide moments: its own passes trace with FX (pattern replacements,
+        # loop bounds), which replaces nn.Module.__call__ for the process while it runs, and it keeps one
+        # compilation's state in class attributes. Dynamo compiles (and Inductor compiles a backward) holding
+        # Dynamo's compile lock; a lowering holds it too, so it never runs while Dynamo traces the user's code on
+        # another thread, which would see FX's wrappers. The C++ build after it runs without the lock.
+        with compile_lock:
+            gm = aten_graph(fn, example, decompositions)
             keep_output_strides(gm)
             fake_mode = _fake_mode()
-            with merged_cpp_build(cpp), tracing(TracingContext(fake_mode)):
+            with merged_cpp_build(cpp), tracing(TracingContext(fake_mode)), index_shortcut():
                 compiled = compile_fx_inner(gm, [fake_mode.from_tensor(a) for a in example])
         return with_eager_strides(getattr(compiled, "current_callable", compiled), compiled, gm, fn, example)
-
-
-# Threads lowering a region now. make_fx sets FX's process-wide "symbolic tracing" flag while it traces, and Dynamo
-# refuses to run a torch.compile'd function while that flag is set ("Detected that you are using FX to symbolically
-# trace a dynamo-optimized function"): a background lowering would break the user's torch.compile calls on the
-# main thread. ``_install_thread_aware_fx_flag`` makes the flag read as set only on the thread that set it.
-_lowering_threads: set[int] = set()
-
-
-def _install_thread_aware_fx_flag() -> None:
-    from torch.fx import _symbolic_trace
-
-    process_wide = _symbolic_trace.is_fx_symbolic_tracing
-    if getattr(process_wide, "_fulmen", False):
-        return
-
-    def is_fx_symbolic_tracing() -> bool:
-        if _lowering_threads and threading.get_ident() not in _lowering_threads:
-            return False  # the flag is fulmen's lowering on another thread, not a trace of this thread's code
-        return process_wide()
-
-    is_fx_symbolic_tracing._fulmen = True
-    is_fx_symbolic_tracing.__doc__ = process_wide.__doc__
-    _symbolic_trace.is_fx_symbolic_tracing = is_fx_symbolic_tracing  # read by torch.compile's wrapper when made
-
-
-_install_thread_aware_fx_flag()
-
-
-@contextlib.contextmanager
-def _lowering_on_this_thread():
-    ident = threading.get_ident()
-    _lowering_threads.add(ident)
-    try:
-        yield
-    finally:
-        _lowering_threads.discard(ident)
 
 
 def _fake_mode():

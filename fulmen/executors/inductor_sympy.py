@@ -15,14 +15,20 @@ random indices. Any other expression goes to ``sympy.simplify`` itself.
 
 The shortcut is installed only where Inductor's ``sizevars`` module looks up the name ``sympy``. That name now
 points to a copy of sympy's namespace with this one function replaced. sympy itself, and every other module that
-uses it, see no change.
+uses it, see no change. It answers only on a thread inside ``shortcut_here()`` (fulmen's lowering of a region);
+elsewhere, as for a ``torch.compile`` of the user's running beside the background compiler, it is
+``sympy.simplify``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import types
 
 import sympy
+
+_here = threading.local()
 
 
 def is_plain_linear(expr: sympy.Basic) -> bool:
@@ -46,10 +52,22 @@ def is_plain_linear(expr: sympy.Basic) -> bool:
 
 
 def simplify(expr, *args, **kwargs):
-    """``sympy.simplify(expr, ...)``, answered without sympy's search for a plain linear index."""
-    if not args and not kwargs and is_plain_linear(expr):
+    """``sympy.simplify(expr, ...)``, answered without sympy's search for a plain linear index (inside
+    ``shortcut_here()``)."""
+    if getattr(_here, "on", False) and not args and not kwargs and is_plain_linear(expr):
         return expr
     return sympy.simplify(expr, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def shortcut_here():
+    """The shortcut answers on the calling thread for the block."""
+    before = getattr(_here, "on", False)
+    _here.on = True
+    try:
+        yield
+    finally:
+        _here.on = before
 
 
 def install() -> None:

@@ -136,15 +136,9 @@ def fulmen_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict
     them would compile a program per size, while a size read from a tensor follows fulmen's own dynamic sizes
     (one more compilation when a dimension first changes, then none).
     """
-    from torch.fx._lazy_graph_module import _LazyGraphModule
-
     from fulmen.core.proxies import DataDependentError
     from fulmen.frontend.jit import JittedFunction
 
-    # Dynamo hands over a lazy GraphModule that generates its code at its first call. That first call would be
-    # fulmen's trace, which would see the module's attributes change (its code) as a side effect of the traced
-    # program and warn about it on every compile; generating the code here leaves nothing to see.
-    _LazyGraphModule.force_recompile(gm)
     sources = _size_sources(gm) or {}
     kept = [i for i in range(len(example_inputs)) if i not in sources]  # the inputs fulmen is passed
     position = {i: k for k, i in enumerate(kept)}

@@ -76,6 +76,13 @@ def _initializing(frame, mod: nn.Module) -> bool:
     return False
 
 
+#: Code whose writes to a module are no side effect of the traced program: an FX ``GraphModule`` generates its Python
+#: code (``_code``, ``_lineno_map``, ...) from its graph, a lazy one at its first call, which may be inside a trace
+#: (Dynamo hands the ``torch.compile`` backend such modules). What it writes follows from the graph, so it is left
+#: as written, unreported.
+_DERIVED_STATE_WRITERS = frozenset({torch.fx.GraphModule.recompile.__code__})
+
+
 class ModuleWrites:
     """Records, for the thread tracing, the value each written (module, name) held before its first write, and
     which code wrote it. Modules created while tracing are the traced code's own: not recorded."""
@@ -90,6 +97,8 @@ class ModuleWrites:
         if threading.get_ident() != self._thread or (id(mod), name) in self._before or id(mod) in self._new:
             return
         writer = sys._getframe(2)  # 1: nn.Module.__setattr__ (module_guard's wrapper)
+        if writer.f_code in _DERIVED_STATE_WRITERS:
+            return
         if _initializing(writer, mod):
             self._new[id(mod)] = mod
             return
