@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fulmen
 from fulmen.testing import clone_args
@@ -67,3 +68,64 @@ def test_gather_scatter_empty_index_of_any_shape(dtype):
     check_vs_eager(lambda x, i: torch.gather(x, 0, i) * 2, x, index)
     check_vs_eager(lambda x, i: torch.scatter(x, 0, i, 1.0) * 2, x, index)
     check_vs_eager(lambda x, i: torch.scatter_add(x, 0, i, x.detach().reshape(1, 5)) * 2, x, index)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# random ops draw eager's numbers with the torch executor
+
+
+def _x(*shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)), requires_grad=True)
+
+
+_MHA_GEN = torch.Generator().manual_seed(3)
+_MHA_B, _MHA_WO, _MHA_BO = (torch.randn(24, generator=_MHA_GEN), torch.randn(8, 8, generator=_MHA_GEN),
+                            torch.randn(8, generator=_MHA_GEN))
+
+
+def _mha(x, w):
+    return F.multi_head_attention_forward(x, x, x, 8, 2, w, _MHA_B, None, None, False, 0.3, _MHA_WO, _MHA_BO,
+                                          training=True)[0]
+
+
+RANDOM_PROGRAMS = {
+    "dropout": (lambda x: F.dropout(x, 0.3), lambda: (_x(2, 3, 8, 8),)),
+    "dropout2d": (lambda x: F.dropout2d(x, 0.3), lambda: (_x(2, 3, 8, 8),)),
+    "sdpa_dropout": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.4),
+                     lambda: (_x(2, 3, 4, 8), _x(2, 3, 5, 8), _x(2, 3, 5, 7))),
+    "sdpa_dropout_causal": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=True),
+                            lambda: (_x(1, 2, 6, 8), _x(1, 2, 7, 8), _x(1, 2, 7, 3))),
+    "mha_dropout": (_mha, lambda: (_x(3, 2, 8), _x(24, 8))),
+    "fractional_max_pool2d": (lambda x: F.fractional_max_pool2d(x, 2, output_ratio=(0.5, 0.5)),
+                              lambda: (_x(2, 3, 8, 8),)),
+    "fractional_max_pool3d": (lambda x: F.fractional_max_pool3d(x, 2, output_ratio=(0.5, 0.5, 0.5)),
+                              lambda: (_x(1, 2, 6, 6, 6),)),
+    "rrelu": (lambda x: F.rrelu(x, training=True), lambda: (_x(4, 5),)),
+    "rand_randn_randint": (lambda x: x * torch.rand(x.shape) + torch.randn_like(x) + torch.randint(0, 5, x.shape),
+                           lambda: (_x(4, 5),)),
+    "bernoulli": (lambda x: torch.bernoulli(torch.sigmoid(x)) * x, lambda: (_x(4, 5),)),
+    "multinomial": (lambda x: x[torch.multinomial(torch.softmax(x.detach().flatten(), 0), 6)], lambda: (_x(20),)),
+    "normal_": (lambda x: torch.empty_like(x).normal_() * x + torch.normal(0.5, 2.0, (5,)), lambda: (_x(4, 5),)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RANDOM_PROGRAMS))
+def test_random_ops_draw_eagers_numbers(name):
+    """Bit-exact, forward and backward, on the first call and on cache hits, and the generator is left where eager
+    leaves it."""
+    fn, make_args = RANDOM_PROGRAMS[name]
+    jitted = _jit(fn)
+    for call in range(3):
+        results = []
+        for f in (fn, jitted):
+            args = make_args()
+            torch.manual_seed(1234 + call)
+            out = f(*args)
+            after = torch.rand(3)  # where the generator was left
+            grads = torch.autograd.grad(out, args, torch.ones_like(out), allow_unused=True, materialize_grads=True)
+            results.append((out, after, grads))
+        (out, after, grads), (e_out, e_after, e_grads) = results[1], results[0]
+        assert torch.equal(out, e_out), f"call {call}: outputs differ from eager's"
+        assert torch.equal(after, e_after), f"call {call}: the generator is not where eager leaves it"
+        for g, e in zip(grads, e_grads):
+            assert torch.equal(g, e), f"call {call}: gradients differ from eager's"
