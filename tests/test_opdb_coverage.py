@@ -129,3 +129,53 @@ def test_random_ops_draw_eagers_numbers(name):
         assert torch.equal(after, e_after), f"call {call}: the generator is not where eager leaves it"
         for g, e in zip(grads, e_grads):
             assert torch.equal(g, e), f"call {call}: gradients differ from eager's"
+
+
+def _seeded_inside(x):
+    torch.manual_seed(42)
+    return F.dropout(x, 0.5) + torch.rand(x.shape)
+
+
+def _frozen_state_inside(x):
+    state = torch.get_rng_state()
+    torch.manual_seed(7)
+    y = F.dropout(x, 0.5)
+    torch.set_rng_state(state)  # the caller's generator as it was (torch.testing's freeze_rng_state)
+    return y + torch.randn(x.shape)
+
+
+def _state_from_outside(x, state):
+    torch.set_rng_state(state)
+    return x * torch.rand(x.shape)
+
+
+@pytest.mark.parametrize("fn", [_seeded_inside, _frozen_state_inside])
+def test_generator_calls_inside_the_function_run_on_every_call(fn):
+    jitted = _jit(fn)
+    x = torch.randn(6, 6)
+    for call in range(3):
+        torch.manual_seed(call)
+        expected, e_after = fn(x), torch.rand(4)
+        torch.manual_seed(call)
+        actual, a_after = jitted(x), torch.rand(4)
+        assert torch.equal(actual, expected), f"call {call}"
+        assert torch.equal(a_after, e_after), f"call {call}: the generator is not where eager leaves it"
+
+
+def test_set_rng_state_with_a_state_passed_in():
+    jitted = _jit(_state_from_outside)
+    x = torch.randn(3)
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        state = torch.get_rng_state()
+        torch.manual_seed(99)
+        assert torch.equal(jitted(x, state), _state_from_outside(x, state))
+
+
+def test_an_unrecorded_generator_change_while_tracing_warns():
+    def fn(x):
+        torch.default_generator.manual_seed(3)  # not a call fulmen can see: made once, while tracing
+        return x * 2
+
+    with pytest.warns(UserWarning, match="random generator changed while the function was traced"):
+        _jit(fn)(torch.randn(3))

@@ -24,6 +24,7 @@ from fulmen.frontend import module_guard
 from fulmen.frontend.global_guard import GlobalGuard, ReadRecorder, build_guard
 from fulmen.frontend.module_writes import ModuleWrites, check_no_proxies_left
 from fulmen.frontend.replay import Replays
+from fulmen.frontend.rng_calls import recording_rng_calls
 from fulmen.torch.fallback import opaque_symbol
 from fulmen.torch.numpy_values import numpy_data, numpy_scalar
 from fulmen.torch.shape import set_strides
@@ -348,7 +349,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     recorder = trace.on_user_op = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
     try:
         with tracectx(trace), _UserTorchCalls(trace), _compiling(), _recording_autograd_functions(), \
-                ModuleWrites() as writes:
+                recording_rng_calls(), ModuleWrites() as writes:
             result = fn(*proxy_args, **proxy_kwargs)
             result = trace.capture(result) if isinstance(result, torch.Tensor) else result
             attributes = writes.settle(frozenset(map(id, own)), trace.capture.by_id,
