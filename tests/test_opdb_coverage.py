@@ -96,15 +96,23 @@ RANDOM_PROGRAMS = {
     "sdpa_dropout_causal": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=True),
                             lambda: (_x(1, 2, 6, 8), _x(1, 2, 7, 8), _x(1, 2, 7, 3))),
     "mha_dropout": (_mha, lambda: (_x(3, 2, 8), _x(24, 8))),
-    "fractional_max_pool2d": (lambda x: F.fractional_max_pool2d(x, 2, output_ratio=(0.5, 0.5)),
-                              lambda: (_x(2, 3, 8, 8),)),
-    "fractional_max_pool3d": (lambda x: F.fractional_max_pool3d(x, 2, output_ratio=(0.5, 0.5, 0.5)),
-                              lambda: (_x(1, 2, 6, 6, 6),)),
+    "fractional_max_pool2d": (lambda x: F.fractional_max_pool2d(x, 2, output_size=(3, 2)), lambda: (_x(2, 3, 7, 7),)),
+    # the pooling regions depend on the draw: the backward (PyTorch's, recomputing the op) must replay it
+    "fractional_max_pool3d": (lambda x: F.fractional_max_pool3d(x, 2, output_size=(2, 3, 2)),
+                              lambda: (_x(2, 3, 5, 5, 5),)),
+    # two identical calls draw twice: they must not be merged into one
+    "fractional_max_pool3d_twice": (lambda x: F.fractional_max_pool3d(x, 2, output_size=(2, 3, 2))
+                                    - F.fractional_max_pool3d(x, 2, output_size=(2, 3, 2)),
+                                    lambda: (_x(2, 3, 5, 5, 5),)),
     "rrelu": (lambda x: F.rrelu(x, training=True), lambda: (_x(4, 5),)),
     "rand_randn_randint": (lambda x: x * torch.rand(x.shape) + torch.randn_like(x) + torch.randint(0, 5, x.shape),
                            lambda: (_x(4, 5),)),
     "bernoulli": (lambda x: torch.bernoulli(torch.sigmoid(x)) * x, lambda: (_x(4, 5),)),
     "multinomial": (lambda x: x[torch.multinomial(torch.softmax(x.detach().flatten(), 0), 6)], lambda: (_x(20),)),
+    # eager gives a sample's parameters zero gradient (not the reparameterized one)
+    "normal_tensor_params": (lambda m, s: torch.normal(m, s.abs() + 0.1) + torch.normal(m, 2.0),
+                             lambda: (_x(4, 5), _x(5))),
+    "bernoulli_probabilities": (lambda x: torch.bernoulli(torch.sigmoid(x)), lambda: (_x(4, 5),)),
     "normal_": (lambda x: torch.empty_like(x).normal_() * x + torch.normal(0.5, 2.0, (5,)), lambda: (_x(4, 5),)),
 }
 
