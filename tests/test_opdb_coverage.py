@@ -70,6 +70,35 @@ def test_gather_scatter_empty_index_of_any_shape(dtype):
     check_vs_eager(lambda x, i: torch.scatter_add(x, 0, i, x.detach().reshape(1, 5)) * 2, x, index)
 
 
+
+def test_batch_norm_1d_input_as_eager():
+    # eager reads a 1-D input's channel count as 0: an empty input gives an empty copy, any other raises
+    for training in (True, False):
+        fn = lambda x, m, v: F.batch_norm(x, m, v, training=training)  # noqa: E731
+        check_vs_eager(fn, torch.randn(0), torch.zeros(0), torch.ones(0))
+        with pytest.raises(IndexError, match="Dimension out of range"):
+            _jit(fn)(torch.randn(3), torch.zeros(0), torch.ones(0))
+        with pytest.raises(RuntimeError, match="running_mean should contain 0 elements not 3"):
+            _jit(fn)(torch.randn(0), torch.zeros(3), torch.ones(3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize("steps", [0, 1, 2, 7, 50])
+def test_linspace_logspace_tensor_endpoints(dtype, steps):
+    fns = [lambda s, e: torch.linspace(s, e, steps, dtype=dtype), lambda s, e: torch.linspace(-2.5, e, steps,
+                                                                                              dtype=dtype),
+           lambda s, e: torch.logspace(s, e, steps, base=2.0, dtype=dtype)]
+    for fn in fns:
+        jitted = _jit(fn)
+        # the endpoints are read on every call: new values need no recompilation and give eager's numbers
+        for start, end in ((torch.tensor(-3.25), torch.tensor(4)), (torch.tensor(1.5), torch.tensor(-2))):
+            expected = fn(start, end)
+            actual = jitted(start, end)
+            assert actual.dtype == expected.dtype
+            torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+        assert fulmen.cache_misses(jitted) == 1
+
+
 # ---------------------------------------------------------------------------------------------------------
 # random ops draw eager's numbers with the torch executor
 
