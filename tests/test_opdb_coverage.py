@@ -216,3 +216,20 @@ def test_an_unrecorded_generator_change_while_tracing_warns():
 
     with pytest.warns(UserWarning, match="random generator changed while the function was traced"):
         _jit(fn)(torch.randn(3))
+
+
+def test_tensordot_broadcasts_contracted_dims_of_size_one():
+    a, b = torch.randn(1, 3, 1, requires_grad=True), torch.randn(2, 1, 4, requires_grad=True)
+    check_vs_eager(lambda a, b: torch.tensordot(a, b, dims=([0, 2], [2, 0])), a, b)
+    check_vs_eager(lambda a, b: torch.tensordot(a, b, dims=([1, 0], [1, 2])), a, torch.randn(1, 3, 2))
+
+
+@pytest.mark.parametrize("args", [("nuc",), ("nuc", (1, 2)), ("nuc", (2, 0), True)])
+def test_matrix_norms_run_as_eager(args):
+    x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    check_vs_eager(lambda x: torch.norm(x[0] if len(args) == 1 else x, *args), x)
+
+
+def test_a_matrix_norm_eager_rejects_raises_eagers_error():
+    with pytest.raises(RuntimeError, match="dim must be a 2-tuple"):
+        _jit(lambda x: torch.norm(x, "fro", (0, 1, 2)))(torch.randn(2, 3, 4))
