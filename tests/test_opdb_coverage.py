@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import fulmen
-from fulmen.testing import clone_args
+from fulmen.testing import clone_args, run_decomposed
 
 
 def _jit(fn):
@@ -233,3 +233,21 @@ def test_matrix_norms_run_as_eager(args):
 def test_a_matrix_norm_eager_rejects_raises_eagers_error():
     with pytest.raises(RuntimeError, match="dim must be a 2-tuple"):
         _jit(lambda x: torch.norm(x, "fro", (0, 1, 2)))(torch.randn(2, 3, 4))
+
+
+@pytest.mark.parametrize("data", [float("nan"), [float("nan")] * 3, [0.0, -0.0], [-0.0, -0.0], [[1.5, 1.5]]])
+def test_tensor_of_python_constants(data):
+    # torch.tensor(nan) once failed with an IndexError (NaN != NaN), and [0.0, -0.0] became two 0.0
+    fn = lambda x: torch.tensor(data) + x  # noqa: E731
+    x = torch.tensor(-0.0)  # adding -0.0 keeps the sign of every zero
+    jitted = _jit(fn)
+    expected = fn(x)
+    # the first call, a cache hit, and the prims the decomposition is made of (what fusion compiles)
+    for actual in (jitted(x), jitted(x), run_decomposed(fn, x)):
+        torch.testing.assert_close(actual, expected, equal_nan=True, rtol=0, atol=0)
+        assert torch.equal(torch.signbit(actual), torch.signbit(expected))
+
+
+def test_masked_median():
+    x, mask = torch.randn(4, 5), torch.rand(4, 5) > 0.3
+    check_vs_eager(lambda x, m: torch.masked.median(x, 1, mask=m), x, mask)

@@ -72,6 +72,13 @@ def _flat_values(data) -> list:
     return [data]
 
 
+def _same_number(a, b) -> bool:
+    """Equal as values a tensor holds: NaN is NaN, and -0.0 is not 0.0 (``repr`` round-trips floats exactly)."""
+    if type(a) is not type(b):
+        return False
+    return repr(a) == repr(b) if isinstance(a, (float, complex)) else a == b
+
+
 def index_constant(data, *, dtype: torch.dtype, device, op: str = "tensor") -> TensorProxy:
     """A tensor holding Python ``data`` (nested lists of numbers), built from prims.
 
@@ -83,7 +90,7 @@ def index_constant(data, *, dtype: torch.dtype, device, op: str = "tensor") -> T
     for v in values:
         check(isinstance(v, Number) and not isinstance(v, torch.Tensor), lambda: f"{op}: expected numbers in the "
               f"data, but got {type(v).__name__} ({v!r})", TypeError)
-    if not values or all(v == values[0] and type(v) is type(values[0]) for v in values):
+    if not values or all(_same_number(v, values[0]) for v in values):
         return clang.full(shape, values[0] if values else 0, device=device, dtype=dtype)
     ints = all(isinstance(v, Integral) and not isinstance(v, bool) for v in values)
     step = values[1] - values[0]
