@@ -251,3 +251,15 @@ def test_tensor_of_python_constants(data):
 def test_masked_median():
     x, mask = torch.randn(4, 5), torch.rand(4, 5) > 0.3
     check_vs_eager(lambda x, m: torch.masked.median(x, 1, mask=m), x, mask)
+
+
+def test_opaque_op_returning_a_structseq_holding_a_list_of_tensors():
+    # torch.histogramdd (no fulmen rule) returns (hist, bin_edges: list of tensors); the list's tensors are outputs
+    fn = lambda x: torch.histogramdd(x, (2, 3), weight=x[:, 0].abs())  # noqa: E731
+    x = torch.randn(7, 2)
+    expected, jitted = fn(x), _jit(fn)
+    for _ in range(2):
+        actual = jitted(x)
+        assert type(actual) is type(expected)
+        torch.testing.assert_close(actual.hist, expected.hist)
+        torch.testing.assert_close(actual.bin_edges, expected.bin_edges)

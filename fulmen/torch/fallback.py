@@ -75,7 +75,7 @@ def _fake_meta(func: Callable, name: str, views: bool = False) -> Callable:
             return x
 
         if type(out).__module__ == "torch.return_types":  # keep .values / .indices, as eager does
-            result = type(out)(tuple(to_proxy(x) for x in out))
+            result = type(out)(tuple(tree_map(to_proxy, x) for x in out))
         else:
             result = tree_map(to_proxy, out)
         if views and fargs and isinstance(fargs[0], torch.Tensor):
