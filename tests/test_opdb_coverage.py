@@ -263,3 +263,24 @@ def test_opaque_op_returning_a_structseq_holding_a_list_of_tensors():
         assert type(actual) is type(expected)
         torch.testing.assert_close(actual.hist, expected.hist)
         torch.testing.assert_close(actual.bin_edges, expected.bin_edges)
+
+
+def test_with_fusion_random_ops_stay_outside_regions_and_draw_eagers_numbers():
+    """Default executors (Inductor): the draws are eager's and the generator is left where eager leaves it; only the
+    rounding of the fused arithmetic around them may differ (a different dropout mask would differ by O(1))."""
+    fn = lambda x: F.dropout(torch.sin(x) * 2, 0.4).cos() + torch.rand(x.shape)  # noqa: E731
+    jitted = fulmen.jit(fn, compile="sync")
+    x = torch.randn(8, 16)
+    for call in range(2):
+        torch.manual_seed(call)
+        expected, e_after = fn(x), torch.rand(3)
+        torch.manual_seed(call)
+        actual, a_after = jitted(x), torch.rand(3)
+        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
+        assert torch.equal(a_after, e_after)
+    lines = str(fulmen.last_traces(jitted)[-1]).splitlines()
+    assert any("inductor_fusion" in line for line in lines)
+    # the draws are top-level calls of the torch executor, not operations of a fused region (printed as comments)
+    top_level = [line for line in lines if not line.lstrip().startswith("#")]
+    for names in (("bernoulli", "dropout"), ("uniform", "rand")):
+        assert any(name in line for line in top_level for name in names), (names, "\n".join(lines))
