@@ -25,11 +25,12 @@ def check_vs_eager(fn, *args, rtol=None, atol=None, grad=True):
     """fulmen.jit(fn) (torch executor) against eager: outputs and, for float inputs that require grad, gradients."""
     e_args, a_args = clone_args(args), clone_args(args)
     expected, actual = fn(*e_args), _jit(fn)(*a_args)
-    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True)
     diff = [i for i, x in enumerate(args) if isinstance(x, torch.Tensor) and x.requires_grad]
     if grad and diff:
         torch.testing.assert_close(_grads(actual, [a_args[i] for i in diff]),
-                                   _grads(expected, [e_args[i] for i in diff]), rtol=rtol, atol=atol)
+                                   _grads(expected, [e_args[i] for i in diff]), rtol=rtol, atol=atol,
+                                   equal_nan=True)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -284,3 +285,24 @@ def test_with_fusion_random_ops_stay_outside_regions_and_draw_eagers_numbers():
     top_level = [line for line in lines if not line.lstrip().startswith("#")]
     for names in (("bernoulli", "dropout"), ("uniform", "rand")):
         assert any(name in line for line in top_level for name in names), (names, "\n".join(lines))
+
+
+@pytest.mark.parametrize("shape", [(5,), (3, 6), (1, 4), (4, 1)])
+@pytest.mark.parametrize("correction", [0, 1, 2])
+def test_cov_corrcoef_unweighted(shape, correction):
+    # eager's cov reads its degrees of freedom with .item(): unweighted they are known, so it traces
+    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    with pytest.warns(UserWarning) if shape[-1] - correction <= 0 else _no_warning():
+        check_vs_eager(lambda x: torch.cov(x, correction=correction), x)
+    check_vs_eager(torch.corrcoef, x)
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        y = (torch.randn(*shape) * 4).to(dtype)
+        check_vs_eager(lambda y: (torch.cov(y, correction=correction), y.corrcoef()), y)
+
+
+class _no_warning:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
