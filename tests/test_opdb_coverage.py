@@ -306,3 +306,22 @@ class _no_warning:
 
     def __exit__(self, *exc):
         return False
+
+
+def _narrow_then_write(x, s):
+    y = x * 1
+    y.narrow(1, s, 2).add_(10)  # a write through the narrowed view reaches y, as in eager
+    return y, x.narrow(0, s, 1) * 2
+
+
+def test_narrow_with_a_tensor_start():
+    x = torch.randn(4, 5, requires_grad=True)
+    jitted = _jit(_narrow_then_write)
+    for start in (1, -2, 0, 3):
+        s = torch.tensor(start)
+        check_vs_eager(_narrow_then_write, x, s)
+        expected = _narrow_then_write(x, s)
+        torch.testing.assert_close(jitted(x, s), expected, rtol=0, atol=0)
+        # the decomposition (what fusion compiles) reads the start's value on every call too
+        torch.testing.assert_close(run_decomposed(_narrow_then_write, x, s), expected, rtol=0, atol=0)
+    assert fulmen.cache_misses(jitted) == 1
