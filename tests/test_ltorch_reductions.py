@@ -146,8 +146,8 @@ def test_matmul_spellings():
 
 def test_unsupported_forms_say_so():
     x = torch.randn(3, 4)
-    with pytest.raises(NotImplementedError, match="matrix norm"):
-        fulmen.jit(lambda t: torch.norm(t, "nuc"))(x)
+    # a matrix norm fulmen does not decompose runs as eager's torch.norm (an opaque op)
+    torch.testing.assert_close(fulmen.jit(lambda t: torch.norm(t, "nuc"))(x), torch.norm(x, "nuc"))
     # out= is supported (fulmen.core.proxies.call_with_out): the result lands in o, as in eager
     o = torch.empty(())
     torch.testing.assert_close(fulmen.jit(lambda t, o: torch.norm(t, out=o))(x, o), torch.norm(x))

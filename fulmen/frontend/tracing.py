@@ -29,6 +29,7 @@ from fulmen.frontend.higher_order import routing_higher_order_ops
 from fulmen.frontend.module_writes import ModuleWrites, check_no_proxies_left
 from fulmen.frontend.objects import ObjectResults, ObjectSwaps
 from fulmen.frontend.replay import Replays
+from fulmen.frontend.rng_calls import recording_rng_calls
 from fulmen.frontend.split_points import ValueReader
 from fulmen.torch.fallback import opaque_symbol
 from fulmen.torch.numpy_values import numpy_data, numpy_scalar
@@ -396,7 +397,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     recorder = trace.on_user_op = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
     try:
         with tracectx(trace), _UserTorchCalls(trace), _compiling(), _recording_autograd_functions(), \
-                routing_higher_order_ops(), ModuleWrites() as writes:
+                routing_higher_order_ops(), recording_rng_calls(), ModuleWrites() as writes:
             try:
                 result = fn(*proxy_args, **proxy_kwargs)
             except BaseException:

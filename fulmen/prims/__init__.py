@@ -11,9 +11,12 @@ from fulmen.prims.data import (  # noqa: F401
     device_put,
     empty,
     full,
+    get_rng_state,
     iota,
+    manual_seed,
     normal,
     randint,
+    set_rng_state,
     uniform,
 )
 from fulmen.prims.elementwise import *  # noqa: F401,F403

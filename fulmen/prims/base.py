@@ -29,6 +29,10 @@ class PrimIDs(Enum):
     NORMAL = auto()
     BERNOULLI = auto()
     RANDINT = auto()
+    # the default generator's state
+    MANUAL_SEED = auto()
+    GET_RNG_STATE = auto()
+    SET_RNG_STATE = auto()
     # elementwise unary
     ABS = auto(); NEG = auto(); EXP = auto(); EXP2 = auto(); EXPM1 = auto(); LOG = auto()  # noqa: E702
     LOG1P = auto(); LOG2 = auto(); LOG10 = auto(); SIN = auto(); COS = auto(); TAN = auto()  # noqa: E702

@@ -131,6 +131,43 @@ randint = make_prim(PrimIDs.RANDINT, "randint", meta=_creation_meta("randint"), 
                     tags=(OpTags.CREATION, OpTags.RANDOM_OP), doc="Integers uniform in [low, high).")
 
 
+def _manual_seed_meta(seed):
+    check(isinstance(seed, int) and not isinstance(seed, bool), lambda: f"manual_seed expects an int, got {seed!r}",
+          TypeError)
+
+
+def _torch_manual_seed(seed):
+    torch.manual_seed(seed)
+
+
+manual_seed = make_prim(PrimIDs.MANUAL_SEED, "manual_seed", meta=_manual_seed_meta, torch_impl=_torch_manual_seed,
+                        tags=(OpTags.SIDE_EFFECT, OpTags.RANDOM_OP),
+                        doc="Seed torch's default generators (as torch.manual_seed).")
+
+
+def _get_rng_state_meta():
+    return TensorProxy(shape=(torch.get_rng_state().numel(),), dtype=torch.uint8, device="cpu")
+
+
+get_rng_state = make_prim(PrimIDs.GET_RNG_STATE, "get_rng_state", meta=_get_rng_state_meta,
+                          torch_impl=torch.get_rng_state, tags=(OpTags.RANDOM_OP,),
+                          doc="The CPU default generator's state, as a uint8 tensor (as torch.get_rng_state).")
+
+
+def _set_rng_state_meta(state):
+    check(isinstance(state, TensorProxy) and state.dtype is torch.uint8, lambda: "set_rng_state expects the uint8 "
+          f"tensor torch.get_rng_state() returns, got {state!r}", TypeError)
+
+
+def _torch_set_rng_state(state):
+    torch.set_rng_state(state)
+
+
+set_rng_state = make_prim(PrimIDs.SET_RNG_STATE, "set_rng_state", meta=_set_rng_state_meta,
+                          torch_impl=_torch_set_rng_state, tags=(OpTags.SIDE_EFFECT, OpTags.RANDOM_OP),
+                          doc="Restore the CPU default generator's state (as torch.set_rng_state).")
+
+
 def _copy_meta(src, dst):
     check(isinstance(dst, TensorProxy), lambda: "prims.copy_ writes into a tensor", TypeError)
     return TensorProxy(like=dst)

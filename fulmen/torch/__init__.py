@@ -25,6 +25,7 @@ from fulmen.torch.reductions import *  # noqa: F401,F403
 from fulmen.torch.registry import symbols_by_id, torchsymbol  # noqa: F401
 from fulmen.torch.shape import *  # noqa: F401,F403
 from fulmen.torch.shape import follow_input_layout as _follow_input_layout
+from fulmen.torch.statistics import *  # noqa: F401,F403
 
 # eager lays an elementwise op's result out as its inputs are: later views and reshapes of it depend on that
 for _sym in symbols_by_id.values():

@@ -19,8 +19,9 @@ from fulmen import clang, prims
 from fulmen.core import dtypes
 from fulmen.core.symbol import OpTags
 from fulmen.core.utils import check
-from fulmen.torch.elementwise import add, eq, exp, ge, mul, sub, true_divide, where
-from fulmen.torch.nn import _amax, _dropout_with_noise, _opmath, _sum, _to
+from fulmen.torch.elementwise import add, eq, ge, mul, where
+from fulmen.torch.nn import _amax, _dropout_with_noise, _opmath, _to
+from fulmen.torch.reductions import softmax
 from fulmen.torch.registry import torchsymbol
 
 __all__ = ["scaled_dot_product_attention"]
@@ -110,10 +111,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
         scores = add(scores, _additive(_causal_mask(length, source_length, query.device), scores.dtype))
     if attn_mask is not None:
         scores = add(scores, _additive(attn_mask, scores.dtype))
-    row_max = _amax(scores, -1, keepdim=True)
-    e = exp(sub(scores, row_max))
-    attn = true_divide(e, _sum(e, -1, keepdim=True))
-    attn = where(eq(row_max, -math.inf), 0.0, attn)  # fully masked rows: zeros, as torch's _safe_softmax
+    # torch's softmax (not its decomposition): under autodiff it keeps its own rule, aten's _softmax and its
+    # backward kernel, so the weights, and what dropout multiplies, are eager's to the bit
+    attn = softmax(scores, -1)
+    attn = where(eq(_amax(scores, -1, keepdim=True), -math.inf), 0.0, attn)  # fully masked rows: zeros (_safe_softmax)
     if dropout_p > 0:
         attn = _dropout_with_noise(attn, dropout_p, attn.shape)
     out = prims.matmul(attn, v)

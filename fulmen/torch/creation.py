@@ -297,14 +297,33 @@ def arange(start, end=None, step=1, *, out=None, dtype=None, layout=None, device
 
 
 def _spaced(start, end, steps: int, dtype, device, op: str) -> TensorProxy:
-    """``start + i * step`` for the first half and ``end - (steps - 1 - i) * step`` for the second, as torch."""
-    _check_real(op, start, end)
+    """``start + i * step`` for the first half and ``end - (steps - 1 - i) * step`` for the second, as torch.
+
+    ``start`` and ``end`` may be 0-d real tensors (eager reads their values, in the result's precision): the same
+    formula then runs on them, as tensor operations, on every call."""
+    endpoints = []
+    for name, v in (("start", start), ("end", end)):
+        if isinstance(v, TensorProxy):
+            check(v.ndim == 0, lambda: f"{op} only supports 0-dimensional start and end tensors, but got {name} with "
+                  f"{v.ndim} dimension(s).", RuntimeError)
+            check(not dtypes.is_complex_dtype(v.dtype), lambda: f"{op}(): complex {name} is not supported by fulmen",
+                  NotImplementedError)
+        else:
+            _check_real(op, v)
+        endpoints.append(v)
     check(isinstance(steps, int) and steps >= 0, lambda: "number of steps must be non-negative", RuntimeError)
     compute = dtype if dtypes.is_inexact_dtype(dtype) else torch.float64
-    if steps <= 1:
+    if isinstance(start, TensorProxy) or isinstance(end, TensorProxy):
+        start, end = (clang.maybe_convert_to_dtype(v, compute) if isinstance(v, TensorProxy) else
+                      clang.full((), v, device=device, dtype=compute) for v in endpoints)
+        if steps <= 1:
+            return clang.where(clang.full((steps,), True, device=device, dtype=torch.bool), start, start)
+        step = clang.elementwise_binary(clang.sub(end, start), steps - 1, prims.div)
+    elif steps <= 1:
         return clang.full((steps,), maybe_convert_to_dtype(start, compute), device=device, dtype=compute)
-    # torch computes the step in the result's own precision
-    step = ((torch.tensor(end, dtype=compute) - torch.tensor(start, dtype=compute)) / (steps - 1)).item()
+    else:
+        # torch computes the step in the result's own precision
+        step = ((torch.tensor(end, dtype=compute) - torch.tensor(start, dtype=compute)) / (steps - 1)).item()
     index = prims.iota(steps, start=0, step=1, device=device, dtype=torch.int64)
     findex = clang.maybe_convert_to_dtype(index, compute)
     low = clang.add(clang.mul(findex, step), start)

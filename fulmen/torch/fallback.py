@@ -87,7 +87,7 @@ def _fake_meta(func: Callable, name: str, views: bool = False) -> Callable:
             return x
 
         if type(out).__module__ == "torch.return_types":  # keep .values / .indices, as eager does
-            result = type(out)(tuple(to_proxy(x) for x in out))
+            result = type(out)(tuple(tree_map(to_proxy, x) for x in out))
         else:
             result = tree_map(to_proxy, out)
         if views and fargs and isinstance(fargs[0], torch.Tensor):
@@ -191,7 +191,9 @@ def _run_on_zeros(func: Callable, args, kwargs):
         return x
 
     try:
-        with torch.no_grad(), torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+        # fork_rng: a random op run here must not move the caller's generator (the run is only for metadata)
+        with torch.no_grad(), torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False), \
+                torch.random.fork_rng(devices=[]):
             zargs, zkwargs = tree_map(zeros, (args, kwargs))
             out = func(*zargs, **zkwargs)
     except Exception:
@@ -203,14 +205,35 @@ def _run_on_zeros(func: Callable, args, kwargs):
         t.dtype.is_floating_point or t.dtype.is_complex) else t, out)
 
 
+_RANDOM_NAME_PARTS = ("dropout", "rrelu", "bernoulli", "rand", "normal", "multinomial", "poisson", "gumbel",
+                      "fractional_max_pool")
+_RANDOM_PARAMETERS = frozenset(("generator", "_random_samples"))
+
+
+def draws_random(fn: Callable) -> bool:
+    """Whether an opaque op draws random numbers: ``fn.draws_random`` (user autograd Functions), a name that says so,
+    or a Python signature that takes a ``generator`` or the ``_random_samples`` it otherwise draws (the fractional
+    max-pools)."""
+    if getattr(fn, "draws_random", False):
+        return True
+    name = getattr(fn, "__name__", "") or ""
+    if any(part in name for part in _RANDOM_NAME_PARTS):
+        return True
+    code = getattr(fn, "__code__", None)
+    return code is not None and not _RANDOM_PARAMETERS.isdisjoint(code.co_varnames[:code.co_argcount +
+                                                                                  code.co_kwonlyargcount])
+
+
 def opaque_symbol(func: Callable) -> Symbol:
-    """The (cached) opaque symbol for a torch callable."""
+    """The (cached) opaque symbol for a torch callable. One that draws random numbers is also tagged ``RANDOM_OP``:
+    never merged with an identical call, recomputed or fused, and its backward replays the generator."""
     sym = _opaque.get(func)
     if sym is None:
         full = torch_id(func)
         module, _, name = full.rpartition(".")
+        tags = (OpTags.FALLBACK, OpTags.RANDOM_OP) if draws_random(func) else (OpTags.FALLBACK,)
         sym = Symbol(name=name, meta=_fake_meta(func, full, views=True), id=f"fallback:{full}", is_prim=True,
-                     tags=(OpTags.FALLBACK,), module=module or None, torch_fns=(func,))
+                     tags=tags, module=module or None, torch_fns=(func,))
         sym.extra["torch_impl"] = func
         sym.extra["skip_meta_check"] = False
         _opaque[func] = sym

@@ -73,6 +73,13 @@ def _flat_values(data) -> list:
     return [data]
 
 
+def _same_number(a, b) -> bool:
+    """Equal as values a tensor holds: NaN is NaN, and -0.0 is not 0.0 (``repr`` round-trips floats exactly)."""
+    if type(a) is not type(b):
+        return False
+    return repr(a) == repr(b) if isinstance(a, (float, complex)) else a == b
+
+
 def index_constant(data, *, dtype: torch.dtype, device, op: str = "tensor") -> TensorProxy:
     """A tensor holding Python ``data`` (nested lists of numbers), built from prims.
 
@@ -84,7 +91,7 @@ def index_constant(data, *, dtype: torch.dtype, device, op: str = "tensor") -> T
     for v in values:
         check(isinstance(v, Number) and not isinstance(v, torch.Tensor), lambda: f"{op}: expected numbers in the "
               f"data, but got {type(v).__name__} ({v!r})", TypeError)
-    if not values or all(v == values[0] and type(v) is type(values[0]) for v in values):
+    if not values or all(_same_number(v, values[0]) for v in values):
         return clang.full(shape, values[0] if values else 0, device=device, dtype=dtype)
     ints = all(isinstance(v, Integral) and not isinstance(v, bool) for v in values)
     step = values[1] - values[0]
@@ -387,18 +394,27 @@ register_function(tensor_methods("__setitem__"), setitem, method_names=["__setit
 # gather and scatter
 
 
-def _check_long_index(index, op: str) -> None:
+def _empty_index(a, index, op: str):
+    """The index of ``gather``/``scatter``/``scatter_add`` checked as eager checks it, or, for an index with no
+    entries, an empty int64 index with ``a``'s number of dimensions: eager checks neither the dtype nor the shape of
+    an index that selects nothing (its ``gather`` returns an empty tensor of the index's shape, its ``scatter`` a
+    copy), so the prims, which keep their checks, get an index they accept. Returns (index, whether it was empty)."""
     check(isinstance(index, TensorProxy), lambda: f"{op}(): argument 'index' must be Tensor, not "
           f"{type(index).__name__}", TypeError)
-    check(index.dtype is torch.int64, lambda: f"{op}(): Expected dtype int64 for index", RuntimeError)
+    if not any(isinstance(s, int) and s == 0 for s in index.shape):
+        # eager words the error "scatter()" for scatter_add too
+        check(index.dtype in (torch.int64, torch.int32), lambda: f"{'gather' if op == 'gather' else 'scatter'}(): "
+              "Expected dtype int32/int64 for index", RuntimeError)
+        return index, False
+    return clang.reshape(clang.maybe_convert_to_dtype(index, torch.int64), (0,) * max(a.ndim, 1)), True
 
 
 @torchsymbol(torch.gather, torch.Tensor.gather, method_name="gather", tags=_INDEXING)
 def gather(a, dim: int, index, *, sparse_grad: bool = False):
     """``torch.gather``: ``out[i][j] = a[index[i][j]][j]`` for ``dim=0``."""
-    check(isinstance(index, TensorProxy) and index.dtype in (torch.int64, torch.int32),
-          lambda: "gather(): Expected dtype int32/int64 for index", RuntimeError)
-    return prims.take_along_axis(a, index, dim)
+    index_, empty = _empty_index(a, index, "gather")
+    out = prims.take_along_axis(a, index_, dim)
+    return clang.reshape(out, index.shape) if empty else out
 
 
 def _check_scatter_shapes(a, dim, index, src, op: str) -> None:
@@ -418,12 +434,14 @@ def scatter(a, dim: int, index, src=None, *, value=None, reduce=None):
         return _fallback(torch.scatter)(a, dim, index, src if src is not None else value, reduce=reduce)
     src = value if src is None else src
     check(src is not None, lambda: "scatter() missing 1 required positional argument: 'src' (or 'value')", TypeError)
-    _check_long_index(index, "scatter")
+    index, empty = _empty_index(a, index, "scatter")
     dim = canonicalize_dim(a.ndim, dim)
     if isinstance(src, TensorProxy):
         check(src.dtype == a.dtype, lambda: "scatter(): Expected self.dtype to be equal to src.dtype", RuntimeError)
     else:
         src = maybe_convert_to_dtype(src, a.dtype)
+    if empty:  # writes nothing: a copy of a (eager looks at no more of src than its dtype then)
+        return prims.scatter(a, dim, index, maybe_convert_to_dtype(0, a.dtype))
     _check_scatter_shapes(a, dim, index, src, "scatter")
     return prims.scatter(a, dim, index, src)
 
@@ -431,10 +449,12 @@ def scatter(a, dim: int, index, src=None, *, value=None, reduce=None):
 @torchsymbol(torch.scatter_add, torch.Tensor.scatter_add, method_name="scatter_add", tags=_INDEXING)
 def scatter_add(a, dim: int, index, src):
     """``torch.scatter_add``: a copy of ``a`` with ``src[i][j]`` added at ``a[index[i][j]][j]`` (dim 0)."""
-    _check_long_index(index, "scatter_add")
+    index, empty = _empty_index(a, index, "scatter_add")
     dim = canonicalize_dim(a.ndim, dim)
     check(isinstance(src, TensorProxy) and src.dtype == a.dtype,
           lambda: "scatter_add(): Expected self.dtype to be equal to src.dtype", RuntimeError)
+    if empty:  # adds nothing: a copy of a
+        return prims.scatter(a, dim, index, maybe_convert_to_dtype(0, a.dtype))
     _check_scatter_shapes(a, dim, index, src, "scatter_add")
     return prims.scatter_add(a, dim, index, src)
 

@@ -265,6 +265,12 @@ def addbmm(input, batch1, batch2, *, beta: Number = 1, alpha: Number = 1):
 
 # ---- tensordot ----
 
+def _sum_keepdim(a, dim: int):
+    shape = list(a.shape)
+    shape[dim] = 1
+    return clang.reshape(prims.sum(a, (dim,)), shape)
+
+
 @torchsymbol(torch.tensordot, tags=_MM)
 def tensordot(a, b, dims=2, out=None):
     """Contract the last ``dims`` dims of ``a`` with the first of ``b``, or the dims listed in ``dims``."""
@@ -284,8 +290,14 @@ def tensordot(a, b, dims=2, out=None):
     dims_a = [canonicalize_dim(a.ndim, d) for d in dims_a]
     dims_b = [canonicalize_dim(b.ndim, d) for d in dims_b]
     for da, db in zip(dims_a, dims_b):
-        check(a.shape[da] == b.shape[db], lambda: f"contracted dimensions need to match, but first has size "
-              f"{a.shape[da]} in dim {da} and second has size {b.shape[db]} in dim {db}", RuntimeError)
+        # a contracted dim of size 1 on one side broadcasts: eager sums the other side over it first
+        if b.shape[db] == 1:
+            a = _sum_keepdim(a, da)
+        elif a.shape[da] == 1:
+            b = _sum_keepdim(b, db)
+        else:
+            check(a.shape[da] == b.shape[db], lambda: f"contracted dimensions need to match, but first has size "
+                  f"{a.shape[da]} in dim {da} and second has size {b.shape[db]} in dim {db}", RuntimeError)
     free_a = [d for d in range(a.ndim) if d not in dims_a]
     free_b = [d for d in range(b.ndim) if d not in dims_b]
     k = prod(a.shape[d] for d in dims_a)

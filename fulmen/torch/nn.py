@@ -547,6 +547,8 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     The update is recorded functionally (``batch_norm_with_update``) and the new values replace the
     running-stat tensors through ``mutate``, so ``nn.BatchNorm*`` buffers change as in eager.
     """
+    if isinstance(input, TensorProxy) and input.ndim == 1:
+        return _batch_norm_1d(input, running_mean, running_var, weight, bias)
     if training and (running_mean is not None or running_var is not None):
         check(running_mean is not None and running_var is not None,
               lambda: "batch_norm: running_mean and running_var must both be given or both be None", RuntimeError)
@@ -556,6 +558,18 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         mutate(running_var, new_var)
         return out
     return _batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+
+
+def _batch_norm_1d(input, running_mean, running_var, weight, bias):
+    """Eager reads a 1-D input's channel count as 0: it accepts only an empty input, with empty (or no) running
+    statistics and no weight or bias, and returns a copy of it; it raises what eager raises otherwise."""
+    check(input.shape[0] == 0, lambda: "Dimension out of range (expected to be in range of [-1, 0], but got 1)",
+          IndexError)
+    for t, what in ((running_mean, "running_mean"), (running_var, "running_var")):
+        check(t is None or t.numel() == 0, lambda: f"{what} should contain 0 elements not {t.numel()}", RuntimeError)
+    check(weight is None and bias is None, lambda: "select(): index 0 out of range for tensor of size [0] at "
+          "dimension 0", IndexError)
+    return mul(input, 1)
 
 
 def _torch_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled=True):

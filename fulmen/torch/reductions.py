@@ -568,14 +568,16 @@ def vector_norm(x, ord: Number = 2, dim=None, keepdim: bool = False, *, dtype: t
 
 @torchsymbol(torch.norm, torch.Tensor.norm, method_name="norm", tags=_RED)
 def norm(input, p="fro", dim=None, keepdim: bool = False, out=None, dtype: torch.dtype | None = None):
-    """torch.norm for vector norms ("fro" over at most two dims is the 2-norm); matrix norms are not supported."""
+    """torch.norm for vector norms ("fro" over at most two dims is the 2-norm); other matrix norms ("nuc", "fro"
+    over more dims) run as eager's torch.norm, an opaque op with PyTorch's gradient."""
     _check_tensor(input, "norm")
     _check_no_out(out, "norm")
     if isinstance(p, str):
         n_dims = 0 if dim is None or isinstance(dim, int) else len(dim)
-        check(p == "fro" and (dim is None or n_dims <= 2), lambda: f"torch.norm(p={p!r}, dim={dim!r}) is a matrix "
-              "norm, which fulmen does not decompose; use torch.linalg.matrix_norm outside fulmen.jit or a vector "
-              "norm (p a number)", NotImplementedError)
+        if not (p == "fro" and (dim is None or n_dims <= 2)):
+            from fulmen.core import langctx
+
+            return langctx.fallback[0](torch.norm)(input, p, dim, keepdim, dtype=dtype)
         p = 2
     elif p is None:
         p = 2

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from fulmen import clang, prims
-from fulmen.core import langctx
+from fulmen.core import dtypes, langctx
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 from fulmen.core.symbolic import INT_TYPES
@@ -618,14 +618,29 @@ def unbind(a, dim: int = 0):
     return tuple(clang.squeeze(clang.slice_in_dim(a, i, i + 1, 1, dim), (dim,)) for i in range(a.shape[dim]))
 
 
+def _narrow_at(a, dim: int, start: TensorProxy, length: int):
+    """``narrow`` from a 0-d integer tensor ``start`` (its value is read on every call): the rows ``start + i``
+    taken with an index, a negative start counting from the end as eager's. An index past the end raises at run
+    time, as eager's narrow does."""
+    check(start.ndim == 0 and dtypes.is_exact_dtype(start.dtype) and start.dtype is not torch.bool,
+          lambda: f"narrow(): start must be a 0-dim integral Tensor, got {start.dtype}{list(start.shape)}",
+          RuntimeError)
+    n = a.shape[dim]
+    start = clang.maybe_convert_to_dtype(start, torch.int64)
+    start = clang.where(clang.elementwise_binary(start, 0, prims.lt, clang.TypePromotion.ALWAYS_BOOL),
+                        clang.add(start, n), start)
+    rows = clang.add(prims.iota(length, start=0, step=1, device=a.device, dtype=torch.int64), start)
+    return prims.take(a, rows, dim)
+
+
 @view_symbol(torch.Tensor.narrow, torch.narrow, id="torch.narrow", method_name="narrow", tags=_SHAPE)
 def narrow(a, dim: int, start: int, length: int):
     check(a.ndim > 0, lambda: "narrow() cannot be applied to a 0-dim tensor.", RuntimeError)
-    check(not isinstance(start, TensorProxy), lambda: "narrow() with a tensor start depends on its value; pass an "
-          "int", NotImplementedError)
     check(length >= 0, lambda: "narrow(): length must be non-negative.", RuntimeError)
     dim = canonicalize_dim(a.ndim, dim)
     n = a.shape[dim]
+    if isinstance(start, TensorProxy):
+        return _narrow_at(a, dim, start, length)
     check(-n <= start <= n, lambda: f"start out of range (expected to be in range of [{-n}, {n}], but got {start})",
           IndexError)
     start = start + n if start < 0 else start

@@ -64,6 +64,7 @@ NON_DIFFERENTIABLE = frozenset({
     PrimIDs.BITWISE_NOT, PrimIDs.ISFINITE, PrimIDs.ISNAN, PrimIDs.ISINF, PrimIDs.EQ, PrimIDs.NE, PrimIDs.LT,
     PrimIDs.LE, PrimIDs.GT, PrimIDs.GE, PrimIDs.BITWISE_AND, PrimIDs.BITWISE_OR, PrimIDs.BITWISE_XOR,
     PrimIDs.SHIFT_LEFT, PrimIDs.SHIFT_RIGHT, PrimIDs.FLOOR_DIVIDE, PrimIDs.ARGMAX, PrimIDs.ARGMIN,
+    PrimIDs.MANUAL_SEED, PrimIDs.GET_RNG_STATE, PrimIDs.SET_RNG_STATE,
 })
 
 #: prim id -> rule(bsym, cotangent) -> one gradient (or None) per parameter of the prim.

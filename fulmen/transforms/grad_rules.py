@@ -176,16 +176,11 @@ unfold_backward = _aten_symbol("unfold_backward", lambda g, sizes, dim, size, st
 # ---------------------------------------------------------------------------------------------------------
 # PyTorch's autograd as a backward: opaque ops, and prims whose exact VJP is intricate
 
-_RANDOM_NAME_PARTS = ("dropout", "rrelu", "bernoulli", "rand", "normal", "multinomial", "poisson", "gumbel")
-
-
 def is_random_op(fn: Callable) -> bool:
-    """Whether an opaque op draws random numbers (judged by its name: fallback ops carry no such tag), or may
-    (``fn.draws_random``: user autograd Functions)."""
-    if getattr(fn, "draws_random", False):
-        return True
-    name = getattr(fn, "__name__", "") or ""
-    return any(part in name for part in _RANDOM_NAME_PARTS)
+    """Whether an opaque op draws random numbers (``fulmen.torch.fallback.draws_random``)."""
+    from fulmen.torch.fallback import draws_random
+
+    return draws_random(fn)
 
 
 def _rng_state_meta(device: str) -> TensorProxy:
@@ -748,3 +743,15 @@ def _std_rule(p: RuleArgs):
         gx = ltorch.add(gx, ltorch.true_divide(g_mean, n))
     put_grad(x, gx)
     return result
+
+
+@builtin_rule("torch.normal", "torch.bernoulli")
+def _sample_rule(p: RuleArgs):
+    """A sample passes no gradient to its distribution's parameters (the mean and std of ``normal``, the
+    probabilities of ``bernoulli``): eager's derivatives give them zeros, not the reparameterized gradient the
+    decomposition (``mean + std * draw``) would."""
+    out = p.bsym.sym(*p.bsym.args, **p.bsym.kwargs)
+    for x in p.values:
+        if needs_grad(x):
+            put_grad(x, clang.full(tuple(x.shape), 0, device=x.device, dtype=x.dtype))
+    return out
