@@ -371,6 +371,9 @@ class TensorProxy(Proxy, torch.Tensor):
     def __setitem__(self, key, value):
         langctx.method("__setitem__")(self, key, value)
 
+    def set_(self, *args, **kwargs):  # torch.Tensor.set_ goes to the kernel without asking __torch_function__
+        return langctx.method("set_")(self, *args, **kwargs)
+
     __getitem__ = _binop("__getitem__")
     __add__, __radd__, __iadd__ = _binop("add"), _binop("add", True), _binop("add_")
     __sub__, __rsub__, __isub__ = _binop("sub"), _binop("sub", True), _binop("sub_")
