@@ -104,6 +104,17 @@ def test_unbound_tensor_methods_and_operators():
     torch.testing.assert_close(_jit(f)(x), f(x))
 
 
+def test_unbound_operators_under_another_name_and_protocols():
+    # torch.Tensor.__rtruediv__ is the function named __rdiv__
+    def f(x):
+        torch.Tensor.__setitem__(x, 0, 1.0)
+        return (torch.Tensor.__rtruediv__(x, 2.0) + torch.Tensor.__rmatmul__(x, torch.ones(2)).sum()
+                + reversed(x) + torch.Tensor.size(x, 0) * torch.Tensor.ndim.__get__(x) + x.new_zeros(2))
+
+    x = torch.randn(2, 2) + 3
+    torch.testing.assert_close(_jit(f)(x.clone()), f(x.clone()))
+
+
 def test_complex_conversions_and_property_getters():
     def f(x):
         return (x.cfloat().real + x.cdouble().imag.float() + torch.Tensor.cfloat(x).real + x.mT.sum()

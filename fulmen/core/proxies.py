@@ -421,10 +421,36 @@ def _member_of(func) -> tuple[str, str] | None:
     if fname in ("__get__", "__set__", "__delete__") and isinstance(owner, _DESCRIPTORS):
         name = getattr(owner, "__name__", None) or owner.fget.__name__
         member = ("get" if fname == "__get__" else "set", name)
-    elif isinstance(fname, str) and getattr(torch.Tensor, fname, None) is func:
-        member = ("method", fname)
+    else:
+        name = _method_names().get(func)
+        if name is not None:
+            member = ("method", name)
     _members[func] = member
     return member
+
+
+_names_of_methods: dict[Any, str] | None = None
+
+
+def _method_names() -> dict[Any, str]:
+    """``torch.Tensor``'s methods -> their names. Where one function has several (``__rtruediv__`` is ``__rdiv__``,
+    whose ``__name__`` is the latter), the name ``TensorProxy`` defines wins. Built once, when first needed, and
+    published whole (another thread tracing meanwhile never reads it half-filled)."""
+    global _names_of_methods
+    if _names_of_methods is None:
+        names: dict[Any, str] = {}
+        for name in dir(torch.Tensor):
+            value = getattr(torch.Tensor, name, None)
+            if value is None or isinstance(value, type) or not callable(value):
+                continue
+            try:
+                known = names.get(value)
+            except TypeError:  # unhashable
+                continue
+            if known is None or (name in TensorProxy.__dict__ and known not in TensorProxy.__dict__):
+                names[value] = name
+        _names_of_methods = names
+    return _names_of_methods
 
 
 def _tensor_member(func) -> Any:
