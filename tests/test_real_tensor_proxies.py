@@ -220,3 +220,20 @@ def test_jitted_submodule_inside_a_jitted_module_runs_on_the_proxies():
     torch.testing.assert_close(out, expected * 2)
     out.sum().backward()
     torch.testing.assert_close(inner.bias.grad, torch.full((3,), 4.0))
+
+
+def test_hugging_face_model_reads_a_4d_mask_as_a_tensor():
+    # transformers keeps a 4-D mask as given only when isinstance(mask, torch.Tensor)
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16)
+    model = transformers.LlamaModel(cfg).eval()
+    ids = torch.randint(0, 64, (1, 6))
+    causal = torch.triu(torch.ones(6, 6, dtype=torch.bool), 1)
+    mask = torch.zeros(1, 1, 6, 6).masked_fill(causal, float("-inf"))
+    mask[..., 4:, 3] = float("-inf")  # a custom additive mask: later positions do not see position 3
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        out = fulmen.jit(model, executors=["torch"])(input_ids=ids, attention_mask=mask, use_cache=False)
+    torch.testing.assert_close(out.last_hidden_state, expected)
