@@ -81,7 +81,7 @@ def test_functional_call_inside_a_jitted_function():
     torch.testing.assert_close(_jit(f)(x, w), f(x, w))
 
 
-def test_torch_func_grad_and_vmap_of_a_jitted_function():
+def test_torch_func_grad_and_vmap_of_a_jitted_function(caplog):
     def f(x):
         return (x.sin() * x).sum()
 
@@ -89,9 +89,16 @@ def test_torch_func_grad_and_vmap_of_a_jitted_function():
         return x.sin() * 2 + x
 
     x = torch.randn(4, 3, dtype=torch.float64)
-    torch.testing.assert_close(torch.func.grad(_jit(f))(x), torch.func.grad(f)(x))
-    torch.testing.assert_close(torch.func.grad(_jit(f))(x), x.cos() * x + x.sin())
-    torch.testing.assert_close(torch.func.vmap(_jit(g))(x), torch.func.vmap(g)(x))
+    jf, jg = _jit(f), _jit(g)
+    torch.testing.assert_close(jf(x), f(x))  # a compiled program exists; a transform's call must not run it
+    with caplog.at_level("WARNING", logger="fulmen"):
+        torch.testing.assert_close(torch.func.grad(jf)(x), torch.func.grad(f)(x))
+    assert "inside a torch.func transform" in caplog.text
+    torch.testing.assert_close(torch.func.grad(jf)(x), x.cos() * x + x.sin())
+    torch.testing.assert_close(torch.func.vmap(jg)(x), torch.func.vmap(g)(x))
+    hits = fulmen.cache_hits(jf)
+    torch.testing.assert_close(jf(x), f(x))  # outside the transform: the compiled program again
+    assert fulmen.cache_hits(jf) == hits + 1
 
 
 def test_unbound_tensor_methods_and_operators():
