@@ -1,9 +1,9 @@
 """Proxies stand for values while a program is traced.
 
-``TensorProxy`` is deliberately *not* a ``torch.Tensor`` subclass: torch calls reach fulmen through
-``__torch_function__``, methods and operators through the language context, and nothing can silently
-read tensor data. Shapes are concrete ints, or ``torch.SymInt`` in a trace compiled for dynamic sizes
-(``fulmen.core.symbolic``).
+``TensorProxy`` is a ``torch.Tensor`` subclass with no data (a wrapper subclass, as PyTorch's fake tensors are):
+type checks in user and library code pass as they do for the tensor it stands for, torch calls, methods and
+properties reach fulmen through ``__torch_function__``, and nothing can silently read tensor data. Shapes are
+concrete ints, or ``torch.SymInt`` in a trace compiled for dynamic sizes (``fulmen.core.symbolic``).
 """
 
 from __future__ import annotations
@@ -62,18 +62,24 @@ def _data_dependent(what: str, proxy: TensorProxy, kind: str | None = None):
 
 
 class Proxy:
-    """Base class of everything that stands for a value in a trace; it has a unique ``name``."""
+    """Base class of everything that stands for a value in a trace; it has a unique ``name``.
 
-    __slots__ = ("name", "__weakref__")
+    It has no ``__slots__``: ``TensorProxy`` also derives from ``torch.Tensor``, whose instance layout a base with
+    slots would conflict with.
+    """
 
     def __init__(self, name: str | None = None, prefix: str = "t"):
-        if name is None:
-            trc = current.trace  # get_tracectx(), inlined: this runs for every value traced
-            name = trc.make_name(prefix) if trc is not None else f"_{prefix}{id(self):x}"
-        self.name = name
+        self.name = _new_name(self, name, prefix)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
+
+
+def _new_name(proxy: Any, name: str | None, prefix: str) -> str:
+    if name is None:
+        trc = current.trace  # get_tracectx(), inlined: this runs for every value traced
+        name = trc.make_name(prefix) if trc is not None else f"_{prefix}{id(proxy):x}"
+    return name
 
 
 def _is_ndarray(x) -> bool:
@@ -105,18 +111,28 @@ def _unop(name: str):
     return fn
 
 
-class TensorProxy(Proxy):
+class TensorProxy(Proxy, torch.Tensor):
     """Stands for a ``torch.Tensor`` while tracing: name, shape, dtype, device and requires_grad.
 
     ``TensorProxy(like=t)`` copies the metadata of ``t``; any keyword given overrides it::
 
         out = TensorProxy(like=a, dtype=torch.float32)
+
+    It is a real ``torch.Tensor`` (a wrapper subclass with no storage, as PyTorch's fake tensors are), so library
+    code that checks ``isinstance(x, torch.Tensor)``, ``torch.is_tensor(x)`` or ``isinstance(p, nn.Parameter)``
+    takes the branch it takes in eager. Every torch function, ``Tensor`` method and property that this class does
+    not define itself reaches ``__torch_function__``, which routes it to the torch language; nothing reaches an
+    aten kernel (``__torch_dispatch__`` raises). The metadata fulmen reads constantly is held in slots that shadow
+    ``torch.Tensor``'s, so reading it never leaves Python. ``device`` is fulmen's ``Device``: a ``str`` with
+    ``.type`` and ``.index`` that compares equal to the ``torch.device`` it names and that every torch factory and
+    ``torch.device(...)`` accept (``torch.device`` cannot be subclassed).
     """
 
-    __slots__ = ("shape", "dtype", "device", "requires_grad", "_latest", "_view_of", "_views", "_origin", "_lazy_bits")
+    __slots__ = ("name", "shape", "dtype", "device", "requires_grad", "_latest", "_view_of", "_views", "_origin",
+                 "_lazy_bits", "_param")
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         name: str | None = None,
         *,
         like: TensorProxy | torch.Tensor | None = None,
@@ -126,7 +142,6 @@ class TensorProxy(Proxy):
         requires_grad: bool | None = None,
         prefix: str = "t",
     ):
-        super().__init__(name, prefix)
         if like is not None:
             shape = like.shape if shape is None else shape
             dtype = like.dtype if dtype is None else dtype
@@ -134,15 +149,24 @@ class TensorProxy(Proxy):
             requires_grad = like.requires_grad if requires_grad is None else requires_grad
         if shape is None or dtype is None or device is None:
             raise TypeError("TensorProxy needs shape, dtype and device (or like=) to be known")
-        self.shape = shape if type(shape) is torch.Size else torch.Size(shape)
-        self.dtype = dtypes.to_torch_dtype(dtype)
-        self.device = to_device(device)
+        shape = shape if type(shape) is torch.Size else torch.Size(shape)
+        dtype = dtypes.to_torch_dtype(dtype)
+        device = to_device(device)
+        self = _make_wrapper(cls, shape, dtype=dtype, device=device._torch)
+        self.name = _new_name(self, name, prefix)
+        self.shape = shape
+        self.dtype = dtype
+        self.device = device
         self.requires_grad = bool(requires_grad) if requires_grad is not None else False
         self._latest = None  # set when an in-place op replaces this value (see fulmen.torch.inplace)
         self._view_of = None  # (base proxy, fn(base) -> this view) for views made by view ops
         self._views = None
         self._origin = None
         self._lazy_bits = None  # (is_conj, is_neg) for views eager marks lazily (fulmen.torch.registry.lazy_bits)
+        self._param = False  # stands for an nn.Parameter (a program input that is one): isinstance(p, Parameter)
+        return self
+
+    __init__ = object.__init__  # not Proxy's: __new__ did the work (object's ignores the arguments when __new__ is set)
 
     # ---- metadata, as on torch.Tensor ----
     @property
@@ -234,8 +258,8 @@ class TensorProxy(Proxy):
         return None
 
     @property
-    def _is_param(self) -> bool:  # read by torch.nn.Parameter's path for tensor-like data
-        return False
+    def _is_param(self) -> bool:  # read by nn.Parameter's isinstance check (and its path for tensor subclasses)
+        return self._param
 
     @_is_param.setter
     def _is_param(self, value: bool) -> None:
@@ -301,6 +325,20 @@ class TensorProxy(Proxy):
             raise TypeError("iteration over a 0-d tensor")
         return iter(langctx.method("unbind")(self, 0))
 
+    def __contains__(self, item):
+        _data_dependent("`in` on a tensor", self)
+
+    def __complex__(self):
+        _data_dependent("complex(tensor)", self)
+
+    def __format__(self, spec: str) -> str:
+        if spec:  # eager formats a one-element tensor's value
+            _data_dependent(f"formatting a tensor with {spec!r}", self)
+        return repr(self)
+
+    def __reversed__(self):
+        return langctx.method("flip")(self, 0)
+
     __hash__ = object.__hash__
 
     # ---- the torch language ----
@@ -308,12 +346,22 @@ class TensorProxy(Proxy):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         fn = langctx.torch_functions.get(func)
         if fn is None:
-            fn = langctx.fallback[0](func)
+            fn = _tensor_member(func)
         if kwargs and kwargs.get("out") is not None:
             return call_with_out(fn, func, args, kwargs)
         return fn(*args, **(kwargs or {}))
 
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        # every torch call on a proxy is routed by __torch_function__; reaching a kernel means something turned
+        # that off (torch._C.DisableTorchFunctionSubclass) and would run an aten op on a tensor with no data
+        raise RuntimeError(
+            f"fulmen internal error: aten operator {func} was called on a traced tensor (TensorProxy), which has no "
+            "data. Torch calls on traced tensors go through TensorProxy.__torch_function__; something ran this one "
+            "with torch functions disabled. Please report this with the code that made the call.")
+
     def __getattr__(self, name: str):
+        # attributes torch.Tensor does not have (torch.Tensor's own reach __torch_function__ instead)
         if name.startswith("__"):
             raise AttributeError(name)
         prop = langctx.properties.get(name)
@@ -322,15 +370,13 @@ class TensorProxy(Proxy):
         fn = langctx.methods.get(name)
         if fn is not None:
             return lambda *args, **kwargs: fn(self, *args, **kwargs)
-        fallback = langctx.fallback[0] if langctx.fallback else None
-        tensor_attr = getattr(torch.Tensor, name, None)
-        if fallback is not None and callable(tensor_attr):
-            record = fallback(tensor_attr)
-            return lambda *args, **kwargs: record(self, *args, **kwargs)
         raise AttributeError(f"'TensorProxy' (standing for a torch.Tensor) has no attribute {name!r}")
 
     def __setitem__(self, key, value):
         langctx.method("__setitem__")(self, key, value)
+
+    def set_(self, *args, **kwargs):  # torch.Tensor.set_ goes to the kernel without asking __torch_function__
+        return langctx.method("set_")(self, *args, **kwargs)
 
     __getitem__ = _binop("__getitem__")
     __add__, __radd__, __iadd__ = _binop("add"), _binop("add", True), _binop("add_")
@@ -351,6 +397,128 @@ class TensorProxy(Proxy):
     __eq__, __ne__ = _binop("eq"), _binop("ne")
     __lt__, __le__, __gt__, __ge__ = _binop("lt"), _binop("le"), _binop("gt"), _binop("ge")
     __neg__, __pos__, __abs__, __invert__ = _unop("neg"), _unop("positive"), _unop("abs"), _unop("bitwise_not")
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+_DESCRIPTORS = (type(torch._C.TensorBase.grad), property)  # torch.Tensor's C properties, and its Python ones
+
+#: torch.Tensor properties that are facts of a tensor's metadata alone, which the wrapper holds as the proxy does
+_WRAPPER_FACTS = frozenset(("is_ipu", "is_maia", "is_mkldnn", "is_mps", "is_mtia", "is_sparse_csr", "is_vulkan",
+                            "is_xla", "is_xpu", "itemsize", "nbytes", "_cdata", "_has_symbolic_sizes_strides"))
+
+#: torch.Tensor member (method, operator, property getter or setter) -> (kind, name), kind "method" or "get"/"set"
+_members: dict[Any, tuple[str, str] | None] = {}
+
+
+def _member_of(func) -> tuple[str, str] | None:
+    """Which ``torch.Tensor`` member ``func`` is (``torch.Tensor.add``, the getter of ``Tensor.mT``), or None for a
+    function outside ``torch.Tensor`` (``torch.add``)."""
+    try:
+        return _members[func]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable callable
+        return None
+    fname = getattr(func, "__name__", None)
+    owner = getattr(func, "__self__", None)
+    member = None
+    if fname in ("__get__", "__set__", "__delete__") and isinstance(owner, _DESCRIPTORS):
+        name = getattr(owner, "__name__", None) or owner.fget.__name__
+        member = ("get" if fname == "__get__" else "set", name)
+    else:
+        name = _method_names().get(func)
+        if name is not None:
+            member = ("method", name)
+    _members[func] = member
+    return member
+
+
+_names_of_methods: dict[Any, str] | None = None
+
+
+def _method_names() -> dict[Any, str]:
+    """``torch.Tensor``'s methods -> their names. Where one function has several (``__rtruediv__`` is ``__rdiv__``,
+    whose ``__name__`` is the latter), the name ``TensorProxy`` defines wins. Built once, when first needed, and
+    published whole (another thread tracing meanwhile never reads it half-filled)."""
+    global _names_of_methods
+    if _names_of_methods is None:
+        names: dict[Any, str] = {}
+        for name in dir(torch.Tensor):
+            value = getattr(torch.Tensor, name, None)
+            if value is None or isinstance(value, type) or not callable(value):
+                continue
+            try:
+                known = names.get(value)
+            except TypeError:  # unhashable
+                continue
+            if known is None or (name in TensorProxy.__dict__ and known not in TensorProxy.__dict__):
+                names[value] = name
+        _names_of_methods = names
+    return _names_of_methods
+
+
+def _tensor_member(func) -> Any:
+    """What a torch callable with no torch-language function means on proxies: a ``torch.Tensor`` method, operator
+    or property (called on a proxy, or unbound: ``torch.Tensor.__getitem__(t, i)``) runs as ``TensorProxy``'s own or
+    the torch language's ``Tensor.<name>``; anything else is recorded as an opaque (fallback) op."""
+    member = _member_of(func)
+    if member is not None:
+        kind, name = member
+        own = TensorProxy.__dict__.get(name)
+        if kind == "method":
+            if callable(own):  # operators, item, size, ...: what x.name(...) runs
+                return own
+            fn = langctx.methods.get(name)
+            if fn is not None:
+                return fn
+            if name.startswith("__"):
+                return _unsupported(name)
+        elif own is not None and hasattr(own, "__get__"):  # a slot or property TensorProxy shadows (shape, grad)
+            return own.__get__ if kind == "get" else own.__set__
+        elif kind == "get":
+            prop = langctx.properties.get(name)
+            if prop is not None:
+                return prop
+            if name in _WRAPPER_FACTS:
+                return _wrapper_fact(func)
+            return _missing_attribute(name)
+        else:
+            return _assigned(name)
+    if not langctx.fallback:
+        raise NotImplementedError(f"fulmen: {getattr(func, '__name__', func)} has no torch-language function")
+    return langctx.fallback[0](func)
+
+
+def _wrapper_fact(getter):
+    def read(self):
+        with torch._C.DisableTorchFunctionSubclass():
+            return getter(self)
+    return read
+
+
+def _missing_attribute(name: str):
+    def read(self):  # an AttributeError from a property makes Python try __getattr__, which raises it again
+        raise AttributeError(f"'TensorProxy' (standing for a torch.Tensor) has no attribute {name!r}: fulmen does "
+                             f"not know Tensor.{name} of a traced tensor")
+    return read
+
+
+def _assigned(name: str):
+    def write(self, value=None):
+        raise NotImplementedError(
+            f"Tensor.{name} of {self.name} ({self.type_string()}) is assigned (or deleted) inside a function fulmen "
+            f"traces.\n  at {_user_location()}\nThe compiled program cannot change this attribute of the tensor a "
+            "later call passes; set it outside the compiled function.")
+    return write
+
+
+def _unsupported(name: str):
+    def call(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"Tensor.{name} is called on the traced tensor {self.name} ({self.type_string()}) inside a function "
+            f"fulmen traces.\n  at {_user_location()}\nfulmen has no rule for it; call it outside the compiled "
+            "function.")
+    return call
 
 
 def is_proxy(x: Any) -> bool:

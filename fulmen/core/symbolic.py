@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from fulmen.core.proxies import Proxy
+
 SYMBOLIC_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
 #: What a meta accepts where it accepts an int: a Python int or a symbolic one.
 INT_TYPES = (int, torch.SymInt)
@@ -76,7 +78,7 @@ def contains_symbolic(x: Any, *, shapes: bool = True) -> bool:
     if isinstance(x, slice):
         return contains_symbolic((x.start, x.stop, x.step), shapes=shapes)
     shape = getattr(x, "shape", None) if shapes else None
-    if type(shape) is torch.Size and not isinstance(x, torch.Tensor):
+    if type(shape) is torch.Size and (isinstance(x, Proxy) or not isinstance(x, torch.Tensor)):
         return any(isinstance(s, torch.SymInt) and is_symbolic(s) for s in shape)
     return False
 

@@ -40,6 +40,11 @@ def default_device() -> torch.device | None:
     return torch.get_default_device() if _function_modes() else None
 
 
+#: Whether a torch.func transform (grad, vmap, ...) is running: its wrapped tensors pass every tensor check, but a
+#: compiled program's autograd.Function and kernels do not take them.
+functorch_active = torch._C._are_functorch_transforms_active
+
+
 def global_state_key() -> tuple:
     return (
         torch.is_grad_enabled(),
@@ -61,7 +66,7 @@ def value_key(x: Any, flat: list[torch.Tensor], seen: dict[int, int] | None = No
     (``content_key``), never by an address that a freed object's successor can reuse. ``seen``: the holders
     (``object_key``) met so far in the call, by id."""
     t = type(x)
-    if t is _Tensor or t is _Parameter or isinstance(x, _Tensor):
+    if t is _Tensor or t is _Parameter or (isinstance(x, _Tensor) and not isinstance(x, Proxy)):
         flat.append(x)
         dtype = x.dtype
         # a lazy view (z.conj(), z.conj().imag) flips values with a bit that compiled code would ignore

@@ -26,6 +26,7 @@ from fulmen.frontend.cache import (
     aliases_written_input,
     args_key,
     describe_key_part,
+    functorch_active,
     global_state_key,
     holds_objects,
     key_difference,
@@ -321,6 +322,11 @@ class JittedFunction:
     def _find(self, key, args, kwargs, flat: list[torch.Tensor], inputs: tuple) -> tuple[CacheEntry | None, list]:
         """The entry for a call whose key is ``key`` and the flat inputs its prologue returned (``inputs``: the
         prologue's arguments); (None, []) when the call runs the original function instead (``_miss``)."""
+        if get_tracectx() is not None and has_proxy((args, kwargs, flat)):
+            return None, []  # inside another trace, on its proxies (a proxy is a Tensor: its key may equal one's)
+        if functorch_active():
+            self._functorch_eagerly()
+            return None, []
         entry = self._cache.get(key)
         if entry is not None:
             checked = entry.check(*inputs)
@@ -355,6 +361,13 @@ class JittedFunction:
                         "eagerly (not compiled). Pass separate tensors (e.g. x.clone()) to run compiled.",
                         _display_name(self.fn))
         return self._call_eagerly(*args, **kwargs)
+
+    def _functorch_eagerly(self) -> None:
+        if not getattr(self, "_warned_functorch", False):
+            self._warned_functorch = True
+            log.warning("fulmen: %s is called inside a torch.func transform (grad, vmap, jacrev, ...); such calls "
+                        "run the function eagerly (not compiled): the compiled program's autograd.Function and "
+                        "kernels do not take functorch's wrapped tensors.", _display_name(self.fn))
 
     def _call_eagerly(self, *args, **kwargs):
         return self.fn(*args, **kwargs)

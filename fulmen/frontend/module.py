@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.modules import module as _torch_module
 
 from fulmen.core.codeutils import sanitize_name
-from fulmen.core.proxies import TensorProxy
+from fulmen.core.proxies import TensorProxy, has_proxy
 from fulmen.core.trace import get_tracectx
 from fulmen.executors import MetaMismatch
 from fulmen.executors.base import Executor
@@ -181,6 +181,8 @@ class _ModuleProgram(JittedFunction):
         seq = _Swaps.seq
         if _Swaps.active or state.epoch != module_guard.epoch:
             tensors = self._tensors_serialized()
+            if _Swaps.active and tensors is not None and has_proxy(tensors):  # inside a trace that swapped them in
+                return self.module(*args, **kwargs)
         else:
             tensors = state.tensors()
             if _Swaps.seq != seq:  # a module was being traced meanwhile: what was read may be its proxies

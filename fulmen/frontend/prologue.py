@@ -26,11 +26,13 @@ from typing import Any
 import torch
 
 from fulmen.core.codeutils import sanitize_name
+from fulmen.core.proxies import Proxy
 from fulmen.frontend.cache import (
     ALIAS,
     OBJECT,
     content_key,
     default_device,
+    functorch_active,
     is_tensor_key,
     member_names,
     member_values,
@@ -80,7 +82,8 @@ class Prologue:
 class _Writer:
     def __init__(self, dims: dict[int, frozenset]):
         self.dims = dims  # flat input -> its dynamic dims
-        self.env: dict[str, Any] = {"Tensor": torch.Tensor, "math": math, "torch": torch, "_dict_keys": _dict_keys,
+        self.env: dict[str, Any] = {"Tensor": torch.Tensor, "math": math, "torch": torch, "Proxy": Proxy,
+                                    "_dict_keys": _dict_keys,
                                     "_key_of": _key_of, "_member_names": member_names, "_member_values": member_values}
         self.holders: list[str] = []  # the expressions of the holders (objects, lists and dicts inside them) in order
         self._in_object = 0  # how many objects the walk is inside: their lists and dicts are holders too
@@ -193,8 +196,10 @@ class _Writer:
             for (_, k), name in zip(items, names):
                 self.value(k, name, name)
 
-    def tensor(self, key: tuple, expr: str, label: str, bits: bool = True) -> None:
-        """``bits=False``: the lazy conjugate and negative bits are not part of the key (a module's parameters)."""
+    def tensor(self, key: tuple, expr: str, label: str, bits: bool = True, state: bool = False) -> None:
+        """``bits=False``: the lazy conjugate and negative bits are not part of the key (a module's parameters).
+        ``state``: a module's parameter or buffer, which is a proxy only while a trace has swapped proxies in, a
+        case the module's call path tells apart before the prologue runs (``_ModuleProgram.__call__``)."""
         shape, dtype, device, requires_grad, *strides = key
         lazy = None
         if type(dtype) is tuple:
@@ -211,8 +216,10 @@ class _Writer:
             shown = ", ".join(str(s) for s in shape)
         dtype_name = self.const(dtype, str(dtype).removeprefix("torch."))
         device_name = self.const(device, f"{device.type}{device.index if device.index is not None else ''}")
-        terms = [f"isinstance({expr}, Tensor)", shape_test, f"{expr}.dtype is {dtype_name}",
-                 f"{expr}.device == {device_name}", f"{expr}.requires_grad is {requires_grad}",
+        # a proxy is a Tensor too: a jitted function called inside another's trace runs its Python code on the proxies
+        terms = [f"isinstance({expr}, Tensor)", *([] if state else [f"not isinstance({expr}, Proxy)"]), shape_test,
+                 f"{expr}.dtype is {dtype_name}", f"{expr}.device == {device_name}",
+                 f"{expr}.requires_grad is {requires_grad}",
                  f"{expr}.stride() == {tuple(strides[0])!r}" if strides else f"{expr}.is_contiguous()"]
         if lazy == "conj":
             terms.append(f"{expr}.is_conj()")
@@ -251,8 +258,10 @@ class _Writer:
         grad, default_dtype, cpu_ac, cuda_ac, cpu_dtype, cuda_dtype, factory_device = state
         env = self.env
         env.update(is_grad_enabled=torch.is_grad_enabled, get_default_dtype=torch.get_default_dtype,
-                   is_autocast_enabled=torch.is_autocast_enabled, get_autocast_dtype=torch.get_autocast_dtype)
-        terms = [f"is_grad_enabled() is {grad}",
+                   is_autocast_enabled=torch.is_autocast_enabled, get_autocast_dtype=torch.get_autocast_dtype,
+                   functorch_active=functorch_active)
+        # programs are compiled outside torch.func transforms only (JittedFunction._find runs the function there)
+        terms = [f"is_grad_enabled() is {grad}", "not functorch_active()",
                  f"get_default_dtype() is {self.const(default_dtype, str(default_dtype).removeprefix('torch.'))}",
                  f"is_autocast_enabled('cpu') is {cpu_ac}", f"is_autocast_enabled('cuda') is {cuda_ac}"]
         for device, enabled, dtype in (("cpu", cpu_ac, cpu_dtype), ("cuda", cuda_ac, cuda_dtype)):
@@ -298,7 +307,7 @@ def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, para
         if names:
             w.lines.append(f"{', '.join(names)}{',' if len(names) == 1 else ''} = params")
         for k, name in zip(param_keys, names):
-            w.tensor(k, name, name, bits=False)
+            w.tensor(k, name, name, bits=False, state=True)
     w.call(call_key, arg_names)
     w.global_state(state)
     flat = list(w.flat)

@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 from fulmen import prims
 from fulmen.core import langctx
 from fulmen.core.codeutils import sanitize_name
-from fulmen.core.proxies import Proxy, TensorProxy, call_with_out, has_proxy, is_library_file, latest
+from fulmen.core.proxies import Proxy, TensorProxy, call_with_out, has_proxy, is_library_file, is_proxy, latest
 from fulmen.core.trace import Trace, get_tracectx, tracectx
 from fulmen.core.unbacked import GuardOnDataDependentSymNode, data_dependent_guard
 from fulmen.frontend import module_guard
@@ -124,6 +124,7 @@ def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], sizes:
             set_strides(p, value.stride())
         if value.requires_grad and value.is_leaf:
             p._origin = "input-leaf"
+        p._param = isinstance(value, torch.nn.Parameter)
         flat.append(p)
         return p
     if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
@@ -173,6 +174,8 @@ class _Capture:
                 if type(v) not in _PLAIN:
                     return kind(self(v) for v in x)
             return x if kind is tuple else x.copy()  # a list is copied: the caller may change theirs later
+        if kind is TensorProxy:
+            return x
         if isinstance(x, torch.Tensor):
             p = self.by_id.get(id(x))
             if p is None:
@@ -184,6 +187,7 @@ class _Capture:
                                 requires_grad=x.requires_grad)
                 if not x.is_contiguous():
                     set_strides(p, x.stride())
+                p._param = isinstance(x, torch.nn.Parameter)
                 self.by_id[id(x)] = p
                 self.spec.captured.append(x)
                 self.spec.tensor_proxies.append(p)
@@ -232,10 +236,11 @@ class _UserTorchCalls(TorchFunctionMode):
         if trc is self.trace and len(trc.scopes) == 1:  # user code, not a meta or a decomposition
             fn = langctx.torch_functions.get(func)
             if has_proxy((args, kwargs)):
-                if fn is not None and (func in _DATA_ARGUMENT or (types == (TensorProxy,) and "out" not in kwargs)):
-                    # _DATA_ARGUMENT: torch parses their data as a sequence, never dispatching on a proxy. Otherwise
-                    # what func(*args) would reach through torch's dispatch (TensorProxy.__torch_function__), at once
+                if fn is not None and func in _DATA_ARGUMENT:
+                    # torch parses their data as a sequence, never dispatching on a proxy
                     return fn(*args, **kwargs)
+                if types == (TensorProxy,):  # what func(*args) would reach through torch's dispatch, at once
+                    return TensorProxy.__torch_function__(func, types, args, kwargs)
             elif (fn is not None or is_random_op(func)) and not _called_by_fulmen():
                 if func in _DATA_ARGUMENT and args:  # torch.tensor(np_array): the array as a tensor sharing its memory
                     args = (numpy_data(args[0]), *args[1:])
@@ -404,7 +409,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
                 swaps.restore()  # the caller's objects as they were
                 raise
             result, spec.objects = swaps.settle(result)
-            result = trace.capture(result) if isinstance(result, torch.Tensor) else result
+            result = trace.capture(result) if isinstance(result, torch.Tensor) and not is_proxy(result) else result
             real_state = {id(p): t for p, (_, t) in zip(proxy_args[0], state)} if state is not None else None
             attributes = writes.settle(frozenset(map(id, own)), trace.capture.by_id,
                                        recorder.codes if recorder is not None else (), real_state)

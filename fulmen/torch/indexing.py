@@ -318,7 +318,7 @@ getitem.tags = getitem.tags + (OpTags.VIEW,)
 
 def _captured(x):
     """Real tensors inside a key (closure or global index tensors) become trace inputs, as arguments do."""
-    if isinstance(x, torch.Tensor):
+    if isinstance(x, torch.Tensor) and not isinstance(x, TensorProxy):
         trc = get_tracectx()
         check(trc is not None and trc.capture is not None, lambda: "indexing with a torch.Tensor inside a key needs "
               "a trace that captures tensors (fulmen.jit)", TypeError)
