@@ -126,9 +126,6 @@ def test_generate_through_a_jitted_forward_assigned_to_the_model():
     assert fulmen.compile_stats(patched.forward).calls == NEW_TOKENS
 
 
-@pytest.mark.xfail(strict=True, reason="needs TensorProxy to pass isinstance(x, torch.Tensor) (the tensor "
-                   "engineer's change): transformers' _preprocess_mask_arguments takes the 4-D mask generate() "
-                   "prepares for a static cache as 2-D otherwise")
 def test_generate_with_a_static_cache_writes_it_in_place_with_two_programs():
     model = _llama().eval()
     jitted = fulmen.jit(model, executors=["torch"])
