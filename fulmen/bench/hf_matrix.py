@@ -26,7 +26,8 @@ from torch import nn
 
 from fulmen.bench.hf_families import FAMILIES
 
-__all__ = ["PATHS", "check_family", "compile_model", "tensors_of"]
+__all__ = ["PATHS", "check_backend_graphs", "check_family", "compare_grads", "compare_outputs", "compile_model",
+           "tensors_of", "watch_backend_fallbacks"]
 
 PATHS = ("jit", "backend")
 RTOL, ATOL = 1e-5, 1e-5
@@ -69,7 +70,8 @@ class _FallbackLog(logging.Handler):
 
 
 @contextmanager
-def _watch_backend_fallbacks():
+def watch_backend_fallbacks():
+    """Yields the list of warnings the fulmen backend logs while the block runs (each a graph run eagerly)."""
     handler = _FallbackLog()
     logger = logging.getLogger("fulmen.dynamo")
     logger.addHandler(handler)
@@ -79,9 +81,10 @@ def _watch_backend_fallbacks():
         logger.removeHandler(handler)
 
 
-def compile_model(model: nn.Module, path: str, **options) -> tuple[nn.Module, list]:
+def compile_model(model: nn.Module, path: str, *, reset: bool = True, **options) -> tuple[nn.Module, list]:
     """``fulmen.jit(model)`` or ``torch.compile(model, backend=<fulmen>)``, and the list the backend appends each
-    graph's compiled function to (empty for jit). ``options`` go to ``fulmen.jit`` / the backend."""
+    graph's compiled function to (empty for jit). ``options`` go to ``fulmen.jit`` / the backend. ``reset``
+    empties Dynamo's caches first (which makes every other ``torch.compile``'d model compile again)."""
     import fulmen
     from fulmen.frontend.dynamo import fulmen_backend
 
@@ -96,8 +99,47 @@ def compile_model(model: nn.Module, path: str, **options) -> tuple[nn.Module, li
         graphs.append(compiled)
         return compiled
 
-    torch._dynamo.reset()
+    if reset:
+        torch._dynamo.reset()
     return torch.compile(model, backend=backend), graphs
+
+
+def compare_outputs(actual, expected, name: str) -> None:
+    """Every tensor of ``actual`` (a ModelOutput, caches included) matches ``expected``'s, path for path."""
+    if type(actual) is not type(expected):
+        raise AssertionError(f"{name}: returned {type(actual).__name__}, eager returns {type(expected).__name__}")
+    expected_tensors, actual_tensors = dict(tensors_of(expected)), dict(tensors_of(actual))
+    if expected_tensors.keys() != actual_tensors.keys():
+        raise AssertionError(f"{name}: output tensors {sorted(actual_tensors)}, eager has {sorted(expected_tensors)}")
+    for where, t in expected_tensors.items():
+        _close(actual_tensors[where], t, f"{name} output{where}")
+
+
+def compare_grads(model: nn.Module, ref: nn.Module, name: str) -> None:
+    """Every parameter of ``model`` has the gradient its namesake in ``ref`` has (or none where it has none)."""
+    params = dict(model.named_parameters())
+    for pname, p_ref in ref.named_parameters():
+        p = params[pname]
+        if p_ref.grad is None:
+            if p.grad is not None:
+                raise AssertionError(f"{name}: {pname} got a gradient eager does not compute")
+            continue
+        if p.grad is None:
+            raise AssertionError(f"{name}: {pname} has no gradient")
+        _close(p.grad, p_ref.grad, f"{name} grad of {pname}")
+
+
+def check_backend_graphs(graphs: list, fallbacks: list[str], name: str) -> None:
+    """Dynamo handed fulmen at least one graph, fulmen compiled each, and none ran with eager PyTorch."""
+    import fulmen
+
+    if fallbacks:
+        raise AssertionError(f"{name}: the backend ran a graph with eager PyTorch: {fallbacks[0]}")
+    if not graphs:
+        raise AssertionError(f"{name}: Dynamo handed no graph to the fulmen backend")
+    untraced = [i for i, g in enumerate(graphs) if fulmen.cache_misses(g._fulmen_jitted) == 0]
+    if untraced:
+        raise AssertionError(f"{name}: graphs {untraced} of {len(graphs)} were never compiled by fulmen")
 
 
 def check_family(name: str, path: str, *, train: bool = True, config: dict | None = None, **options) -> dict:
@@ -111,39 +153,15 @@ def check_family(name: str, path: str, *, train: bool = True, config: dict | Non
     compiled, graphs = compile_model(model, path, **options)
     kwargs = family.inputs(ref.config)
     counters.clear()
-    with torch.set_grad_enabled(train), _watch_backend_fallbacks() as fallbacks:
+    with torch.set_grad_enabled(train), watch_backend_fallbacks() as fallbacks:
         expected = ref(**kwargs)
         actual = compiled(**kwargs)
         if train:
             expected.loss.backward()
             actual.loss.backward()
-    if type(actual) is not type(expected):
-        raise AssertionError(f"{name}: returned {type(actual).__name__}, eager returns {type(expected).__name__}")
-    expected_tensors, actual_tensors = dict(tensors_of(expected)), dict(tensors_of(actual))
-    if expected_tensors.keys() != actual_tensors.keys():
-        raise AssertionError(f"{name}: output tensors {sorted(actual_tensors)}, eager has {sorted(expected_tensors)}")
-    for where, t in expected_tensors.items():
-        _close(actual_tensors[where], t, f"{name} output{where}")
+    compare_outputs(actual, expected, name)
     if train:
-        params = dict(model.named_parameters())
-        for pname, p_ref in ref.named_parameters():
-            p = params[pname]
-            if p_ref.grad is None:
-                if p.grad is not None:
-                    raise AssertionError(f"{name}: {pname} got a gradient eager does not compute")
-                continue
-            if p.grad is None:
-                raise AssertionError(f"{name}: {pname} has no gradient")
-            _close(p.grad, p_ref.grad, f"{name} grad of {pname}")
-    stats = {"graphs": len(graphs), "graph_breaks": sum(counters["graph_break"].values())}
+        compare_grads(model, ref, name)
     if path == "backend":
-        if fallbacks:
-            raise AssertionError(f"{name}: the backend ran a graph with eager PyTorch: {fallbacks[0]}")
-        if not graphs:
-            raise AssertionError(f"{name}: Dynamo handed no graph to the fulmen backend")
-        import fulmen
-
-        untraced = [i for i, g in enumerate(graphs) if fulmen.cache_misses(g._fulmen_jitted) == 0]
-        if untraced:
-            raise AssertionError(f"{name}: graphs {untraced} of {len(graphs)} were never compiled by fulmen")
-    return stats
+        check_backend_graphs(graphs, fallbacks, name)
+    return {"graphs": len(graphs), "graph_breaks": sum(counters["graph_break"].values())}
