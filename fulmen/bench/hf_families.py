@@ -104,8 +104,9 @@ FAMILIES: dict[str, Family] = _families(
     # MLA gives keys as many heads as queries (the shipped config says so: 128 and 128); fewer key/value heads
     # make transformers repeat the keys when it builds a mask (as it does under a compiler) and the shapes clash.
     Family("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM",
-           {**_DECODER, **_IDS, "num_key_value_heads": 4, "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
-            "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 32,
+           {**_DECODER, **_IDS, "num_key_value_heads": 4, "moe_intermediate_size": 32, "n_routed_experts": 4,
+            "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+            "kv_lora_rank": 16, "q_lora_rank": 32,
             "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16}),
     Family("gemma2", "Gemma2Config", "Gemma2ForCausalLM", {**_DECODER, **_IDS, "head_dim": 16}),
     Family("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM", {**_DECODER, **_IDS, "head_dim": 16}),
