@@ -62,7 +62,7 @@ def _prepare(name: str, path: str | None, build: Callable, kwargs: dict, referen
     model = build()
     params = list(model.parameters())
     graphs: list = []
-    # Dynamo's caches are never reset here: the models compiled earlier are timed afterwards, in turns
+    # Dynamo's caches are not reset here: the family's models compiled earlier are timed afterwards, in turns
     if path == "inductor":
         compiled = torch.compile(model)
     elif path is not None:
@@ -104,6 +104,9 @@ def run_family(name: str, repeat: int, inductor: bool, config: dict, fulmen_opti
     def build():
         return family.build(**config)
 
+    # Every family's forward goes through the same transformers wrapper frame: without a reset per family,
+    # Dynamo would reach its recompile limit on it a few families in and run that frame eagerly from then on.
+    torch._dynamo.reset()
     ref = build()
     kwargs = family.inputs(ref.config)
     with torch.no_grad():
