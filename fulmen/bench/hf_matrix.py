@@ -71,7 +71,8 @@ class _FallbackLog(logging.Handler):
 
 @contextmanager
 def watch_backend_fallbacks():
-    """Yields the list of warnings the fulmen backend logs while the block runs (each a graph run eagerly)."""
+    """Yields the list of warnings the fulmen backend logs while the block runs. Its one warning today is a graph
+    handed back to eager PyTorch; any other would be worth a failing row too, so all are collected."""
     handler = _FallbackLog()
     logger = logging.getLogger("fulmen.dynamo")
     logger.addHandler(handler)
