@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-cache", action="store_true", help="build the models with use_cache=False")
     parser.add_argument("--executors", default=None, help="fulmen executors, comma-separated (default: all)")
     parser.add_argument("--compile", default="sync", help="fulmen's compile mode for fused regions")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch's intra-op threads (1 keeps idle worker threads from adding CPU time)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall time, or this process's CPU time (steadier on a machine other jobs share)")
     args = parser.parse_args(argv)
@@ -167,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.executors:
         fulmen_options["executors"] = args.executors.split(",")
     config = {"use_cache": False} if args.no_cache else {}
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -177,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         clock = time.perf_counter if args.clock == "wall" else time.process_time
         results[name] = run_family(name, args.repeat, not args.no_inductor, config, fulmen_options, clock)
         print(f"{name}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-    print(f"times: median {args.clock} ms over {args.repeat} calls")
+    print(f"times: median {args.clock} ms over {args.repeat} calls, {torch.get_num_threads()} threads")
     print(table(results))
     return 0
 
