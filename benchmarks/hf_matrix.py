@@ -10,6 +10,7 @@ after two warm-up calls, taken in turns across the implementations, all in one p
 
     python benchmarks/hf_matrix.py                                   # every family, with torch.compile
     python benchmarks/hf_matrix.py --families llama,bert --no-inductor --no-cache
+    python benchmarks/hf_matrix.py --clock cpu --threads 1     # on a machine other jobs share
 """
 
 from __future__ import annotations
