@@ -341,10 +341,8 @@ _OPAQUE_LAYOUTS = {
     "index_copy": (lambda x, src: torch.index_copy(x.sin(), 0, torch.tensor([3, 0]), src), "index_copy",
                    lambda: (torch.randn(5, 3), torch.randn(2, 3))),
     "index_copy_source_only": (_index_copy_source_only, "index_copy", lambda: (torch.randn(2, 3),)),
-    "diff_prepend_append": (lambda x, p, a: torch.diff(x, 1, 0, p, a), "diff",
-                            lambda: (torch.randn(4, 3), torch.randn(2, 3), torch.randn(1, 3))),
-    "diff_none_prepend": (lambda x, a: torch.diff(x, 1, 0, None, a), "diff",
-                          lambda: (torch.randn(4, 3), torch.randn(2, 3))),
+    "index_reduce_mean": (lambda x, src: torch.index_reduce(x, 0, torch.tensor([3, 0, 3]), src, "mean"),
+                          "index_reduce", lambda: (torch.randn(5, 3), torch.randn(3, 3))),
     "embedding_bag_per_sample_weights": (
         lambda w, psw: F.embedding_bag(torch.tensor([0, 2, 1, 2]), w, torch.tensor([0, 2]), None, 2.0, False, "sum",
                                        False, psw), "embedding_bag", lambda: (torch.randn(3, 4), torch.randn(4))),

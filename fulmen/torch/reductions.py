@@ -21,18 +21,31 @@ import torch
 
 from fulmen import clang, prims
 from fulmen.clang import maybe_convert_to_dtype
-from fulmen.core import dtypes
+from fulmen.core import dtypes, langctx
 from fulmen.core.dtypes import scalar_type_name
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import OpTags
 from fulmen.core.utils import canonicalize_dim, check
-from fulmen.torch.elementwise import maximum, minimum
+from fulmen.torch.elementwise import (
+    eq,
+    ge,
+    le,
+    logical_and,
+    logical_xor,
+    maximum,
+    minimum,
+    mul,
+    sub,
+    true_divide,
+    where,
+)
 from fulmen.torch.registry import register_function, torchsymbol
+from fulmen.torch.shape import cat, clone
 
 __all__ = [
     "sum", "mean", "prod", "amax", "amin", "aminmax", "max", "min", "var", "std", "var_mean", "std_mean",
-    "logsumexp", "softmax", "log_softmax", "cumsum", "cumprod", "argmax", "argmin", "topk", "sort", "argsort",
-    "all", "any", "count_nonzero", "vector_norm", "norm",
+    "logsumexp", "softmax", "log_softmax", "cumsum", "cumprod", "diff", "argmax", "argmin", "topk", "sort",
+    "argsort", "all", "any", "count_nonzero", "histc", "vector_norm", "norm",
 ]
 
 _RED = (OpTags.REDUCTION,)
@@ -456,6 +469,40 @@ def cumprod(input, dim: int, *, dtype: torch.dtype | None = None):
     return _scan("cumprod", prims.cumprod, input, dim, dtype)
 
 
+@torchsymbol(torch.diff, torch.Tensor.diff, method_name="diff", tags=_RED)
+def diff(input, n: int = 1, dim: int = -1, prepend=None, append=None):
+    """``torch.diff``: the ``n``-th forward difference along ``dim`` (``logical_xor`` of neighbours for bool), after
+    joining ``prepend`` and ``append`` to ``input`` along ``dim``; the inverse of ``cumsum``."""
+    _check_tensor(input, "diff")
+    check(input.ndim >= 1, lambda: "diff expects input to be at least one-dimensional", RuntimeError)
+    check(isinstance(n, int) and not isinstance(n, bool), lambda: f"diff(): argument 'n' must be int, not "
+          f"{type(n).__name__}", TypeError)
+    check(n >= 0, lambda: f"order must be non-negative but got {n}", RuntimeError)
+    _check_int_dim(dim, "diff")
+    d = canonicalize_dim(input.ndim, dim)
+    for name, t in (("prepend", prepend), ("append", append)):
+        if t is None:
+            continue
+        check(isinstance(t, TensorProxy), lambda: f"diff(): argument '{name}' must be Tensor, not {type(t).__name__}",
+              TypeError)
+        check(t.ndim == input.ndim, lambda: "diff expects prepend or append to be the same dimension as input",
+              RuntimeError)
+        for i in range(input.ndim):
+            check(i == d or t.shape[i] == input.shape[i], lambda: "diff expects the shape of tensor to prepend or "
+                  "append to match that of input except along the differencing dimension; input.size("
+                  f"{i}) = {input.shape[i]}, but got tensor.size({i}) = {t.shape[i]}", RuntimeError)
+    if n == 0:  # torch returns a copy of the input, without prepend or append
+        return clone(input)
+    x = input
+    if prepend is not None or append is not None:
+        x = cat([t for t in (prepend, input, append) if t is not None], d)
+    for _ in range(n if n < x.shape[d] else x.shape[d]):  # (this module's min is torch.min)
+        length = x.shape[d] - 1
+        later, earlier = clang.slice_in_dim(x, 1, length + 1, 1, d), clang.slice_in_dim(x, 0, length, 1, d)
+        x = logical_xor(later, earlier) if x.dtype is torch.bool else sub(later, earlier)
+    return x
+
+
 # ---- top-k and sorting ----
 
 @torchsymbol(torch.topk, torch.Tensor.topk, method_name="topk", tags=_RED)
@@ -524,6 +571,41 @@ def count_nonzero(input, dim=None):
     _check_tensor(input, "count_nonzero")
     dims = _reduction_dims(input, dim, "count_nonzero")
     return prims.sum(prims.convert_element_type(_nonzero(input), torch.int64), dims)
+
+
+@torchsymbol(torch.histc, torch.Tensor.histc, method_name="histc", tags=_RED)
+def histc(input, bins: int = 100, min: Number = 0, max: Number = 0):
+    """``torch.histc``: counts of the elements in ``bins`` equal-width bins over ``[min, max]`` (the last bin
+    includes ``max``; elements outside, and NaNs, are not counted), in the input's dtype.
+
+    A float32/float64 input that needs no gradient, with ``min < max`` given, is decomposed as torch's CPU kernel
+    computes it: bin ``int((x - min) * bins / (max - min))``, in the input's dtype. Every other call (the range
+    taken from the data when ``min == max``, integer inputs, which only CUDA accepts, an input that requires grad,
+    for which torch raises at backward) is recorded as the opaque torch call, so it behaves exactly as eager.
+    """
+    _check_tensor(input, "histc")
+    decomposable = (input.dtype in (torch.float32, torch.float64) and not input.requires_grad
+                    and isinstance(bins, int) and not isinstance(bins, bool) and bins > 0
+                    and isinstance(min, int | float) and isinstance(max, int | float)
+                    and math.isfinite(min) and math.isfinite(max) and min < max)
+    if not decomposable:
+        return langctx.fallback[0](torch.histc)(input, bins=bins, min=min, max=max)
+    dtype = input.dtype
+    # the bin edges are min and max rounded to the input's dtype, and their difference is taken in that dtype
+    low, high = torch.tensor(min, dtype=dtype), torch.tensor(max, dtype=dtype)
+    width, low = float(high - low), float(low)
+    check(width > 0, lambda: f"histc(): max must be larger than min, got min={min} and max={max} in {dtype}",
+          RuntimeError)
+    flat = clang.reshape(input, (input.numel(),))
+    inside = logical_and(ge(flat, low), le(flat, float(high)))  # false for NaN
+    # truncated toward zero, as the kernel's cast to int64
+    position = maybe_convert_to_dtype(true_divide(mul(sub(flat, low), bins), width), torch.int64)
+    position = where(eq(position, bins), bins - 1, position)  # the last bin includes max
+    # elements outside the range (and NaNs) are counted in an extra bin past the end, which is dropped
+    position = where(inside, position, bins)
+    counts = prims.index_add(clang.full((bins + 1,), 0, device=input.device, dtype=dtype), 0, position,
+                             clang.full((input.numel(),), 1, device=input.device, dtype=dtype))
+    return clang.slice_in_dim(counts, 0, bins, 1, 0)
 
 
 # ---- norms ----
