@@ -412,7 +412,7 @@ def test_examine_reports_rules_fallbacks_and_agreement(capsys):
 
 def test_examine_reports_a_function_fulmen_cannot_trace():
     def g(x):
-        return x * 2 if x.sum() > 0 else x
+        return x * float(x.numpy().sum())  # a value NumPy computes: fulmen cannot read it as a split point
 
     report = fulmen.examine(g, torch.ones(3), show=False)
     assert not report.ok and "DataDependentError" in report.error

@@ -16,6 +16,7 @@ chain keyed by the values read in order, so each branch compiles once (``JittedF
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable
@@ -127,8 +128,22 @@ class ValueReader:
             raise _not_splittable("reading a tensor's value", proxy, "fulmen could not match the traced inputs "
                                   "with the call's tensors to compute it")
         devices = sorted({t.device.index or 0 for t in inputs if t.device.type == "cuda"})
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):  # the program draws the same numbers again
+        with torch.no_grad(), _same_random_numbers(devices):  # the program draws the same numbers again
             return fn(*inputs)
+
+
+@contextlib.contextmanager
+def _same_random_numbers(cuda_devices: list[int]):
+    """The generators' states put back afterwards. Read through the generator, not ``torch.get_rng_state``: while
+    fulmen traces, that call is recorded into the trace (``fulmen.frontend.rng_calls``) instead of run."""
+    cpu = torch.default_generator.get_state()
+    cuda = [torch.cuda.get_rng_state(d) for d in cuda_devices]
+    try:
+        yield
+    finally:
+        torch.default_generator.set_state(cpu)
+        for d, state in zip(cuda_devices, cuda):
+            torch.cuda.set_rng_state(state, d)
 
 
 def _defined_at_top(trace: Trace, proxy: TensorProxy) -> bool:
