@@ -119,3 +119,19 @@ def test_a_float_passed_as_a_tensor_runs_the_graph_eagerly(caplog):
         for k in (0.5, 0.7, -3.0):
             torch.testing.assert_close(compiled(x, k), f(x, k))
     assert "runs with eager PyTorch" in caplog.text
+
+
+def test_a_graph_with_vmap_inside_runs_eagerly_and_says_why():
+    # torch.vmap inside a compiled function: Dynamo's graph holds functorch's batching primitives, which act on the
+    # tensors they are given; fulmen's traced tensors cannot stand for those, so PyTorch runs that graph, logged
+    from fulmen.frontend.dynamo import backend_stats, reset_backend_stats
+
+    def f(x):
+        return torch.vmap(lambda r: r.sin() * 2)(x) + 1
+
+    reset_backend_stats()
+    torch._dynamo.reset()
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(torch.compile(f, backend="fulmen")(x), f(x), rtol=0, atol=0)
+    stats = backend_stats()
+    assert stats.eager_graphs == 1 and "_add_batch_dim" in stats.eager_reasons[0]

@@ -124,6 +124,17 @@ def _dynamic_dims(gm: torch.fx.GraphModule, kept: list[int]) -> dict[int, frozen
     return dims
 
 
+def _functorch_calls(gm: torch.fx.GraphModule) -> list[str]:
+    """The names of the functorch transform primitives (``_add_batch_dim``, ``_vmap_increment_nesting``, ...) that
+    ``gm`` calls, in order, without repeats."""
+    names: dict[str, None] = {}
+    for node in gm.graph.nodes:
+        module = getattr(node.target, "__module__", None) or ""
+        if node.op == "call_function" and module.startswith(("torch._functorch", "torch._C._functorch")):
+            names[getattr(node.target, "__name__", str(node.target))] = None
+    return list(names)
+
+
 def fulmen_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None,
                    **kwargs) -> Callable:
     """Compile one Dynamo graph with ``fulmen.jit``; options are passed to it (e.g. ``executors=``).
@@ -157,6 +168,13 @@ def fulmen_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict
     select = (lambda args: [args[i] for i in kept]) if sources else (lambda args: args)
     record = _GraphRecord(jitted)
     eager = None  # set when fulmen cannot trace the graph: Dynamo's graph then runs as it is
+    transforms = _functorch_calls(gm)
+    if transforms:
+        # vmap/grad levels inside a graph (Mamba's associative_scan runs torch's vmap) act on the tensors the graph
+        # passes them, which fulmen's traced tensors cannot stand for: PyTorch runs this graph.
+        record.eager_reason = f"the graph calls torch.func's transform primitives ({', '.join(transforms)})"
+        log.warning("fulmen: a Dynamo graph runs with eager PyTorch, not compiled: %s", record.eager_reason)
+        eager = gm
 
     def compiled(*args):
         nonlocal eager
