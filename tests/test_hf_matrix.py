@@ -5,10 +5,9 @@ parameter's gradient with eager PyTorch on the same weights; a backend row also 
 captured ran with eager PyTorch instead of fulmen. ``fulmen/bench/hf_matrix.py`` holds the check and its
 tolerances; ``benchmarks/hf_matrix.py`` times the same rows.
 
-A few cheap rows run by default; the whole matrix is marked slow. Rows that fail for a root being fixed now
-are strict xfails, so that a fix flips them loudly. The families whose default config returns a key/value cache
-also run through ``fulmen.jit`` with ``use_cache=False`` ("jit-nocache"), so the rest of each model is covered
-while the cache rows wait.
+A few cheap rows run by default; the whole matrix is marked slow. A row that fails for a known reason is a
+strict xfail naming it, so that a fix flips it loudly. The families whose default config returns a key/value cache
+also run through ``fulmen.jit`` with ``use_cache=False`` ("jit-nocache").
 """
 
 from __future__ import annotations
@@ -24,25 +23,17 @@ from fulmen.bench.hf_matrix import check_family  # noqa: E402
 CACHED = {"gpt2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gemma2", "gemma3", "phi3",
           "falcon", "gpt_neox", "opt", "bloom", "t5", "whisper", "mamba"}
 
-_CACHE_ROOT = ("issue 42: a Hugging Face Cache object returned by jitted code (use_cache=True returns a "
-               "DynamicCache / EncoderDecoderCache); engineer objects")
-_TENSOR_ROOT = ("issue 42: proxies are not torch.Tensor instances (torch's associative_scan, which Mamba's "
-                "slow path calls, checks its leaves with isinstance); engineer tensor, then associative_scan "
-                "support (engineer gaps)")
-_SCAN_ROOT = ("issue 42: Dynamo hands over Mamba's associative_scan as a higher-order op, which runs torch's "
-              "own vmap on fulmen's proxies (engineer gaps: higher-order ops; needs proxies that are "
-              "torch.Tensors, engineer tensor)")
+_SCAN_ROOT = ("Dynamo hands over Mamba's associative_scan as a graph calling torch.func's vmap primitives "
+              "(_add_batch_dim, ...), which fulmen's traced tensors cannot stand for: the backend runs that graph "
+              "with eager PyTorch and says so")
 
 # (family, path) -> (why it fails now, the error it fails with); every other row must pass. The error type is
 # part of the expectation: a row that starts failing another way fails the run.
 KNOWN_FAILURES: dict[tuple[str, str], tuple[str, type[Exception]]] = {
-    **{(name, "jit"): (_CACHE_ROOT, TypeError) for name in CACHED - {"mamba"}},
-    ("mamba", "jit"): (_TENSOR_ROOT, ValueError),
-    ("mamba", "jit-nocache"): (_TENSOR_ROOT, ValueError),
-    ("mamba", "backend"): (_SCAN_ROOT, TypeError),
+    ("mamba", "backend"): (_SCAN_ROOT, AssertionError),
 }
 
-# The default run: one encoder, one vision model, one decoder (cache off), and a cached decoder's strict xfail.
+# The default run: one encoder, one vision model, one decoder with its cache off and one returning its cache.
 FAST = {("roberta", "jit"), ("vit", "jit"), ("opt", "jit-nocache"), ("llama", "jit")}
 
 
