@@ -328,3 +328,60 @@ def test_inductor_state_of_a_lowering_in_flight_is_its_own(monkeypatch):
         paused.release.set()
     paused.finish()
     assert lowered_first == [True], "Inductor compiled the user's graph while the lowering was in flight"
+
+
+# ---- the patch-free capture is make_fx's graph, on programs fulmen did not write ----
+
+def _programs_from_other_libraries():
+    """Forward functions written by transformers and torch.nn, with example inputs (float32, CPU)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama import modeling_llama
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                      num_key_value_heads=2, num_hidden_layers=1, vocab_size=64)
+    norm = modeling_llama.LlamaRMSNorm(32)
+    mlp = modeling_llama.LlamaMLP(config)
+    encoder = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True).eval()
+    q, k = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8)
+    cos, sin = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    x = torch.randn(2, 5, 32)
+    def with_parameters(module):
+        # a region takes every tensor as an input: the module's parameters are passed, not captured
+        names = [n for n, _ in module.named_parameters()]
+
+        def fn(x, *params):
+            return torch.func.functional_call(module, dict(zip(names, params)), (x,))
+
+        return fn, [x, *[p.detach() for p in module.parameters()]]
+
+    rotary = modeling_llama.apply_rotary_pos_emb
+    return {
+        "llama_rotary": (lambda q, k, cos, sin: rotary(q, k, cos, sin), [q, k, cos, sin]),
+        "llama_rmsnorm": with_parameters(norm),
+        "llama_mlp": with_parameters(mlp),
+        "transformer_encoder_layer": with_parameters(encoder),
+        "gelu_tanh_softmax": (lambda x: torch.softmax(torch.nn.functional.gelu(x, approximate="tanh")
+                                                      @ x.transpose(-1, -2), -1), [x]),
+    }
+
+
+@pytest.mark.parametrize("name", ["llama_rotary", "llama_rmsnorm", "llama_mlp", "transformer_encoder_layer",
+                                  "gelu_tanh_softmax"])
+def test_the_region_graph_is_the_one_make_fx_makes(name):
+    # fulmen records a region's aten graph without FX's Tracer.trace (which patches nn.Module process-wide); the
+    # graph handed to Inductor must be make_fx's: the same code, and the same values on the same inputs
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fulmen.executors.inductor_decomps import decomposition_table
+    from fulmen.executors.inductor_graph import aten_graph
+
+    fn, example = _programs_from_other_libraries()[name]
+    table = decomposition_table()
+    with torch.no_grad():
+        expected = make_fx(fn, decomposition_table=table, tracing_mode="fake")(*example)
+        got = aten_graph(fn, example, table)
+        assert got.code == expected.code
+        for a, b in zip(torch.utils._pytree.tree_leaves(got(*example)),
+                        torch.utils._pytree.tree_leaves(expected(*example))):
+            assert torch.equal(a, b)
