@@ -243,10 +243,15 @@ class JittedFunction:
             return self._run_eagerly(args, kwargs)
         try:
             return call_leaving_a_core(entry.program.run, flat)  # a flag read, unless regions are compiling
-        except MetaMismatch as e:
-            return self._compile_again(entry, e, args, kwargs)
-        except ValueChanged as e:  # a value the traced Python read differs: another branch's program
-            return self._value_changed(e, entry, args, kwargs)
+        except (MetaMismatch, ValueChanged) as e:
+            return self._program_stopped(e, entry, args, kwargs)
+
+    def _program_stopped(self, stop: MetaMismatch | ValueChanged, entry: CacheEntry, args, kwargs):
+        """A program that stopped before its end: an implementation returned other metadata than its meta declared
+        (compile again), or a value the traced Python read differs (another branch's program)."""
+        if isinstance(stop, MetaMismatch):
+            return self._compile_again(entry, stop, args, kwargs)
+        return self._value_changed(stop, entry, args, kwargs)
 
     def _compile_again(self, entry: CacheEntry, error: MetaMismatch, args, kwargs):
         """The program's first call found an implementation returning other metadata than its symbol's meta

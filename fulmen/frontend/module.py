@@ -209,11 +209,8 @@ class _ModuleProgram(JittedFunction):
             return self._run_eagerly(args, kwargs)
         try:
             return call_leaving_a_core(entry.program.run, flat)  # a flag read, unless regions are compiling
-        except MetaMismatch as e:
-            return self._compile_again(entry, e, args, kwargs)
-
-        except ValueChanged as e:  # a value the traced Python read differs: another branch's program
-            return self._value_changed(e, entry, args, kwargs)
+        except (MetaMismatch, ValueChanged) as e:
+            return self._program_stopped(e, entry, args, kwargs)
 
     def _call_key(self, args, kwargs) -> tuple[Any, list[torch.Tensor], tuple]:
         state = self.state
