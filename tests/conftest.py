@@ -50,3 +50,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def quiet_transformers():
+    """Hugging Face models built from configs log advice at warning level; the tests that build them hide it."""
+    import transformers
+
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    yield
+    transformers.logging.set_verbosity(level)

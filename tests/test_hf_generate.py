@@ -26,12 +26,7 @@ NEW_TOKENS = 8
 COMPILATIONS = 2
 
 
-@pytest.fixture(autouse=True)
-def _quiet_transformers():
-    level = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    yield
-    transformers.logging.set_verbosity(level)
+pytestmark = pytest.mark.usefixtures("quiet_transformers")
 
 
 def _llama():

@@ -48,14 +48,7 @@ def _rows():
             yield pytest.param(name, path, marks=marks, id=f"{name}-{path}")
 
 
-@pytest.fixture(autouse=True)
-def _quiet_transformers():
-    import transformers
-
-    level = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    yield
-    transformers.logging.set_verbosity(level)
+pytestmark = pytest.mark.usefixtures("quiet_transformers")
 
 
 @pytest.mark.parametrize("name,path", list(_rows()))

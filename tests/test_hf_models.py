@@ -27,14 +27,7 @@ MODELS = ["gpt2", "llama", "mistral", "qwen2", "bert", "t5", "mixtral", "qwen2_m
 BATCH, SEQ = 2, 16
 
 
-@pytest.fixture(autouse=True)
-def _quiet_transformers():
-    import transformers
-
-    level = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    yield
-    transformers.logging.set_verbosity(level)
+pytestmark = pytest.mark.usefixtures("quiet_transformers")
 
 
 def _inputs(vocab: int, *, mask: bool = False, seq: int = SEQ) -> dict:
