@@ -210,14 +210,22 @@ def object_key(x: Any, flat: list[torch.Tensor], seen: dict[int, int]) -> Any:
         return content_key(x)
 
 
-def _object_key(x: Any, flat: list, seen: dict[int, int], budget: list[int], depth: int) -> Any:
-    budget[0] -= 1
-    if budget[0] < 0 or depth > MAX_CONTENT_DEPTH:
-        raise _TooLarge
+def _alias_or_number(x: Any, seen: dict[int, int]) -> tuple | None:
+    """``(ALIAS, n)`` for a holder the walk met before as its ``n``-th; otherwise numbers it and returns None."""
     index = seen.get(id(x))
     if index is not None:
         return (ALIAS, index)
     seen[id(x)] = len(seen)
+    return None
+
+
+def _object_key(x: Any, flat: list, seen: dict[int, int], budget: list[int], depth: int) -> Any:
+    budget[0] -= 1
+    if budget[0] < 0 or depth > MAX_CONTENT_DEPTH:
+        raise _TooLarge
+    alias = _alias_or_number(x, seen)
+    if alias is not None:
+        return alias
     return (OBJECT, type(x), member_names(x), tuple([_member_key(v, flat, seen, budget, depth + 1)
                                                      for v in member_values(x)]))
 
@@ -232,10 +240,9 @@ def _member_key(v: Any, flat: list, seen: dict[int, int], budget: list[int], dep
         budget[0] -= len(v)
         if budget[0] < 0 or depth > MAX_CONTENT_DEPTH:
             raise _TooLarge
-        index = seen.get(id(v))
-        if index is not None:
-            return (ALIAS, index)
-        seen[id(v)] = len(seen)
+        alias = _alias_or_number(v, seen)
+        if alias is not None:
+            return alias
         if isinstance(v, list):
             return (t, tuple([_member_key(e, flat, seen, budget, depth + 1) for e in v]))
         return (t, tuple([(k if type(k) is str else content_key(k), _member_key(e, flat, seen, budget, depth + 1))
