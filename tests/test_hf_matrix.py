@@ -23,15 +23,9 @@ from fulmen.bench.hf_matrix import check_family  # noqa: E402
 CACHED = {"gpt2", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "gemma2", "gemma3", "phi3",
           "falcon", "gpt_neox", "opt", "bloom", "t5", "whisper", "mamba"}
 
-_SCAN_ROOT = ("Dynamo hands over Mamba's associative_scan as a graph calling torch.func's vmap primitives "
-              "(_add_batch_dim, ...), which fulmen's traced tensors cannot stand for: the backend runs that graph "
-              "with eager PyTorch and says so")
-
 # (family, path) -> (why it fails now, the error it fails with); every other row must pass. The error type is
 # part of the expectation: a row that starts failing another way fails the run.
-KNOWN_FAILURES: dict[tuple[str, str], tuple[str, type[Exception]]] = {
-    ("mamba", "backend"): (_SCAN_ROOT, AssertionError),
-}
+KNOWN_FAILURES: dict[tuple[str, str], tuple[str, type[Exception]]] = {}
 
 # The default run: one encoder, one vision model, one decoder with its cache off and one returning its cache.
 FAST = {("roberta", "jit"), ("vit", "jit"), ("opt", "jit-nocache"), ("llama", "jit")}

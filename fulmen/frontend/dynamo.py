@@ -135,6 +135,24 @@ def _functorch_calls(gm: torch.fx.GraphModule) -> list[str]:
     return list(names)
 
 
+def _without_transforms(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule | None:
+    """``gm`` retraced by ``make_fx`` on fake copies of its inputs, which runs torch.func's batching rules and leaves
+    a graph of aten operations without transform primitives; None for a graph with symbolic sizes (``make_fx`` on
+    these example inputs would fix them). The user's tensors are not touched: only fake copies run."""
+    from torch._guards import tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    if any(isinstance(x, torch.SymInt) for x in example_inputs) or any(
+            isinstance(s, torch.SymInt) for x in example_inputs if isinstance(x, torch.Tensor) for s in x.shape):
+        return None
+    with tracing(None):  # a fake mode of its own: Dynamo's shape environment must not see this trace
+        mode = FakeTensorMode()
+        fakes = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+        with mode:
+            return make_fx(gm, tracing_mode="real")(*fakes)
+
+
 def fulmen_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None,
                    **kwargs) -> Callable:
     """Compile one Dynamo graph with ``fulmen.jit``; options are passed to it (e.g. ``executors=``).
@@ -150,6 +168,15 @@ def fulmen_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict
     from fulmen.core.proxies import DataDependentError
     from fulmen.frontend.jit import JittedFunction
 
+    transforms = _functorch_calls(gm)
+    retraced = _without_transforms(gm, example_inputs) if transforms else None
+    if retraced is not None:
+        # vmap/grad levels inside a graph (Mamba's associative_scan runs torch's vmap) act on the tensors the graph
+        # passes them, which fulmen's traced tensors cannot stand for; the same graph with the batching rules
+        # applied (aten operations on unbatched tensors) can be traced
+        log.info("fulmen: a Dynamo graph calls torch.func's transform primitives (%s); compiling it as make_fx "
+                 "retraced it with their batching rules applied", ", ".join(transforms))
+        gm, transforms = retraced, []
     sources = _size_sources(gm) or {}
     kept = [i for i in range(len(example_inputs)) if i not in sources]  # the inputs fulmen is passed
     position = {i: k for k, i in enumerate(kept)}
@@ -168,10 +195,7 @@ def fulmen_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict
     select = (lambda args: [args[i] for i in kept]) if sources else (lambda args: args)
     record = _GraphRecord(jitted)
     eager = None  # set when fulmen cannot trace the graph: Dynamo's graph then runs as it is
-    transforms = _functorch_calls(gm)
-    if transforms:
-        # vmap/grad levels inside a graph (Mamba's associative_scan runs torch's vmap) act on the tensors the graph
-        # passes them, which fulmen's traced tensors cannot stand for: PyTorch runs this graph.
+    if transforms:  # a graph with symbolic sizes that calls transform primitives: PyTorch runs it
         record.eager_reason = f"the graph calls torch.func's transform primitives ({', '.join(transforms)})"
         log.warning("fulmen: a Dynamo graph runs with eager PyTorch, not compiled: %s", record.eager_reason)
         eager = gm
