@@ -11,6 +11,7 @@ after two warm-up calls, taken in turns across the implementations, all in one p
     python benchmarks/hf_matrix.py                                   # every family, with torch.compile
     python benchmarks/hf_matrix.py --families llama,bert --no-inductor --no-cache
     python benchmarks/hf_matrix.py --clock cpu --threads 1     # on a machine other jobs share
+    python benchmarks/hf_matrix.py --generate                  # and greedy generate() where the family has it
 """
 
 from __future__ import annotations
@@ -97,8 +98,51 @@ def _prepare(name: str, path: str | None, build: Callable, kwargs: dict, referen
     return prepared
 
 
+GENERATIVE = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+NEW_TOKENS = 8
+
+
+def _generate_kwargs(kwargs: dict) -> dict:
+    """The family's inputs as a greedy ``generate`` of exactly ``NEW_TOKENS`` tokens (no labels)."""
+    return {**{k: v for k, v in kwargs.items() if k != "labels"}, "max_new_tokens": NEW_TOKENS,
+            "min_new_tokens": NEW_TOKENS, "do_sample": False}
+
+
+def _prepare_generate(path: str | None, build: Callable, kwargs: dict, expected, fulmen_options: dict) -> tuple:
+    """``(status, call or None)`` for greedy generation, wrapped the way each path is used for decoding: the model's
+    forward compiled (``torch.compile``, the fulmen backend) or the model jitted (``fulmen.jit(model).generate``).
+    A fulmen path passes when its tokens are eager's and, for the backend, no Dynamo graph ran eagerly."""
+    import fulmen
+    from fulmen.frontend.dynamo import backend_stats, reset_backend_stats
+
+    model = build()
+    gen = _generate_kwargs(kwargs)
+    if path == "inductor":
+        model.forward = torch.compile(model.forward)
+    elif path == "jit":
+        model = fulmen.jit(model, **fulmen_options)
+    elif path == "backend":
+        reset_backend_stats()
+        model.forward = torch.compile(model.forward, backend="fulmen", options=fulmen_options)
+
+    def call():
+        with torch.no_grad():
+            return model.generate(**gen)
+
+    try:
+        tokens = call()
+        if expected is not None and not torch.equal(tokens, expected):
+            return "fail(tokens differ from eager's)", None
+        if path == "backend" and backend_stats().eager_graphs:
+            return f"fail(eager graph: {backend_stats().eager_reasons[0][:50]})", None
+        call()
+        return "pass", call
+    except Exception as e:  # noqa: BLE001 - the table records every failure and goes on
+        return _reason(e), None
+
+
 def run_family(name: str, repeat: int, inductor: bool, config: dict, fulmen_options: dict,
-               clock: Callable[[], float] = time.perf_counter) -> dict:
+               clock: Callable[[], float] = time.perf_counter, generate: bool = False) -> dict:
     """``{impl: {mode: (status, median ms or None)}}``; the implementations are timed in turns (round robin),
     so that a change in the machine's load hits all of them alike."""
     family = FAMILIES[name]
@@ -121,6 +165,13 @@ def run_family(name: str, repeat: int, inductor: bool, config: dict, fulmen_opti
         prepared["inductor"] = _prepare(name, "inductor", build, kwargs, None, fulmen_options)
     for path in ("jit", "backend"):
         prepared[path] = _prepare(name, path, build, kwargs, reference, fulmen_options)
+    if generate and family.model_cls.endswith(GENERATIVE):
+        with torch.no_grad():
+            expected_tokens = ref.generate(**_generate_kwargs(kwargs))
+        for impl in prepared:
+            path = None if impl == "eager" else impl
+            reference_tokens = None if impl in ("eager", "inductor") else expected_tokens
+            prepared[impl]["generate"] = _prepare_generate(path, build, kwargs, reference_tokens, fulmen_options)
     times: dict = {(impl, mode): [] for impl, cells in prepared.items() for mode, (_, call) in cells.items() if call}
     for _ in range(repeat):
         for (impl, mode), samples in times.items():
@@ -136,12 +187,19 @@ def _ms(cell: tuple | None) -> str:
 
 
 def table(results: dict[str, dict]) -> str:
-    lines = ["| family | path | forward | fwd ms eager / inductor / fulmen | train step | "
-             "train ms eager / inductor / fulmen |", "|---|---|---|---|---|---|"]
+    modes = ("forward", "train", "generate") if any("generate" in c["eager"] for c in results.values()) else (
+        "forward", "train")
+    header = {"forward": "forward | fwd ms eager / inductor / fulmen",
+              "train": "train step | train ms eager / inductor / fulmen",
+              "generate": f"generate {NEW_TOKENS} | gen ms eager / inductor / fulmen"}
+    lines = ["| family | path | " + " | ".join(header[m] for m in modes) + " |", "|---|---|" + "---|---|" * len(modes)]
     for name, cells in results.items():
         for path in ("jit", "backend"):
             row = [name, path]
-            for mode in ("forward", "train"):
+            for mode in modes:
+                if mode not in cells[path]:
+                    row += ["-", "-"]
+                    continue
                 status = cells[path][mode][0]
                 times = " / ".join(_ms(cells.get(k, {}).get(mode)) for k in ("eager", "inductor", path))
                 row += [status, times]
@@ -155,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=5, help="timed calls per cell after the warm-up")
     parser.add_argument("--no-inductor", action="store_true", help="skip torch.compile with Inductor (slow)")
     parser.add_argument("--no-cache", action="store_true", help="build the models with use_cache=False")
+    parser.add_argument("--generate", action="store_true",
+                        help=f"add greedy generate() of {NEW_TOKENS} tokens for the generative families")
     parser.add_argument("--executors", default=None, help="fulmen executors, comma-separated (default: all)")
     parser.add_argument("--compile", default="sync", help="fulmen's compile mode for fused regions")
     parser.add_argument("--threads", type=int, default=None,
@@ -180,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         start = time.perf_counter()
         clock = time.perf_counter if args.clock == "wall" else time.process_time
-        results[name] = run_family(name, args.repeat, not args.no_inductor, config, fulmen_options, clock)
+        results[name] = run_family(name, args.repeat, not args.no_inductor, config, fulmen_options, clock,
+                                   generate=args.generate)
         print(f"{name}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     print(f"times: median {args.clock} ms over {args.repeat} calls, {torch.get_num_threads()} threads")
     print(table(results))
