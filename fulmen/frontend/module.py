@@ -468,9 +468,11 @@ class JittedModule(nn.Module):
         return value
 
     # Writes go where reads come from: the original module (which its forward reads). The wrapper keeps only
-    # what nn.Module's own machinery put in its __dict__ (its hooks, the shared dictionaries).
+    # what nn.Module's own machinery put in its __dict__ (its hooks, the shared dictionaries), and its own class:
+    # a wrapper that swaps the class (FSDP2's ``fully_shard`` makes it an ``FSDPJittedModule``) swaps this one's.
     def __setattr__(self, name: str, value) -> None:
-        if name in self.__dict__ or "_fulmen_module" not in self.__dict__ or name.startswith("_fulmen_"):
+        if (name in self.__dict__ or "_fulmen_module" not in self.__dict__ or name.startswith("_fulmen_")
+                or name == "__class__"):
             super().__setattr__(name, value)
         else:
             setattr(self._fulmen_module, name, value)
