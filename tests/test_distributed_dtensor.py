@@ -129,3 +129,67 @@ def test_fsdp2_over_jitted_blocks_trains_as_eager_and_round_trips_a_distributed_
     # ranks hold the same full parameters (FSDP2 reduce-scattered the gradients)
     _assert_params_close(results[0]["fulmen_params"], results[1]["fulmen_params"])
     assert results[0]["fulmen"] != results[1]["fulmen"]  # the ranks trained on different batches
+
+
+def _tensor_parallel(mesh) -> Block:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    return parallelize_module(Block(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+
+
+def _train_replicated(model, steps: range) -> list[float]:
+    """SGD steps where every rank sees the same batch, as tensor parallelism expects."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in steps:
+        loss = model(_batch(0, step)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _dtensor_programs(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fulmen
+    from fulmen.frontend import dynamo
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    out = {}
+    # tensor parallel under torch.compile(backend="fulmen"): the graph holding DTensors runs with PyTorch
+    eager, compiled = _tensor_parallel(mesh), _tensor_parallel(mesh)
+    torch._dynamo.reset()
+    dynamo.reset_backend_stats()
+    compiled_fn = torch.compile(compiled, backend="fulmen")
+    out["eager"], out["compiled"] = _train_replicated(eager, range(3)), _train_replicated(compiled_fn, range(3))
+    out["eager_params"], out["compiled_params"] = _full_params(eager), _full_params(compiled)
+    out["eager_reasons"] = dynamo.backend_stats().eager_reasons
+
+    # fulmen.jit refuses DTensors, naming the order that works, rather than failing inside FSDP's or TP's hooks
+    errors = []
+    try:
+        fulmen.jit(_tensor_parallel(mesh), executors=["torch"])(_batch(0, 0))
+    except NotImplementedError as e:
+        errors.append(str(e))
+    torch.manual_seed(0)
+    try:
+        fulmen.jit(_fsdp2(Net(), mesh, jit_blocks=False), executors=["torch"])(_batch(rank, 0))
+    except NotImplementedError as e:
+        errors.append(str(e))
+    out["errors"] = errors
+    return out
+
+
+def test_tensor_parallel_under_the_dynamo_backend_trains_as_eager_and_fulmen_jit_refuses_dtensors():
+    results = run_on_ranks(_dtensor_programs, timeout=300)
+    for out in results:
+        torch.testing.assert_close(out["compiled"], out["eager"], **TOL)
+        _assert_params_close(out["compiled_params"], out["eager_params"])
+        assert out["eager_reasons"] and all("DTensor" in r for r in out["eager_reasons"])
+        assert len(out["errors"]) == 2
+        for message in out["errors"]:
+            assert "DTensor" in message and "before fully_shard" in message and "torch.compile" in message
+    torch.testing.assert_close(results[0]["compiled"], results[1]["compiled"], rtol=0, atol=0)
