@@ -9,7 +9,6 @@ association of a few sums.
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn as nn
 
@@ -81,6 +80,8 @@ def _fsdp2(model: Net, mesh, order: str, **options) -> nn.Module:
 
 
 def _fsdp2_both_orders(rank, world_size, checkpoint_dir, options):
+    """Eager FSDP2 and both orders with fulmen, 3 SGD steps each; with a ``checkpoint_dir``, also a DCP round trip
+    and the tensor parallel checks (one spawn for several checks: each costs seconds of start-up per rank)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -97,7 +98,11 @@ def _fsdp2_both_orders(rank, world_size, checkpoint_dir, options):
         out[order + "_params"] = _full_params(models[order])
     out["misses"] = [fulmen.cache_misses(b) for b in models["jit_then_shard"].blocks]
     out["misses"] += [fulmen.cache_misses(b.forward) for b in models["shard_then_jit"].blocks]
-    out["trace"] = str(fulmen.last_traces(models["shard_then_jit"].blocks[0].forward)[0])
+    traces = fulmen.last_traces(models["shard_then_jit"].blocks[0].forward)
+    out["trace"], out["execution"] = str(traces[0]), str(traces[-1])
+    if checkpoint_dir is None:
+        return out
+    out["tp"] = _dtensor_programs(rank, world_size, mesh)
 
     # torch.distributed.checkpoint: save the jitted model's sharded state, load it into a fresh jitted model
     jitted = models["shard_then_jit"]
@@ -120,9 +125,7 @@ def _assert_params_close(a: dict, b: dict) -> None:
         torch.testing.assert_close(a[name], b[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("options", [{"executors": ["torch"]}, {"compile": "sync"}], ids=["torch", "fused"])
-def test_fsdp2_in_both_orders_trains_as_eager_and_round_trips_a_distributed_checkpoint(tmp_path, options):
-    results = run_on_ranks(_fsdp2_both_orders, str(tmp_path / "ckpt"), options, timeout=300)
+def _check_fsdp2_results(results: list[dict]) -> None:
     for out in results:
         for order in ("jit_then_shard", "shard_then_jit"):
             torch.testing.assert_close(out[order], out["eager"], **TOL)
@@ -130,13 +133,26 @@ def test_fsdp2_in_both_orders_trains_as_eager_and_round_trips_a_distributed_chec
         assert out["misses"] == [1, 1, 1, 1]  # each block compiled once, then cache hits on every step
         # the block's program reads the all-gathered (full-size) weights: FSDP's collectives run outside it
         assert "ltorch.linear" in out["trace"] and "[16, 8]" in out["trace"]
+    # ranks hold the same full parameters (FSDP2 reduce-scattered the gradients)
+    _assert_params_close(results[0]["shard_then_jit_params"], results[1]["shard_then_jit_params"])
+    assert results[0]["eager"] != results[1]["eager"]  # the ranks trained on different batches
+
+
+def test_fsdp2_both_orders_dcp_round_trip_and_tensor_parallel(tmp_path):
+    results = run_on_ranks(_fsdp2_both_orders, str(tmp_path / "ckpt"), {"executors": ["torch"]}, timeout=300)
+    _check_fsdp2_results(results)
+    for out in results:
         # the checkpoint restores the parameters exactly, and training goes on as it would have
         _assert_params_close(out["loaded_params"], out["shard_then_jit_params"])
         assert out["loaded_continued"] == out["continued"]
         torch.testing.assert_close(out["continued"], out["eager_continued"], **TOL)
-    # ranks hold the same full parameters (FSDP2 reduce-scattered the gradients)
-    _assert_params_close(results[0]["shard_then_jit_params"], results[1]["shard_then_jit_params"])
-    assert results[0]["eager"] != results[1]["eager"]  # the ranks trained on different batches
+    _check_tensor_parallel_results([out["tp"] for out in results])
+
+
+def test_fsdp2_both_orders_with_fusion():
+    results = run_on_ranks(_fsdp2_both_orders, None, {"compile": "sync"}, timeout=300)
+    _check_fsdp2_results(results)
+    assert all("inductor_fusion" in out["execution"] for out in results)
 
 
 def _tensor_parallel(mesh) -> Block:
@@ -159,13 +175,10 @@ def _train_replicated(model, steps: range) -> list[float]:
     return losses
 
 
-def _dtensor_programs(rank, world_size):
-    from torch.distributed.device_mesh import init_device_mesh
-
+def _dtensor_programs(rank, world_size, mesh):
     import fulmen
     from fulmen.frontend import dynamo
 
-    mesh = init_device_mesh("cpu", (world_size,))
     out = {}
     # tensor parallel under torch.compile(backend="fulmen"): the graph holding DTensors runs with PyTorch
     eager, compiled = _tensor_parallel(mesh), _tensor_parallel(mesh)
@@ -186,8 +199,8 @@ def _dtensor_programs(rank, world_size):
     return out
 
 
-def test_tensor_parallel_under_the_dynamo_backend_trains_as_eager_and_fulmen_jit_refuses_dtensors():
-    results = run_on_ranks(_dtensor_programs, timeout=300)
+def _check_tensor_parallel_results(results: list[dict]) -> None:
+    """Tensor parallel under torch.compile(backend="fulmen") trains as eager; fulmen.jit refuses its DTensors."""
     for out in results:
         torch.testing.assert_close(out["compiled"], out["eager"], **TOL)
         _assert_params_close(out["compiled_params"], out["eager_params"])
