@@ -135,18 +135,6 @@ def _functorch_calls(gm: torch.fx.GraphModule) -> list[str]:
     return list(names)
 
 
-def _dtensor_values(gm: torch.fx.GraphModule, example_inputs: list) -> bool:
-    """Whether ``gm`` takes or makes DTensors (tensor parallel modules, FSDP2 parameters): Dynamo records their
-    values (fake DTensors) in each node's ``example_value``."""
-    import sys
-
-    module = sys.modules.get("torch.distributed.tensor")
-    if module is None:  # no DTensor exists unless its module was imported
-        return False
-    values = [*example_inputs, *(n.meta.get("example_value") for n in gm.graph.nodes)]
-    return any(isinstance(v, module.DTensor) for v in torch.utils._pytree.tree_leaves(values))
-
-
 def fulmen_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None,
                    **kwargs) -> Callable:
     """Compile one Dynamo graph with ``fulmen.jit``; options are passed to it (e.g. ``executors=``).
@@ -160,7 +148,13 @@ def fulmen_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict
     (one more compilation when a dimension first changes, then none).
     """
     from fulmen.core.proxies import DataDependentError
+    from fulmen.frontend import dynamo_dtensor
     from fulmen.frontend.jit import JittedFunction
+
+    if dynamo_dtensor.holds_dtensors(gm, example_inputs):
+        # DTensor operations run with PyTorch's DTensor dispatch; fulmen compiles the plain-tensor parts between
+        return dynamo_dtensor.split_at_dtensors(gm, lambda part, examples: fulmen_backend(part, examples, options,
+                                                                                          **kwargs))
 
     sources = _size_sources(gm) or {}
     kept = [i for i in range(len(example_inputs)) if i not in sources]  # the inputs fulmen is passed
@@ -185,12 +179,6 @@ def fulmen_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict
         # vmap/grad levels inside a graph (Mamba's associative_scan runs torch's vmap) act on the tensors the graph
         # passes them, which fulmen's traced tensors cannot stand for: PyTorch runs this graph.
         record.eager_reason = f"the graph calls torch.func's transform primitives ({', '.join(transforms)})"
-        log.warning("fulmen: a Dynamo graph runs with eager PyTorch, not compiled: %s", record.eager_reason)
-        eager = gm
-    elif _dtensor_values(gm, example_inputs):
-        # a DTensor's operations run through DTensor's dispatch (sharding propagation, collectives), which fulmen's
-        # traced tensors do not stand for: PyTorch runs this graph, and the graphs around it still compile
-        record.eager_reason = "the graph takes or makes DTensors (tensor parallel or FSDP2 parameters)"
         log.warning("fulmen: a Dynamo graph runs with eager PyTorch, not compiled: %s", record.eager_reason)
         eager = gm
 
