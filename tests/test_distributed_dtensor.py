@@ -103,6 +103,11 @@ def _fsdp2_both_orders(rank, world_size, checkpoint_dir, options):
     if checkpoint_dir is None:
         return out
     out["tp"] = _dtensor_programs(rank, world_size, mesh)
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    dynamo_model = torch.compile(_fsdp2(Net(), mesh, "eager"), backend="fulmen", options=options)
+    out["dynamo"] = _train(dynamo_model, rank, range(3))
+    out["dynamo_params"] = _full_params(dynamo_model._orig_mod)
 
     # torch.distributed.checkpoint: save the jitted model's sharded state, load it into a fresh jitted model
     jitted = models["shard_then_jit"]
@@ -147,6 +152,9 @@ def test_fsdp2_both_orders_dcp_round_trip_and_tensor_parallel(tmp_path):
         assert out["loaded_continued"] == out["continued"]
         torch.testing.assert_close(out["continued"], out["eager_continued"], **TOL)
     _check_tensor_parallel_results([out["tp"] for out in results])
+    for out in results:  # and FSDP2 under the Dynamo backend
+        torch.testing.assert_close(out["dynamo"], out["eager"], **TOL)
+        _assert_params_close(out["dynamo_params"], out["eager_params"])
 
 
 def test_fsdp2_both_orders_with_fusion():
