@@ -98,6 +98,10 @@ def _fsdp2_both_orders(rank, world_size, checkpoint_dir, options):
         out[order + "_params"] = _full_params(models[order])
     out["misses"] = [fulmen.cache_misses(b) for b in models["jit_then_shard"].blocks]
     out["misses"] += [fulmen.cache_misses(b.forward) for b in models["shard_then_jit"].blocks]
+    # fulmen.jit over a model whose blocks were jitted before fully_shard keeps their programs
+    rejitted = fulmen.jit(models["jit_then_shard"], **options)
+    out["rejitted"] = [_train(rejitted, rank, range(3, 4))[0], _train(models["eager"], rank, range(3, 4))[0]]
+    out["misses"] += [fulmen.cache_misses(b) for b in models["jit_then_shard"].blocks]
     traces = fulmen.last_traces(models["shard_then_jit"].blocks[0].forward)
     out["trace"], out["execution"] = str(traces[0]), str(traces[-1])
     if checkpoint_dir is None:
@@ -120,7 +124,7 @@ def _fsdp2_both_orders(rank, world_size, checkpoint_dir, options):
     out["loaded_params"] = _full_params(fresh)
     out["continued"] = _train(jitted, rank, range(3, 5))
     out["loaded_continued"] = _train(fresh, rank, range(3, 5))
-    out["eager_continued"] = _train(models["eager"], rank, range(3, 5))
+    out["eager_continued"] = [out["rejitted"][1], *_train(models["eager"], rank, range(4, 5))]
     return out
 
 
@@ -135,7 +139,9 @@ def _check_fsdp2_results(results: list[dict]) -> None:
         for order in ("jit_then_shard", "shard_then_jit"):
             torch.testing.assert_close(out[order], out["eager"], **TOL)
             _assert_params_close(out[order + "_params"], out["eager_params"])
-        assert out["misses"] == [1, 1, 1, 1]  # each block compiled once, then cache hits on every step
+        # each block compiled once, then cache hits on every step (also through the re-jitted model)
+        assert out["misses"] == [1, 1, 1, 1, 1, 1]
+        torch.testing.assert_close(out["rejitted"][0], out["rejitted"][1], **TOL)
         # the block's program reads the all-gathered (full-size) weights: FSDP's collectives run outside it
         assert "ltorch.linear" in out["trace"] and "[16, 8]" in out["trace"]
     # ranks hold the same full parameters (FSDP2 reduce-scattered the gradients)

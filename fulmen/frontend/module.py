@@ -418,7 +418,8 @@ def _program_for(module: nn.Module, executors, options: dict):
     if units is None:
         return _ModuleProgram(module, executors, **options)
     for unit in units:
-        if not isinstance(unit.__dict__.get("forward"), _ModuleProgram):  # not compiled by an earlier fulmen.jit
+        # a unit that fulmen.jit compiled before (a jitted block that fully_shard wrapped, or an earlier call) stays
+        if not isinstance(unit, JittedModule) and not isinstance(unit.__dict__.get("forward"), _ModuleProgram):
             unit.forward = _ModuleProgram(unit, executors, body=True, **options)
     return module
 
