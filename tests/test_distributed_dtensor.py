@@ -103,6 +103,10 @@ def _fsdp2_both_orders(rank, world_size, checkpoint_dir, options):
     out["rejitted"] = [_train(rejitted, rank, range(3, 4))[0], _train(models["eager"], rank, range(3, 4))[0]]
     out["misses"] += [fulmen.cache_misses(b) for b in models["jit_then_shard"].blocks]
     traces = fulmen.last_traces(models["shard_then_jit"].blocks[0].forward)
+    try:
+        fulmen.last_traces(models["shard_then_jit"])
+    except TypeError as e:  # the model's own code is not compiled: the message points at the units
+        out["where_traces"] = str(e)
     out["trace"], out["execution"] = str(traces[0]), str(traces[-1])
     if checkpoint_dir is None:
         return out
@@ -144,6 +148,7 @@ def _check_fsdp2_results(results: list[dict]) -> None:
         torch.testing.assert_close(out["rejitted"][0], out["rejitted"][1], **TOL)
         # the block's program reads the all-gathered (full-size) weights: FSDP's collectives run outside it
         assert "ltorch.linear" in out["trace"] and "[16, 8]" in out["trace"]
+        assert "innermost FSDP unit" in out["where_traces"]
     # ranks hold the same full parameters (FSDP2 reduce-scattered the gradients)
     _assert_params_close(results[0]["shard_then_jit_params"], results[1]["shard_then_jit_params"])
     assert results[0]["eager"] != results[1]["eager"]  # the ranks trained on different batches

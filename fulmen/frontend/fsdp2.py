@@ -37,3 +37,22 @@ def innermost_units(root: nn.Module) -> list[nn.Module] | None:
     log.info("fulmen: %s is sharded by FSDP2 (fully_shard): fulmen compiles the forward of its %d innermost units; "
              "FSDP's hooks and the code around the units run with PyTorch", type(root).__name__, len(inner))
     return inner
+
+
+class ShardedModelCall:
+    """What ``fulmen.jit(model)`` calls for a model sharded by FSDP2: the model itself (its hooks and the code around
+    its units run with PyTorch; the units' forwards are compiled). Asking it for traces or statistics says where
+    they are."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    @property
+    def _stats(self):
+        raise TypeError(
+            f"fulmen.jit({type(self.model).__name__}): the model is sharded by FSDP2 (fully_shard), so fulmen compiled "
+            "the forward of each innermost FSDP unit, not the model: ask a unit's forward for its traces and "
+            "statistics, e.g. fulmen.last_traces(model.layers[0].forward)")

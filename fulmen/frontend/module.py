@@ -412,8 +412,8 @@ def _call_impl_without_global_hooks():
 
 
 def _program_for(module: nn.Module, executors, options: dict):
-    """What a JittedModule's forward calls: the module's compiled program; for a module sharded by FSDP2, the
-    module itself, with each innermost unit's ``forward`` compiled (``fulmen.frontend.fsdp2``)."""
+    """What a JittedModule's forward calls: the module's compiled program; for a module sharded by FSDP2, a call of
+    the module itself, with each innermost unit's ``forward`` compiled (``fulmen.frontend.fsdp2``)."""
     units = fsdp2.innermost_units(module)
     if units is None:
         return _ModuleProgram(module, executors, **options)
@@ -421,7 +421,7 @@ def _program_for(module: nn.Module, executors, options: dict):
         # a unit that fulmen.jit compiled before (a jitted block that fully_shard wrapped, or an earlier call) stays
         if not isinstance(unit, JittedModule) and not isinstance(unit.__dict__.get("forward"), _ModuleProgram):
             unit.forward = _ModuleProgram(unit, executors, body=True, **options)
-    return module
+    return fsdp2.ShardedModelCall(module)
 
 
 class JittedModule(nn.Module):
