@@ -224,6 +224,12 @@ def _dtensor_programs(rank, world_size, mesh):
         fulmen.jit(_tensor_parallel(mesh), executors=["torch"])(_batch(0, 0))
     except NotImplementedError as e:
         errors.append(str(e))
+    try:  # a DTensor made inside the jitted function: refused where it is made
+        from torch.distributed.tensor import DTensor, Shard
+
+        fulmen.jit(lambda x: DTensor.from_local(x, mesh, [Shard(0)]).full_tensor(), executors=["torch"])(_batch(0, 0))
+    except NotImplementedError as e:
+        errors.append(str(e))
     out["errors"] = errors
     return out
 
@@ -237,7 +243,7 @@ def _check_tensor_parallel_results(results: list[dict]) -> None:
         assert graphs >= 1 and compilations == graphs and eager_graphs == 0  # the plain parts, compiled once each
         assert "ltorch.add" in out["plain_parts"] and "ltorch.mean" in out["plain_parts"]
         assert "DTensor" not in out["plain_parts"] and "redistribute" not in out["plain_parts"]
-        assert len(out["errors"]) == 1
-        for message in out["errors"]:
-            assert "DTensor" in message and "before fully_shard" in message and "torch.compile" in message
+        assert len(out["errors"]) == 2
+        assert all("DTensor" in message and "torch.compile" in message for message in out["errors"])
+        assert "before fully_shard" in out["errors"][0] and "makes a DTensor" in out["errors"][1]
     torch.testing.assert_close(results[0]["compiled"], results[1]["compiled"], rtol=0, atol=0)
