@@ -41,8 +41,11 @@ def _dtensor_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     """The nodes that make a DTensor or read one (``to_local`` reads one and makes a plain tensor: the nodes after
     it that read only plain values are plain)."""
     dtensor = _dtensor_class()
-    makes = {n for n in gm.graph.nodes
-             if any(isinstance(v, dtensor) for v in torch.utils._pytree.tree_leaves(n.meta.get("example_value")))}
+    makes = {
+        n
+        for n in gm.graph.nodes
+        if any(isinstance(v, dtensor) for v in torch.utils._pytree.tree_leaves(n.meta.get("example_value")))
+    }
     return {n for n in gm.graph.nodes if n in makes or any(i in makes for i in n.all_input_nodes)}
 
 
@@ -81,6 +84,10 @@ def split_at_dtensors(gm: torch.fx.GraphModule, compile_part: Callable) -> torch
         examples = [n.meta.get("example_value") for n in sub.graph.nodes if n.op == "placeholder"]
         setattr(split, name, _Compiled(compile_part(sub, examples)))
         compiled += 1
-    log.warning("fulmen: a Dynamo graph holds DTensors: its %d DTensor parts run with PyTorch (DTensor's dispatch), "
-                "its %d plain-tensor parts compile", len(dtensor_parts), compiled)
+    log.warning(
+        "fulmen: a Dynamo graph holds DTensors: its %d DTensor parts run with PyTorch (DTensor's dispatch), "
+        "its %d plain-tensor parts compile",
+        len(dtensor_parts),
+        compiled,
+    )
     return split

@@ -34,8 +34,12 @@ def innermost_units(root: nn.Module) -> list[nn.Module] | None:
     if not units:
         return None
     inner = [u for u in units if not any(isinstance(m, fsdp_module) for m in u.modules() if m is not u)]
-    log.info("fulmen: %s is sharded by FSDP2 (fully_shard): fulmen compiles the forward of its %d innermost units; "
-             "FSDP's hooks and the code around the units run with PyTorch", type(root).__name__, len(inner))
+    log.info(
+        "fulmen: %s is sharded by FSDP2 (fully_shard): fulmen compiles the forward of its %d innermost units; "
+        "FSDP's hooks and the code around the units run with PyTorch",
+        type(root).__name__,
+        len(inner),
+    )
     return inner
 
 
@@ -55,4 +59,5 @@ class ShardedModelCall:
         raise TypeError(
             f"fulmen.jit({type(self.model).__name__}): the model is sharded by FSDP2 (fully_shard), so fulmen compiled "
             "the forward of each innermost FSDP unit, not the model: ask a unit's forward for its traces and "
-            "statistics, e.g. fulmen.last_traces(model.layers[0].forward)")
+            "statistics, e.g. fulmen.last_traces(model.layers[0].forward)"
+        )
