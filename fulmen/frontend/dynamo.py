@@ -166,7 +166,13 @@ def fulmen_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict
     (one more compilation when a dimension first changes, then none).
     """
     from fulmen.core.proxies import DataDependentError
+    from fulmen.frontend import dynamo_dtensor
     from fulmen.frontend.jit import JittedFunction
+
+    if dynamo_dtensor.holds_dtensors(gm, example_inputs):
+        # DTensor operations run with PyTorch's DTensor dispatch; fulmen compiles the plain-tensor parts between
+        return dynamo_dtensor.split_at_dtensors(gm, lambda part, examples: fulmen_backend(part, examples, options,
+                                                                                          **kwargs))
 
     transforms = _functorch_calls(gm)
     retraced = _without_transforms(gm, example_inputs) if transforms else None

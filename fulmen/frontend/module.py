@@ -28,7 +28,7 @@ from fulmen.core.trace import get_tracectx
 from fulmen.executors import MetaMismatch
 from fulmen.executors.base import Executor
 from fulmen.executors.inductor_compile import call_leaving_a_core
-from fulmen.frontend import module_guard
+from fulmen.frontend import fsdp2, module_guard
 from fulmen.frontend.cache import aliases_written_input, args_key, global_state_key, state_key
 from fulmen.frontend.jit import JittedFunction, _changed_value
 from fulmen.frontend.split_points import ValueChanged
@@ -166,13 +166,18 @@ class _ModuleState:
 
 
 class _ModuleProgram(JittedFunction):
-    """The JittedFunction behind a JittedModule: the module's state is its first inputs."""
+    """The JittedFunction behind a JittedModule: the module's state is its first inputs.
 
-    def __init__(self, module: nn.Module, executors, **options):
+    With ``body``, the program is the module's ``forward`` alone, installed as that attribute by the caller: the
+    module's ``__call__`` and its hooks (FSDP2's all-gather and reshard) run around it with PyTorch, and eager
+    fallbacks call the class's ``forward``, not the module."""
+
+    def __init__(self, module: nn.Module, executors, body: bool = False, **options):
         super().__init__(module.forward, executors, **options)
         self._init_args = (module, executors)
         self.module = module
         self.state = _ModuleState(module)
+        self._run_module = self.fn if body else module
 
     _prologue_of_module = True  # its prologue is prologue(version, params, args, kwargs)
 
@@ -182,7 +187,7 @@ class _ModuleProgram(JittedFunction):
         if _Swaps.active or state.epoch != module_guard.epoch:
             tensors = self._tensors_serialized()
             if _Swaps.active and tensors is not None and has_proxy(tensors):  # inside a trace that swapped them in
-                return self.module(*args, **kwargs)
+                return self._run_module(*args, **kwargs)
         else:
             tensors = state.tensors()
             if _Swaps.seq != seq:  # a module was being traced meanwhile: what was read may be its proxies
@@ -202,7 +207,7 @@ class _ModuleProgram(JittedFunction):
                 raise
             entry, flat = self._find(key, args, kwargs, key_flat, (state.version, tensors, args, kwargs))
             if entry is None:  # called on an outer fulmen trace's proxies, or a value past RECOMPILE_LIMIT
-                return self.module(*args, **kwargs)
+                return self._run_module(*args, **kwargs)
         else:
             self._stats.cache_hits += 1
         if entry.written and aliases_written_input(flat, entry.written, len(state.unique_slots)):
@@ -238,7 +243,7 @@ class _ModuleProgram(JittedFunction):
         log.info("fulmen: %s has uninitialized (lazy) parameters; its first call runs eagerly to initialize them",
                  type(self.module).__name__)
         try:
-            return self.module(*args, **kwargs)
+            return self._run_module(*args, **kwargs)
         finally:
             self.state.epoch = -1  # initializing replaced parameters and changed classes: take a new snapshot
 
@@ -265,7 +270,7 @@ class _ModuleProgram(JittedFunction):
 
     def _call_eagerly(self, *args, **kwargs):
         # through the module's __call__, as eager calls it: its own hooks and the global ones run there
-        return self.module(*args, **kwargs)
+        return self._run_module(*args, **kwargs)
 
     def _describe_key_change(self, old, new, names=()) -> str:
         if old is not None and old[1] == new[1]:  # same global state: (structure, state tensors, arguments)
@@ -283,7 +288,7 @@ class _ModuleProgram(JittedFunction):
         state = self.state
         module_guard.check_no_backward_hooks(self.module)
         named = list(zip(state.names, state.tensors()))
-        module = self.module
+        module, run_module = self.module, self._run_module
         self._traced_rebinds = ()
         counts: dict[int, int] = {}
         for *_, index in state.slots:
@@ -291,7 +296,7 @@ class _ModuleProgram(JittedFunction):
 
         def forward(state_proxies, *a, **k):
             with state.swapped(state_proxies):
-                out = module(*a, **k)
+                out = run_module(*a, **k)
                 reassigned = state.reassigned_buffers(state_proxies)
             if not reassigned:
                 return out
@@ -300,9 +305,10 @@ class _ModuleProgram(JittedFunction):
             self._traced_rebinds = tuple((i, counts[state.slots[i][3]] > 1) for i, _ in reassigned)
             return out, [capture(v) for _, v in reassigned]
 
-        names = _arg_names(module.forward, args, kwargs)
+        forward_fn = self.fn if run_module is self.fn else module.forward
+        names = _arg_names(forward_fn, args, kwargs)
         return trace_program(forward, args, kwargs, state=named, fn_name="computation", arg_names=names,
-                             sizes=sizes, guard_reads=module.forward if self._guard_reads else None,
+                             sizes=sizes, guard_reads=forward_fn if self._guard_reads else None,
                              own=list(module.modules()), split_points=self._split_points)
 
     def _build_entry(self, key, args, kwargs, symbolic):
@@ -405,6 +411,19 @@ def _call_impl_without_global_hooks():
     return types.FunctionType(impl.__code__, namespace, impl.__name__, impl.__defaults__, impl.__closure__)
 
 
+def _program_for(module: nn.Module, executors, options: dict):
+    """What a JittedModule's forward calls: the module's compiled program; for a module sharded by FSDP2, a call of
+    the module itself, with each innermost unit's ``forward`` compiled (``fulmen.frontend.fsdp2``)."""
+    units = fsdp2.innermost_units(module)
+    if units is None:
+        return _ModuleProgram(module, executors, **options)
+    for unit in units:
+        # a unit that fulmen.jit compiled before (a jitted block that fully_shard wrapped, or an earlier call) stays
+        if not isinstance(unit, JittedModule) and not isinstance(unit.__dict__.get("forward"), _ModuleProgram):
+            unit.forward = _ModuleProgram(unit, executors, body=True, **options)
+    return fsdp2.ShardedModelCall(module)
+
+
 class JittedModule(nn.Module):
     """``fulmen.jit(module)``: behaves as the module (same parameters, buffers, state_dict, train/eval)."""
 
@@ -417,7 +436,7 @@ class JittedModule(nn.Module):
         self._modules = module._modules
         self._non_persistent_buffers_set = module._non_persistent_buffers_set
         object.__setattr__(self, "_fulmen_module", module)
-        object.__setattr__(self, "_fulmen_jitted", _ModuleProgram(module, executors, **options))
+        object.__setattr__(self, "_fulmen_jitted", _program_for(module, executors, options))
 
     def __setstate__(self, state: dict) -> None:
         # unpickled (torch.load, copy.deepcopy): the state holds the original module and a program that compiles
@@ -461,16 +480,20 @@ class JittedModule(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             value = getattr(self._fulmen_module, name)
-        if isinstance(value, types.MethodType) and value.__self__ is self._fulmen_module:
+        if (isinstance(value, types.MethodType) and value.__self__ is self._fulmen_module
+                and isinstance(self._fulmen_jitted, _ModuleProgram)):
             # a method of the model's own class (generate): its calls of self(...) and self.forward(...) run the
-            # compiled program, as they would if the method were called on this wrapper
+            # compiled program, as they would if the method were called on this wrapper (an FSDP2 model's calls
+            # reach its units' compiled forwards without routing)
             return _routed(value, self._fulmen_jitted)
         return value
 
     # Writes go where reads come from: the original module (which its forward reads). The wrapper keeps only
-    # what nn.Module's own machinery put in its __dict__ (its hooks, the shared dictionaries).
+    # what nn.Module's own machinery put in its __dict__ (its hooks, the shared dictionaries), and its own class:
+    # a wrapper that swaps the class (FSDP2's ``fully_shard`` makes it an ``FSDPJittedModule``) swaps this one's.
     def __setattr__(self, name: str, value) -> None:
-        if name in self.__dict__ or "_fulmen_module" not in self.__dict__ or name.startswith("_fulmen_"):
+        if (name in self.__dict__ or "_fulmen_module" not in self.__dict__ or name.startswith("_fulmen_")
+                or name == "__class__"):
             super().__setattr__(name, value)
         else:
             setattr(self._fulmen_module, name, value)

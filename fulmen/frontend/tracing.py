@@ -74,11 +74,25 @@ def _arg_names(fn: Callable, args: tuple, kwargs: dict) -> list[str]:
 _UNSUPPORTED = {
     "nested": "pass its components (t.unbind()) or a padded tensor (t.to_padded_tensor(0.0)) instead",
     "quantized": "pass the dequantized tensor (t.dequantize()) instead",
+    # a DTensor's operations run through DTensor's own dispatch (sharding propagation, collectives), which fulmen's
+    # traced tensors do not stand for; FSDP2 hands a block's forward plain (all-gathered) parameters
+    "distributed (DTensor)": "for FSDP2, apply fulmen.jit to each block before fully_shard (model.layers[i] = "
+               "fulmen.jit(model.layers[i]), then fully_shard(model.layers[i]) and fully_shard(model)); for tensor "
+               "parallelism (parallelize_module), use torch.compile(model, backend=\"fulmen\"), which runs the "
+               "DTensor parts with PyTorch",
 }
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    # no DTensor exists unless its module was imported: checking costs nothing for programs that never use one
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
 def _unsupported_kind(t: torch.Tensor) -> str | None:
-    return "nested" if t.is_nested else "quantized" if t.is_quantized else None
+    if t.is_nested:
+        return "nested"
+    return "quantized" if t.is_quantized else "distributed (DTensor)" if _is_dtensor(t) else None
 
 
 def unsupported_tensor_error(what: str, kind: str) -> NotImplementedError:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -82,6 +83,8 @@ def _fake_meta(func: Callable, name: str, views: bool = False) -> Callable:
 
         def to_proxy(x):
             if isinstance(x, torch.Tensor):
+                if _is_dtensor(x):
+                    raise _makes_dtensor(name)
                 return TensorProxy(shape=tuple(x.shape), dtype=x.dtype, device=x.device,
                                    requires_grad=x.requires_grad)
             return x
@@ -98,6 +101,20 @@ def _fake_meta(func: Callable, name: str, views: bool = False) -> Callable:
         return result
 
     return meta
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    # no DTensor exists unless its module was imported
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def _makes_dtensor(name: str) -> NotImplementedError:
+    # a traced tensor cannot stand for a DTensor: the operations after this one would be traced as plain-tensor ones
+    return NotImplementedError(
+        f"{name} makes a DTensor, which fulmen.jit does not trace (DTensor operations run through DTensor's own "
+        f"dispatch and collectives).\n  at {_user_location()}\nUse torch.compile(model, backend=\"fulmen\"), which "
+        "leaves the DTensor parts to PyTorch and compiles the rest, or make the DTensor outside the jitted function.")
 
 
 def _ctc_loss_meta(log_probs, targets, input_lengths, target_lengths, blank=0, reduction="mean",
