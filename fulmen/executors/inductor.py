@@ -46,7 +46,7 @@ from fulmen.executors.inductor_compile import (  # noqa: F401  (re-exported: the
 from fulmen.executors.partition import fusion_groups, split_repeats, sums_after_other_readers
 from fulmen.transforms.passes import del_last_used
 
-_NOT_FUSED = (OpTags.RANDOM_OP, OpTags.SIDE_EFFECT, OpTags.FALLBACK)
+_NOT_FUSED = (OpTags.RANDOM_OP, OpTags.SIDE_EFFECT, OpTags.FALLBACK, OpTags.COMMUNICATION)
 #: Compiled variants one region keeps (one per input layout it has seen); beyond that it runs unfused.
 MAX_VARIANTS = 8
 #: Operations Inductor (torch 2.13) computes wrongly inside a fused graph: ``unfold_backward`` fed by other
