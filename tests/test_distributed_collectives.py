@@ -79,6 +79,12 @@ def _overlap_program(x, w1, w2):
     return r + k
 
 
+def _in_group(a, group):
+    t = a + 1
+    dist.all_reduce(t, group=group)
+    return t
+
+
 def _grads(loss_fn, a, coef):
     a = a.clone().requires_grad_()
     loss = loss_fn(a, coef)
@@ -119,19 +125,22 @@ def _checks(rank, world_size):
     _grads(jf, a, coef)
     out["nn_backward_trace"] = str(fulmen.last_backward_traces(jf)[-1])
 
+    other = dist.new_group([0, 1])  # the same ranks, another group: another program
+    jf = fulmen.jit(_in_group, executors=["torch"])
+    results = [jf(a, dist.group.WORLD), jf(a, other)]
+    trace = str(fulmen.last_traces(jf)[-1])
+    results.append(jf(a, dist.group.WORLD))
+    out["groups"] = (_in_group(a, other), results, fulmen.cache_misses(jf), trace, other.group_name)
+
     w1, w2 = torch.randn(3, 6, generator=gen), torch.randn(3, 6, generator=gen)
     xf = a.float()
     for mode, kwargs in (("fused", {"compile": "sync"}), ("torch", {"executors": ["torch"]})):
         jf = fulmen.jit(_overlap_program, **kwargs)
         got = jf(xf, w1, w2)
         out[f"overlap_{mode}"] = (_overlap_program(xf, w1, w2), got)
-        out[f"overlap_{mode}_order"] = [(b.sym.name, tuple(OpTagNames(b))) for b in fulmen.last_traces(jf)[-1].bound_symbols
+        out[f"overlap_{mode}_order"] = [b.sym.name for b in fulmen.last_traces(jf)[-1].bound_symbols
                                         if b.sym.id not in ("del", "comment")]
     return out
-
-
-def OpTagNames(bsym):  # noqa: N802  (picklable description of what a pass matches on)
-    return sorted(t.name for t in bsym.sym.tags)
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +190,15 @@ def test_the_trace_shows_each_collective_and_its_wait(ranks):
     assert "fallback" not in trace
 
 
+def test_a_different_process_group_is_a_different_program(ranks):
+    for out in ranks:
+        expected, results, misses, trace, name = out["groups"]
+        for got in results:
+            _close(got, expected)
+        assert misses == 2
+    assert f"'{name}')" in trace.split("all_reduce(")[1].splitlines()[0]
+
+
 @pytest.mark.parametrize("kind", ["functional", "nn", "c10d"])
 def test_gradients_through_collectives_match_eager(ranks, kind):
     for out in ranks:
@@ -202,12 +220,8 @@ def test_overlap_starts_the_collective_before_and_waits_after_independent_comput
         expected, got = out[f"overlap_{mode}"]
         torch.testing.assert_close(got, expected)
     order = ranks[0][f"overlap_{mode}_order"]
-    names = [name for name, _ in order]
-    start = names.index("all_reduce")
-    wait = names.index("wait_tensor")
-    assert wait > start + 1, order  # something runs between the start and the wait
-    between = order[start + 1:wait]
+    start, wait = order.index("all_reduce"), order.index("wait_tensor")
     # the independent matmul (alone, or inside a fused region) runs while the all-reduce is in flight
-    assert any(name in ("matmul", "relu") or name.startswith("inductor_fusion") for name, _ in between), order
-    after = order[wait + 1:]
-    assert after, order  # the reader of the result runs after the wait
+    between = order[start + 1:wait]
+    assert any(name in ("matmul", "relu") or name.startswith("inductor_fusion") for name in between), order
+    assert order[wait + 1:], order  # the reader of the result runs after the wait
