@@ -138,8 +138,9 @@ def _checks(rank, world_size):
         jf = fulmen.jit(_overlap_program, **kwargs)
         got = jf(xf, w1, w2)
         out[f"overlap_{mode}"] = (_overlap_program(xf, w1, w2), got)
-        out[f"overlap_{mode}_order"] = [b.sym.name for b in fulmen.last_traces(jf)[-1].bound_symbols
-                                        if b.sym.id not in ("del", "comment")]
+        out[f"overlap_{mode}_order"] = [
+            b.sym.name for b in fulmen.last_traces(jf)[-1].bound_symbols if b.sym.id not in ("del", "comment")
+        ]
     return out
 
 
@@ -222,6 +223,6 @@ def test_overlap_starts_the_collective_before_and_waits_after_independent_comput
     order = ranks[0][f"overlap_{mode}_order"]
     start, wait = order.index("all_reduce"), order.index("wait_tensor")
     # the independent matmul (alone, or inside a fused region) runs while the all-reduce is in flight
-    between = order[start + 1:wait]
+    between = order[start + 1 : wait]
     assert any(name in ("matmul", "relu") or name.startswith("inductor_fusion") for name in between), order
-    assert order[wait + 1:], order  # the reader of the result runs after the wait
+    assert order[wait + 1 :], order  # the reader of the result runs after the wait

@@ -32,9 +32,10 @@ from fulmen.core.symbol import BoundSymbol, OpTags
 _COMMENTS = ("comment", "del")
 
 
-def fusion_groups(bsyms: Sequence[BoundSymbol], fusible: Callable[[BoundSymbol], bool]
-                  ) -> list[tuple[bool, list[BoundSymbol]]]:
-    """``bsyms`` reordered into ``(is_fusible, operations)`` runs; fusible runs are the candidate regions."""
+def fusion_groups(bsyms: Sequence[BoundSymbol], fusible: Callable[[BoundSymbol], bool], *,
+                  overlap: bool = True) -> list[tuple[bool, list[BoundSymbol]]]:
+    """``bsyms`` reordered into ``(is_fusible, operations)`` runs; fusible runs are the candidate regions. Without
+    ``overlap``, collectives and their waits are unfused operations like any other (see the module's doc)."""
     nodes: list[list[BoundSymbol]] = []  # each node: leading comments, then the operation
     pending: list[BoundSymbol] = []
     for b in bsyms:
@@ -45,8 +46,8 @@ def fusion_groups(bsyms: Sequence[BoundSymbol], fusible: Callable[[BoundSymbol],
     n = len(nodes)
     kinds = [fusible(node[-1]) for node in nodes]
 
-    waits = [OpTags.WAIT in node[-1].sym.tags for node in nodes]
-    starts = [OpTags.COMMUNICATION in node[-1].sym.tags and not w for node, w in zip(nodes, waits)]
+    waits = [overlap and OpTags.WAIT in node[-1].sym.tags for node in nodes]
+    starts = [overlap and OpTags.COMMUNICATION in node[-1].sym.tags and not w for node, w in zip(nodes, waits)]
     deps = _data_dependencies([node[-1] for node in nodes])
     last_unfused = -1
     barrier = -1

@@ -48,8 +48,14 @@ def group_name(group, where: str) -> str:
     if isinstance(group, str):
         return group
     if group is None:
-        check(dist.is_initialized(), lambda: f"{where}: torch.distributed is not initialized; call "
-              "dist.init_process_group() before calling the jitted function", RuntimeError)
+        check(
+            dist.is_initialized(),
+            lambda: (
+                f"{where}: torch.distributed is not initialized; call "
+                "dist.init_process_group() before calling the jitted function"
+            ),
+            RuntimeError,
+        )
         group = dist.group.WORLD
     name = getattr(group, "group_name", None)
     if isinstance(name, str):
@@ -62,8 +68,11 @@ def group_name(group, where: str) -> str:
 def _op_name(op, where: str) -> str:
     """``ReduceOp.SUM`` or ``"sum"`` -> ``"sum"``."""
     name = op.lower() if isinstance(op, str) else str(getattr(op, "name", op)).rsplit(".", 1)[-1].lower()
-    check(name in _REDUCE_OPS, lambda: f"{where}: unsupported reduce op {op!r}; use one of {list(_REDUCE_OPS)}",
-          ValueError)
+    check(
+        name in _REDUCE_OPS,
+        lambda: f"{where}: unsupported reduce op {op!r}; use one of {list(_REDUCE_OPS)}",
+        ValueError,
+    )
     return name
 
 
@@ -95,8 +104,14 @@ def _all_gather_meta(x, group_size: int, group_name: str):
 
 def _reduce_scatter_meta(x, reduce_op: str, group_size: int, group_name: str):
     _check_tensor(x, "reduce_scatter_tensor")
-    check(x.ndim > 0 and x.shape[0] % group_size == 0, lambda: f"reduce_scatter_tensor: the input's first dimension "
-          f"({x.shape[0] if x.ndim else 'none'}) must be a multiple of the group size {group_size}", ValueError)
+    check(
+        x.ndim > 0 and x.shape[0] % group_size == 0,
+        lambda: (
+            f"reduce_scatter_tensor: the input's first dimension "
+            f"({x.shape[0] if x.ndim else 'none'}) must be a multiple of the group size {group_size}"
+        ),
+        ValueError,
+    )
     return _in_flight(x, (x.shape[0] // group_size, *x.shape[1:]))
 
 
@@ -112,8 +127,15 @@ def _wait_meta(x):
 
 def _symbol(name: str, meta: Callable, tags: tuple = _TAGS) -> Symbol:
     op = getattr(torch.ops._c10d_functional, name)
-    sym = Symbol(name=name, meta=meta, id=f"torch.ops._c10d_functional.{name}", is_prim=True, tags=tags,
-                 module="torch.ops._c10d_functional", torch_fns=(op,))
+    sym = Symbol(
+        name=name,
+        meta=meta,
+        id=f"torch.ops._c10d_functional.{name}",
+        is_prim=True,
+        tags=tags,
+        module="torch.ops._c10d_functional",
+        torch_fns=(op,),
+    )
     sym.extra["torch_impl"] = op  # generated code calls the op itself: torch.ops._c10d_functional.<name>(...)
     langctx.torch_functions[op] = langctx.torch_functions[op.default] = sym
     return sym
@@ -145,6 +167,7 @@ if dist.is_available():
 # ---------------------------------------------------------------------------------------------------------
 # the c10d API: in-place collectives, async_op=True and Work.wait()
 
+
 class TracedWork:
     """What ``dist.<collective>(..., async_op=True)`` returns while tracing: ``wait()`` records the waits and
     makes the results the tensors' new values (until then they hold their old values)."""
@@ -165,7 +188,8 @@ class TracedWork:
     def __getattr__(self, name: str):
         raise NotImplementedError(
             f"Work.{name}() on a collective inside a function compiled with fulmen.jit is not supported (only "
-            f"wait() and is_completed() are).\n  at {_user_location()}\nCall work.wait() instead.")
+            f"wait() and is_completed() are).\n  at {_user_location()}\nCall work.wait() instead."
+        )
 
 
 def _finish(writes) -> None:
@@ -181,8 +205,11 @@ def _finish(writes) -> None:
 
 
 def _same_dtype(out, x, where: str) -> None:
-    check(out.dtype == x.dtype, lambda: f"{where}: the output's dtype {out.dtype} differs from the input's {x.dtype}; "
-          "make them equal", TypeError)
+    check(
+        out.dtype == x.dtype,
+        lambda: f"{where}: the output's dtype {out.dtype} differs from the input's {x.dtype}; make them equal",
+        TypeError,
+    )
 
 
 def _c10d(writes, async_op: bool):
@@ -245,8 +272,11 @@ def c10d_all_gather(tensor_list, tensor, group=None, async_op=False):
     from fulmen.torch.inplace import mutate
 
     size, name = _group_size(group), group_name(group, "dist.all_gather")
-    check(len(tensor_list) == size, lambda: f"dist.all_gather: tensor_list has {len(tensor_list)} tensors for a "
-          f"group of {size} ranks", ValueError)
+    check(
+        len(tensor_list) == size,
+        lambda: f"dist.all_gather: tensor_list has {len(tensor_list)} tensors for a group of {size} ranks",
+        ValueError,
+    )
     started = _start(all_gather_into_tensor, _contiguous(tensor).reshape(1, *tensor.shape), size, name)
 
     def scatter_to_list(value):
@@ -258,18 +288,37 @@ def c10d_all_gather(tensor_list, tensor, group=None, async_op=False):
 
 if dist.is_available():
     register_function([dist.all_reduce], c10d_all_reduce)
-    register_function([f for f in (getattr(dist, "all_gather_single", None), dist.all_gather_into_tensor,
-                                   getattr(dist.distributed_c10d, "_all_gather_base", None)) if f is not None],
-                      c10d_all_gather_single)
-    register_function([f for f in (getattr(dist, "reduce_scatter_single", None), dist.reduce_scatter_tensor,
-                                   getattr(dist.distributed_c10d, "_reduce_scatter_base", None)) if f is not None],
-                      c10d_reduce_scatter_single)
+    register_function(
+        [
+            f
+            for f in (
+                getattr(dist, "all_gather_single", None),
+                dist.all_gather_into_tensor,
+                getattr(dist.distributed_c10d, "_all_gather_base", None),
+            )
+            if f is not None
+        ],
+        c10d_all_gather_single,
+    )
+    register_function(
+        [
+            f
+            for f in (
+                getattr(dist, "reduce_scatter_single", None),
+                dist.reduce_scatter_tensor,
+                getattr(dist.distributed_c10d, "_reduce_scatter_base", None),
+            )
+            if f is not None
+        ],
+        c10d_reduce_scatter_single,
+    )
     register_function([dist.broadcast], c10d_broadcast)
     register_function([dist.all_gather], c10d_all_gather)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # torch.distributed.nn.functional: the differentiable c10d collectives (autograd Functions)
+
 
 def _nn_all_reduce(op, group, tensor):
     """``_AllReduce.apply(op, group, tensor)``: a new tensor, the reduced value; its gradient the all-reduce of
@@ -291,8 +340,11 @@ def _nn_reduce_scatter(op, group, output, *inputs):
     from fulmen.torch.inplace import mutate
 
     size, name = _group_size(group), group_name(group, "torch.distributed.nn.functional.reduce_scatter")
-    check(len(inputs) == size, lambda: f"torch.distributed.nn.functional.reduce_scatter: {len(inputs)} inputs for a "
-          f"group of {size} ranks", ValueError)
+    check(
+        len(inputs) == size,
+        lambda: f"torch.distributed.nn.functional.reduce_scatter: {len(inputs)} inputs for a group of {size} ranks",
+        ValueError,
+    )
     stacked = torch.stack([_contiguous(x).reshape(output.shape) for x in inputs])
     result = wait_tensor(reduce_scatter_tensor(stacked, _op_name(op, "reduce_scatter"), size, name))
     result = result.reshape(output.shape)
@@ -337,5 +389,10 @@ def nn_functional_traceable():
                 module._not_supported_under_compile = _original_refusal
 
 
-langctx.autograd_functions.update({_NN + "_AllReduce": _nn_all_reduce, _NN + "_AllGather": _nn_all_gather,
-                                   _NN + "_Reduce_Scatter": _nn_reduce_scatter})
+langctx.autograd_functions.update(
+    {
+        _NN + "_AllReduce": _nn_all_reduce,
+        _NN + "_AllGather": _nn_all_gather,
+        _NN + "_Reduce_Scatter": _nn_reduce_scatter,
+    }
+)

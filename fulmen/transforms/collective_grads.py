@@ -18,9 +18,14 @@ _LINEAR = ("sum", "avg")
 
 
 def _check_linear(op: str, name: str) -> None:
-    check(op in _LINEAR, lambda: f"{name} with reduce op {op!r} has no gradient (only {list(_LINEAR)} do): the "
-          "result does not depend linearly on the inputs. Detach its input, or reduce with 'sum'.",
-          NotImplementedError)
+    check(
+        op in _LINEAR,
+        lambda: (
+            f"{name} with reduce op {op!r} has no gradient (only {list(_LINEAR)} do): the "
+            "result does not depend linearly on the inputs. Detach its input, or reduce with 'sum'."
+        ),
+        NotImplementedError,
+    )
 
 
 @builtin_rule(c.all_reduce.id)

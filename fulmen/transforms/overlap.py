@@ -18,7 +18,7 @@ from fulmen.core.symbol import BoundSymbol, OpTags
 from fulmen.core.trace import Trace
 from fulmen.executors.partition import fusion_groups
 
-#: Off: traces keep their collectives where the program made them (the benchmark's baseline).
+#: Off: traces keep their collectives where the program made them, fused or not (the benchmark's baseline).
 ENABLED = True
 
 _ORDERED = (OpTags.RANDOM_OP, OpTags.SIDE_EFFECT, OpTags.FALLBACK, OpTags.IN_PLACE, OpTags.COMMUNICATION)
