@@ -34,6 +34,18 @@ def _c10d_program(a, b, x):
     return before + after, gathered.exp(), part * 2, c + 1, pieces[0] - pieces[1], u + v
 
 
+def _other_c10d_program(a):
+    t = a * 2
+    before = t.sin()
+    out = torch.empty_like(t)
+    dist.all_to_all_single(out, t)  # no symbol of its own: run on copies, its written tensors replaced
+    if dist.get_rank() == 0:
+        dist.send(t + 1, dst=1)
+    else:
+        dist.recv(t, src=0)
+    return before, out.cos(), t * 3
+
+
 def _functional_program(a):
     import torch.distributed._functional_collectives as fc
 
@@ -113,6 +125,11 @@ def _checks(rank, world_size):
         out[f"c10d_{mode}"] = (expected, got, got_again, x_eager, x_jit)
         out[f"c10d_{mode}_trace"] = str(fulmen.last_traces(jf)[-1])
 
+    expected = _other_c10d_program(a)
+    for mode, kwargs in (("fused", {"compile": "sync"}), ("torch", {"executors": ["torch"]})):
+        jf = fulmen.jit(_other_c10d_program, **kwargs)
+        out[f"other_c10d_{mode}"] = (expected, jf(a), jf(a))
+
     expected = _functional_program(a)
     for mode, kwargs in (("fused", {"compile": "sync"}), ("torch", {"executors": ["torch"]})):
         jf = fulmen.jit(_functional_program, **kwargs)
@@ -174,6 +191,14 @@ def test_the_read_before_an_in_place_all_reduce_reads_the_old_value(ranks):
     started = lines[start].split("all_reduce(")[1].split(",")[0]
     assert reader == started  # sin reads the value the all-reduce starts from, not its result
     assert start < wait
+
+
+@pytest.mark.parametrize("mode", ["fused", "torch"])
+def test_c10d_calls_without_a_symbol_of_their_own_match_eager(ranks, mode):
+    for out in ranks:
+        expected, got, got_again = out[f"other_c10d_{mode}"]
+        _close(got, expected)
+        _close(got_again, expected)
 
 
 @pytest.mark.parametrize("mode", ["fused", "torch"])

@@ -23,6 +23,7 @@ gradient rules are in ``fulmen.transforms.collective_grads``.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 import threading
 from collections.abc import Callable
@@ -396,3 +397,76 @@ langctx.autograd_functions.update(
         _NN + "_Reduce_Scatter": _nn_reduce_scatter,
     }
 )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# every other c10d call on traced tensors (send/recv, all_to_all, reduce, gather, scatter, ...)
+
+_opaque: dict[Callable, Symbol] = {}
+
+
+def is_c10d(func) -> bool:
+    """Whether ``func`` is a c10d function (``torch.distributed.distributed_c10d``) with no symbol above."""
+    return getattr(func, "__module__", None) == "torch.distributed.distributed_c10d"
+
+
+def _tensor_leaves(tree) -> list:
+    from torch.utils._pytree import tree_leaves
+
+    return [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def _on_copies(func: Callable) -> Callable:
+    """``func`` run on copies of its tensor arguments, synchronously; returns the copies, as the call left them."""
+
+    signature = inspect.signature(func)
+
+    def run(*args, **kwargs):
+        from torch.utils._pytree import tree_map
+
+        bound = signature.bind(*args, **kwargs)
+        if "async_op" in signature.parameters:
+            bound.arguments["async_op"] = False
+        args, kwargs = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (bound.args, bound.kwargs))
+        work = func(*args, **kwargs)
+        if hasattr(work, "wait"):  # isend / irecv
+            work.wait()
+        return tuple(_tensor_leaves((args, kwargs)))
+
+    run.__name__ = run.__qualname__ = f"{func.__name__}_on_copies"
+    return run
+
+
+def record_c10d(func: Callable) -> Callable:
+    """What a c10d call without a symbol of its own records: one operation running it on copies of its tensors,
+    whose new values then replace them (as ``mutate`` does for any in-place update), outside autograd as in eager.
+    It is tagged ``COMMUNICATION`` and ``SIDE_EFFECT``: nothing moves across it, nothing removes or repeats it."""
+    sym = _opaque.get(func)
+    if sym is None:
+        impl = _on_copies(func)
+
+        def meta(*args, **kwargs):
+            return tuple(TensorProxy(like=t, requires_grad=False) for t in _tensor_leaves((args, kwargs)))
+
+        sym = Symbol(
+            name=impl.__name__,
+            meta=meta,
+            id=f"c10d:{func.__name__}",
+            is_prim=True,
+            tags=(OpTags.COMMUNICATION, OpTags.SIDE_EFFECT, OpTags.DONT_DCE),
+            torch_fns=(impl,),
+        )
+        sym.extra["torch_impl"] = impl
+        _opaque[func] = sym
+
+    def call(*args, **kwargs):
+        from fulmen.torch.inplace import mutate
+
+        with torch.no_grad():
+            new = sym(*args, **kwargs)
+            for target, value in zip(_tensor_leaves((args, kwargs)), new):
+                mutate(target, value, refuse_overlap=False)
+        returns_work = kwargs.get("async_op") or func.__name__ in ("isend", "irecv")
+        return TracedWork([]) if returns_work else None
+
+    return call
