@@ -149,20 +149,14 @@ broadcast = _symbol("broadcast", _broadcast_meta)
 wait_tensor = _symbol("wait_tensor", _wait_meta, _TAGS + (OpTags.WAIT,))
 
 
-def _register_wrapper() -> None:
-    """``_functional_collectives.all_reduce`` and friends hand the in-flight tensor to ``_wrap_tensor_autograd``,
-    which waits when the result is first used: while tracing, that is ``wait_tensor``."""
-    from torch.distributed import _functional_collectives as fc
-
-    wrap = getattr(fc, "_wrap_tensor_autograd", None)
-    op = getattr(wrap, "_opoverload", None)
-    if op is not None:
-        langctx.torch_functions[op] = wait_tensor
-        langctx.torch_functions[wrap] = wait_tensor
-
-
-if dist.is_available():
-    _register_wrapper()
+def is_wait_wrapper(func) -> bool:
+    """Whether ``func`` is ``_c10d_functional._wrap_tensor_autograd``: ``_functional_collectives.all_reduce`` and
+    friends hand it the in-flight tensor, and it waits when the result is first used; while tracing, that is
+    ``wait_tensor``. (A Python custom op that exists once ``torch.distributed._functional_collectives`` is
+    imported, which fulmen leaves to the program: it is recognized when it is met.)"""
+    return getattr(func, "namespace", None) == "_c10d_functional" and getattr(func, "_opname", None) == (
+        "_wrap_tensor_autograd"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -314,6 +314,9 @@ def record(func: Callable) -> Callable:
     """What ``TensorProxy.__torch_function__`` calls for a torch callable without a rule."""
     from fulmen.torch import collectives, custom_ops
 
+    if collectives.is_wait_wrapper(func):
+        langctx.torch_functions[func] = collectives.wait_tensor
+        return collectives.wait_tensor
     if custom_ops.is_custom_op(func):  # torch.library custom ops: named symbols with their own autograd
         return custom_ops.record(func)
     if collectives.is_c10d(func):  # communicates and writes its tensors in place
