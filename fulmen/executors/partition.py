@@ -36,31 +36,12 @@ def fusion_groups(bsyms: Sequence[BoundSymbol], fusible: Callable[[BoundSymbol],
                   overlap: bool = True) -> list[tuple[bool, list[BoundSymbol]]]:
     """``bsyms`` reordered into ``(is_fusible, operations)`` runs; fusible runs are the candidate regions. Without
     ``overlap``, collectives and their waits are unfused operations like any other (see the module's doc)."""
-    nodes: list[list[BoundSymbol]] = []  # each node: leading comments, then the operation
-    pending: list[BoundSymbol] = []
-    for b in bsyms:
-        pending.append(b)
-        if b.sym.id not in _COMMENTS:
-            nodes.append(pending)
-            pending = []
+    nodes, pending = _nodes(bsyms)
     n = len(nodes)
     kinds = [fusible(node[-1]) for node in nodes]
-
     waits = [overlap and OpTags.WAIT in node[-1].sym.tags for node in nodes]
     starts = [overlap and OpTags.COMMUNICATION in node[-1].sym.tags and not w for node, w in zip(nodes, waits)]
-    deps = _data_dependencies([node[-1] for node in nodes])
-    last_unfused = -1
-    barrier = -1
-    for i, node in enumerate(nodes):
-        if barrier >= 0:
-            deps[i].add(barrier)
-        if not kinds[i] and not waits[i]:
-            if last_unfused >= 0:
-                deps[i].add(last_unfused)
-            last_unfused = i
-        if OpTags.SIDE_EFFECT in node[-1].sym.tags:
-            deps[i].update(range(barrier + 1, i))
-            barrier = i
+    deps = _order_dependencies(nodes, kinds, waits)
 
     users = _users(deps)
     missing = [len(d) for d in deps]
@@ -104,6 +85,36 @@ def fusion_groups(bsyms: Sequence[BoundSymbol], fusible: Callable[[BoundSymbol],
     if pending:  # trailing comments
         groups.append((False, pending))
     return groups
+
+
+def _nodes(bsyms: Sequence[BoundSymbol]) -> tuple[list[list[BoundSymbol]], list[BoundSymbol]]:
+    """The operations, each with the comments that lead it; and the trailing comments."""
+    nodes: list[list[BoundSymbol]] = []
+    pending: list[BoundSymbol] = []
+    for b in bsyms:
+        pending.append(b)
+        if b.sym.id not in _COMMENTS:
+            nodes.append(pending)
+            pending = []
+    return nodes, pending
+
+
+def _order_dependencies(nodes: list[list[BoundSymbol]], kinds: list[bool], waits: list[bool]) -> list[set[int]]:
+    """Data dependencies, plus: unfused operations (but waits) keep their order, and nothing crosses a side effect."""
+    deps = _data_dependencies([node[-1] for node in nodes])
+    last_unfused = -1
+    barrier = -1
+    for i, node in enumerate(nodes):
+        if barrier >= 0:
+            deps[i].add(barrier)
+        if not kinds[i] and not waits[i]:
+            if last_unfused >= 0:
+                deps[i].add(last_unfused)
+            last_unfused = i
+        if OpTags.SIDE_EFFECT in node[-1].sym.tags:
+            deps[i].update(range(barrier + 1, i))
+            barrier = i
+    return deps
 
 
 #: The shortest run of operations ``split_repeats`` treats as a repeated block (a model's layer).
