@@ -143,6 +143,9 @@ def _checks(rank, world_size):
     jf = fulmen.jit(_nn_loss, executors=["torch"])
     _grads(jf, a, coef)
     out["nn_backward_trace"] = str(fulmen.last_backward_traces(jf)[-1])
+    out["nn_backward_order"] = [
+        b.sym.name for b in fulmen.last_backward_traces(jf)[-1].bound_symbols if b.sym.id not in ("del", "comment")
+    ]
 
     other = dist.new_group([0, 1])  # the same ranks, another group: another program
     jf = fulmen.jit(_in_group, executors=["torch"])
@@ -254,3 +257,13 @@ def test_overlap_starts_the_collective_before_and_waits_after_independent_comput
     between = order[start + 1 : wait]
     assert any(name in ("matmul", "relu") or name.startswith("inductor_fusion") for name in between), order
     assert order[wait + 1 :], order  # the reader of the result runs after the wait
+
+
+def test_the_backward_starts_every_independent_collective_before_waiting_for_any(ranks):
+    order = ranks[0]["nn_backward_order"]
+    starts = [
+        i for i, name in enumerate(order) if name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+    ]
+    waits = [i for i, name in enumerate(order) if name == "wait_tensor"]
+    assert len(starts) == len(waits) == 3, order
+    assert max(starts) < min(waits), order
