@@ -64,7 +64,11 @@ def _functional_loss(a, coef):
     r = fc.all_reduce(a * a, "sum", group)
     g = fc.all_gather_tensor(a.tanh(), 0, group)
     s = fc.reduce_scatter_tensor(a.exp(), "sum", 0, group)
-    return (r * coef).sum() + (g * torch.arange(g.numel(), dtype=a.dtype).reshape(g.shape)).sum() + (s * coef[0]).sum()
+    # the differentiable twins (torch.ops._c10d_functional_autograd), which DTensor calls
+    g2 = fc.all_gather_tensor_autograd(a.sin(), 0, group)
+    s2 = fc.reduce_scatter_tensor_autograd(a.cos(), "sum", 0, group)
+    ramp = torch.arange(g.numel(), dtype=a.dtype).reshape(g.shape)
+    return (r * coef).sum() + (g * ramp).sum() + (s * coef[0]).sum() + (g2 * ramp).cos().sum() + (s2 * s2).sum()
 
 
 def _nn_loss(a, coef):

@@ -139,6 +139,10 @@ def _symbol(name: str, meta: Callable, tags: tuple = _TAGS) -> Symbol:
     )
     sym.extra["torch_impl"] = op  # generated code calls the op itself: torch.ops._c10d_functional.<name>(...)
     langctx.torch_functions[op] = langctx.torch_functions[op.default] = sym
+    # the differentiable twins (all_gather_tensor_autograd, which DTensor uses): the same op, gradients included
+    twin = getattr(torch.ops._c10d_functional_autograd, name, None)
+    if twin is not None:
+        langctx.torch_functions[twin] = langctx.torch_functions[twin.default] = sym
     return sym
 
 
