@@ -15,6 +15,9 @@ methods: dict[str, Callable] = {}
 properties: dict[str, Callable] = {}
 #: torch callable (``torch.add``, ``torch.Tensor.add``, ``F.relu``) -> the torch-language function.
 torch_functions: dict[Any, Callable] = {}
+#: ``"module.QualName"`` of a ``torch.autograd.Function`` -> the torch-language function its ``apply`` records
+#: (keyed by name: the Function's module need not be imported before it is used).
+autograd_functions: dict[str, Callable] = {}
 #: Called with a torch callable that has no torch-language function; returns a callable that records it opaquely.
 fallback: list[Callable] = []
 #: Called as ``check(op name, out tensor, *inputs)`` before ``op(..., out=...)`` writes (eager's overlap check).

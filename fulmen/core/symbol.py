@@ -38,6 +38,8 @@ class OpTags(Enum):
     NON_DIFFERENTIABLE = auto()
     IN_PLACE = auto()
     VIEW = auto()
+    COMMUNICATION = auto()  # exchanges data with other processes: kept, never merged, recomputed, copied or fused
+    WAIT = auto()  # waits for a communication's result: scheduled as late as its readers allow
 
 
 class SymbolCalledOutsideTracing(RuntimeError):

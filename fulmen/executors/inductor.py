@@ -44,9 +44,10 @@ from fulmen.executors.inductor_compile import (  # noqa: F401  (re-exported: the
     wait_for_compilations,
 )
 from fulmen.executors.partition import fusion_groups, split_repeats, sums_after_other_readers
+from fulmen.transforms import overlap
 from fulmen.transforms.passes import del_last_used
 
-_NOT_FUSED = (OpTags.RANDOM_OP, OpTags.SIDE_EFFECT, OpTags.FALLBACK)
+_NOT_FUSED = (OpTags.RANDOM_OP, OpTags.SIDE_EFFECT, OpTags.FALLBACK, OpTags.COMMUNICATION)
 #: Compiled variants one region keeps (one per input layout it has seen); beyond that it runs unfused.
 MAX_VARIANTS = 8
 #: Operations Inductor (torch 2.13) computes wrongly inside a fused graph: ``unfold_backward`` fed by other
@@ -226,7 +227,7 @@ class InductorExecutor(FusionExecutor):
     def fusion_pass(self, trace: Trace) -> Trace:
         torch_executors = list(get_always_executors())
         outputs = {p.name for p in outputs_of(trace.output)}
-        groups = fusion_groups(trace.bound_symbols, self.can_fuse)
+        groups = fusion_groups(trace.bound_symbols, self.can_fuse, overlap=overlap.ENABLED)
         shared: dict[tuple, tuple] = {}  # structure key -> (unfused callable, its source, code key)
         new: list[BoundSymbol] = []
         for k, (fused, run) in enumerate(groups):

@@ -14,6 +14,11 @@ What the sort never changes:
 - anything across a side effect (``OpTags.SIDE_EFFECT``): operations before it stay before it, those after
   stay after;
 - where comments are: each stays right before the operation it preceded.
+
+Communication (``OpTags.COMMUNICATION``) is scheduled for overlap: a collective that becomes ready ends the run of
+fusible operations in progress, so it starts as soon as its inputs exist, and a wait (``OpTags.WAIT``) runs only
+when nothing else is ready, so the computation that does not need its result runs while the data travels. Waits
+keep no order among the other unfused operations (they only block until their collective's data is there).
 """
 
 from __future__ import annotations
@@ -27,54 +32,52 @@ from fulmen.core.symbol import BoundSymbol, OpTags
 _COMMENTS = ("comment", "del")
 
 
-def fusion_groups(bsyms: Sequence[BoundSymbol], fusible: Callable[[BoundSymbol], bool]
-                  ) -> list[tuple[bool, list[BoundSymbol]]]:
-    """``bsyms`` reordered into ``(is_fusible, operations)`` runs; fusible runs are the candidate regions."""
-    nodes: list[list[BoundSymbol]] = []  # each node: leading comments, then the operation
-    pending: list[BoundSymbol] = []
-    for b in bsyms:
-        pending.append(b)
-        if b.sym.id not in _COMMENTS:
-            nodes.append(pending)
-            pending = []
+def fusion_groups(bsyms: Sequence[BoundSymbol], fusible: Callable[[BoundSymbol], bool], *,
+                  overlap: bool = True) -> list[tuple[bool, list[BoundSymbol]]]:
+    """``bsyms`` reordered into ``(is_fusible, operations)`` runs; fusible runs are the candidate regions. Without
+    ``overlap``, collectives and their waits are unfused operations like any other (see the module's doc)."""
+    nodes, pending = _nodes(bsyms)
     n = len(nodes)
     kinds = [fusible(node[-1]) for node in nodes]
-
-    deps = _data_dependencies([node[-1] for node in nodes])
-    last_unfused = -1
-    barrier = -1
-    for i, node in enumerate(nodes):
-        if barrier >= 0:
-            deps[i].add(barrier)
-        if not kinds[i]:
-            if last_unfused >= 0:
-                deps[i].add(last_unfused)
-            last_unfused = i
-        if OpTags.SIDE_EFFECT in node[-1].sym.tags:
-            deps[i].update(range(barrier + 1, i))
-            barrier = i
+    waits = [overlap and OpTags.WAIT in node[-1].sym.tags for node in nodes]
+    starts = [overlap and OpTags.COMMUNICATION in node[-1].sym.tags and not w for node, w in zip(nodes, waits)]
+    deps = _order_dependencies(nodes, kinds, waits)
 
     users = _users(deps)
     missing = [len(d) for d in deps]
-    ready: tuple[list[int], list[int]] = ([], [])  # (not fusible, fusible), each a heap of trace positions
+    # (not fusible, fusible, waits), each a heap of trace positions
+    ready: tuple[list[int], list[int], list[int]] = ([], [], [])
+    ready_starts = 0
+
+    def push(i: int) -> None:
+        nonlocal ready_starts
+        heapq.heappush(ready[2 if waits[i] else kinds[i]], i)
+        ready_starts += starts[i]
+
     for i in range(n):
         if not missing[i]:
-            heapq.heappush(ready[kinds[i]], i)
+            push(i)
 
     groups: list[tuple[bool, list[BoundSymbol]]] = []
     kind = False
-    while ready[0] or ready[1]:
-        if not ready[kind]:
+    while ready[0] or ready[1] or ready[2]:
+        if not ready[0] and not ready[1]:  # only waits are ready: the first one, then what it unblocks
+            ready[0].append(heapq.heappop(ready[2]))
+            kind = False
+        elif not ready[kind]:
             kind = not kind
         run: list[BoundSymbol] = []
         queue = ready[kind]
         while queue:
             i = heapq.heappop(queue)
+            ready_starts -= starts[i]
             run.extend(nodes[i])
             for u in users[i]:
                 missing[u] -= 1
                 if not missing[u]:
-                    heapq.heappush(ready[kinds[u]], u)
+                    push(u)
+            if kind and ready_starts:  # a collective can start: start it before more computation
+                break
         groups.append((kind, run))
         kind = not kind
     if sum(len(run) for _, run in groups) + len(pending) != len(bsyms):
@@ -82,6 +85,36 @@ def fusion_groups(bsyms: Sequence[BoundSymbol], fusible: Callable[[BoundSymbol],
     if pending:  # trailing comments
         groups.append((False, pending))
     return groups
+
+
+def _nodes(bsyms: Sequence[BoundSymbol]) -> tuple[list[list[BoundSymbol]], list[BoundSymbol]]:
+    """The operations, each with the comments that lead it; and the trailing comments."""
+    nodes: list[list[BoundSymbol]] = []
+    pending: list[BoundSymbol] = []
+    for b in bsyms:
+        pending.append(b)
+        if b.sym.id not in _COMMENTS:
+            nodes.append(pending)
+            pending = []
+    return nodes, pending
+
+
+def _order_dependencies(nodes: list[list[BoundSymbol]], kinds: list[bool], waits: list[bool]) -> list[set[int]]:
+    """Data dependencies, plus: unfused operations (but waits) keep their order, and nothing crosses a side effect."""
+    deps = _data_dependencies([node[-1] for node in nodes])
+    last_unfused = -1
+    barrier = -1
+    for i, node in enumerate(nodes):
+        if barrier >= 0:
+            deps[i].add(barrier)
+        if not kinds[i] and not waits[i]:
+            if last_unfused >= 0:
+                deps[i].add(last_unfused)
+            last_unfused = i
+        if OpTags.SIDE_EFFECT in node[-1].sym.tags:
+            deps[i].update(range(barrier + 1, i))
+            barrier = i
+    return deps
 
 
 #: The shortest run of operations ``split_repeats`` treats as a repeated block (a model's layer).

@@ -45,7 +45,7 @@ class TorchExecutor(OperatorExecutor):
         if sym.extra.get("torch_executable"):
             fn = sym.torch_fns[0]
             module, _, name = torch_id(fn).rpartition(".")
-        elif OpTags.FALLBACK in sym.tags:
+        elif OpTags.FALLBACK in sym.tags or (sym.module or "").startswith("torch."):  # printed as the torch callable
             fn = sym.extra["torch_impl"]
             module, name = sym.module, sym.name
         else:

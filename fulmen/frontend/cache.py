@@ -162,7 +162,14 @@ def is_holder(x: Any) -> bool:
     """Whether ``x`` is an instance of a user class whose members are walked (its tensors become inputs): not a
     module (keyed by identity and contents), a class, an enum, or a subclass of a builtin value type."""
     t = type(x)
-    return bool(t.__flags__ & _HEAPTYPE) and not isinstance(x, _NOT_HOLDERS)
+    return bool(t.__flags__ & _HEAPTYPE) and not isinstance(x, _NOT_HOLDERS) and not _is_native(t)
+
+
+@functools.lru_cache(maxsize=256)
+def _is_native(t: type) -> bool:
+    """Whether ``t`` is (or derives from) a C++ class bound with pybind11 (a ``ProcessGroup``): its state is out of
+    Python's sight, so its instances are keyed by identity, never by their (empty) Python members."""
+    return any(c.__name__ == "pybind11_object" and c.__module__ == "pybind11_builtins" for c in t.__mro__)
 
 
 def member_names(x: Any) -> tuple[str, ...]:
@@ -340,7 +347,7 @@ def _content(x: Any, budget: list[int], depth: int) -> Any:
         return (t, _Ref(x), tuple((name, _Ref(m)) for name, m in x.named_modules(remove_duplicate=False)),
                 tuple((name, _Ref(v)) for name, v in x.named_parameters(remove_duplicate=False)),
                 tuple((name, _Ref(v)) for name, v in x.named_buffers(remove_duplicate=False)))
-    if t.__flags__ & _HEAPTYPE and not isinstance(x, type):  # an instance of a user class
+    if t.__flags__ & _HEAPTYPE and not isinstance(x, type) and not _is_native(t):  # an instance of a user class
         attrs = getattr(x, "__dict__", None)
         items = [] if attrs is None else [(k, _content(v, budget, depth + 1)) for k, v in attrs.items()]
         for name in _slots(t):

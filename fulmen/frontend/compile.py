@@ -15,6 +15,7 @@ from fulmen.core.codegen import compile_trace
 from fulmen.core.trace import Trace, check_trace
 from fulmen.executors.base import Executor, FusionExecutor, claim_symbols, fuse_regions
 from fulmen.frontend.cudagraphs import graphed
+from fulmen.transforms.overlap import communicates, schedule_communication
 from fulmen.transforms.passes import cse, dce, del_last_used
 
 #: Set by tests: run ``check_trace`` after every step.
@@ -53,14 +54,17 @@ def _step(traces: list[Trace], timings: dict[str, float], name: str, fn: Callabl
 
 def execution_pipeline(trace: Trace, executors: Sequence[Executor], timings: dict[str, float],
                        traces: list[Trace] | None = None) -> tuple[Callable, list[Trace]]:
-    """DCE, claim by executors, CSE, DCE again, fuse regions, delete last uses, then generate code."""
+    """DCE, claim by executors, CSE, DCE again, overlap communication, fuse regions, delete last uses, then generate
+    code."""
     traces = traces if traces is not None else [trace]
     if traces[-1] is not trace:
         traces.append(trace)
     _step(traces, timings, "dce", lambda t: dce(t))
     _step(traces, timings, "claim", lambda t: claim_symbols(t, executors, fuse=False))
     _step(traces, timings, "cse", lambda t: cse(t))
-    _step(traces, timings, "dce", lambda t: dce(t, provenance="Dead Code Elimination (after claiming)"))
+    trace = _step(traces, timings, "dce", lambda t: dce(t, provenance="Dead Code Elimination (after claiming)"))
+    if communicates(trace):
+        _step(traces, timings, "overlap", schedule_communication)
     if any(isinstance(ex, FusionExecutor) for ex in executors):
         _step(traces, timings, "fusion", lambda t: fuse_regions(t, executors))
     final = _step(traces, timings, "del_last_used", lambda t: del_last_used(t))

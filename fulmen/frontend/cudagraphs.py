@@ -77,6 +77,8 @@ def why_not_graphed(traces: list[Trace]) -> str | None:
                 return f"it draws random numbers ({bsym.sym.name})"
             if OpTags.SIDE_EFFECT in bsym.sym.tags:
                 return f"it has a side effect ({bsym.sym.name})"
+            if OpTags.COMMUNICATION in bsym.sym.tags:  # a start hands its wait a work object: not captured
+                return f"it communicates with other processes ({bsym.sym.name})"
             for p in (*bsym.flat_args, *bsym.flat_proxy_outs):
                 if isinstance(p, TensorProxy):
                     devices.add(str(p.device))

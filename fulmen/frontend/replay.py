@@ -39,7 +39,7 @@ from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 from fulmen.core.trace import Trace
 from fulmen.torch.shape import layout_of, set_strides
 
-_NEVER_COPIED = frozenset((OpTags.SIDE_EFFECT, OpTags.FALLBACK, OpTags.IN_PLACE))
+_NEVER_COPIED = frozenset((OpTags.SIDE_EFFECT, OpTags.FALLBACK, OpTags.IN_PLACE, OpTags.COMMUNICATION))
 _SCALARS = frozenset((int, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout))
 
 

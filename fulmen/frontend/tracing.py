@@ -31,6 +31,7 @@ from fulmen.frontend.objects import ObjectResults, ObjectSwaps
 from fulmen.frontend.replay import Replays
 from fulmen.frontend.rng_calls import recording_rng_calls
 from fulmen.frontend.split_points import ValueReader
+from fulmen.torch.collectives import nn_functional_traceable
 from fulmen.torch.fallback import opaque_symbol
 from fulmen.torch.numpy_values import numpy_data, numpy_scalar
 from fulmen.torch.shape import set_strides
@@ -338,6 +339,10 @@ def _apply(cls, *args, **kwargs):  # named "apply" below: Dynamo recognizes Func
     if getattr(_tracing, "depth", 0) and has_proxy((args, kwargs)):
         from fulmen.torch.fallback import autograd_function_symbol
 
+        rule = langctx.autograd_functions.get(f"{cls.__module__}.{cls.__qualname__}")
+        if rule is not None:  # a Function the torch language has its own symbols for
+            return rule(*args, **kwargs)
+
         if cls is _ReentrantCheckpoint:
             # apply(run_function, preserve_rng_state, *args): its backward recomputes run_function under autograd,
             # so tracing the call itself gives the same gradients (its forward runs under no_grad, and reads module
@@ -416,6 +421,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     recorder = trace.on_user_op = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
     try:
         with tracectx(trace), _UserTorchCalls(trace), _compiling(), _recording_autograd_functions(), \
+                nn_functional_traceable(), \
                 routing_higher_order_ops(), recording_rng_calls(), ModuleWrites() as writes:
             try:
                 result = fn(*proxy_args, **proxy_kwargs)

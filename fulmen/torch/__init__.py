@@ -8,7 +8,13 @@ indexing, creation, conversion, nn, nn_conv, nn_attention (multi-head attention)
 
 from fulmen.core.dtypes import to_torch_dtype  # noqa: F401
 from fulmen.core.symbol import OpTags as _OpTags
-from fulmen.torch import fallback, higher_order, hooks, numpy_values  # noqa: F401  (opaque ops; cond, scans; hooks)
+from fulmen.torch import (  # noqa: F401  (opaque ops; cond, scans; hooks)
+    collectives,  # noqa: F401  (torch.distributed collectives)
+    fallback,
+    higher_order,
+    hooks,
+    numpy_values,
+)
 from fulmen.torch.attention import *  # noqa: F401,F403
 from fulmen.torch.conversion import *  # noqa: F401,F403
 from fulmen.torch.creation import *  # noqa: F401,F403

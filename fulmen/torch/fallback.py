@@ -329,10 +329,15 @@ def _is_inplace_method(func: Callable) -> bool:
 
 def record(func: Callable) -> Callable:
     """What ``TensorProxy.__torch_function__`` calls for a torch callable without a rule."""
-    from fulmen.torch import custom_ops
+    from fulmen.torch import collectives, custom_ops
 
+    if collectives.is_wait_wrapper(func):
+        langctx.torch_functions[func] = collectives.wait_tensor
+        return collectives.wait_tensor
     if custom_ops.is_custom_op(func):  # torch.library custom ops: named symbols with their own autograd
         return custom_ops.record(func)
+    if collectives.is_c10d(func):  # communicates and writes its tensors in place
+        return collectives.record_c10d(func)
     if _is_inplace_method(func):
         out_of_place = _out_of_place(func)
 

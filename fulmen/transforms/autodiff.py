@@ -747,4 +747,5 @@ def seed_cotangent(p: TensorProxy, value: float = 1.0) -> TensorProxy:
     return clang.full(tuple(p.shape), value, device=p.device, dtype=p.dtype)
 
 
+from fulmen.transforms import collective_grads as _collective_grads  # noqa: E402,F401  (collectives' rules)
 from fulmen.transforms import grad_rules as _grad_rules  # noqa: E402,F401  (registers fulmen's own rules)
