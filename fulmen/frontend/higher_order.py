@@ -18,6 +18,7 @@ import types
 from collections.abc import Callable, Iterator
 
 from fulmen.core.trace import get_tracectx
+from fulmen.frontend import checkpointing
 from fulmen.torch import higher_order
 
 #: (module, function's qualified name) -> fulmen's traced version (of a method: called without ``self``). The
@@ -29,6 +30,8 @@ _ROUTES = {
     ("torch._higher_order_ops.associative_scan", "associative_scan"): higher_order.associative_scan,
     ("torch._higher_order_ops.cond", "CondOp.__call__"): higher_order.cond_op,
     ("torch._higher_order_ops.while_loop", "WhileLoopOp.__call__"): higher_order.while_loop_op,
+    # checkpoint(use_reentrant=False) runs the function between two steps of this generator
+    ("torch.utils.checkpoint", "_checkpoint_without_reentrant_generator"): checkpointing.without_reentrant,
 }
 
 _lock = threading.Lock()

@@ -31,6 +31,7 @@ from fulmen.core.unbacked import size_carriers
 from fulmen.prims import PrimIDs
 from fulmen.transforms import remat
 from fulmen.transforms.autodiff import backward_pass, flat_tensor_args
+from fulmen.transforms.checkpoint_regions import checkpoint_choices
 from fulmen.transforms.linearize import Joint, Node, is_differentiable_dtype, linearize, zeros_like
 from fulmen.transforms.passes import MAY_ALIAS, overwritten_inputs
 
@@ -353,8 +354,9 @@ def split_forward_backward(trace: Trace, executors: Sequence, *, recompute: bool
     leaves = _leaves(joint.nodes)
     needed += _size_carriers(body, cts, needed, trace.args, leaves)
     exact = remat.bit_exact_reads(body)
+    checkpointed, kept = checkpoint_choices(joint.nodes, trace.checkpoint_regions, outputs)
     fb.saved, producers = remat.choose_saved(leaves, trace.args, needed, recompute=recompute, overwritten=written,
-                                             exact=exact)
+                                             exact=exact, checkpointed=checkpointed, kept=kept)
     fb.producers = remat.coarsen(joint.nodes, [p.name for p in fb.saved], producers, exact)
     fb.views = _view_outputs(fb, leaves)
     bsyms = emit_forward(joint.nodes, {p.name for p in fb.saved})

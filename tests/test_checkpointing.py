@@ -1,0 +1,224 @@
+"""Checkpointing: torch.utils.checkpoint regions recomputed in the backward, selective checkpointing policies, and
+torch.distributed.checkpoint round trips of jitted models."""
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    checkpoint_sequential,
+    create_selective_checkpoint_contexts,
+)
+
+import fulmen
+
+
+def saved_tensors(out: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors fulmen's autograd nodes on ``out``'s history keep for the backward."""
+    found, stack, seen = [], [out.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if hasattr(node, "fulmen_saved"):
+            found += [t for t in (*node.saved_tensors, *(node.fulmen_saved or ())) if isinstance(t, torch.Tensor)]
+        stack += [n for n, _ in node.next_functions]
+    return found
+
+
+def saved_bytes(out: torch.Tensor, exclude=()) -> int:
+    """Bytes of the distinct storages fulmen saved for ``out``'s backward, less those of ``exclude`` (parameters
+    and inputs, which the caller keeps alive anyway)."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved_tensors(out)}
+    return sum(n for ptr, n in storages.items() if ptr not in skip)
+
+
+def _block(x, w1, w2):
+    return torch.tanh(x @ w1).sin() @ w2
+
+
+def _two_blocks(x, w1, w2, use_reentrant):
+    h = checkpoint(_block, x, w1, w2, use_reentrant=use_reentrant)
+    return checkpoint(_block, h, w1, w2, use_reentrant=use_reentrant).sum()
+
+
+def _two_blocks_plain(x, w1, w2, use_reentrant):
+    return _block(_block(x, w1, w2), w1, w2).sum()
+
+
+def _run(fn, *args):
+    """(loss, gradients, activation bytes saved) of a jitted ``fn``'s second call (its cached program)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    jf = fulmen.jit(fn, executors=["torch"])
+    jf(*args).backward()
+    for a in tensors:
+        a.grad = None
+    loss = jf(*args)
+    nbytes = saved_bytes(loss, exclude=tensors)
+    grads = torch.autograd.grad(loss, [a for a in tensors if a.requires_grad])
+    return loss, grads, nbytes
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpointed_regions_save_only_what_enters_them(use_reentrant):
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    w1, w2 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    loss, grads, nbytes = _run(_two_blocks, x, w1, w2, use_reentrant)
+    _, _, plain_bytes = _run(_two_blocks_plain, x, w1, w2, use_reentrant)
+    eager = _two_blocks_plain(x, w1, w2, use_reentrant)
+    expected = torch.autograd.grad(eager, [w1, w2])
+    torch.testing.assert_close(loss, eager)
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e)
+    # without checkpointing: each block's tanh output and the first block's result ([16, 8] f32 each);
+    # with it, only the first block's result, which the second region reads
+    assert plain_bytes == 3 * 16 * 8 * 4
+    assert nbytes == 16 * 8 * 4
+
+
+def test_checkpointed_gradients_match_finite_differences():
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    w1 = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    w2 = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    jf = fulmen.jit(lambda x, w1, w2: _two_blocks(x, w1, w2, False), executors=["torch"])
+    assert torch.autograd.gradcheck(jf, (x, w1, w2))
+
+
+def _mlp(width: int = 8, depth: int = 4) -> nn.Sequential:
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*layers)
+
+
+class _Sequential(nn.Module):
+    def __init__(self, segments: int | None):
+        super().__init__()
+        self.body = _mlp()
+        self.segments = segments
+
+    def forward(self, x):
+        if self.segments is None:
+            return self.body(x)
+        return checkpoint_sequential(self.body, self.segments, x, use_reentrant=False)
+
+
+def test_checkpoint_sequential_in_a_jitted_module():
+    torch.manual_seed(0)
+    x = torch.randn(32, 8)
+    results = {}
+    for segments in (None, 2):
+        torch.manual_seed(1)
+        model = _Sequential(segments)
+        jm = fulmen.jit(model, executors=["torch"])
+        jm(x).sum().backward()
+        model.zero_grad()
+        out = jm(x).sum()
+        results[segments] = saved_bytes(out, exclude=[x, *model.parameters()])
+        out.backward()
+        torch.manual_seed(1)
+        eager = _Sequential(None)
+        eager(x).sum().backward()
+        for p, e in zip(model.parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, e.grad)
+    # checkpoint_sequential leaves its last segment unchekpointed: the first two layer pairs save only their input
+    # (x itself) and the output of the first segment; without it every layer's input and GELU input is saved
+    assert results[2] < results[None]
+
+
+def _dropout_block(x, w):
+    return F.dropout(torch.tanh(x @ w), p=0.5, training=True) @ w
+
+
+def _dropout_program(x, w):
+    return checkpoint(_dropout_block, x, w, use_reentrant=False).sum()
+
+
+def test_random_numbers_in_a_checkpointed_region_are_eagers():
+    torch.manual_seed(0)
+    x, w = torch.randn(16, 8), torch.randn(8, 8, requires_grad=True)
+    jf = fulmen.jit(_dropout_program, executors=["torch"])
+    jf(x, w).backward()
+    w.grad = None
+    torch.manual_seed(123)
+    loss = jf(x, w)
+    loss.backward()
+    got = w.grad
+    w.grad = None
+    torch.manual_seed(123)
+    eager = _dropout_program(x, w)  # eager checkpoint restores the RNG state for its recomputation
+    eager.backward()
+    torch.testing.assert_close(loss, eager)
+    torch.testing.assert_close(got, w.grad)
+
+
+def _selective(policy):
+    def program(x, w1, w2):
+        return checkpoint(
+            _block,
+            x,
+            w1,
+            w2,
+            use_reentrant=False,
+            context_fn=functools.partial(create_selective_checkpoint_contexts, policy),
+        ).sum()
+
+    return program
+
+
+def _save_mm(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@pytest.mark.parametrize(
+    "policy, saved",
+    [
+        (_save_mm, 16 * 8 * 4),  # x @ w1 saved, tanh and sin recomputed from it
+        ([torch.ops.aten.mm.default], 16 * 8 * 4),
+        ([], 0),  # everything recomputed from the region's inputs
+        ([torch.ops.aten.tanh.default], 16 * 8 * 4),  # tanh's output saved, sin's recomputed from it
+    ],
+)
+def test_selective_checkpointing_policies_choose_what_is_saved(policy, saved):
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    w1, w2 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    loss, grads, nbytes = _run(_selective(policy), x, w1, w2)
+    eager = _block(x, w1, w2).sum()
+    torch.testing.assert_close(loss, eager)
+    for g, e in zip(grads, torch.autograd.grad(eager, [w1, w2])):
+        torch.testing.assert_close(g, e)
+    assert nbytes == saved
+
+
+def test_selective_policy_decides_which_value_is_saved():
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    w1, w2 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    jf = fulmen.jit(_selective([torch.ops.aten.tanh.default]), executors=["torch"])
+    jf(x, w1, w2)
+    saved = fulmen.last_traces(jf)[-1].output[1:]
+    assert [p.name for p in saved if p.name not in ("x", "w1", "w2")] == ["t1"]  # t0 = x @ w1, t1 = tanh(t0)
+
+
+def test_other_context_fn_is_refused():
+    import contextlib
+
+    def program(x, w):
+        return checkpoint(
+            torch.sin,
+            x @ w,
+            use_reentrant=False,
+            context_fn=lambda: (contextlib.nullcontext(), contextlib.nullcontext()),
+        ).sum()
+
+    with pytest.raises(NotImplementedError, match="create_selective_checkpoint_contexts"):
+        fulmen.jit(program, executors=["torch"])(torch.randn(2, 2), torch.randn(2, 2, requires_grad=True))
