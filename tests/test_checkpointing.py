@@ -222,3 +222,60 @@ def test_other_context_fn_is_refused():
 
     with pytest.raises(NotImplementedError, match="create_selective_checkpoint_contexts"):
         fulmen.jit(program, executors=["torch"])(torch.randn(2, 2), torch.randn(2, 2, requires_grad=True))
+
+
+class _CheckpointedBlock(nn.Module):
+    def __init__(self, block: nn.Module, use_reentrant: bool):
+        super().__init__()
+        self.block = block
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x):
+        return checkpoint(self.block, x, use_reentrant=self.use_reentrant)
+
+
+def _gpt(checkpointed: bool, use_reentrant: bool = False):
+    from fulmen.bench.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16, dropout=0.1))
+    if checkpointed:
+        model.transformer.h = nn.ModuleList(_CheckpointedBlock(b, use_reentrant) for b in model.transformer.h)
+    return model
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpointed_gpt_blocks_with_dropout_match_eager_and_save_less(use_reentrant):
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    targets = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
+    saved = {}
+    for checkpointed in (False, True):
+        model = _gpt(checkpointed, use_reentrant)
+        jitted = fulmen.jit(model, executors=["torch"])
+        jitted(idx, targets)[1].backward()
+        model.zero_grad()
+        torch.manual_seed(7)
+        loss = jitted(idx, targets)[1]
+        saved[checkpointed] = saved_bytes(loss, exclude=[idx, targets, *model.parameters()])
+        loss.backward()
+        eager = _gpt(checkpointed, use_reentrant)
+        torch.manual_seed(7)
+        eager_loss = eager(idx, targets)[1]
+        eager_loss.backward()  # eager's checkpoint recomputes the blocks with the forward's random numbers
+        torch.testing.assert_close(loss, eager_loss)
+        for (name, p), e in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, e.grad, msg=name)
+    assert saved[True] < saved[False] / 2
+
+
+def test_checkpointed_regions_with_fusion():
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    w1, w2 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    jf = fulmen.jit(_two_blocks, compile="sync")
+    jf(x, w1, w2, False)
+    loss = jf(x, w1, w2, False)
+    assert saved_bytes(loss, exclude=[x, w1, w2]) == 16 * 8 * 4
+    expected = torch.autograd.grad(_two_blocks_plain(x, w1, w2, False), [w1, w2])
+    for g, e in zip(torch.autograd.grad(loss, [w1, w2]), expected):
+        torch.testing.assert_close(g, e)
