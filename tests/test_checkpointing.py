@@ -362,3 +362,21 @@ def test_dcp_round_trip_of_ddp_over_a_jitted_model_on_two_ranks(tmp_path):
         _check_round_trip(*result)
     (_, _, _, _, _, params0), (_, _, _, _, _, params1) = results
     torch.testing.assert_close(params0, params1, rtol=0, atol=0)  # the ranks agree
+
+
+def test_random_numbers_without_preserved_rng_state_are_refused():
+    def program(x, w):
+        return checkpoint(_dropout_block, x, w, use_reentrant=False, preserve_rng_state=False).sum()
+
+    with pytest.raises(NotImplementedError, match="preserve_rng_state=True"):
+        fulmen.jit(program, executors=["torch"])(torch.randn(4, 8), torch.randn(8, 8, requires_grad=True))
+
+
+def test_a_checkpointed_region_without_random_numbers_may_skip_the_rng_state():
+    x, w = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
+
+    def program(x, w):
+        return checkpoint(_block, x, w, w, use_reentrant=True, preserve_rng_state=False).sum()
+
+    loss = fulmen.jit(program, executors=["torch"])(x, w)
+    torch.testing.assert_close(loss, _block(x, w, w).sum())

@@ -31,14 +31,14 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fulmen.core.proxies import TensorProxy
-from fulmen.core.symbol import BoundSymbol
+from fulmen.core.symbol import BoundSymbol, OpTags
 from fulmen.core.symbolic import size_hint
 from fulmen.core.trace import get_tracectx, tracectx
 from fulmen.transforms.checkpoint_regions import CheckpointRegion
 
 
 @contextlib.contextmanager
-def region(policy: Callable | None = None) -> Iterator[None]:
+def region(policy: Callable | None = None, preserve_rng_state: bool = True) -> Iterator[None]:
     """Record the operations traced inside as one checkpointed region of the current trace. Outside tracing, or in
     a nested scope (``fulmen.grad`` inside the program), nothing is recorded: the region is traced as usual."""
     trc = get_tracectx()
@@ -48,12 +48,24 @@ def region(policy: Callable | None = None) -> Iterator[None]:
     start = len(trc.bound_symbols)
     yield
     bsyms = trc.bound_symbols[start:]
+    if not preserve_rng_state and any(map(_draws_random, bsyms)):
+        raise NotImplementedError(
+            "torch.utils.checkpoint.checkpoint(..., preserve_rng_state=False) around random operations inside a "
+            "fulmen-compiled function: eager draws new random numbers when it recomputes the region, fulmen's "
+            "backward uses the forward's; pass preserve_rng_state=True (the default)"
+        )
     names = frozenset(p.name for b in bsyms for p in b.flat_proxy_outs)
     saved = frozenset(
         p.name for b in bsyms if policy is not None and _policy_saves(policy, b) for p in b.flat_proxy_outs
     )
     if names:
         trc.checkpoint_regions.append(CheckpointRegion(names, saved))
+
+
+def _draws_random(bsym: BoundSymbol) -> bool:
+    if bsym.subsymbols:
+        return any(map(_draws_random, bsym.subsymbols))
+    return OpTags.RANDOM_OP in bsym.sym.tags
 
 
 def _selective_policy(context_fn: Callable) -> Callable | None:
@@ -84,7 +96,7 @@ def without_reentrant(
     region are saved rather than drawn again, so the backward sees eager's values whatever ``preserve_rng_state``
     says."""
     policy = _selective_policy(context_fn)
-    with region(policy):
+    with region(policy, preserve_rng_state):
         yield
 
 

@@ -328,7 +328,7 @@ def _apply(cls, *args, **kwargs):  # named "apply" below: Dynamo recognizes Func
             # apply(run_function, preserve_rng_state, *args): its backward recomputes run_function under autograd,
             # so tracing the call itself gives the same gradients (its forward runs under no_grad, and reads module
             # parameters it is not passed); recorded as a checkpointed region, which the backward recomputes
-            with checkpointing.region():
+            with checkpointing.region(preserve_rng_state=args[1]):
                 return args[0](*args[2:])
 
         autocast = tuple((p.device_type, p.dtype) for p in current_policies())
