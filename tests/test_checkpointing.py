@@ -380,3 +380,17 @@ def test_a_checkpointed_region_without_random_numbers_may_skip_the_rng_state():
 
     loss = fulmen.jit(program, executors=["torch"])(x, w)
     torch.testing.assert_close(loss, _block(x, w, w).sum())
+
+
+def test_checkpointed_regions_under_the_dynamo_backend():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    w1, w2 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    compiled = torch.compile(_two_blocks, backend="fulmen")
+    compiled(x, w1, w2, False).backward()
+    loss = compiled(x, w1, w2, False)
+    assert saved_bytes(loss, exclude=[x, w1, w2]) == 16 * 8 * 4
+    expected = torch.autograd.grad(_two_blocks_plain(x, w1, w2, False), [w1, w2])
+    for g, e in zip(torch.autograd.grad(loss, [w1, w2]), expected):
+        torch.testing.assert_close(g, e)
