@@ -394,3 +394,36 @@ def test_checkpointed_regions_under_the_dynamo_backend():
     expected = torch.autograd.grad(_two_blocks_plain(x, w1, w2, False), [w1, w2])
     for g, e in zip(torch.autograd.grad(loss, [w1, w2]), expected):
         torch.testing.assert_close(g, e)
+
+
+def test_selective_policy_on_a_gpt_block_keeps_the_named_operators():
+    from fulmen.bench.models import GPTBlock, GPTConfig
+
+    torch.manual_seed(0)
+    block = GPTBlock(GPTConfig(n_layer=1, n_head=2, n_embd=16))
+    keep = [torch.ops.aten.addmm.default, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default]
+
+    def program(x):
+        context_fn = functools.partial(create_selective_checkpoint_contexts, keep)
+        return checkpoint(block, x, use_reentrant=False, context_fn=context_fn).square().sum()
+
+    x = torch.randn(2, 8, 16)
+    jitted = fulmen.jit(program, executors=["torch"])
+    loss = jitted(x)
+    grads = torch.autograd.grad(loss, list(block.parameters()))
+    expected = torch.autograd.grad(block(x).square().sum(), list(block.parameters()))
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e)
+    forward = fulmen.last_traces(jitted)[-1]
+    producers: dict[str, str] = {}
+    stack = list(reversed(forward.bound_symbols))
+    while stack:
+        b = stack.pop()
+        producers.update((p.name, b.sym.qualified_name) for p in b.flat_proxy_outs if p.name not in producers)
+        stack += reversed(b.subsymbols)
+    inputs = {p.name for p in forward.args}
+    kept = {producers[p.name] for p in forward.output[1:] if p.name not in inputs}
+    # the linear layers' outputs (and attention's, with its log-sum-exp); the block's result, squared outside the
+    # region, as well; no layer norm or GELU output
+    assert any("linear" in name for name in kept) and any("scaled_dot_product" in name for name in kept)
+    assert all("linear" in name or "scaled_dot_product" in name or name.endswith("add") for name in kept), kept

@@ -28,8 +28,10 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fulmen.core.devices import to_torch_device
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, OpTags
 from fulmen.core.symbolic import size_hint
@@ -55,9 +57,10 @@ def region(policy: Callable | None = None, preserve_rng_state: bool = True) -> I
             "backward uses the forward's; pass preserve_rng_state=True (the default)"
         )
     names = frozenset(p.name for b in bsyms for p in b.flat_proxy_outs)
-    saved = frozenset(
-        p.name for b in bsyms if policy is not None and _policy_saves(policy, b) for p in b.flat_proxy_outs
-    )
+    saved: frozenset[str] = frozenset()
+    if policy is not None:
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        saved = frozenset(p.name for b in bsyms if _policy_saves(policy, b, fake) for p in b.flat_proxy_outs)
     if names:
         trc.checkpoint_regions.append(CheckpointRegion(names, saved))
 
@@ -119,29 +122,35 @@ class _Dispatched(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _on_meta(x: Any) -> Any:
+def _fake(x: Any, fake: FakeTensorMode) -> Any:
     if isinstance(x, TensorProxy):
-        return torch.empty([size_hint(s) for s in x.shape], dtype=x.dtype, device="meta")
+        with fake:
+            return torch.empty([size_hint(s) for s in x.shape], dtype=x.dtype, device=to_torch_device(x.device))
     if isinstance(x, (tuple, list)):
-        return type(x)(_on_meta(v) for v in x)
+        return type(x)(_fake(v, fake) for v in x)
     return x
 
 
-def _policy_saves(policy: Callable, bsym: BoundSymbol) -> bool:
-    """Whether ``policy`` saves the result of any ATen operator eager dispatches for ``bsym``'s torch call. A call
-    fulmen cannot replay on meta tensors is offered as itself (its torch callable in place of an operator)."""
+def _dispatched(bsym: BoundSymbol, fake: FakeTensorMode) -> list[tuple[Any, tuple, dict]]:
+    """The ATen operators (with their arguments) eager dispatches for ``bsym``'s torch call, found by running it on
+    fake tensors of the same sizes, dtypes and devices (the device picks kernels: attention's, for one)."""
     torch_fn = bsym.sym.torch_fns[0] if bsym.sym.torch_fns else None
     if torch_fn is None:
-        return False
-    mode = _Dispatched()
+        return []
+    recorder = _Dispatched()
     try:
-        with tracectx(None), mode:  # not traced: a question about eager, asked on meta tensors
-            torch_fn(*_on_meta(bsym.args), **{k: _on_meta(v) for k, v in bsym.kwargs.items()})
-        calls = [(f, a, k) for f, a, k in mode.calls if f not in torch_checkpoint.SAC_IGNORED_OPS]
-    except Exception:
-        calls = [(torch_fn, (), {})]
+        args, kwargs = _fake(bsym.args, fake), {k: _fake(v, fake) for k, v in bsym.kwargs.items()}
+        with tracectx(None), fake, recorder:  # not traced: a question about eager
+            torch_fn(*args, **kwargs)
+    except Exception:  # not replayable on fake tensors: offered as the torch callable itself
+        return [(torch_fn, (), {})]
+    return [(f, a, k) for f, a, k in recorder.calls if f not in torch_checkpoint.SAC_IGNORED_OPS]
+
+
+def _policy_saves(policy: Callable, bsym: BoundSymbol, fake: FakeTensorMode) -> bool:
+    """Whether ``policy`` saves the result of any ATen operator eager dispatches for ``bsym``'s torch call."""
     context = torch_checkpoint.SelectiveCheckpointContext(is_recompute=False)
-    for func, args, kwargs in calls:
+    for func, args, kwargs in _dispatched(bsym, fake):
         decision = policy(context, func, *args, **kwargs)
         if isinstance(decision, bool):
             decision = torch_checkpoint._policy_from_bool(decision)

@@ -5,7 +5,9 @@ are real tensors and hand the work to Dynamo, and no ``__torch_function__`` sees
 them under its own names (``from torch._higher_order_ops import associative_scan``), so replacing a module
 attribute would miss calls. While some thread traces, each function's code is replaced by a stub that sends the
 call to ``fulmen.torch.higher_order`` when the calling thread is tracing user code, and to PyTorch's own code
-otherwise (other threads, eager calls); the last trace to end puts the original code back.
+otherwise (other threads, eager calls); the last trace to end puts the original code back. The generator that
+``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` runs around its function is routed the same way, to
+``fulmen.frontend.checkpointing``, which records the checkpointed region.
 """
 
 from __future__ import annotations
