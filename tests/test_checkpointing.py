@@ -427,3 +427,14 @@ def test_selective_policy_on_a_gpt_block_keeps_the_named_operators():
     # region, as well; no layer norm or GELU output
     assert any("linear" in name for name in kept) and any("scaled_dot_product" in name for name in kept)
     assert all("linear" in name or "scaled_dot_product" in name or name.endswith("add") for name in kept), kept
+
+
+def test_the_first_call_already_runs_the_checkpointed_program():
+    # in the "async" mode a training program's first call may run on PyTorch autograd, which keeps everything the
+    # regions compute; a program checkpointed to fit in memory must not need more at its first step
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    w1, w2 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    loss = fulmen.jit(_two_blocks, executors=["torch"], compile="async")(x, w1, w2, False)
+    assert type(loss.grad_fn).__name__ == "FulmenFunctionBackward"
+    assert saved_bytes(loss, exclude=[x, w1, w2]) == 16 * 8 * 4
