@@ -160,6 +160,35 @@ def test_random_numbers_in_a_checkpointed_region_are_eagers():
     torch.testing.assert_close(got, w.grad)
 
 
+def _two_dropouts(x, w):
+    h = F.dropout(torch.tanh(x @ w), p=0.3, training=True)
+    return F.dropout(h.sin(), p=0.6, training=True) @ w
+
+
+def test_random_draws_in_a_region_are_drawn_again_from_the_forwards_generator_state():
+    def program(x, w):
+        return checkpoint(_two_dropouts, x, w, use_reentrant=False).sum()
+
+    torch.manual_seed(0)
+    x, w = torch.randn(16, 8), torch.randn(8, 8, requires_grad=True)
+    jf = fulmen.jit(program, executors=["torch"])
+    jf(x, w)
+    torch.manual_seed(5)
+    loss = jf(x, w)
+    # the masks are not kept: two generator states (uint8) are, and no float tensor but the inputs
+    kept = saved_tensors(loss)
+    assert [t.dtype for t in kept if t.dtype != torch.float32] == [torch.uint8, torch.uint8]
+    assert saved_bytes(loss, exclude=[x, w]) == 2 * torch.get_rng_state().numel()
+    (grad,) = torch.autograd.grad(loss, [w])
+    after = torch.rand(3)  # the backward's draws leave the generator where the forward left it, as eager's
+    torch.manual_seed(5)
+    eager = program(x, w)
+    (expected,) = torch.autograd.grad(eager, [w])
+    torch.testing.assert_close(loss, eager)
+    torch.testing.assert_close(grad, expected)
+    torch.testing.assert_close(after, torch.rand(3), rtol=0, atol=0)
+
+
 def _selective(policy):
     def program(x, w1, w2):
         return checkpoint(
