@@ -95,9 +95,9 @@ def without_reentrant(
     **__: Any,
 ) -> Iterator[None]:
     """Traced stand-in for ``torch.utils.checkpoint._checkpoint_without_reentrant_generator``: ``checkpoint`` calls
-    ``next`` on it once before running the function and once after (which ends it). Random numbers drawn inside the
-    region are saved rather than drawn again, so the backward sees eager's values whatever ``preserve_rng_state``
-    says."""
+    ``next`` on it once before running the function and once after (which ends it). The backward sees the forward's
+    random numbers (``fulmen.transforms.checkpoint_regions``); ``preserve_rng_state=False`` around random operations
+    is refused by ``region``."""
     policy = _selective_policy(context_fn)
     with region(policy, preserve_rng_state):
         yield

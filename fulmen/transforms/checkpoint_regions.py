@@ -90,8 +90,14 @@ def _replay_symbol(sym: Symbol) -> Symbol:
     if replay is None:
         from fulmen.executors.torchex import ex as torch_ex
 
-        replay = Symbol(name=f"replay_{sym.name}", meta=None, id=f"checkpoint.replay_{sym.name}", is_prim=True,
-                        impl=functools.partial(_replay, sym.extra["torch_impl"]), executor=torch_ex)
+        replay = Symbol(
+            name=f"replay_{sym.name}",
+            meta=None,
+            id=f"checkpoint.replay_{sym.name}",
+            is_prim=True,
+            impl=functools.partial(_replay, sym.extra["torch_impl"]),
+            executor=torch_ex,
+        )
         replay.extra["skip_meta_check"] = True
         _REPLAYS[sym.id] = replay
     return replay
@@ -100,9 +106,14 @@ def _replay_symbol(sym: Symbol) -> Symbol:
 def _replayable(leaf: BoundSymbol, recomputed: set[str]) -> bool:
     """A random prim on the CPU whose outputs a checkpointed region alone reads."""
     outs = leaf.defined_outs
-    return (OpTags.RANDOM_OP in leaf.sym.tags and leaf.sym.is_prim and "torch_impl" in leaf.sym.extra
-            and bool(outs) and all(p.name in recomputed for p in outs)
-            and all(isinstance(p, TensorProxy) and to_torch_device(p.device).type == "cpu" for p in outs))
+    return (
+        OpTags.RANDOM_OP in leaf.sym.tags
+        and leaf.sym.is_prim
+        and "torch_impl" in leaf.sym.extra
+        and bool(outs)
+        and all(p.name in recomputed for p in outs)
+        and all(isinstance(p, TensorProxy) and to_torch_device(p.device).type == "cpu" for p in outs)
+    )
 
 
 def replay_random_draws(nodes: list, recomputed: set[str], trace: Trace) -> dict[int, BoundSymbol]:
