@@ -7,12 +7,14 @@ own hooks take its tensors, so what it drops is not counted); fulmen's are the t
 The script also checks that the loss and the gradients agree with eager's.
 
     python benchmarks/bench_checkpointing.py                    # gpt-small, batch 4, sequence 128
-    python benchmarks/bench_checkpointing.py --model gpt-tiny --batch 2
+    python benchmarks/bench_checkpointing.py --model gpt-tiny --batch 2 --seq 16
+    python benchmarks/bench_checkpointing.py --dropout 0.1         # dropout masks: drawn again in the backward
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 from torch import nn
@@ -34,9 +36,9 @@ class Checkpointed(nn.Module):
         return checkpoint(self.block, x, use_reentrant=self.use_reentrant)
 
 
-def build(name: str, mode: str) -> GPT:
+def build(name: str, mode: str, dropout: float) -> GPT:
     torch.manual_seed(0)
-    model = GPT(CONFIGS[name])
+    model = GPT(dataclasses.replace(CONFIGS[name], dropout=dropout))
     if mode != "none":
         h = model.transformer.h
         model.transformer.h = nn.ModuleList(Checkpointed(b, mode == "reentrant") for b in h)
@@ -74,18 +76,20 @@ def fulmen_saved(loss: torch.Tensor, skip: set[int]) -> int:
     return _storages(found, skip)
 
 
-def measure(name: str, mode: str, batch: int, seq: int, executors) -> dict:
+def measure(name: str, mode: str, batch: int, seq: int, executors, dropout: float) -> dict:
     config = CONFIGS[name]
     torch.manual_seed(1)
     idx = torch.randint(0, config.vocab_size, (batch, seq))
     targets = torch.randint(0, config.vocab_size, (batch, seq))
-    eager = build(name, mode)
+    eager = build(name, mode, dropout)
+    torch.manual_seed(2)  # the same dropout masks for eager and fulmen
     eager_bytes, eager_loss = eager_saved(eager, idx, targets)
     eager_loss.backward()
-    model = build(name, mode)
+    model = build(name, mode, dropout)
     jitted = fulmen.jit(model, executors=executors)
     jitted(idx, targets)[1].backward()  # the first call may run on PyTorch autograd; measure the compiled program
     model.zero_grad()
+    torch.manual_seed(2)
     _, loss = jitted(idx, targets)
     skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {idx.untyped_storage().data_ptr()}
     ours = fulmen_saved(loss, skip)
@@ -101,12 +105,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--executors", default="torch", help="'torch' or 'default' (with Inductor fusion)")
+    parser.add_argument("--dropout", type=float, default=0.0, help="the GPT's dropout probability")
     args = parser.parse_args()
     executors = ["torch"] if args.executors == "torch" else None
-    print(f"{args.model}, batch {args.batch}, sequence {args.seq}, executors {args.executors}")
+    print(f"{args.model}, batch {args.batch}, sequence {args.seq}, dropout {args.dropout}, executors {args.executors}")
     print(f"{'checkpointing':>14} {'eager MiB':>10} {'fulmen MiB':>11} {'max |grad diff|':>16}")
     for mode in ("none", "non-reentrant", "reentrant"):
-        r = measure(args.model, mode, args.batch, args.seq, executors)
+        r = measure(args.model, mode, args.batch, args.seq, executors, args.dropout)
         eager_mib, fulmen_mib = r["eager_bytes"] / 2**20, r["fulmen_bytes"] / 2**20
         print(f"{mode:>14} {eager_mib:10.2f} {fulmen_mib:11.2f} {r['max_grad_diff']:16.2e}")
 
