@@ -53,6 +53,9 @@ class Trace:
         # the ShapeEnv of the trace's symbolic sizes, dynamic or data-dependent (fulmen.core.unbacked.trace_shape_env)
         self.shape_env = parent.shape_env if parent is not None else None
         self.read_value = None  # frontend hook reading a tensor's value for Python (fulmen.frontend.split_points)
+        # torch.utils.checkpoint regions recorded while tracing, copied into the traces derived from this one
+        # (fulmen.transforms.checkpoint_regions.CheckpointRegion, recorded by fulmen.frontend.checkpointing)
+        self.checkpoint_regions: list = list(parent.checkpoint_regions) if parent is not None else []
 
     # ---- names ----
     def make_name(self, prefix: str = "t") -> str:

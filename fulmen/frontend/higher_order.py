@@ -5,7 +5,9 @@ are real tensors and hand the work to Dynamo, and no ``__torch_function__`` sees
 them under its own names (``from torch._higher_order_ops import associative_scan``), so replacing a module
 attribute would miss calls. While some thread traces, each function's code is replaced by a stub that sends the
 call to ``fulmen.torch.higher_order`` when the calling thread is tracing user code, and to PyTorch's own code
-otherwise (other threads, eager calls); the last trace to end puts the original code back.
+otherwise (other threads, eager calls); the last trace to end puts the original code back. The generator that
+``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` runs around its function is routed the same way, to
+``fulmen.frontend.checkpointing``, which records the checkpointed region.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import types
 from collections.abc import Callable, Iterator
 
 from fulmen.core.trace import get_tracectx
+from fulmen.frontend import checkpointing
 from fulmen.torch import higher_order
 
 #: (module, function's qualified name) -> fulmen's traced version (of a method: called without ``self``). The
@@ -29,6 +32,8 @@ _ROUTES = {
     ("torch._higher_order_ops.associative_scan", "associative_scan"): higher_order.associative_scan,
     ("torch._higher_order_ops.cond", "CondOp.__call__"): higher_order.cond_op,
     ("torch._higher_order_ops.while_loop", "WhileLoopOp.__call__"): higher_order.while_loop_op,
+    # checkpoint(use_reentrant=False) runs the function between two steps of this generator
+    ("torch.utils.checkpoint", "_checkpoint_without_reentrant_generator"): checkpointing.without_reentrant,
 }
 
 _lock = threading.Lock()

@@ -22,7 +22,7 @@ from fulmen.core.codeutils import sanitize_name
 from fulmen.core.proxies import Proxy, TensorProxy, call_with_out, has_proxy, is_library_file, is_proxy, latest
 from fulmen.core.trace import Trace, get_tracectx, tracectx
 from fulmen.core.unbacked import GuardOnDataDependentSymNode, data_dependent_guard
-from fulmen.frontend import module_guard
+from fulmen.frontend import checkpointing, module_guard
 from fulmen.frontend.cache import is_holder
 from fulmen.frontend.global_guard import GlobalGuard, ReadRecorder, build_guard
 from fulmen.frontend.higher_order import routing_higher_order_ops
@@ -346,8 +346,9 @@ def _apply(cls, *args, **kwargs):  # named "apply" below: Dynamo recognizes Func
         if cls is _ReentrantCheckpoint:
             # apply(run_function, preserve_rng_state, *args): its backward recomputes run_function under autograd,
             # so tracing the call itself gives the same gradients (its forward runs under no_grad, and reads module
-            # parameters it is not passed); fulmen's rematerialization decides what to recompute
-            return args[0](*args[2:])
+            # parameters it is not passed); recorded as a checkpointed region, which the backward recomputes
+            with checkpointing.region(preserve_rng_state=args[1]):
+                return args[0](*args[2:])
 
         autocast = tuple((p.device_type, p.dtype) for p in current_policies())
         return autograd_function_symbol(cls, autocast)(*args, **kwargs)

@@ -17,7 +17,9 @@ It applies only where nothing can differ from eager:
   operations, which the first call would then not use;
 - every operation runs as its torch callable (a torch-language symbol declared ``torch_executable`` or an opaque
   torch op), was not recorded under ``torch.no_grad()``, and has no grad rule registered by the user;
-- the trace mutates no input in place.
+- the trace mutates no input in place;
+- it has no ``torch.utils.checkpoint`` region: PyTorch autograd would save everything the region computes, and a
+  program checkpointed to fit in memory must not need more at its first step.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ _DEFAULT_EXECUTORS = (torchex.ex, inductor.ex)
 
 def applies(trace: Trace, executors: Sequence[Executor]) -> bool:
     """Whether ``trace``'s first call may run on PyTorch autograd (the conditions in the module docstring)."""
-    if not ENABLED or compile_mode.get() != "async" or trace.has_mutations:
+    if not ENABLED or compile_mode.get() != "async" or trace.has_mutations or trace.checkpoint_regions:
         return False
     if any(ex not in _DEFAULT_EXECUTORS for ex in executors):
         return False

@@ -197,14 +197,17 @@ class _FlowGraph:
 
 
 def choose_saved(leaves: Sequence[BoundSymbol], inputs: Iterable[Proxy], needed: Iterable[str], *,
-                 recompute: bool = True, overwritten: Iterable[str] = (),
-                 exact: Iterable[str] = ()) -> tuple[list[Proxy], dict[str, BoundSymbol]]:
+                 recompute: bool = True, overwritten: Iterable[str] = (), exact: Iterable[str] = (),
+                 checkpointed: Iterable[str] = (),
+                 kept: Iterable[str] = ()) -> tuple[list[Proxy], dict[str, BoundSymbol]]:
     """(values to save, ``{name: producer}`` of the values to recompute) so that the backward can read ``needed``.
 
     ``leaves`` are the forward's finest-grained bound symbols in order; ``inputs`` the forward's inputs, of which
     the forward updates ``overwritten`` in place (saving one costs a copy). The backward must read the very bits
     the forward computed for ``exact`` (``bit_exact_reads``): those are recomputed only by operations that
-    reproduce bits.
+    reproduce bits. ``checkpointed`` values (``checkpoint_regions.checkpoint_choices``) are recomputed whatever
+    their operations cost, unless those are never recomputed (random draws, side effects, in-place updates);
+    ``kept`` values are never recomputed.
     """
     proxies: dict[str, Proxy] = {p.name: p for p in inputs}
     free_inputs = set(proxies) - set(overwritten)
@@ -221,9 +224,18 @@ def choose_saved(leaves: Sequence[BoundSymbol], inputs: Iterable[Proxy], needed:
     # values whose producer would not reproduce the bits the backward relies on: saved, never recomputed
     _, pinned = _exact_closure(exact, producer, input_names)
 
+    checkpointed, kept = set(checkpointed), set(kept)
+
+    def forced(name: str) -> bool:
+        """A checkpointed value: recomputed, never saved, if its producer may run again."""
+        b = producer.get(name)
+        return name in checkpointed and b is not None and name not in input_names and name not in pinned \
+            and not any(t in b.sym.tags for t in _NEVER_TAGS)
+
     def cheap(name: str) -> bool:
         b = producer.get(name)
-        return b is not None and name not in input_names and name not in pinned and is_recomputable(b)
+        return forced(name) or (b is not None and name not in input_names and name not in pinned
+                                and name not in kept and is_recomputable(b))
 
     # only the values the backward's needs can be recomputed from matter
     relevant: list[str] = []
@@ -261,7 +273,7 @@ def choose_saved(leaves: Sequence[BoundSymbol], inputs: Iterable[Proxy], needed:
             for u in producer[n].flat_args:
                 if isinstance(u, TensorProxy):
                     g.add((u.name, "out"), (n, "in"), _INF)
-            weight = cost(n, p)
+            weight = _INF if forced(n) else cost(n, p)
         else:
             g.add(source, (n, "in"), _INF)
             free = n in free_inputs or (n not in producer and n not in input_names)

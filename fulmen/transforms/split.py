@@ -31,6 +31,7 @@ from fulmen.core.unbacked import size_carriers
 from fulmen.prims import PrimIDs
 from fulmen.transforms import remat
 from fulmen.transforms.autodiff import backward_pass, flat_tensor_args
+from fulmen.transforms.checkpoint_regions import checkpoint_choices, replay_random_draws
 from fulmen.transforms.linearize import Joint, Node, is_differentiable_dtype, linearize, zeros_like
 from fulmen.transforms.passes import MAY_ALIAS, overwritten_inputs
 
@@ -348,13 +349,17 @@ def split_forward_backward(trace: Trace, executors: Sequence, *, recompute: bool
                          context=context, input_requires_grad=requires, dirty=dirty)
     if trace.overwritten:
         fb.modified_saved = _modified_saved_value(trace, joint, executors, context, outputs, differentiable)
+    checkpointed, kept = checkpoint_choices(joint.nodes, trace.checkpoint_regions, outputs)
+    # before the backward trace copies the joint's names: the replays name the generator states they read
+    replays = replay_random_draws(joint.nodes, checkpointed, context) if checkpointed else {}
     everything = (True,) * len(differentiable)
     bw, body, cts, grads, needed = _emit_backward(fb, everything)  # the full backward decides what is saved
     leaves = _leaves(joint.nodes)
     needed += _size_carriers(body, cts, needed, trace.args, leaves)
     exact = remat.bit_exact_reads(body)
-    fb.saved, producers = remat.choose_saved(leaves, trace.args, needed, recompute=recompute, overwritten=written,
-                                             exact=exact)
+    remat_leaves = [replays.get(id(b), b) for b in _leaves(joint.nodes)] if replays else leaves
+    fb.saved, producers = remat.choose_saved(remat_leaves, trace.args, needed, recompute=recompute,
+                                             overwritten=written, exact=exact, checkpointed=checkpointed, kept=kept)
     fb.producers = remat.coarsen(joint.nodes, [p.name for p in fb.saved], producers, exact)
     fb.views = _view_outputs(fb, leaves)
     bsyms = emit_forward(joint.nodes, {p.name for p in fb.saved})
