@@ -1,0 +1,161 @@
+"""DDP and FSDP1 with fulmen.jit, both wrapping orders, on 2 gloo CPU ranks: losses, gradients and parameters after
+a few SGD steps equal distributed eager's, and the ranks agree.
+
+Every check runs in one spawned 2-rank run (a spawn costs seconds of torch import per rank); the tests read its
+results. Each rank trains on its own batches, so only a real all-reduce makes the ranks' parameters equal.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fulmen
+from fulmen.bench.models import build
+from fulmen.launch import run_on_ranks
+
+STEPS = 3
+# DDP setups: (name, how the model is wrapped, fulmen's compile mode)
+DDP_SETUPS = [
+    ("jit(DDP) off", "jit_outside", "off"),
+    ("DDP(jit) off", "jit_inside", "off"),
+    ("jit(DDP) sync", "jit_outside", "sync"),
+]
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + 10 * rank + step)
+    return torch.randint(0, 128, (2, 16), generator=gen), torch.randint(0, 128, (2, 16), generator=gen)
+
+
+def _loss(model, rank: int, step: int) -> torch.Tensor:
+    return model(*_batch(rank, step))[1]
+
+
+def _train_ddp(rank: int, wrapping: str, compile_mode: str) -> dict:
+    """A no_sync() accumulation step, then plain DDP steps; the local gradients seen inside no_sync are kept."""
+    model, _ = build("gpt-tiny")
+    if wrapping == "eager":
+        m = DDP(model)
+    elif wrapping == "jit_outside":
+        m = fulmen.jit(DDP(model), compile=compile_mode)
+    else:
+        m = DDP(fulmen.jit(model, compile=compile_mode))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    losses = []
+    with m.no_sync():
+        loss = _loss(m, rank, 0)
+        loss.backward()
+    local_grads = [p.grad.clone() for p in model.parameters()]
+    losses.append(loss.item())
+    for step in range(1, STEPS + 1):
+        loss = _loss(m, rank, step)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = [p.detach().clone() for p in model.parameters()]
+    return {"losses": losses, "local_grads": local_grads, "params": params}
+
+
+def _train_fsdp1(rank: int, jit_inside: bool) -> dict:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model, _ = build("gpt-tiny")
+    inner = fulmen.jit(model, compile="off") if jit_inside else model
+    m = FSDP(inner, use_orig_params=True, device_id=torch.device("cpu"))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    losses = []
+    for step in range(STEPS):
+        loss = _loss(m, rank, step)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    with FSDP.summon_full_params(m):
+        params = [p.detach().clone() for p in m.parameters()]
+    return {"losses": losses, "params": params}
+
+
+def _error_of(fn) -> str:
+    try:
+        fn()
+    except NotImplementedError as e:
+        return str(e)
+    return "no error"
+
+
+def _refusals() -> dict:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    def fsdp1_outside():
+        fulmen.jit(FSDP(build("gpt-tiny")[0], use_orig_params=True, device_id=torch.device("cpu")))
+
+    def ddp_nested():
+        outer = torch.nn.Sequential(DDP(torch.nn.Linear(4, 4)))
+        fulmen.jit(outer, compile="off")(torch.randn(2, 4))
+
+    return {"fsdp1_outside": _error_of(fsdp1_outside), "ddp_nested": _error_of(ddp_nested)}
+
+
+def _all_checks(rank: int, world_size: int) -> dict:
+    out = {"ddp eager": _train_ddp(rank, "eager", "off")}
+    for name, wrapping, compile_mode in DDP_SETUPS:
+        out[name] = _train_ddp(rank, wrapping, compile_mode)
+    out["fsdp1 eager"] = _train_fsdp1(rank, jit_inside=False)
+    out["FSDP1(jit)"] = _train_fsdp1(rank, jit_inside=True)
+    dist.barrier()
+    out["refusals"] = _refusals()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_on_ranks(_all_checks, timeout=600)
+
+
+def _close(actual, expected, tol):
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, **tol)
+
+
+OFF_TOL = {"rtol": 1e-5, "atol": 1e-6}  # the same float32 ops, summed in another order
+SYNC_TOL = {"rtol": 1e-4, "atol": 1e-5}  # fused kernels reassociate the reductions
+
+
+@pytest.mark.parametrize("name", [s[0] for s in DDP_SETUPS])
+def test_ddp_matches_distributed_eager_and_ranks_agree(ranks, name):
+    tol = SYNC_TOL if name.endswith("sync") else OFF_TOL
+    for r in ranks:
+        torch.testing.assert_close(torch.tensor(r[name]["losses"]), torch.tensor(r["ddp eager"]["losses"]), **tol)
+        _close(r[name]["params"], r["ddp eager"]["params"], tol)
+    # each rank trained on its own batches: equal parameters mean the gradients were all-reduced on every step
+    _close(ranks[0][name]["params"], ranks[1][name]["params"], {"rtol": 0, "atol": 0})
+
+
+@pytest.mark.parametrize("name", [s[0] for s in DDP_SETUPS])
+def test_no_sync_accumulates_local_gradients(ranks, name):
+    tol = SYNC_TOL if name.endswith("sync") else OFF_TOL
+    for r in ranks:
+        _close(r[name]["local_grads"], r["ddp eager"]["local_grads"], tol)
+    # under no_sync each rank keeps its own gradient
+    assert not torch.allclose(ranks[0][name]["local_grads"][0], ranks[1][name]["local_grads"][0])
+
+
+def test_fsdp1_around_jit_matches_eager_fsdp1(ranks):
+    for r in ranks:
+        torch.testing.assert_close(torch.tensor(r["FSDP1(jit)"]["losses"]), torch.tensor(r["fsdp1 eager"]["losses"]),
+                                   **OFF_TOL)
+        _close(r["FSDP1(jit)"]["params"], r["fsdp1 eager"]["params"], OFF_TOL)
+    _close(ranks[0]["FSDP1(jit)"]["params"], ranks[1]["FSDP1(jit)"]["params"], {"rtol": 0, "atol": 0})
+
+
+def test_jit_of_fsdp1_is_refused_naming_the_order_that_works(ranks):
+    message = ranks[0]["refusals"]["fsdp1_outside"]
+    assert "fulmen.jit(FullyShardedDataParallel(model))" in message
+    assert "FullyShardedDataParallel(fulmen.jit(model), use_orig_params=True)" in message
+
+
+def test_a_ddp_inside_a_traced_module_is_refused(ranks):
+    message = ranks[0]["refusals"]["ddp_nested"]
+    assert "DistributedDataParallel" in message and "fulmen.jit(DDP(model))" in message
