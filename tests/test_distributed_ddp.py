@@ -144,8 +144,9 @@ def test_no_sync_accumulates_local_gradients(ranks, name):
 
 def test_fsdp1_around_jit_matches_eager_fsdp1(ranks):
     for r in ranks:
-        torch.testing.assert_close(torch.tensor(r["FSDP1(jit)"]["losses"]), torch.tensor(r["fsdp1 eager"]["losses"]),
-                                   **OFF_TOL)
+        torch.testing.assert_close(
+            torch.tensor(r["FSDP1(jit)"]["losses"]), torch.tensor(r["fsdp1 eager"]["losses"]), **OFF_TOL
+        )
         _close(r["FSDP1(jit)"]["params"], r["fsdp1 eager"]["params"], OFF_TOL)
     _close(ranks[0]["FSDP1(jit)"]["params"], ranks[1]["FSDP1(jit)"]["params"], {"rtol": 0, "atol": 0})
 
@@ -159,3 +160,32 @@ def test_jit_of_fsdp1_is_refused_naming_the_order_that_works(ranks):
 def test_a_ddp_inside_a_traced_module_is_refused(ranks):
     message = ranks[0]["refusals"]["ddp_nested"]
     assert "DistributedDataParallel" in message and "fulmen.jit(DDP(model))" in message
+
+
+@pytest.mark.slow  # a spawned 2-rank run (tens of seconds on a loaded machine)
+def test_bench_distributed_mode_runs_at_toy_size():
+    from fulmen.bench.distributed import DistConfig, format_distributed_table, run_distributed
+
+    config = DistConfig(model="gpt-tiny", wrappers=("ddp", "fsdp2"), backends=("eager", "fulmen"), steps=1, warmup=0)
+    rows = run_distributed(config)
+    assert [(r.wrapper, r.backend) for r in rows] == [
+        ("ddp", "eager"),
+        ("ddp", "fulmen"),
+        ("fsdp2", "eager"),
+        ("fsdp2", "fulmen"),
+    ]
+    for r in rows[:3]:  # a row that fails shows its error; these must not fail
+        assert r.error is None and len(r.step_ms) == 2 and all(t > 0 for t in r.step_ms) and len(r.peak_mb) == 2
+    # the same seeded model, batches and steps: fulmen's loss is eager's
+    assert rows[1].loss == pytest.approx(rows[0].loss, rel=1e-5)
+    table = format_distributed_table(rows)
+    assert all(r.wrapper in table for r in rows)
+    assert rows[3].error is not None or rows[3].loss == pytest.approx(rows[2].loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("argv", [["--model", "mlp-tiny"], ["--backends", "torch.compile-fulmen"]])
+def test_bench_distributed_refuses_what_it_cannot_run(argv, capsys):
+    from fulmen.bench import cli
+
+    assert cli.main(["bench", "--mode", "distributed", *argv]) == 2
+    assert "cannot run" in capsys.readouterr().err
