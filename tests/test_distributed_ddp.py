@@ -8,6 +8,7 @@ results. Each rank trains on its own batches, so only a real all-reduce makes th
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fulmen
@@ -160,6 +161,58 @@ def test_jit_of_fsdp1_is_refused_naming_the_order_that_works(ranks):
 def test_a_ddp_inside_a_traced_module_is_refused(ranks):
     message = ranks[0]["refusals"]["ddp_nested"]
     assert "DistributedDataParallel" in message and "fulmen.jit(DDP(model))" in message
+
+
+DYNAMO_MODELS = ("gpt-tiny", "mlp-tiny", "llama-tiny")
+
+
+def _dynamo_step(model, inputs):
+    out = model(*inputs)
+    loss = out[1] if isinstance(out, tuple) else nn.functional.mse_loss(out, inputs[1])
+    loss.backward()
+    return loss
+
+
+def _several_dynamo_ddp_models(rank: int, world_size: int, compiled: bool) -> dict:
+    """Several models, each torch.compile(DDP(model), backend="fulmen") in one process, trained in rounds while
+    fulmen's background compiler lowers their regions (the default "async" mode)."""
+    models, opts, inputs = [], [], []
+    for name in DYNAMO_MODELS:
+        model, make_inputs = build(name)
+        wrapped = DDP(model)
+        if compiled:
+            wrapped = torch.compile(wrapped, backend="fulmen", options={"compile": "async"})
+        models.append(wrapped)
+        opts.append(torch.optim.SGD(model.parameters(), lr=0.1))
+        x, y = make_inputs(2, targets=True)
+        inputs.append(((x + rank) % 8 if x.dtype == torch.long else x + rank, y))  # each rank its own batch
+    losses = [[] for _ in DYNAMO_MODELS]
+    for _ in range(3):
+        for i, model in enumerate(models):
+            losses[i].append(_dynamo_step(model, inputs[i]).item())
+            opts[i].step()
+            opts[i].zero_grad()
+    return {"losses": losses, "params": [[p.detach().clone() for p in m.parameters()] for m in models]}
+
+
+def _dynamo_checks(rank: int, world_size: int) -> dict:
+    return {
+        "eager": _several_dynamo_ddp_models(rank, world_size, False),
+        "fulmen": _several_dynamo_ddp_models(rank, world_size, True),
+    }
+
+
+def test_several_dynamo_ddp_models_in_one_process_match_eager():
+    """Training steps run while fulmen's background compiler lowers regions: on a rank where one met an FX trace of
+    Inductor's, Dynamo refused to run the compiled model and the other rank was left in a collective."""
+    ranks = run_on_ranks(_dynamo_checks, timeout=600)
+    for r in ranks:
+        for got, expected in zip(r["fulmen"]["losses"], r["eager"]["losses"], strict=True):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), **SYNC_TOL)
+        for got, expected in zip(r["fulmen"]["params"], r["eager"]["params"], strict=True):
+            _close(got, expected, SYNC_TOL)
+    for rank0, rank1 in zip(ranks[0]["fulmen"]["params"], ranks[1]["fulmen"]["params"], strict=True):
+        _close(rank0, rank1, {"rtol": 0, "atol": 0})
 
 
 @pytest.mark.slow  # a spawned 2-rank run (tens of seconds on a loaded machine)
