@@ -82,5 +82,6 @@ def refuse_traced_wrappers(modules: Iterable[nn.Module]) -> None:
         raise NotImplementedError(
             f"fulmen.jit: the traced module holds an FSDP1 FullyShardedDataParallel ({type(module).__name__}); "
             "FSDP1 swaps parameters for views of all-gathered flat parameters on every call, which tracing would run "
-            f"only once. Use {_FSDP1_WORKS}, or FSDP2 (torch.distributed.fsdp.fully_shard)."
+            "only once. Jit the modules FSDP1 wraps instead (FullyShardedDataParallel(fulmen.jit(block), "
+            f"use_orig_params=True)), or use {_FSDP1_WORKS}, or FSDP2 (torch.distributed.fsdp.fully_shard)."
         )
