@@ -11,7 +11,9 @@ of that backend would write it:
 A step is forward, backward and an SGD step, on batches that differ by rank. Every row runs in the same
 ``world_size`` processes (``fulmen.launch.run_on_ranks``), one after another; the step time is the median over
 ``steps`` timed steps, taken per rank, and the peak memory is ``fulmen.bench.memory``'s CPU measure of one more
-step, per rank. A row that fails on a rank shows its error instead of numbers.
+step, per rank (the tensors the step starts with, this rank's shards for FSDP2, plus the step's peak allocations;
+DDP's gradient buckets, allocated when DDP is built, are not counted). A row that fails on a rank shows its error
+instead of numbers.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def _wrap(model: torch.nn.Module, wrapper: str, backend: str):
 
 
 def _one_row(rank: int, config: DistConfig, wrapper: str, backend: str) -> dict:
-    from fulmen.bench.memory import cpu_step_peak_bytes
+    from fulmen.bench.memory import cpu_step_peak_bytes, state_tensors, tensor_bytes
     from fulmen.bench.models import build
 
     model, make_inputs = build(config.model, seed=0)
@@ -100,7 +102,10 @@ def _one_row(rank: int, config: DistConfig, wrapper: str, backend: str) -> dict:
         start = time.perf_counter()
         loss = step()
         times.append(time.perf_counter() - start)
-    peak = cpu_step_peak_bytes(step)
+    # as fulmen bench's other modes count it: what the step starts holding (this rank's shard of a DTensor), plus
+    # the step's peak net allocations
+    held = [t.to_local() if hasattr(t, "to_local") else t for t in state_tensors(model, opt, (idx, targets))]
+    peak = tensor_bytes(held) + cpu_step_peak_bytes(step)
     return {"step_ms": statistics.median(times) * 1e3, "peak_mb": peak / 2**20, "loss": loss.item()}
 
 
