@@ -107,6 +107,8 @@ def _all_checks(rank: int, world_size: int) -> dict:
     out["FSDP1(jit)"] = _train_fsdp1(rank, jit_inside=True)
     dist.barrier()
     out["refusals"] = _refusals()
+    out["dynamo eager"] = _several_dynamo_ddp_models(rank, world_size, False)
+    out["dynamo fulmen"] = _several_dynamo_ddp_models(rank, world_size, True)
     return out
 
 
@@ -195,23 +197,15 @@ def _several_dynamo_ddp_models(rank: int, world_size: int, compiled: bool) -> di
     return {"losses": losses, "params": [[p.detach().clone() for p in m.parameters()] for m in models]}
 
 
-def _dynamo_checks(rank: int, world_size: int) -> dict:
-    return {
-        "eager": _several_dynamo_ddp_models(rank, world_size, False),
-        "fulmen": _several_dynamo_ddp_models(rank, world_size, True),
-    }
-
-
-def test_several_dynamo_ddp_models_in_one_process_match_eager():
+def test_several_dynamo_ddp_models_in_one_process_match_eager(ranks):
     """Training steps run while fulmen's background compiler lowers regions: on a rank where one met an FX trace of
     Inductor's, Dynamo refused to run the compiled model and the other rank was left in a collective."""
-    ranks = run_on_ranks(_dynamo_checks, timeout=600)
     for r in ranks:
-        for got, expected in zip(r["fulmen"]["losses"], r["eager"]["losses"], strict=True):
+        for got, expected in zip(r["dynamo fulmen"]["losses"], r["dynamo eager"]["losses"], strict=True):
             torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), **SYNC_TOL)
-        for got, expected in zip(r["fulmen"]["params"], r["eager"]["params"], strict=True):
+        for got, expected in zip(r["dynamo fulmen"]["params"], r["dynamo eager"]["params"], strict=True):
             _close(got, expected, SYNC_TOL)
-    for rank0, rank1 in zip(ranks[0]["fulmen"]["params"], ranks[1]["fulmen"]["params"], strict=True):
+    for rank0, rank1 in zip(ranks[0]["dynamo fulmen"]["params"], ranks[1]["dynamo fulmen"]["params"], strict=True):
         _close(rank0, rank1, {"rtol": 0, "atol": 0})
 
 
