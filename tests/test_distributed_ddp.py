@@ -21,6 +21,7 @@ DDP_SETUPS = [
     ("jit(DDP) off", "jit_outside", "off"),
     ("DDP(jit) off", "jit_inside", "off"),
     ("jit(DDP) sync", "jit_outside", "sync"),
+    ("jit(DDP find_unused_parameters) off", "jit_outside_find_unused", "off"),
 ]
 
 
@@ -38,8 +39,9 @@ def _train_ddp(rank: int, wrapping: str, compile_mode: str) -> dict:
     model, _ = build("gpt-tiny")
     if wrapping == "eager":
         m = DDP(model)
-    elif wrapping == "jit_outside":
-        m = fulmen.jit(DDP(model), compile=compile_mode)
+    elif wrapping.startswith("jit_outside"):
+        # find_unused_parameters: DDP's post-forward walks the autograd graph from the compiled program's outputs
+        m = fulmen.jit(DDP(model, find_unused_parameters=wrapping.endswith("find_unused")), compile=compile_mode)
     else:
         m = DDP(fulmen.jit(model, compile=compile_mode))
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
