@@ -23,6 +23,7 @@ from fulmen.executors import inductor as _inductor  # registers the inductor fus
 from fulmen.executors import torchex as _torchex  # noqa: F401  (registers the torch executor)
 from fulmen.executors.base import Executor, add_default_executor
 from fulmen.executors.base import get_default_executors as _default_executors
+from fulmen.frontend import distributed_wrappers as _wrappers
 from fulmen.frontend import training as _training  # noqa: F401  (imported now, not inside the first call)
 from fulmen.frontend.jit import JittedFunction, get_stats
 from fulmen.frontend.module import JittedModule
@@ -80,6 +81,11 @@ def jit(fn: Callable | _pytorch.nn.Module, executors: Sequence[Executor | str] |
     if isinstance(fn, JittedModule | JittedFunction):
         return fn
     if isinstance(fn, _pytorch.nn.Module):
+        if _wrappers.is_ddp(fn):  # DDP's forward runs eagerly around the compiled module, on every call
+            from fulmen.frontend.jitted_ddp import JittedDDP
+
+            return JittedDDP(fn, executors, **options)
+        _wrappers.refuse_fsdp1_outside(fn)
         return JittedModule(fn, executors, **options)
     return JittedFunction(fn, executors, **options)
 

@@ -188,6 +188,56 @@ def test_a_paused_background_lowering_changes_nothing_the_main_thread_sees(pause
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
 
 
+
+@pytest.fixture
+def compiled_before():
+    """A function torch.compile'd (and compiled) before a background lowering starts."""
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a: a * 2 + 1, backend="eager")
+    compiled(torch.randn(3))
+    return compiled
+
+
+@pytest.fixture
+def paused_in_inductors_fx_trace(monkeypatch, compiled_before):
+    """A region's lowering on the background compiler, stopped inside a torch.fx Tracer.trace that Inductor's
+    compilation makes (its loop bodies and pattern matcher trace helper functions with FX)."""
+    from torch._inductor import compile_fx
+
+    paused = _Paused()
+    compile_inner = compile_fx.compile_fx_inner
+
+    def helper(x):
+        paused.pause()
+        return x + 1
+
+    def tracing_first(*args, **kwargs):
+        torch.fx.symbolic_trace(helper)
+        return compile_inner(*args, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", tracing_first)
+    try:
+        _paused_region(monkeypatch, paused)
+        yield paused
+    finally:
+        paused.release.set()
+    paused.finish()
+
+
+def test_inductors_own_fx_traces_leave_the_main_thread_alone(paused_in_inductors_fx_trace, compiled_before):
+    """While Inductor, lowering a region on the background compiler, is inside an FX trace, the main thread's
+    torch.compile'd functions run (FX's process-wide tracing flag made Dynamo refuse them: a DDP training step
+    failed on one rank and left the others in a collective) and its modules return tensors, not FX proxies."""
+    x = torch.randn(3)
+    assert not torch.fx._symbolic_trace.is_fx_symbolic_tracing()
+    torch.testing.assert_close(compiled_before(x), x * 2 + 1)
+    lin = nn.Linear(3, 2)
+    out = lin(x)
+    assert type(out) is torch.Tensor
+    torch.testing.assert_close(out, nn.functional.linear(x, lin.weight, lin.bias))
+    paused_in_inductors_fx_trace.finish()
+    torch.testing.assert_close(compiled_before(x), x * 2 + 1)
+
 # Tiny random configs of families whose torch.compile(backend="fulmen") runs broke or silently fell back to eager
 # while fulmen's background compiler traced with FX's tracer.
 _VOCAB = 128

@@ -198,9 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"comma-separated models (default: gpt-small,llama-small,mlp; with --mode generate: "
                             f"{DEFAULT_GENERATE_MODEL}, or one of {','.join(generate_model_names())}; all: "
                             f"{','.join(models)})")
-    bench.add_argument("--mode", choices=[*MODES, "both", "generate"], default="both",
-                       help="inference (forward, no grad), train (forward, backward, optimizer step), both, or "
-                            "generate (Hugging Face generate(): time to first token and decode tokens/s)")
+    bench.add_argument("--mode", choices=[*MODES, "both", "generate", "distributed"], default="both",
+                       help="inference (forward, no grad), train (forward, backward, optimizer step), both, "
+                            "generate (Hugging Face generate(): time to first token and decode tokens/s), or "
+                            "distributed (DDP and FSDP2 training step on 2 CPU ranks, fulmen.bench.distributed)")
     bench.add_argument("--backends", type=_csv(list(dict.fromkeys([*BACKENDS, *GENERATE_BACKENDS])), "backend"),
                        help=f"comma-separated backends (default: {DEFAULT_BACKENDS}; available: "
                             f"{','.join(BACKENDS)}; with --mode generate: {DEFAULT_GENERATE_BACKENDS} by default, "
@@ -286,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _bench_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Fill ``--model`` and ``--backends`` by mode, and reject what the mode cannot run."""
+    if args.mode == "distributed":  # fulmen.bench.distributed checks its own
+        return
     generate = args.mode == "generate"
     if args.model is None:
         args.model = [DEFAULT_GENERATE_MODEL] if generate else ["gpt-small", "llama-small", "mlp"]
@@ -326,6 +329,10 @@ def _check_device(parser: argparse.ArgumentParser, device: str) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.mode == "generate":
         return cmd_bench_generate(args)
+    if args.mode == "distributed":
+        from fulmen.bench.distributed import cmd_bench_distributed
+
+        return cmd_bench_distributed(args)
     modes = list(MODES) if args.mode == "both" else [args.mode]
     if args.threads:
         torch.set_num_threads(args.threads)  # for the environment line; each measurement sets it too

@@ -30,6 +30,7 @@ import torch
 
 from fulmen.core.ambient import Ambient, switches
 from fulmen.core.utils import compiler_import_lock
+from fulmen.executors.fx_isolation import fx_tracing_kept_to_this_thread
 from fulmen.executors.inductor_cpp import MergedBuild, merged_cpp_build, prefetch_header
 from fulmen.executors.inductor_decomps import decomposition_table
 from fulmen.executors.inductor_layout import keep_output_strides, with_eager_strides
@@ -263,8 +264,9 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
         # loop bounds), which replaces nn.Module.__call__ for the process while it runs, and it keeps one
         # compilation's state in class attributes. Dynamo compiles (and Inductor compiles a backward) holding
         # Dynamo's compile lock; a lowering holds it too, so it never runs while Dynamo traces the user's code on
-        # another thread, which would see FX's wrappers. The C++ build after it runs without the lock.
-        with compile_lock:
+        # another thread, which would see FX's wrappers. The C++ build after it runs without the lock. Threads that
+        # are only running code meanwhile (a torch.compile'd step) see FX's traces neither (fx_isolation).
+        with compile_lock, fx_tracing_kept_to_this_thread():
             gm = aten_graph(fn, example, decompositions)
             keep_output_strides(gm)
             fake_mode = _fake_mode()

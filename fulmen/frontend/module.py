@@ -30,6 +30,7 @@ from fulmen.executors.base import Executor
 from fulmen.executors.inductor_compile import call_leaving_a_core
 from fulmen.frontend import fsdp2, module_guard
 from fulmen.frontend.cache import aliases_written_input, args_key, global_state_key, state_key
+from fulmen.frontend.distributed_wrappers import refuse_traced_wrappers
 from fulmen.frontend.jit import JittedFunction, _changed_value
 from fulmen.frontend.split_points import ValueChanged
 from fulmen.frontend.tracing import _arg_names, check_supported_tensors, trace_program
@@ -287,6 +288,8 @@ class _ModuleProgram(JittedFunction):
         # the slots are those the call's key was computed from (revalidate refreshed them when the tree changed)
         state = self.state
         module_guard.check_no_backward_hooks(self.module)
+        own = list(self.module.modules())
+        refuse_traced_wrappers(own)
         named = list(zip(state.names, state.tensors()))
         module, run_module = self.module, self._run_module
         self._traced_rebinds = ()
@@ -309,7 +312,7 @@ class _ModuleProgram(JittedFunction):
         names = _arg_names(forward_fn, args, kwargs)
         return trace_program(forward, args, kwargs, state=named, fn_name="computation", arg_names=names,
                              sizes=sizes, guard_reads=forward_fn if self._guard_reads else None,
-                             own=list(module.modules()), split_points=self._split_points)
+                             own=own, split_points=self._split_points)
 
     def _build_entry(self, key, args, kwargs, symbolic):
         entry = super()._build_entry(key, args, kwargs, symbolic)  # assigns the module attributes on every call
