@@ -47,11 +47,15 @@ def _user_location() -> str:
 
 
 def _data_dependent(what: str, proxy: TensorProxy, kind: str | None = None):
-    trace = current.trace
-    read = trace.read_value if trace is not None and kind is not None else None
-    if read is not None:  # the frontend reads the value from the call's tensors (fulmen.frontend.split_points)
-        return read(kind, proxy, what)
-    raise DataDependentError(
+    tracer = current.tracer
+    if tracer is not None and kind is not None:  # the tracer may read it (fulmen.frontend.split_points)
+        return tracer.read_value(kind, proxy, what)
+    raise data_dependent_error(what, proxy)
+
+
+def data_dependent_error(what: str, proxy: TensorProxy) -> DataDependentError:
+    """The error for Python that needs the value of ``proxy`` while it is traced, naming the user's line."""
+    return DataDependentError(
         f"{what} needs the value of tensor {proxy.name} ({proxy.type_string()}), which is not known while fulmen "
         f"traces the program.\n  at {_user_location()}\n"
         "fulmen.jit compiles the whole function into one trace, so Python control flow that depends on tensor values "

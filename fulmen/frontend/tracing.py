@@ -8,7 +8,7 @@ import inspect
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +20,9 @@ from fulmen import prims
 from fulmen.core import langctx
 from fulmen.core.codeutils import sanitize_name
 from fulmen.core.proxies import Proxy, TensorProxy, call_with_out, has_proxy, is_library_file, is_proxy, latest
-from fulmen.core.trace import Trace, get_tracectx, tracectx
+from fulmen.core.symbol import Symbol
+from fulmen.core.trace import Trace, get_tracectx
+from fulmen.core.tracer import Tracer, record, resolve_latest, tracing
 from fulmen.core.unbacked import GuardOnDataDependentSymNode, data_dependent_guard
 from fulmen.frontend import module_guard
 from fulmen.frontend.cache import is_holder
@@ -310,6 +312,72 @@ class _AutocastPolicies:
         return iter(self._policies)
 
 
+class UserTracer(Tracer):
+    """The tracer of a user's program (``fulmen.core.tracer``): real tensors that reach a symbol (closures,
+    globals) become inputs of the trace at every depth; at a call the user's code makes (the outermost scope) it
+    also records the user frames on the stack for the global guard, applies the autocast policies in force, and
+    copies an earlier identical call's decomposition (``fulmen.frontend.replay``). Python that reads a tensor's
+    value gets it from the call's tensors when ``reader`` is given (``fulmen.frontend.split_points``)."""
+
+    captures_tensors = True
+
+    def __init__(self, trace: Trace, spec: InputSpec, *, reader: ValueReader | None = None,
+                 on_user_call: Callable[[], None] | None = None):
+        super().__init__(trace)
+        self.captured = _Capture(trace, spec)
+        self._reader = reader
+        self._on_user_call = on_user_call
+        self._autocast = _AutocastPolicies()
+        self._replays = Replays(trace) if REPLAY else None
+
+    def process_symbol(self, sym: Symbol, args: tuple, kwargs: dict) -> Any:
+        trace = self.trace
+        if trace.has_mutations:
+            args, kwargs = resolve_latest(args), {k: resolve_latest(v) for k, v in kwargs.items()}
+        capture = self.captured
+        args, kwargs = capture(args), {k: capture(v) for k, v in kwargs.items()}
+        if len(trace.scopes) == 1:
+            return self._user_call(sym, args, kwargs)
+        if sym.normalize is not None:
+            args, kwargs = sym.normalize(args, kwargs)
+        return record(trace, sym, args, kwargs).output
+
+    def _user_call(self, sym: Symbol, args: tuple, kwargs: dict) -> Any:
+        """A call the user's code made (not one inside a decomposition)."""
+        if self._on_user_call is not None:
+            self._on_user_call()
+        # eager autocast casts at the outermost call only; the policies follow torch.autocast entered or left
+        # inside the traced function
+        for policy in self._autocast:
+            args, kwargs = policy.cast(sym.id, args, kwargs)
+        if sym.normalize is not None:
+            args, kwargs = sym.normalize(args, kwargs)
+        call = self._replays.lookup(sym, args, kwargs) if self._replays is not None else None
+        if call is not None and call.bsym is not None:
+            self.trace.scopes[-1].append(call.bsym)
+            return call.bsym.output
+        bsym = record(self.trace, sym, args, kwargs)
+        if call is not None:
+            call.remember(bsym)
+        return bsym.output
+
+    def capture(self, x: Any) -> Any:
+        return self.captured(x)
+
+    def read_value(self, kind: str, proxy: TensorProxy, what: str) -> Any:
+        if self._reader is None:
+            return super().read_value(kind, proxy, what)
+        return self._reader(kind, proxy, what)
+
+    @contextlib.contextmanager
+    def branch(self) -> Iterator[None]:
+        replays, self._replays = self._replays, None  # a call made in one branch is not the value of a later one
+        try:
+            yield
+        finally:
+            self._replays = replays
+
+
 _tracing = threading.local()  # .depth: how many trace_program calls this thread is inside
 _patch_lock = threading.Lock()
 _patch_users = 0
@@ -392,16 +460,13 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
         swaps.restore()  # the caller's objects as they were
         raise
     trace.args = list(spec.tensor_proxies)
-    trace.capture = _Capture(trace, spec)
-    trace.autocast = _AutocastPolicies()
-    trace.replay = Replays(trace) if REPLAY else None
     real = [t for _, t in state] if state is not None else []
     _real_tensors((args, kwargs), real)
     reader = ValueReader(trace, lambda: real + spec.captured)
-    trace.read_value = reader if split_points else None
-    recorder = trace.on_user_op = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
+    recorder = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
+    tracer = UserTracer(trace, spec, reader=reader if split_points else None, on_user_call=recorder)
     try:
-        with tracectx(trace), _UserTorchCalls(trace), _compiling(), _recording_autograd_functions(), \
+        with tracing(tracer), _UserTorchCalls(trace), _compiling(), _recording_autograd_functions(), \
                 routing_higher_order_ops(), recording_rng_calls(), ModuleWrites() as writes:
             try:
                 result = fn(*proxy_args, **proxy_kwargs)
@@ -409,9 +474,9 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
                 swaps.restore()  # the caller's objects as they were
                 raise
             result, spec.objects = swaps.settle(result)
-            result = trace.capture(result) if isinstance(result, torch.Tensor) and not is_proxy(result) else result
+            result = tracer.capture(result) if isinstance(result, torch.Tensor) and not is_proxy(result) else result
             real_state = {id(p): t for p, (_, t) in zip(proxy_args[0], state)} if state is not None else None
-            attributes = writes.settle(frozenset(map(id, own)), trace.capture.by_id,
+            attributes = writes.settle(frozenset(map(id, own)), tracer.captured.by_id,
                                        recorder.codes if recorder is not None else (), real_state)
             check_no_proxies_left(own)
             if attributes:  # the program also returns them; every call assigns them (module_writes.assigning)
@@ -422,8 +487,6 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     except GuardOnDataDependentSymNode as e:  # a meta asked a question about a data-dependent size
         raise data_dependent_guard(None, e) from e
     finally:
-        trace.on_user_op = None
-        trace.read_value = None
         if recorder is not None:
             recorder.close()
     if recorder is not None:
@@ -431,9 +494,6 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
         spec.guard = build_guard(recorder, list(zip(names, spec.captured)), own,
                                  _bound_arguments(guard_reads, args, kwargs), [h.obj for h in swaps.holders])
     spec.values, spec.value_lines = tuple(reader.values), tuple(reader.where)
-    trace.capture = None
-    trace.replay = None
-    trace.autocast = []
     trace.output = result
     trace.provenance = None
     return trace, spec

@@ -22,6 +22,7 @@ import torch
 from fulmen import clang, prims
 from fulmen.core.proxies import TensorProxy, _user_location, latest
 from fulmen.core.trace import get_tracectx
+from fulmen.core.tracer import get_tracer
 from fulmen.core.utils import check
 from fulmen.torch.overlap import check_no_partial_overlap
 from fulmen.torch.registry import register_function, tensor_methods, torchsymbol
@@ -86,8 +87,8 @@ def mutate(target: TensorProxy, new_value, *, overwrites: bool = False, refuse_o
     trc = get_tracectx()
     check(trc is not None, lambda: "in-place operations can only be traced", RuntimeError)
     trc.has_mutations = True
-    if not isinstance(target, TensorProxy) and isinstance(target, torch.Tensor) and trc.capture is not None:
-        target = trc.capture(target)  # a global or closure tensor: an input, written back like the arguments
+    if not isinstance(target, TensorProxy) and isinstance(target, torch.Tensor):
+        target = get_tracer().capture(target)  # a global or closure tensor: an input, written back like the arguments
     current = latest(target)
     if _from_view is None and torch.is_grad_enabled():
         _check_not_multi_output_view(target)
