@@ -124,9 +124,7 @@ def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], sizes:
                         requires_grad=value.requires_grad)
         if not value.is_contiguous():  # keyed with its strides (never with dynamic sizes): eager's copy-or-view
             set_strides(p, value.stride())
-        if value.requires_grad and value.is_leaf:
-            p._origin = "input-leaf"
-        p._param = isinstance(value, torch.nn.Parameter)
+        p.mark_input(leaf=value.requires_grad and value.is_leaf, param=isinstance(value, torch.nn.Parameter))
         flat.append(p)
         return p
     if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
@@ -189,7 +187,7 @@ class _Capture:
                                 requires_grad=x.requires_grad)
                 if not x.is_contiguous():
                     set_strides(p, x.stride())
-                p._param = isinstance(x, torch.nn.Parameter)
+                p.mark_input(leaf=False, param=isinstance(x, torch.nn.Parameter))
                 self.by_id[id(x)] = p
                 self.spec.captured.append(x)
                 self.spec.tensor_proxies.append(p)
@@ -571,14 +569,14 @@ def _views_of_written_inputs(result: Any, changed: list, written: dict[int, Tens
         v = p
         while v is not None:
             owner[id(v)] = p
-            v = v._latest
+            v = v.replaced_by
 
     def remade(x):
-        if not isinstance(x, TensorProxy) or x._view_of is None or x.requires_grad:
+        if not isinstance(x, TensorProxy) or x.view_of is None or x.requires_grad:
             return x
         steps, v = [], x
-        while id(v) not in owner and v._view_of is not None:
-            v, remake = v._view_of
+        while id(v) not in owner and v.view_of is not None:
+            v, remake = v.view_of
             steps.append(remake)
         p = owner.get(id(v))
         if p is None or p.requires_grad:
