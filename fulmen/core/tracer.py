@@ -76,8 +76,7 @@ def record(trace: Trace, sym: Symbol, args: tuple, kwargs: dict) -> BoundSymbol:
         scopes.pop()
     if meta_corrections.corrections and meta in meta_corrections.corrections:
         out = meta_corrections.corrected(meta, args, kwargs, out)  # what its implementation returned
-    bsym = BoundSymbol(sym, args, kwargs, out, () if sym.is_prim else tuple(scope),
-                       no_grad=not torch.is_grad_enabled())
+    bsym = BoundSymbol(sym, args, kwargs, out, () if sym.is_prim else tuple(scope), no_grad=not torch.is_grad_enabled())
     scopes[-1].append(bsym)
     if sym.post_hook is not None:
         sym.post_hook(bsym)
