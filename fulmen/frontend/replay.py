@@ -75,7 +75,7 @@ def _describe(x: Any, parts: list, tensors: list[TensorProxy], seen: dict[int, i
 
 
 class Replays:
-    """The decompositions recorded so far in one trace (``Trace.replay``), by the key of their call."""
+    """The decompositions recorded so far in one trace (kept by its ``UserTracer``), by the key of their call."""
 
     def __init__(self, trace: Trace):
         self.trace = trace

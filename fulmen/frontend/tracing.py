@@ -443,20 +443,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     trace = Trace(fn_name)
     spec = InputSpec()
     names = arg_names or _arg_names(fn, args, kwargs)
-    proxy_args = []
-    flat = spec.tensor_proxies
-    if state is not None:
-        proxy_args.append([proxify(trace, t, name, flat, sizes) for name, t in state])
-    swaps = ObjectSwaps(lambda t, name: proxify(trace, t, name, flat, sizes))
-    try:
-        for i, a in enumerate(args):
-            proxy_args.append(proxify(trace, a, names[i] if i < len(names) else f"t_{i}", flat, sizes, swaps))
-        proxy_kwargs = {k: proxify(trace, v, sanitize_name(k), flat, sizes, swaps) for k, v in kwargs.items()}
-        if sizes is not None and len(flat) != len(sizes):
-            raise RuntimeError(f"symbolic sizes: found {len(flat)} tensor inputs, expected {len(sizes)}")
-    except BaseException:
-        swaps.restore()  # the caller's objects as they were
-        raise
+    proxy_args, proxy_kwargs, swaps = _proxify_inputs(trace, spec, args, kwargs, names, state, sizes)
     trace.args = list(spec.tensor_proxies)
     real = [t for _, t in state] if state is not None else []
     _real_tensors((args, kwargs), real)
@@ -495,6 +482,27 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     trace.output = result
     trace.provenance = None
     return trace, spec
+
+
+def _proxify_inputs(trace: Trace, spec: InputSpec, args: tuple, kwargs: dict, names: list[str],
+                    state: list[tuple[str, torch.Tensor]] | None, sizes: list | None) -> tuple[list, dict, ObjectSwaps]:
+    """The arguments ``fn`` is traced with (``state`` first when given), their tensors made named inputs in
+    ``spec.tensor_proxies``; the user objects swapped (``fulmen.frontend.objects``) are put back on failure."""
+    proxy_args = []
+    flat = spec.tensor_proxies
+    if state is not None:
+        proxy_args.append([proxify(trace, t, name, flat, sizes) for name, t in state])
+    swaps = ObjectSwaps(lambda t, name: proxify(trace, t, name, flat, sizes))
+    try:
+        for i, a in enumerate(args):
+            proxy_args.append(proxify(trace, a, names[i] if i < len(names) else f"t_{i}", flat, sizes, swaps))
+        proxy_kwargs = {k: proxify(trace, v, sanitize_name(k), flat, sizes, swaps) for k, v in kwargs.items()}
+        if sizes is not None and len(flat) != len(sizes):
+            raise RuntimeError(f"symbolic sizes: found {len(flat)} tensor inputs, expected {len(sizes)}")
+    except BaseException:
+        swaps.restore()  # the caller's objects as they were
+        raise
+    return proxy_args, proxy_kwargs, swaps
 
 
 def _bound_arguments(fn: Callable, args: tuple, kwargs: dict) -> dict | None:
