@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -280,31 +281,26 @@ class TensorProxy(Proxy, torch.Tensor):
         return not self.requires_grad or self._origin == "input-leaf"
 
     # ---- aliasing and in-place state: read by the torch language and the frontend, changed only through these ----
-    @property
-    def replaced_by(self) -> TensorProxy | None:
-        """The value an in-place update made current in this one's place (``latest`` follows the chain)."""
-        return self._latest
-
-    @property
-    def view_of(self) -> tuple[TensorProxy, Any] | None:
-        """``(base, remake)`` for a view made by a view op: ``remake(new_base)`` makes the view of a new base."""
-        return self._view_of
-
-    @property
-    def views(self) -> list[TensorProxy] | None:
-        """The views made of this value, which an in-place update of it changes too."""
-        return self._views
-
-    @property
-    def origin(self) -> str | None:
-        """"input-leaf" (an input autograd sees as a leaf), "multi-output-view" (an output of split, chunk, unbind
-        made under grad mode) or None."""
-        return self._origin
-
-    @property
-    def lazy_bits(self) -> tuple[bool, bool] | None:
-        """``(is_conj, is_neg)`` as eager marks the tensor lazily, or None (``fulmen.torch.registry.lazy_bits``)."""
-        return self._lazy_bits
+    # (read-only properties whose getter is C code: reading one costs no Python frame, and tracing reads them often)
+    replaced_by = property(
+        attrgetter("_latest"), doc="The value an in-place update made current in this one's place (``latest``)."
+    )
+    view_of = property(
+        attrgetter("_view_of"),
+        doc="``(base, remake)`` for a view made by a view op: ``remake(new_base)`` makes the view of a new base.",
+    )
+    views = property(
+        attrgetter("_views"), doc="The views made of this value, which an in-place update of it changes too."
+    )
+    origin = property(
+        attrgetter("_origin"),
+        doc='"input-leaf" (an input autograd sees as a leaf), "multi-output-view" (an output of split, chunk, '
+        "unbind made under grad mode) or None.",
+    )
+    lazy_bits = property(
+        attrgetter("_lazy_bits"),
+        doc="``(is_conj, is_neg)`` as eager marks the tensor lazily, or None (``fulmen.torch.registry.lazy_bits``).",
+    )
 
     def mark_input(self, *, leaf: bool, param: bool) -> None:
         """This proxy is an input of the program: ``leaf`` an autograd leaf that requires grad, ``param`` an
