@@ -18,6 +18,7 @@ import torch as _pytorch
 from fulmen import prims  # noqa: F401
 from fulmen import torch as ltorch  # noqa: F401
 from fulmen.core import dtypes  # noqa: F401
+from fulmen.core import transforms as _seed_transforms
 from fulmen.core.proxies import DataDependentError  # noqa: F401
 from fulmen.executors import inductor as _inductor  # registers the inductor fusion executor
 from fulmen.executors import torchex as _torchex  # noqa: F401  (registers the torch executor)
@@ -25,21 +26,28 @@ from fulmen.executors.base import Executor, add_default_executor
 from fulmen.executors.base import get_default_executors as _default_executors
 from fulmen.frontend import distributed_wrappers as _wrappers
 from fulmen.frontend import training as _training  # noqa: F401  (imported now, not inside the first call)
+from fulmen.frontend.functional import grad, value_and_grad, vjp
 from fulmen.frontend.jit import JittedFunction, get_stats
 from fulmen.frontend.module import JittedModule
 from fulmen.report import report  # noqa: F401  (the function, which shadows its module's name here)
+from fulmen.transforms import custom_op_grads as _custom_op_grads  # noqa: F401  (custom ops' autograd formulas)
+from fulmen.transforms import linearize as _linearize
 
 __version__ = "0.1.0"
 
 # Fusion through Inductor is on by default: regions compile in the background and swap in when ready.
 add_default_executor(_inductor.ex)
 
+# The seeds import autodiff from fulmen.core.transforms; the functions live in higher layers, handed down here.
+_seed_transforms.provide(grad=grad, value_and_grad=value_and_grad, vjp=vjp, get_grad=_linearize.get_grad,
+                         put_grad=_linearize.put_grad, put_grads=_linearize.put_grads,
+                         compute_in_forward=_linearize.compute_in_forward, register_grad=_linearize.register_grad,
+                         register_augmented_forward=_linearize.register_augmented_forward,
+                         register_backward=_linearize.register_backward)
+
 # Public names that live in higher layers are imported on first use: `import fulmen` stays cheap and
 # the layers below never import the frontend.
 _LAZY = {
-    "grad": "fulmen.transforms.autodiff:grad",
-    "value_and_grad": "fulmen.transforms.autodiff:value_and_grad",
-    "vjp": "fulmen.transforms.autodiff:vjp",
     "trace": "fulmen.api:trace",
     "compile": "fulmen.api:compile",
     "examine": "fulmen.api:examine",

@@ -443,10 +443,13 @@ def test_checked_implementation_called_outside_generated_code_checks_once():
 
 def test_core_transforms_reexports_autodiff():
     import fulmen.core.transforms as transforms
+    import fulmen.frontend.functional as functional
     import fulmen.transforms.autodiff as autodiff
 
-    for name in ("grad", "value_and_grad", "vjp", "get_grad", "put_grad", "put_grads", "register_grad",
-                 "register_augmented_forward", "register_backward"):
+    for name in ("grad", "value_and_grad", "vjp"):
+        assert getattr(transforms, name) is getattr(functional, name) is getattr(fulmen, name), name
+    for name in ("get_grad", "put_grad", "put_grads", "register_grad", "register_augmented_forward",
+                 "register_backward", "compute_in_forward"):
         assert getattr(transforms, name) is getattr(autodiff, name), name
     assert "inline" in dir(transforms)
 

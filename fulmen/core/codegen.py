@@ -60,8 +60,8 @@ class _ExecPrinter:
             name = None
         elif sym.module and sym.module.split(".")[0] == "torch" and _resolve(qualified) is sym.impl:
             name = qualified
-        elif sym.module == "torchex" and getattr(_torchex_namespace(), sym.name, None) is sym.impl:
-            self.ctx["torchex"] = _torchex_namespace()
+        elif sym.module in _NAMESPACES and getattr(_NAMESPACES[sym.module], sym.name, None) is sym.impl:
+            self.ctx[sym.module] = _NAMESPACES[sym.module]
             name = qualified
         else:
             name = None
@@ -76,13 +76,20 @@ class _ExecPrinter:
         return name
 
 
-def _torchex_namespace():
-    from fulmen.executors.torchex import torchex_namespace  # core must not import executors at import time
-
-    return torchex_namespace
-
-
 _FIXED_GLOBALS = ("torch", "devices", "dtypes", "inf", "nan", "torchex")
+
+#: Objects generated code reaches executors' functions through, by the module prefix traces print
+#: (``torchex.broadcast_in_dim(...)``); an executor registers its own (``register_namespace``).
+_NAMESPACES: dict[str, Any] = {}
+
+
+def register_namespace(prefix: str, namespace: Any) -> None:
+    """Let generated code call ``prefix.<name>`` for symbols printed under ``prefix`` whose impl is
+    ``namespace.<name>``. ``prefix`` must be a global no value of a trace is named (``_FIXED_GLOBALS``)."""
+    if prefix not in _FIXED_GLOBALS:
+        raise ValueError(f"register_namespace: {prefix!r} is not a name generated code reserves for its globals "
+                         f"({', '.join(_FIXED_GLOBALS)})")
+    _NAMESPACES[prefix] = namespace
 
 
 def _value_names(trace: Trace) -> set[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -47,11 +48,15 @@ def _user_location() -> str:
 
 
 def _data_dependent(what: str, proxy: TensorProxy, kind: str | None = None):
-    trace = current.trace
-    read = trace.read_value if trace is not None and kind is not None else None
-    if read is not None:  # the frontend reads the value from the call's tensors (fulmen.frontend.split_points)
-        return read(kind, proxy, what)
-    raise DataDependentError(
+    tracer = current.tracer
+    if tracer is not None and kind is not None:  # the tracer may read it (fulmen.frontend.split_points)
+        return tracer.read_value(kind, proxy, what)
+    raise data_dependent_error(what, proxy)
+
+
+def data_dependent_error(what: str, proxy: TensorProxy) -> DataDependentError:
+    """The error for Python that needs the value of ``proxy`` while it is traced, naming the user's line."""
+    return DataDependentError(
         f"{what} needs the value of tensor {proxy.name} ({proxy.type_string()}), which is not known while fulmen "
         f"traces the program.\n  at {_user_location()}\n"
         "fulmen.jit compiles the whole function into one trace, so Python control flow that depends on tensor values "
@@ -274,6 +279,63 @@ class TensorProxy(Proxy, torch.Tensor):
     def is_leaf(self) -> bool:
         # as autograd: a tensor that does not require grad, or one that requires it and was given as a leaf
         return not self.requires_grad or self._origin == "input-leaf"
+
+    # ---- aliasing and in-place state: read by the torch language and the frontend, changed only through these ----
+    # (read-only properties whose getter is C code: reading one costs no Python frame, and tracing reads them often)
+    replaced_by = property(
+        attrgetter("_latest"), doc="The value an in-place update made current in this one's place (``latest``)."
+    )
+    view_of = property(
+        attrgetter("_view_of"),
+        doc="``(base, remake)`` for a view made by a view op: ``remake(new_base)`` makes the view of a new base.",
+    )
+    views = property(
+        attrgetter("_views"), doc="The views made of this value, which an in-place update of it changes too."
+    )
+    origin = property(
+        attrgetter("_origin"),
+        doc='"input-leaf" (an input autograd sees as a leaf), "multi-output-view" (an output of split, chunk, '
+        "unbind made under grad mode) or None.",
+    )
+    lazy_bits = property(
+        attrgetter("_lazy_bits"),
+        doc="``(is_conj, is_neg)`` as eager marks the tensor lazily, or None (``fulmen.torch.registry.lazy_bits``).",
+    )
+
+    def mark_input(self, *, leaf: bool, param: bool) -> None:
+        """This proxy is an input of the program: ``leaf`` an autograd leaf that requires grad, ``param`` an
+        ``nn.Parameter`` (so ``isinstance(p, nn.Parameter)`` holds, as in eager)."""
+        if leaf:
+            self._origin = "input-leaf"
+        self._param = param
+
+    def mark_multi_output_view(self) -> None:
+        """This value is a view returned by an op returning several (autograd refuses in-place writes to it)."""
+        if self._origin is None:
+            self._origin = "multi-output-view"
+
+    def set_lazy_bits(self, conj: bool, neg: bool) -> None:
+        self._lazy_bits = (conj, neg)
+
+    def make_view_of(self, base: TensorProxy, remake: Any) -> None:
+        """This value is a view of ``base``, remade by ``remake(new_base)`` when the base changes in place."""
+        self._view_of = (base, remake)
+        if base._views is None:
+            base._views = []
+        # once: an opaque op inside a view op's decomposition (view_as_real's) links the same output first
+        if not any(v is self for v in base._views):
+            base._views.append(self)
+
+    def replace_with(self, new: TensorProxy, *, links_of: TensorProxy | None = None) -> None:
+        """An in-place update made ``new`` this value's current one: later reads get ``new`` (``latest``), which
+        is a view of the same base and has the same views as ``links_of`` (default: this value)."""
+        self._latest = new
+        links_of = self if links_of is None else links_of
+        new._view_of, new._views = links_of._view_of, links_of._views
+
+    def restore_views(self, views: list[TensorProxy]) -> None:
+        """Make ``views`` (in place: later values share the list) the views of this value."""
+        self._views[:] = views
 
     def type_string(self) -> str:
         dims = ", ".join(str(s) for s in self.shape)

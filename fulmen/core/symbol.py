@@ -1,7 +1,8 @@
 """Symbols (named operations) and bound symbols (one recorded call of a symbol).
 
-Calling a symbol while a trace is being built records a ``BoundSymbol``. A composite symbol runs its
-``meta`` (its decomposition) in a fresh scope, so everything it calls is kept as its ``subsymbols``.
+Calling a symbol while a trace is being built hands the call to the thread's tracer (``fulmen.core.tracer``), which
+records a ``BoundSymbol``. A composite symbol's ``meta`` (its decomposition) runs in a fresh scope, so everything it
+calls is kept as its ``subsymbols``.
 """
 
 from __future__ import annotations
@@ -11,11 +12,8 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
 
-import torch
-
-from fulmen.core import meta_corrections
 from fulmen.core.codeutils import Printer, outputs_of, type_comment
-from fulmen.core.proxies import Proxy, TensorProxy, latest
+from fulmen.core.proxies import Proxy
 from fulmen.core.tracectx import current
 
 
@@ -87,70 +85,17 @@ class Symbol:
         return f"{self.module}.{self.name}" if self.module else self.name
 
     def __call__(self, *args, **kwargs):
-        trc = current.trace  # get_tracectx(), inlined: this runs for every operation traced
-        if trc is None:
+        tracer = current.tracer  # get_tracer(), inlined: this runs for every operation traced
+        if tracer is None:
             raise SymbolCalledOutsideTracing(
                 f"{self.qualified_name} was called outside of tracing. Symbols record operations into a trace; "
                 f"call it from a function compiled with fulmen.jit (or traced with fulmen.trace())."
             )
-        if trc.has_mutations:
-            args, kwargs = _resolve_latest(args), {k: _resolve_latest(v) for k, v in kwargs.items()}
-        if trc.capture is not None:
-            args, kwargs = trc.capture(args), {k: trc.capture(v) for k, v in kwargs.items()}
-        if len(trc.scopes) == 1 and trc.on_user_op is not None:
-            trc.on_user_op()
-        if len(trc.scopes) == 1 and trc.autocast:  # eager autocast casts at the outermost call only
-            # while user code runs, trc.autocast yields the policies in force at this call (it follows
-            # torch.autocast entered or left inside the traced function)
-            for policy in trc.autocast:
-                args, kwargs = policy.cast(self.id, args, kwargs)
-        if self.normalize is not None:
-            args, kwargs = self.normalize(args, kwargs)
-        if self.meta is None:
-            raise NotImplementedError(f"{self.qualified_name} has no meta function and cannot be traced")
-        # a call user code made: the same call (by metadata) made earlier in the trace may be copied
-        call = trc.replay.lookup(self, args, kwargs) if len(trc.scopes) == 1 and trc.replay is not None else None
-        if call is not None and call.bsym is not None:
-            trc.scopes[-1].append(call.bsym)
-            return call.bsym.output
-        if self.is_prim:
-            trc.scopes.append([])  # a prim's meta records nothing; the extra scope marks "inside a meta"
-            try:
-                out = self.meta(*args, **kwargs)
-            finally:
-                trc.scopes.pop()
-            subsymbols: tuple = ()
-        else:
-            scope: list[BoundSymbol] = []
-            trc.scopes.append(scope)
-            try:
-                out = self.meta(*args, **kwargs)
-            finally:
-                trc.scopes.pop()
-            subsymbols = tuple(scope)
-        if meta_corrections.corrections and self.meta in meta_corrections.corrections:
-            out = meta_corrections.corrected(self.meta, args, kwargs, out)  # what its implementation returned
-        bsym = BoundSymbol(self, args, kwargs, out, subsymbols, no_grad=not torch.is_grad_enabled())
-        trc.scopes[-1].append(bsym)
-        if self.post_hook is not None:
-            self.post_hook(bsym)
-        if call is not None:
-            call.remember(bsym)
-        return out
+        return tracer.process_symbol(self, args, kwargs)  # the active tracer decides what is recorded
 
     def bind(self, *args, output: Any, subsymbols: Sequence[BoundSymbol] = (), **kwargs) -> BoundSymbol:
         """A bound symbol for this symbol without running anything."""
         return BoundSymbol(self, args, kwargs, output, tuple(subsymbols))
-
-
-def _resolve_latest(x: Any) -> Any:
-    if isinstance(x, TensorProxy):
-        return latest(x) if x._latest is not None else x
-    if isinstance(x, tuple) and not hasattr(x, "_fields"):
-        return tuple(_resolve_latest(v) for v in x)
-    if isinstance(x, list):
-        return [_resolve_latest(v) for v in x]
-    return x
 
 
 class BoundSymbol:

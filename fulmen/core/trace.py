@@ -12,7 +12,8 @@ from fulmen.core.codeutils import Printer, comment_text, outputs_of, sanitize_na
 from fulmen.core.proxies import Proxy, TensorProxy
 from fulmen.core.symbol import BoundSymbol
 from fulmen.core.symbolic import SymbolBinder
-from fulmen.core.tracectx import get_tracectx, tracectx  # noqa: F401  (where callers have always found them)
+from fulmen.core.tracectx import get_tracectx  # noqa: F401  (where callers have always found it)
+from fulmen.core.tracer import tracectx  # noqa: F401  (where callers have always found it)
 from fulmen.core.unbacked import shapes_agree
 
 
@@ -44,15 +45,10 @@ class Trace:
         self.inplace_start: int | None = None  # set while a user's in-place call runs (fulmen.torch.registry)
         self.claims: dict[int, Any] = {}
         self.unused_outputs: set[str] | None = None  # printed as "_" (set by del_last_used)
-        self.capture = None  # frontend hook turning real tensors met while tracing into inputs
-        self.autocast: list = []  # autocast policies applied to outermost calls (fulmen.transforms.autocast)
-        self.on_user_op = None  # called at each torch call user code makes (frontend.global_guard)
-        self.replay = None  # frontend hook copying decompositions recorded earlier (fulmen.frontend.replay)
         # the meta corrections its symbols' outputs were traced with (fulmen.core.meta_corrections)
         self.meta_epoch = parent.meta_epoch if parent is not None else meta_corrections.epoch
         # the ShapeEnv of the trace's symbolic sizes, dynamic or data-dependent (fulmen.core.unbacked.trace_shape_env)
         self.shape_env = parent.shape_env if parent is not None else None
-        self.read_value = None  # frontend hook reading a tensor's value for Python (fulmen.frontend.split_points)
         # torch.utils.checkpoint regions recorded while tracing, copied into the traces derived from this one
         # (fulmen.transforms.checkpoint_regions.CheckpointRegion, recorded by fulmen.frontend.checkpointing)
         self.checkpoint_regions: list = list(parent.checkpoint_regions) if parent is not None else []

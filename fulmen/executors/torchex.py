@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from fulmen.core.codegen import register_namespace
 from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 from fulmen.executors.base import OperatorExecutor, _always, register_executor
 from fulmen.torch.registry import torch_id
 
 #: What generated code calls prims' torch implementations through: ``torchex.broadcast_in_dim(...)``.
 torchex_namespace = SimpleNamespace()
+register_namespace("torchex", torchex_namespace)
 
 
 class TorchExecutor(OperatorExecutor):

@@ -25,6 +25,7 @@ from torch.nn.modules import module as _torch_module
 from fulmen.core.codeutils import sanitize_name
 from fulmen.core.proxies import TensorProxy, has_proxy
 from fulmen.core.trace import get_tracectx
+from fulmen.core.tracer import get_tracer
 from fulmen.executors import MetaMismatch
 from fulmen.executors.base import Executor
 from fulmen.executors.inductor_compile import call_leaving_a_core
@@ -304,7 +305,7 @@ class _ModuleProgram(JittedFunction):
             if not reassigned:
                 return out
             # the program also returns the buffers' new values; the call assigns them (_ModuleState.rebind)
-            capture = get_tracectx().capture
+            capture = get_tracer().capture
             self._traced_rebinds = tuple((i, counts[state.slots[i][3]] > 1) for i, _ in reassigned)
             return out, [capture(v) for _, v in reassigned]
 

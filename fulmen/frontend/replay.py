@@ -55,11 +55,11 @@ def _describe(x: Any, parts: list, tensors: list[TensorProxy], seen: dict[int, i
             parts.append(index)  # the same tensor as an earlier argument
             return
         shape = tuple(x.shape)
-        if any(type(s) is not int for s in shape) or x._latest is not None:
+        if any(type(s) is not int for s in shape) or x.replaced_by is not None:
             raise _Unkeyable
         seen[id(x)] = len(tensors)
         tensors.append(x)
-        parts.append((shape, x.dtype, x.device, x.requires_grad, x._origin, layout_of(x), x._lazy_bits))
+        parts.append((shape, x.dtype, x.device, x.requires_grad, x.origin, layout_of(x), x.lazy_bits))
     elif kind is float:
         parts.append((float, repr(x)))  # 0.0 and -0.0 are equal keys otherwise
     elif kind is complex:
@@ -75,7 +75,7 @@ def _describe(x: Any, parts: list, tensors: list[TensorProxy], seen: dict[int, i
 
 
 class Replays:
-    """The decompositions recorded so far in one trace (``Trace.replay``), by the key of their call."""
+    """The decompositions recorded so far in one trace (kept by its ``UserTracer``), by the key of their call."""
 
     def __init__(self, trace: Trace):
         self.trace = trace
@@ -152,7 +152,7 @@ def _replayable(bsym: BoundSymbol, known: set[int], made: dict[int, tuple]) -> b
     for p in bsym.flat_proxy_outs:
         if id(p) in known:
             continue  # an argument returned as it is
-        if type(p) is not TensorProxy or p._view_of is not None or p._lazy_bits is not None:
+        if type(p) is not TensorProxy or p.view_of is not None or p.lazy_bits is not None:
             return False
         known.add(id(p))
         made[id(p)] = (p.name.rstrip("0123456789") or "t", p.shape, p.dtype, p.device, p.requires_grad, layout_of(p))

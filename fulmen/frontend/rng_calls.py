@@ -25,6 +25,7 @@ import torch.random
 from fulmen import prims
 from fulmen.core.proxies import _user_location
 from fulmen.core.trace import get_tracectx
+from fulmen.core.tracer import get_tracer
 
 _lock = threading.Lock()
 _users = 0
@@ -51,9 +52,7 @@ def _manual_seed(seed):
 
 
 def _set_rng_state(new_state):
-    trc = get_tracectx()
-    state = trc.capture(new_state) if trc.capture is not None else new_state
-    prims.set_rng_state(state)
+    prims.set_rng_state(get_tracer().capture(new_state))
 
 
 _WRAPPERS = {"manual_seed": _wrap("manual_seed", _manual_seed),

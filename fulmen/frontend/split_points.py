@@ -84,7 +84,7 @@ value_guard.extra["skip_meta_check"] = True
 
 
 class ValueReader:
-    """The trace's ``read_value`` hook: computes a value the traced Python needs from the call's real tensors."""
+    """What ``UserTracer.read_value`` asks: computes a value the traced Python needs from the call's real tensors."""
 
     def __init__(self, trace: Trace, real_inputs: Callable[[], list[torch.Tensor]]):
         self.trace = trace

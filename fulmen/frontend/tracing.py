@@ -8,7 +8,7 @@ import inspect
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +20,9 @@ from fulmen import prims
 from fulmen.core import langctx
 from fulmen.core.codeutils import sanitize_name
 from fulmen.core.proxies import Proxy, TensorProxy, call_with_out, has_proxy, is_library_file, is_proxy, latest
-from fulmen.core.trace import Trace, get_tracectx, tracectx
+from fulmen.core.symbol import Symbol
+from fulmen.core.trace import Trace, get_tracectx
+from fulmen.core.tracer import Tracer, record, resolve_latest, tracing
 from fulmen.core.unbacked import GuardOnDataDependentSymNode, data_dependent_guard
 from fulmen.frontend import checkpointing, module_guard
 from fulmen.frontend.cache import is_holder
@@ -137,9 +139,7 @@ def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], sizes:
                         requires_grad=value.requires_grad)
         if not value.is_contiguous():  # keyed with its strides (never with dynamic sizes): eager's copy-or-view
             set_strides(p, value.stride())
-        if value.requires_grad and value.is_leaf:
-            p._origin = "input-leaf"
-        p._param = isinstance(value, torch.nn.Parameter)
+        p.mark_input(leaf=value.requires_grad and value.is_leaf, param=isinstance(value, torch.nn.Parameter))
         flat.append(p)
         return p
     if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
@@ -202,7 +202,7 @@ class _Capture:
                                 requires_grad=x.requires_grad)
                 if not x.is_contiguous():
                     set_strides(p, x.stride())
-                p._param = isinstance(x, torch.nn.Parameter)
+                p.mark_input(leaf=False, param=isinstance(x, torch.nn.Parameter))
                 self.by_id[id(x)] = p
                 self.spec.captured.append(x)
                 self.spec.tensor_proxies.append(p)
@@ -325,6 +325,72 @@ class _AutocastPolicies:
         return iter(self._policies)
 
 
+class UserTracer(Tracer):
+    """The tracer of a user's program (``fulmen.core.tracer``): real tensors that reach a symbol (closures,
+    globals) become inputs of the trace at every depth; at a call the user's code makes (the outermost scope) it
+    also records the user frames on the stack for the global guard, applies the autocast policies in force, and
+    copies an earlier identical call's decomposition (``fulmen.frontend.replay``). Python that reads a tensor's
+    value gets it from the call's tensors when ``reader`` is given (``fulmen.frontend.split_points``)."""
+
+    captures_tensors = True
+
+    def __init__(self, trace: Trace, spec: InputSpec, *, reader: ValueReader | None = None,
+                 on_user_call: Callable[[], None] | None = None):
+        super().__init__(trace)
+        self.captured = _Capture(trace, spec)
+        self._reader = reader
+        self._on_user_call = on_user_call
+        self._autocast = _AutocastPolicies()
+        self._replays = Replays(trace) if REPLAY else None
+
+    def process_symbol(self, sym: Symbol, args: tuple, kwargs: dict) -> Any:
+        trace = self.trace
+        if trace.has_mutations:
+            args, kwargs = resolve_latest(args), {k: resolve_latest(v) for k, v in kwargs.items()}
+        capture = self.captured
+        args, kwargs = capture(args), {k: capture(v) for k, v in kwargs.items()}
+        if len(trace.scopes) == 1:
+            return self._user_call(sym, args, kwargs)
+        if sym.normalize is not None:
+            args, kwargs = sym.normalize(args, kwargs)
+        return record(trace, sym, args, kwargs).output
+
+    def _user_call(self, sym: Symbol, args: tuple, kwargs: dict) -> Any:
+        """A call the user's code made (not one inside a decomposition)."""
+        if self._on_user_call is not None:
+            self._on_user_call()
+        # eager autocast casts at the outermost call only; the policies follow torch.autocast entered or left
+        # inside the traced function
+        for policy in self._autocast:
+            args, kwargs = policy.cast(sym.id, args, kwargs)
+        if sym.normalize is not None:
+            args, kwargs = sym.normalize(args, kwargs)
+        call = self._replays.lookup(sym, args, kwargs) if self._replays is not None else None
+        if call is not None and call.bsym is not None:
+            self.trace.scopes[-1].append(call.bsym)
+            return call.bsym.output
+        bsym = record(self.trace, sym, args, kwargs)
+        if call is not None:
+            call.remember(bsym)
+        return bsym.output
+
+    def capture(self, x: Any) -> Any:
+        return self.captured(x)
+
+    def read_value(self, kind: str, proxy: TensorProxy, what: str) -> Any:
+        if self._reader is None:
+            return super().read_value(kind, proxy, what)
+        return self._reader(kind, proxy, what)
+
+    @contextlib.contextmanager
+    def branch(self) -> Iterator[None]:
+        replays, self._replays = self._replays, None  # a call made in one branch is not the value of a later one
+        try:
+            yield
+        finally:
+            self._replays = replays
+
+
 _tracing = threading.local()  # .depth: how many trace_program calls this thread is inside
 _patch_lock = threading.Lock()
 _patch_users = 0
@@ -397,6 +463,52 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     trace = Trace(fn_name)
     spec = InputSpec()
     names = arg_names or _arg_names(fn, args, kwargs)
+    proxy_args, proxy_kwargs, swaps = _proxify_inputs(trace, spec, args, kwargs, names, state, sizes)
+    trace.args = list(spec.tensor_proxies)
+    real = [t for _, t in state] if state is not None else []
+    _real_tensors((args, kwargs), real)
+    reader = ValueReader(trace, lambda: real + spec.captured)
+    recorder = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
+    tracer = UserTracer(trace, spec, reader=reader if split_points else None, on_user_call=recorder)
+    try:
+        with tracing(tracer), _UserTorchCalls(trace), _compiling(), _recording_autograd_functions(), \
+                nn_functional_traceable(), routing_higher_order_ops(), recording_rng_calls(), \
+                ModuleWrites() as writes:
+            try:
+                result = fn(*proxy_args, **proxy_kwargs)
+            except BaseException:
+                swaps.restore()  # the caller's objects as they were
+                raise
+            result, spec.objects = swaps.settle(result)
+            result = tracer.capture(result) if isinstance(result, torch.Tensor) and not is_proxy(result) else result
+            real_state = {id(p): t for p, (_, t) in zip(proxy_args[0], state)} if state is not None else None
+            attributes = writes.settle(frozenset(map(id, own)), tracer.captured.by_id,
+                                       recorder.codes if recorder is not None else (), real_state)
+            check_no_proxies_left(own)
+            if attributes:  # the program also returns them; every call assigns them (module_writes.assigning)
+                spec.attributes = tuple((mod, name) for mod, name, _ in attributes)
+                result = (result, [value for *_, value in attributes])
+            result = _resolve_outputs(result)
+            result = _write_back_mutated_inputs(trace, result)
+    except GuardOnDataDependentSymNode as e:  # a meta asked a question about a data-dependent size
+        raise data_dependent_guard(None, e) from e
+    finally:
+        if recorder is not None:
+            recorder.close()
+    if recorder is not None:
+        names = [p.name for p in trace.args[len(trace.args) - len(spec.captured):]]
+        spec.guard = build_guard(recorder, list(zip(names, spec.captured)), own,
+                                 _bound_arguments(guard_reads, args, kwargs), [h.obj for h in swaps.holders])
+    spec.values, spec.value_lines = tuple(reader.values), tuple(reader.where)
+    trace.output = result
+    trace.provenance = None
+    return trace, spec
+
+
+def _proxify_inputs(trace: Trace, spec: InputSpec, args: tuple, kwargs: dict, names: list[str],
+                    state: list[tuple[str, torch.Tensor]] | None, sizes: list | None) -> tuple[list, dict, ObjectSwaps]:
+    """The arguments ``fn`` is traced with (``state`` first when given), their tensors made named inputs in
+    ``spec.tensor_proxies``; the user objects swapped (``fulmen.frontend.objects``) are put back on failure."""
     proxy_args = []
     flat = spec.tensor_proxies
     if state is not None:
@@ -411,53 +523,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     except BaseException:
         swaps.restore()  # the caller's objects as they were
         raise
-    trace.args = list(spec.tensor_proxies)
-    trace.capture = _Capture(trace, spec)
-    trace.autocast = _AutocastPolicies()
-    trace.replay = Replays(trace) if REPLAY else None
-    real = [t for _, t in state] if state is not None else []
-    _real_tensors((args, kwargs), real)
-    reader = ValueReader(trace, lambda: real + spec.captured)
-    trace.read_value = reader if split_points else None
-    recorder = trace.on_user_op = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
-    try:
-        with tracectx(trace), _UserTorchCalls(trace), _compiling(), _recording_autograd_functions(), \
-                nn_functional_traceable(), \
-                routing_higher_order_ops(), recording_rng_calls(), ModuleWrites() as writes:
-            try:
-                result = fn(*proxy_args, **proxy_kwargs)
-            except BaseException:
-                swaps.restore()  # the caller's objects as they were
-                raise
-            result, spec.objects = swaps.settle(result)
-            result = trace.capture(result) if isinstance(result, torch.Tensor) and not is_proxy(result) else result
-            real_state = {id(p): t for p, (_, t) in zip(proxy_args[0], state)} if state is not None else None
-            attributes = writes.settle(frozenset(map(id, own)), trace.capture.by_id,
-                                       recorder.codes if recorder is not None else (), real_state)
-            check_no_proxies_left(own)
-            if attributes:  # the program also returns them; every call assigns them (module_writes.assigning)
-                spec.attributes = tuple((mod, name) for mod, name, _ in attributes)
-                result = (result, [value for *_, value in attributes])
-            result = _resolve_outputs(result)
-            result = _write_back_mutated_inputs(trace, result)
-    except GuardOnDataDependentSymNode as e:  # a meta asked a question about a data-dependent size
-        raise data_dependent_guard(None, e) from e
-    finally:
-        trace.on_user_op = None
-        trace.read_value = None
-        if recorder is not None:
-            recorder.close()
-    if recorder is not None:
-        names = [p.name for p in trace.args[len(trace.args) - len(spec.captured):]]
-        spec.guard = build_guard(recorder, list(zip(names, spec.captured)), own,
-                                 _bound_arguments(guard_reads, args, kwargs), [h.obj for h in swaps.holders])
-    spec.values, spec.value_lines = tuple(reader.values), tuple(reader.where)
-    trace.capture = None
-    trace.replay = None
-    trace.autocast = []
-    trace.output = result
-    trace.provenance = None
-    return trace, spec
+    return proxy_args, proxy_kwargs, swaps
 
 
 def _bound_arguments(fn: Callable, args: tuple, kwargs: dict) -> dict | None:
@@ -532,14 +598,14 @@ def _views_of_written_inputs(result: Any, changed: list, written: dict[int, Tens
         v = p
         while v is not None:
             owner[id(v)] = p
-            v = v._latest
+            v = v.replaced_by
 
     def remade(x):
-        if not isinstance(x, TensorProxy) or x._view_of is None or x.requires_grad:
+        if not isinstance(x, TensorProxy) or x.view_of is None or x.requires_grad:
             return x
         steps, v = [], x
-        while id(v) not in owner and v._view_of is not None:
-            v, remake = v._view_of
+        while id(v) not in owner and v.view_of is not None:
+            v, remake = v.view_of
             steps.append(remake)
         p = owner.get(id(v))
         if p is None or p.requires_grad:

@@ -6,9 +6,8 @@ A ``torch.library.custom_op`` (or ``triton_op``) called on proxies -- as the ``C
     t0 = torch.ops.lynx_cortex.softmax.default(x)  # t0: "cpu f32[2, 600]"
 
 Its metadata comes from the op's fake implementation (``@op.register_fake``), the torch executor runs it by
-calling the op, and its gradient is the op's own ``register_autograd`` formula: ``setup_context`` and
-``backward`` are run on proxies with a recording ``ctx``, so the backward becomes ordinary fulmen operations
-in the backward trace (whether ``setup_context`` saves inputs or outputs). Ops that mutate arguments
+calling the op, and its gradient is the op's own ``register_autograd`` formula (``fulmen.transforms.custom_op_grads``,
+which this module tells of each symbol it makes: ``when_symbol_made``). Ops that mutate arguments
 (``mutates_args``) are functionalized: a functional symbol runs the op on clones of the mutated arguments and
 returns their new values, which then replace the arguments (``fulmen.torch.inplace.mutate``).
 """
@@ -26,6 +25,18 @@ from fulmen.core.utils import check
 
 #: qualified op name ("ns::name") -> what proxies' torch calls of the op record
 _recorders: dict[str, Callable] = {}
+
+_made: list[tuple[Symbol, Any]] = []  # (symbol, CustomOpDef) of each op that mutates nothing, in the order made
+_when_made: list[Callable[[Symbol, Any], None]] = []
+
+
+def when_symbol_made(callback: Callable[[Symbol, Any], None]) -> None:
+    """Call ``callback(symbol, opdef)`` for the symbol of every custom op that mutates nothing, made so far or later:
+    how a higher layer attaches what it keeps per op (``fulmen.transforms.custom_op_grads`` registers the op's
+    ``register_autograd`` formula as the symbol's gradient)."""
+    _when_made.append(callback)
+    for sym, opdef in list(_made):
+        callback(sym, opdef)
 
 
 def _opdefs() -> dict:
@@ -150,7 +161,9 @@ def _pure_symbol(opdef) -> Symbol:
                  is_prim=True, tags=(OpTags.FALLBACK,), module=f"torch.ops.{ns}", torch_fns=(op,))
     sym.extra["torch_impl"] = op  # the torch executor calls the op itself; traces print torch.ops.ns.name.default
     sym.extra["custom_op"] = opdef
-    _register_autograd_rule(sym, opdef)
+    _made.append((sym, opdef))
+    for callback in _when_made:
+        callback(sym, opdef)
     return sym
 
 
@@ -209,79 +222,3 @@ def _make_recorder(opdef) -> Callable:
 
     record_mutating.__name__ = sym.name
     return record_mutating
-
-
-# ---------------------------------------------------------------------------------------------------------
-# gradients: the op's register_autograd formula traced on proxies
-
-class RecordingContext:
-    """Stands for the ``ctx`` of ``setup_context`` / ``backward`` while fulmen traces them: saved tensors are
-    proxies, other attributes are kept as set."""
-
-    def __init__(self, needs_input_grad: tuple[bool, ...]):
-        self.needs_input_grad = needs_input_grad
-        self.saved_tensors: tuple = ()
-        self.materialize_grads = True
-
-    def save_for_backward(self, *tensors) -> None:
-        self.saved_tensors = tuple(tensors)
-
-    def save_for_forward(self, *tensors) -> None:
-        pass
-
-    def mark_non_differentiable(self, *tensors) -> None:
-        pass
-
-    def mark_dirty(self, *tensors) -> None:
-        pass
-
-    def set_materialize_grads(self, value: bool) -> None:
-        self.materialize_grads = bool(value)
-
-
-def _register_autograd_rule(sym: Symbol, opdef) -> None:
-    from fulmen.transforms.linearize import register_grad
-
-    register_grad(sym.id, _grad_transform(sym, opdef))
-
-
-def _grad_transform(sym: Symbol, opdef) -> Callable:
-    def transform(*args, **kwargs):
-        from fulmen.transforms.linearize import get_grad, needs_grad, put_grad
-
-        out = sym(*args, **kwargs)
-        backward_fn = getattr(opdef, "_backward_fn", None)
-        if backward_fn is None:
-            raise RuntimeError(f"Trying to backward through {opdef._qualname} but no autograd formula was registered. "
-                               "Please use register_autograd to add one.")
-        inputs, kw = normalize_arguments(opdef, args, kwargs)
-        ctx = RecordingContext(tuple(_any(needs_grad, x) for x in inputs))
-        setup = getattr(opdef, "_setup_context_fn", None)
-        if setup is not None:
-            if kw:
-                setup(ctx=ctx, inputs=inputs, keyword_only_inputs=kw, output=out)
-            else:
-                setup(ctx=ctx, inputs=inputs, output=out)
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        grads_out = [get_grad(o) if isinstance(o, TensorProxy) and (o.dtype.is_floating_point or o.dtype.is_complex)
-                     else None for o in outs]
-        result = backward_fn(ctx, *grads_out)
-        result = result if isinstance(result, tuple) else (result,)
-        check(len(result) == len(inputs), lambda: f"the backward of {opdef._qualname} returned {len(result)} "
-              f"gradients, but the op has {len(inputs)} inputs", RuntimeError)
-        for x, g in zip(inputs, result):
-            if isinstance(x, (tuple, list)) and isinstance(g, (tuple, list)):
-                for xi, gi in zip(x, g):
-                    if isinstance(xi, TensorProxy) and isinstance(gi, TensorProxy):
-                        put_grad(xi, gi)
-            elif isinstance(x, TensorProxy) and isinstance(g, TensorProxy):
-                put_grad(x, g)
-        return out
-
-    return transform
-
-
-def _any(pred: Callable, x) -> bool:
-    if isinstance(x, (tuple, list)):
-        return any(pred(v) for v in x)
-    return pred(x)

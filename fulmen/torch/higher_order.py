@@ -23,6 +23,7 @@ from fulmen import clang, prims
 from fulmen.core.proxies import TensorProxy, _user_location
 from fulmen.core.symbol import OpTags, Symbol
 from fulmen.core.trace import get_tracectx
+from fulmen.core.tracer import get_tracer
 from fulmen.core.utils import canonicalize_dim, check
 from fulmen.torch.elementwise import logical_not, ne, where
 from fulmen.torch.fallback import _fake_meta as fake_meta
@@ -63,7 +64,7 @@ def cond(pred, true_fn: Callable, false_fn: Callable, operands: tuple | list = (
         return true_fn(*operands) if pred else false_fn(*operands)
     trc = get_tracectx()
     if not isinstance(pred, TensorProxy):
-        pred = trc.capture(pred)  # a real tensor the code holds (a global): read at every call
+        pred = get_tracer().capture(pred)  # a real tensor the code holds (a global): read at every call
     pred = clang.reshape(pred, ())
     if pred.dtype is not torch.bool:
         pred = ne(pred, 0)
@@ -85,13 +86,10 @@ def cond(pred, true_fn: Callable, false_fn: Callable, operands: tuple | list = (
 
 def _branch(trc, fn: Callable, operands, taken: TensorProxy, name: str) -> Any:
     """``fn(*operands)`` traced with every tensor it reads that requires grad behind ``cond_gate(tensor, taken)``."""
-    scope, mutations, replay = trc.scopes[0], trc.mutations, trc.replay
+    scope, mutations = trc.scopes[0], trc.mutations
     start = len(scope)
-    trc.replay = None  # a call made in one branch is not the value of the same call made later
-    try:
+    with get_tracer().branch():
         out = fn(*operands)
-    finally:
-        trc.replay = replay
     recorded = scope[start:]
     check(trc.mutations == mutations, lambda: f"the {name} of a torch.cond with a tensor predicate writes to a "
           f"tensor in place; fulmen traces both branches of such a cond, so they must not write in place (at "

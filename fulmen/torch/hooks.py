@@ -71,9 +71,8 @@ def register_hook(t: TensorProxy, hook: Callable) -> _TracedHookHandle:
             "right after the line that computes the tensor.")
     hooked = opaque_symbol(grad_hook)(current, hook)
     trc.has_mutations = True  # later uses of `t` read `hooked` (proxies.latest)
-    current._latest = hooked
+    current.replace_with(hooked)
     trc.mutations += 1
-    hooked._view_of, hooked._views = current._view_of, current._views
     return _TracedHookHandle()
 
 

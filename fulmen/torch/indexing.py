@@ -22,7 +22,7 @@ from fulmen.clang import TypePromotion, maybe_convert_to_dtype
 from fulmen.core import dtypes
 from fulmen.core.proxies import DataDependentError, TensorProxy, _user_location, latest
 from fulmen.core.symbol import BoundSymbol, OpTags
-from fulmen.core.trace import get_tracectx
+from fulmen.core.tracer import get_tracer
 from fulmen.core.unbacked import expect, known_equal, mask_positions
 from fulmen.core.utils import canonicalize_dim, check, prod
 from fulmen.torch.inplace import mutate
@@ -319,10 +319,10 @@ getitem.tags = getitem.tags + (OpTags.VIEW,)
 def _captured(x):
     """Real tensors inside a key (closure or global index tensors) become trace inputs, as arguments do."""
     if isinstance(x, torch.Tensor) and not isinstance(x, TensorProxy):
-        trc = get_tracectx()
-        check(trc is not None and trc.capture is not None, lambda: "indexing with a torch.Tensor inside a key needs "
-              "a trace that captures tensors (fulmen.jit)", TypeError)
-        return trc.capture(x)
+        tracer = get_tracer()
+        check(tracer is not None and tracer.captures_tensors, lambda: "indexing with a torch.Tensor inside a key "
+              "needs a trace that captures tensors (fulmen.jit)", TypeError)
+        return tracer.capture(x)
     if type(x) in (tuple, list):
         return type(x)(_captured(v) for v in x)
     return x

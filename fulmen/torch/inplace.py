@@ -22,6 +22,7 @@ import torch
 from fulmen import clang, prims
 from fulmen.core.proxies import TensorProxy, _user_location, latest
 from fulmen.core.trace import get_tracectx
+from fulmen.core.tracer import get_tracer
 from fulmen.core.utils import check
 from fulmen.torch.overlap import check_no_partial_overlap
 from fulmen.torch.registry import register_function, tensor_methods, torchsymbol
@@ -86,8 +87,8 @@ def mutate(target: TensorProxy, new_value, *, overwrites: bool = False, refuse_o
     trc = get_tracectx()
     check(trc is not None, lambda: "in-place operations can only be traced", RuntimeError)
     trc.has_mutations = True
-    if not isinstance(target, TensorProxy) and isinstance(target, torch.Tensor) and trc.capture is not None:
-        target = trc.capture(target)  # a global or closure tensor: an input, written back like the arguments
+    if not isinstance(target, TensorProxy) and isinstance(target, torch.Tensor):
+        target = get_tracer().capture(target)  # a global or closure tensor: an input, written back like the arguments
     current = latest(target)
     if _from_view is None and torch.is_grad_enabled():
         _check_not_multi_output_view(target)
@@ -102,7 +103,7 @@ def mutate(target: TensorProxy, new_value, *, overwrites: bool = False, refuse_o
     else:
         new = clang.full(current.shape, new_value, device=current.device, dtype=current.dtype)
     # torch's check concerns the tensor written through (x.detach().zero_() on a leaf is allowed)
-    if _from_view is None and torch.is_grad_enabled() and current.requires_grad and current._origin == "input-leaf":
+    if _from_view is None and torch.is_grad_enabled() and current.requires_grad and current.origin == "input-leaf":
         raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
     if new is current:  # nothing was computed (x.add_(0) folded away): the value is unchanged
         return target
@@ -113,22 +114,21 @@ def mutate(target: TensorProxy, new_value, *, overwrites: bool = False, refuse_o
     if current.requires_grad and (unseen or overwrites or not isinstance(new_value, TensorProxy)):
         with torch.enable_grad():  # recorded as differentiable even inside no_grad: it carries the history on
             new = overwritten(new, current, unseen)
-    current._latest = new
+    current.replace_with(new)
     trc.mutations += 1
-    new._view_of, new._views = current._view_of, current._views
-    if current._view_of is None:  # the tensor keeps its layout (a view's is kept by its remake function)
+    if current.view_of is None:  # the tensor keeps its layout (a view's is kept by its remake function)
         strides = layout_of(current)
         if strides is not None:
             set_strides(new, strides)
-    if current._view_of is not None:
-        base, remake = current._view_of
+    if current.view_of is not None:
+        base, remake = current.view_of
         select, through = remake, None
         # a base whose elements share memory (an expand) cannot take the view's new value element by element (its
         # other elements would carry old values to the same memory): the write goes on up, through the composed
         # views, to the first base that can
-        while latest(base)._view_of is not None and _shares_elements(latest(base)):
+        while latest(base).view_of is not None and _shares_elements(latest(base)):
             through = base
-            outer, outer_remake = latest(base)._view_of
+            outer, outer_remake = latest(base).view_of
             select = (lambda inner, view: lambda b: inner(view(b)))(select, outer_remake)
             base = outer
         if through is None:
@@ -146,21 +146,20 @@ def _refresh_views(old: TensorProxy, new: TensorProxy, written: TensorProxy | No
     ``c = b.t()``: a write to ``a`` changes ``c``); ``written``, the view the write came through, is current.
     ``keep_history``: the write was one autograd does not see (under no_grad), and the views keep their history
     through it, as the base does."""
-    if not old._views:
+    if not old.views:
         return
-    views = list(old._views)  # remake() below registers each refreshed value as a view of `new` too
+    views = list(old.views)  # remake() below registers each refreshed value as a view of `new` too
     for view in views:
         if view is written or latest(view) is new:
             continue
-        base_view, remake = view._view_of
+        base_view, remake = view.view_of
         with torch.enable_grad() if keep_history else contextlib.nullcontext():
             refreshed = remake(new)
         view_now = latest(view)
         if view_now is not refreshed:
-            view_now._latest = refreshed
-            refreshed._view_of, refreshed._views = view._view_of, view._views
+            view_now.replace_with(refreshed, links_of=view)
             _refresh_views(view, refreshed, None, keep_history)
-    old._views[:] = views  # the original view proxies keep standing for their refreshed values
+    old.restore_views(views)  # the original view proxies keep standing for their refreshed values
 
 
 def setitem(a: TensorProxy, key, value) -> None:
@@ -169,19 +168,19 @@ def setitem(a: TensorProxy, key, value) -> None:
 
     getitem = langctx.method("__getitem__")
     current = latest(a)
-    if isinstance(value, TensorProxy) and value._view_of is not None:  # eager refuses a value overlapping the target
+    if isinstance(value, TensorProxy) and value.view_of is not None:  # eager refuses a value overlapping the target
         target = getitem(current, key)  # recorded only to be compared; dead code elimination drops it
-        check_no_partial_overlap("", target if target._view_of is not None else a, value)
-    if current._view_of is not None and _shares_elements(current):
+        check_no_partial_overlap("", target if target.view_of is not None else a, value)
+    if current.view_of is not None and _shares_elements(current):
         # the view's elements share memory (an expand): only those the key picks are written, straight into the
         # base; a new value of the whole view would also carry the others' old values to the same base elements
         picked = getitem(current, key)
-        check(not (isinstance(picked, TensorProxy) and picked._view_of is not None and _shares_elements(picked)),
+        check(not (isinstance(picked, TensorProxy) and picked.view_of is not None and _shares_elements(picked)),
               lambda: _OVERLAP_MESSAGE)
-        base, remake = current._view_of
+        base, remake = current.view_of
         select = lambda b: getitem(remake(b), key)  # noqa: E731
-        while latest(base)._view_of is not None and _shares_elements(latest(base)):  # up to a base that can take it
-            outer, outer_remake = latest(base)._view_of
+        while latest(base).view_of is not None and _shares_elements(latest(base)):  # up to a base that can take it
+            outer, outer_remake = latest(base).view_of
             select = (lambda inner, view: lambda b: inner(view(b)))(select, outer_remake)
             base = outer
         mutate(base, scatter_into(latest(base), select, value), refuse_overlap=False)
@@ -194,10 +193,10 @@ def _check_not_multi_output_view(target: TensorProxy) -> None:
     of a function returning several views, made with grad mode on and requiring grad."""
     t = target
     while t is not None:
-        check(t._origin != "multi-output-view", lambda: "A view of an output of a function that returns multiple "
+        check(t.origin != "multi-output-view", lambda: "A view of an output of a function that returns multiple "
               "views (split, chunk, unbind) is being modified inplace. Such functions do not allow the output views "
               "to be modified inplace. You should replace the inplace operation by an out-of-place one.")
-        t = t._view_of[0] if t._view_of is not None else None
+        t = t.view_of[0] if t.view_of is not None else None
 
 
 def _shares_elements(t: TensorProxy) -> bool:

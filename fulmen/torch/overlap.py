@@ -22,8 +22,8 @@ PARTIAL_OVERLAP = ("unsupported operation: some elements of the input tensor and
 def _made_from(p: TensorProxy) -> tuple[TensorProxy, list] | None:
     """(the value whose storage ``p`` views, the view calls from it to ``p``); None when a call is unknown."""
     calls = []
-    while p._view_of is not None:
-        p, remake = p._view_of
+    while p.view_of is not None:
+        p, remake = p.view_of
         call = getattr(remake, "view_call", None)
         if call is None:
             return None
@@ -78,7 +78,7 @@ def check_no_partial_overlap(op: str, written, *sources) -> None:
         if not isinstance(src, TensorProxy) or latest(src) is dst:
             continue
         src = latest(src)
-        if src._view_of is None and dst._view_of is None:
+        if src.view_of is None and dst.view_of is None:
             continue  # two values each in a storage of its own
         found = found or _made_from(dst)
         theirs = _made_from(src)

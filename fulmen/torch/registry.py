@@ -49,11 +49,11 @@ def torch_id(fn: Callable) -> str:
 
 def lazy_bits(p: TensorProxy) -> tuple[bool, bool]:
     """(is_conj, is_neg) of the tensor eager PyTorch would have for ``p``."""
-    return p._lazy_bits or (False, False)
+    return p.lazy_bits or (False, False)
 
 
 def set_lazy_bits(p: TensorProxy, conj: bool, neg: bool) -> None:
-    p._lazy_bits = (conj, neg)
+    p.set_lazy_bits(conj, neg)
 
 
 def with_lazy_bits(t: torch.Tensor, p: TensorProxy) -> torch.Tensor:
@@ -93,12 +93,7 @@ def link_views(sym: Symbol, args: tuple, kwargs: dict, output, which: Sequence[i
         if unview is not None:
             remake.unview = unview
         remake.view_call = (sym, rest, kwargs, i if isinstance(output, (tuple, list)) else None)  # fulmen.torch.overlap
-        out._view_of = (base, remake)
-        if base._views is None:
-            base._views = []
-        # once: an opaque op inside a view op's decomposition (view_as_real's) links the same output first
-        if not any(v is out for v in base._views):
-            base._views.append(out)
+        out.make_view_of(base, remake)
 
 
 def torchsymbol(

@@ -57,8 +57,8 @@ _view_strides: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def strides_of(p: TensorProxy) -> tuple[int, ...]:
     """The strides eager PyTorch gives the tensor ``p`` stands for (inputs: those of ``set_strides``)."""
-    if p._view_of is not None:
-        strides = _view_strides.get(p._view_of[1])
+    if p.view_of is not None:
+        strides = _view_strides.get(p.view_of[1])
         if strides is not None:
             return strides
     entry = _strides.get(id(p))
@@ -70,14 +70,14 @@ def strides_of(p: TensorProxy) -> tuple[int, ...]:
 def layout_of(p: TensorProxy) -> tuple[int, ...] | None:
     """``strides_of(p)``, or None when ``p`` is contiguous for want of any other record (the common case, told
     apart without computing contiguous strides)."""
-    if p._view_of is None and id(p) not in _strides:
+    if p.view_of is None and id(p) not in _strides:
         return None
     return strides_of(p)
 
 
 def _set_strides(p: TensorProxy, strides: tuple[int, ...]) -> None:
-    if p._view_of is not None:
-        _view_strides[p._view_of[1]] = tuple(strides)
+    if p.view_of is not None:
+        _view_strides[p.view_of[1]] = tuple(strides)
         return
     if tuple(strides) == contiguous_strides(p.shape):
         _strides.pop(id(p), None)
@@ -116,7 +116,7 @@ def follow_input_layout(bsym: BoundSymbol) -> None:
     input gives a transposed result), which decides what a later ``view``/``reshape`` of it does. When some input
     is not contiguous, the result gets the strides the op gives on meta tensors laid out as the inputs."""
     out = bsym.output
-    if not isinstance(out, TensorProxy) or out._view_of is not None or any(type(n) is not int for n in out.shape):
+    if not isinstance(out, TensorProxy) or out.view_of is not None or any(type(n) is not int for n in out.shape):
         return
     tensors = [a for a in (*bsym.args, *bsym.kwargs.values()) if isinstance(a, TensorProxy)]
     if any(a is out for a in tensors) or all(layout_of(a) is None for a in tensors):
@@ -154,8 +154,8 @@ def _view_hook(bsym: BoundSymbol, unview=None) -> None:
         if isinstance(bsym.output, (tuple, list)) and torch.is_grad_enabled():
             # autograd refuses in-place writes to the views a multi-view op (split, chunk, unbind) returns
             for p in bsym.output:
-                if isinstance(p, TensorProxy) and p.requires_grad and p._origin is None:
-                    p._origin = "multi-output-view"
+                if isinstance(p, TensorProxy) and p.requires_grad:
+                    p.mark_multi_output_view()
     for p, strides, conj, neg, _ in layouts:
         if p is not base:
             _set_strides(p, strides)

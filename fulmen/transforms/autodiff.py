@@ -1,5 +1,5 @@
-"""Reverse-mode automatic differentiation: the VJP table, the backward walk and ``grad`` / ``value_and_grad`` /
-``vjp``.
+"""Reverse-mode automatic differentiation: the VJP table and the backward walk (the functional APIs built on them,
+``grad`` / ``value_and_grad`` / ``vjp``, are in ``fulmen.frontend.functional``).
 
 Every prim has a vector-Jacobian product in ``vjp_rules`` (keyed by ``PrimIDs``) or is listed in
 ``NON_DIFFERENTIABLE``; a test checks that the two cover ``prims.all_prims()``. A rule takes the bound
@@ -17,13 +17,11 @@ in ``split.py``. The registration functions are re-exported here.
 from __future__ import annotations
 
 import cmath
-import functools
 import math
 import threading
 from collections.abc import Callable, Sequence
 from numbers import Number
 
-import torch
 from torch.utils._pytree import tree_flatten
 
 import fulmen.torch as ltorch
@@ -31,7 +29,6 @@ from fulmen import clang, prims
 from fulmen.core import dtypes
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol
-from fulmen.core.trace import get_tracectx
 from fulmen.core.unbacked import known_equal
 from fulmen.core.utils import canonicalize_dim, check, prod
 from fulmen.prims import PrimIDs
@@ -52,7 +49,7 @@ from fulmen.transforms.linearize import (  # noqa: F401  (public names)
 )
 
 __all__ = [
-    "grad", "value_and_grad", "vjp", "get_grad", "put_grad", "put_grads", "compute_in_forward", "register_grad",
+    "get_grad", "put_grad", "put_grads", "compute_in_forward", "register_grad",
     "register_augmented_forward", "register_backward", "vjp_rules", "NON_DIFFERENTIABLE", "backward_pass",
     "needs_grad", "NotDifferentiableError", "sum_to",
 ]
@@ -656,83 +653,6 @@ def _convolution_vjp(b, g):
     ga, gw, gb = grad_rules.convolution_backward(g, a, w, tuple(bias.shape) if _t(bias) else None, stride, padding,
                                                  dilation, transposed, output_padding, groups, mask)
     return ga, gw, gb, None, None, None, None, None, None
-
-
-# ---------------------------------------------------------------------------------------------------------
-# functional APIs: grad, value_and_grad, vjp
-
-class _Transformed:
-    """``grad(f)`` and friends: traced inline inside another trace, compiled with ``fulmen.jit`` otherwise."""
-
-    def __init__(self, fn: Callable, kind: str, executors: Sequence | None = None):
-        from fulmen.frontend.jit import JittedFunction
-        from fulmen.frontend.module import JittedModule
-
-        inner, jit_executors = fn, executors
-        if isinstance(fn, JittedFunction):
-            inner, jit_executors = fn.fn, fn.executors
-        elif isinstance(fn, JittedModule):  # gradients with respect to the call's arguments
-            inner, jit_executors = fn.original_module, fn._fulmen_jitted.executors
-        self.fn, self.kind = inner, kind
-        signature_of = inner.forward if isinstance(inner, torch.nn.Module) else inner
-        if kind == "vjp":
-            def traced(primals, cotangents):
-                return self._traced(primals, cotangents)
-        else:
-            def traced(*args, **kwargs):
-                return self._traced(*args, **kwargs)
-            functools.update_wrapper(traced, signature_of)  # argument names in traces come from fn
-        self._fulmen_jitted = JittedFunction(traced, jit_executors, disable_torch_autograd=True)
-        self.executors = self._fulmen_jitted.executors
-        functools.update_wrapper(self, signature_of, updated=())
-
-    def _traced(self, *args, **kwargs):
-        from fulmen.transforms.split import differentiate_inline
-
-        if self.kind == "vjp":
-            primals, cotangents = args
-            out, grads = differentiate_inline(self.fn, tuple(primals), {}, self.executors, cotangents=cotangents)
-            return out, grads
-        out, grads = differentiate_inline(self.fn, args, kwargs, self.executors)
-        return grads if self.kind == "grad" else (out, grads)
-
-    def __call__(self, *args, **kwargs):
-        if get_tracectx() is not None:
-            return self._traced(*args, **kwargs)
-        return self._fulmen_jitted(*args, **kwargs)
-
-
-def grad(fn: Callable) -> Callable:
-    """The gradients of the sum of ``fn``'s (floating point) outputs with respect to every tensor argument.
-
-    Returns a function giving a list with one entry per tensor in the arguments (flattened): the gradient,
-    zeros when the output does not depend on it, ``None`` for integer and boolean tensors. ``fn`` may be a
-    function or an already-jitted one (its executors are used); ``fulmen.last_traces(grad(fn))`` shows the
-    combined forward and backward trace::
-
-        g = fulmen.grad(lambda x, y: (x * y).sin())
-        gx, gy = g(x, y)
-    """
-    return _Transformed(fn, "grad")
-
-
-def value_and_grad(fn: Callable) -> Callable:
-    """Like ``grad``, but the function returns ``(fn's output, gradients)`` (seed 000)::
-
-        out, (grad_logits, grad_labels) = fulmen.value_and_grad(loss_fn)(logits, labels)
-    """
-    return _Transformed(fn, "value_and_grad")
-
-
-def vjp(fn: Callable) -> Callable:
-    """Vector-Jacobian product in the primals/cotangents form:
-    ``vjp(fn)(primals, cotangents) -> (outputs, grads)``.
-
-    ``primals`` is the tuple of ``fn``'s arguments; ``cotangents`` holds one tensor per floating point tensor
-    output of ``fn`` (flattened, in order; ``None`` for an output with no cotangent). ``grads`` has one entry
-    per tensor in ``primals`` (flattened): the gradient, zeros when unconnected, ``None`` for integer tensors.
-    """
-    return _Transformed(fn, "vjp")
 
 
 def flat_tensor_args(args: tuple, kwargs: dict) -> list[TensorProxy]:
