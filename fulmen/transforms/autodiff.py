@@ -1,13 +1,13 @@
 """Reverse-mode automatic differentiation: the VJP table, the backward walk and ``grad`` / ``value_and_grad`` /
 ``vjp``.
 
-Every prim has a vector-Jacobian product in ``vjp_rules`` (keyed by ``PrimIDs``) or is listed in
-``NON_DIFFERENTIABLE``; a test checks that the two cover ``prims.all_prims()``. A rule takes the bound
-symbol and the cotangent of its output (a tuple for prims with several outputs) and returns one gradient per
-parameter of the prim. Rules are written in the torch language where it has the operation (elementwise math)
-and in clang/prims otherwise (sums, reshapes): a backward's ``ltorch.mul`` runs as one torch call and an
-executor can claim it (seed 001 replaces it by its own kernel). Broadcasting needs no care:
-prims take same-shape inputs, so un-broadcasting is the VJP of ``prims.broadcast_in_dim`` (a sum).
+Every prim has a vector-Jacobian product in ``vjp_rules`` (keyed by ``PrimIDs``; the prims' rows of the gradient
+table, ``grad_table.py``) or is listed in ``NON_DIFFERENTIABLE``; a test checks that the two cover
+``prims.all_prims()``. A rule takes the bound symbol and the cotangent of its output (a tuple for prims with
+several outputs) and returns one gradient per parameter of the prim. Rules are written in the torch language where
+it has the operation (elementwise math) and in clang/prims otherwise (sums, reshapes): a backward's ``ltorch.mul``
+runs as one torch call and an executor can claim it (seed 001 replaces it by its own kernel). Broadcasting needs no
+care: prims take same-shape inputs, so un-broadcasting is the VJP of ``prims.broadcast_in_dim`` (a sum).
 
 How symbols above prims are differentiated (grad transforms, augmented forward/backward, decomposition,
 PyTorch autograd for opaque ops) is in ``linearize.py``; turning the result into forward and backward traces
@@ -35,6 +35,7 @@ from fulmen.core.trace import get_tracectx
 from fulmen.core.unbacked import known_equal
 from fulmen.core.utils import canonicalize_dim, check, prod
 from fulmen.prims import PrimIDs
+from fulmen.transforms import grad_table
 from fulmen.transforms.linearize import (  # noqa: F401  (public names)
     Joint,
     NotDifferentiableError,
@@ -67,8 +68,11 @@ NON_DIFFERENTIABLE = frozenset({
     PrimIDs.MANUAL_SEED, PrimIDs.GET_RNG_STATE, PrimIDs.SET_RNG_STATE,
 })
 
-#: prim id -> rule(bsym, cotangent) -> one gradient (or None) per parameter of the prim.
-vjp_rules: dict[PrimIDs, Callable] = {}
+grad_table.mark_non_differentiable(*NON_DIFFERENTIABLE)
+
+#: prim id -> rule(bsym, cotangent) -> one gradient (or None) per parameter of the prim: the prims' entries of
+#: the gradient table (``grad_table.py``), read and written through this mapping.
+vjp_rules = grad_table.VJPRules()
 
 
 # ---------------------------------------------------------------------------------------------------------
