@@ -15,10 +15,13 @@ import torch
 import fulmen
 import fulmen.torch as ltorch
 from fulmen import prims
+from fulmen.core.codeutils import outputs_of
+from fulmen.core.proxies import TensorProxy
+from fulmen.core.symbol import OpTags, Symbol
 from fulmen.extend import OperatorExecutor
 from fulmen.transforms import grad_table
 from fulmen.transforms.autodiff import get_grad, put_grad, register_augmented_forward, register_backward, register_grad
-from fulmen.transforms.grad_table import Convention, Source
+from fulmen.transforms.grad_table import Convention, GradEntry, Source
 
 
 def _scaled_grad_rule(scale: float):
@@ -126,3 +129,79 @@ def test_augmented_forward_and_backward_are_one_entry_and_what_it_saves_reaches_
         torch.testing.assert_close(_sin_grad(x, []), 4.0 * torch.cos(x))
     finally:
         grad_table.put(sym_id, Source.AUGMENTED, None)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# passes match on ids and tags: a new op that carries its peers' tags is handled like them, with no edit there
+
+
+def _new_prim(name: str, tags: tuple, meta, impl) -> Symbol:
+    """A prim declared as ``make_prim`` declares one (meta, torch implementation, tags), under a test id so the
+    table of real prims stays as it is."""
+    sym = Symbol(name=name, meta=meta, id=f"test_gradient_table.{name}", is_prim=True, tags=tags, module="prims")
+    sym.extra["torch_impl"] = impl
+    return sym
+
+
+def _ones_meta(shape, *, device, dtype):
+    return TensorProxy(shape=tuple(shape), device=device, dtype=dtype)
+
+
+ones_prim = _new_prim("ones_prim", (OpTags.CREATION,), _ones_meta,
+                      lambda shape, *, device, dtype: torch.ones(shape, device=device, dtype=dtype))
+cube_prim = _new_prim("cube_prim", (OpTags.ELEMENTWISE, OpTags.UNARY), lambda a: TensorProxy(like=a),
+                      lambda a: a * a * a)
+grad_table.put(cube_prim, Source.PRIM, GradEntry(lambda b, g: (ltorch.mul(ltorch.mul(g, 3.0),
+                                                                          ltorch.mul(b.args[0], b.args[0])),),
+                                                 Convention.VJP))
+
+
+def _saved_for_backward(jfn) -> int:
+    forward = fulmen.last_traces(jfn)[-1]
+    return len(outputs_of(forward.output)) - 1  # the program's one output, then what the backward reads
+
+
+def test_a_new_creation_prim_is_recomputed_like_full():
+    x = torch.randn(64, 64, dtype=torch.float64, requires_grad=True)
+    saved = {}
+    for name, make in (("full", lambda s, d, t: prims.full(s, 1.0, device=d, dtype=t)),
+                       ("new", lambda s, d, t: ones_prim(s, device=d, dtype=t))):
+        jfn = fulmen.jit(lambda a, make=make: ltorch.mul(a, ltorch.exp(make(tuple(a.shape), a.device, a.dtype))),
+                         executors=[])
+        out = jfn(x)
+        torch.testing.assert_close(out, x * torch.e)
+        (g,) = torch.autograd.grad(out.sum(), x)
+        torch.testing.assert_close(g, torch.full_like(x, torch.e))
+        saved[name] = _saved_for_backward(jfn)
+    assert saved["new"] == saved["full"] == 0, saved  # both recomputed in the backward, nothing saved
+
+
+def test_a_new_elementwise_prim_fuses_and_differentiates_like_its_peers():
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    jfn = fulmen.jit(lambda a: ltorch.exp(cube_prim(prims.sin(a))), executors=["inductor"])
+    out = jfn(x)
+    expected = torch.exp(torch.sin(x) ** 3)
+    torch.testing.assert_close(out, expected)
+    (g,), (e,) = torch.autograd.grad(out.sum(), x), torch.autograd.grad(expected.sum(), x)
+    torch.testing.assert_close(g, e)
+    regions = [b for b in fulmen.last_traces(jfn)[-1].bound_symbols if b.sym.name.startswith("inductor_fusion")]
+    assert len(regions) == 1 and "cube_prim" in str(regions[0]), "sin, cube_prim and exp make one region"
+
+
+def test_a_new_bookkeeping_symbol_is_carried_by_every_pass():
+    from fulmen.core.codegen import python_source
+
+    note = Symbol(name="note", meta=lambda text: None, id="test_gradient_table.note", is_prim=True,
+                  tags=(OpTags.BOOKKEEPING,), python_printer=lambda bsym, printer: f"# note: {bsym.args[0]}")
+
+    def fn(a):
+        note("before the exp")
+        return ltorch.exp(ltorch.sin(a))
+
+    x = torch.randn(4)
+    jfn = fulmen.jit(fn, executors=["inductor"])
+    torch.testing.assert_close(jfn(x), torch.exp(torch.sin(x)))
+    final = fulmen.last_traces(jfn)[-1]
+    regions = [b for b in final.bound_symbols if b.sym.name.startswith("inductor_fusion")]
+    assert len(regions) == 1, "a bookkeeping line does not split a region"
+    assert "# note: before the exp" in python_source(final)[0]

@@ -38,6 +38,7 @@ class OpTags(Enum):
     NON_DIFFERENTIABLE = auto()
     IN_PLACE = auto()
     VIEW = auto()
+    BOOKKEEPING = auto()  # computes nothing (``del``): never claimed by an executor, carried along by passes
 
 
 class SymbolCalledOutsideTracing(RuntimeError):

@@ -294,7 +294,7 @@ def claim_symbols(trace: Trace, executors: Sequence[Executor], *, provenance: st
     out: list[BoundSymbol] = []
 
     def visit(bsym: BoundSymbol, depth: int):
-        if bsym.sym.id in ("del", "comment"):
+        if OpTags.BOOKKEEPING in bsym.sym.tags:
             out.append(bsym)
             return
         for ex in executors:
@@ -352,7 +352,7 @@ def fuse_regions(trace: Trace, executors: Sequence[Executor]) -> Trace:
     for ex in executors:
         if isinstance(ex, FusionExecutor):
             trace.claims = {id(b): ex for b in trace.bound_symbols
-                            if b.sym.id not in ("del", "comment") and ex.can_fuse(b)}
+                            if OpTags.BOOKKEEPING not in b.sym.tags and ex.can_fuse(b)}
             trace = ex.fusion_pass(trace)
     return trace
 

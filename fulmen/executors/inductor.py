@@ -25,6 +25,7 @@ from torch._ops import OpOverload, OpOverloadPacket
 
 from fulmen.core import symbolic
 from fulmen.core.ambient import Ambient
+from fulmen.core.bookkeeping import is_bookkeeping
 from fulmen.core.codegen import compile_trace
 from fulmen.core.codeutils import outputs_of
 from fulmen.core.proxies import Proxy, TensorProxy
@@ -232,11 +233,12 @@ class InductorExecutor(FusionExecutor):
         for k, (fused, run) in enumerate(groups):
             if not fused:
                 new.extend(run)
-            elif sum(1 for b in run if b.sym.id not in ("comment", "del")) < MIN_REGION_SIZE:
+            elif sum(1 for b in run if not is_bookkeeping(b)) < MIN_REGION_SIZE:
                 new.extend(self._unfused(trace, run, torch_executors))
             else:
                 later = [b for _, r in groups[k + 1:] for b in r]
-                pieces = split_repeats([b for b in run if b.sym.id not in ("comment", "del")])
+                new.extend(b for b in run if is_bookkeeping(b))  # lines that compute nothing stay, ahead of it
+                pieces = split_repeats([b for b in run if not is_bookkeeping(b)])
                 # next to repeated layers, a short leftover piece (embedding, final norm) is not worth a
                 # compilation of its own (~1 s each on a CPU): it runs on the torch executor
                 smallest = MIN_LEFTOVER if len(pieces) > 1 else MIN_REGION_SIZE
