@@ -205,3 +205,58 @@ def test_a_new_bookkeeping_symbol_is_carried_by_every_pass():
     regions = [b for b in final.bound_symbols if b.sym.name.startswith("inductor_fusion")]
     assert len(regions) == 1, "a bookkeeping line does not split a region"
     assert "# note: before the exp" in python_source(final)[0]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the aten operations fulmen's rules call are declared like any symbol and claimed through the normal path
+
+
+def test_rule_ops_are_declared_symbols_that_executors_claim():
+    from fulmen.executors.inductor import ex as inductor_ex
+    from fulmen.executors.torchex import ex as torch_ex
+    from fulmen.transforms import grad_ops
+
+    ops = [v for v in vars(grad_ops).values() if isinstance(v, Symbol) and v.module == "torch.ops.aten"]
+    assert len(ops) >= 20
+    for sym in ops:
+        assert sym.id == f"aten.{sym.name}" and sym.executor is None and sym.impl is None, sym
+        assert sym.extra["torch_impl"] is getattr(torch.ops.aten, sym.name)
+    g = TensorProxy(shape=(2, 3), dtype=torch.float32, device="cpu")
+    bsym = grad_ops.gelu_backward.bind(g, g, output=TensorProxy(like=g))
+    assert torch_ex.can_execute(bsym)
+    exec_sym = torch_ex.execution_symbol(bsym)
+    assert exec_sym.qualified_name == "torch.ops.aten.gelu_backward" and exec_sym.impl is torch.ops.aten.gelu_backward
+    assert inductor_ex.can_fuse(bsym)  # by the path every prim takes, no special case
+    unfold = grad_ops.unfold_backward.bind(g, (2, 3), 0, 1, 1, output=TensorProxy(like=g))
+    assert not inductor_ex.can_fuse(unfold)  # kept out by its id (an Inductor miscompilation)
+
+
+def _hardsigmoid_backward_meta(g, a):
+    return TensorProxy(like=g, requires_grad=False)
+
+
+def test_a_new_aten_backward_op_runs_unfused_and_fused():
+    from fulmen.transforms import grad_ops
+
+    hardsigmoid_backward = grad_ops.aten_op("hardsigmoid_backward", _hardsigmoid_backward_meta)
+
+    def rule(a):
+        out = ltorch.hardsigmoid(a)
+        put_grad(a, hardsigmoid_backward(get_grad(out), a))
+        return out
+
+    x = torch.linspace(-4.0, 4.0, 17, dtype=torch.float64)
+    expected = torch.where((x > -3) & (x < 3), 1.0 / 6, 0.0).to(x.dtype)
+    register_grad("torch.nn.functional.hardsigmoid", rule)
+    try:
+        for executors in (["torch"], ["inductor"]):
+            a = x.clone().requires_grad_()
+            jfn = fulmen.jit(lambda t: torch.nn.functional.hardsigmoid(t).exp(), executors=executors)
+            out = jfn(a)
+            (g,) = torch.autograd.grad(out, a, torch.ones_like(out))
+            torch.testing.assert_close(g, expected * out.detach())
+            text = str(fulmen.last_backward_traces(jfn)[-1])
+            assert "torch.ops.aten.hardsigmoid_backward(" in text
+            assert ("inductor_fusion" in text) == (executors == ["inductor"])
+    finally:
+        register_grad("torch.nn.functional.hardsigmoid", None)

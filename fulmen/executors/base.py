@@ -323,8 +323,9 @@ def claim_symbols(trace: Trace, executors: Sequence[Executor], *, provenance: st
                         visit(p, depth + 1)
                 return
             exec_sym = ex.execution_symbol(bsym)
-            # the claimed symbol is kept as a comment, unless it is an opaque op (it would print the same line)
-            shown = bsym.subsymbols if exec_sym is bsym.sym or OpTags.FALLBACK in bsym.sym.tags else (bsym,)
+            # the claimed symbol is kept as a comment, unless it would print the same line (an opaque op, an aten op)
+            same = exec_sym is bsym.sym or exec_sym.qualified_name == bsym.sym.qualified_name
+            shown = bsym.subsymbols if same else (bsym,)
             out.append(BoundSymbol(exec_sym, bsym.args, bsym.kwargs, bsym.output, shown))
             return
         if bsym.subsymbols:

@@ -48,6 +48,9 @@ class TorchExecutor(OperatorExecutor):
         elif OpTags.FALLBACK in sym.tags:
             fn = sym.extra["torch_impl"]
             module, name = sym.module, sym.name
+        elif (sym.module or "").split(".")[0] == "torch":  # it names the torch callable it runs (torch.ops.aten.gelu)
+            fn = sym.extra["torch_impl"]
+            module, name = sym.module, sym.name
         else:
             fn = sym.extra["torch_impl"]
             module, name = "torchex", sym.name

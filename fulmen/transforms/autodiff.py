@@ -35,7 +35,7 @@ from fulmen.core.trace import get_tracectx
 from fulmen.core.unbacked import known_equal
 from fulmen.core.utils import canonicalize_dim, check, prod
 from fulmen.prims import PrimIDs
-from fulmen.transforms import grad_table
+from fulmen.transforms import grad_ops, grad_table
 from fulmen.transforms.linearize import (  # noqa: F401  (public names)
     Joint,
     NotDifferentiableError,
@@ -244,9 +244,7 @@ _rule(PrimIDs.ABS)(lambda b, g: (mul(g, sgn(_args(b)[0], b.output)),))
 
 @_rule(PrimIDs.DIGAMMA)
 def _digamma_vjp(b, g):
-    from fulmen.transforms import grad_rules
-
-    return (mul(g, grad_rules.polygamma(1, _args(b)[0])),)
+    return (mul(g, grad_ops.polygamma(1, _args(b)[0])),)
 
 
 @_rule(PrimIDs.CONVERT_ELEMENT_TYPE)
@@ -444,10 +442,8 @@ def _cat_vjp(b, g):
 
 @_rule(PrimIDs.UNFOLD)
 def _unfold_vjp(b, g):
-    from fulmen.transforms import grad_rules
-
     a, dim, size, step = _args(b)
-    return grad_rules.unfold_backward(g, tuple(a.shape), dim, size, step), None, None, None
+    return grad_ops.unfold_backward(g, tuple(a.shape), dim, size, step), None, None, None
 
 
 # ---- indexing ----
@@ -568,14 +564,12 @@ def _cumsum_vjp(b, g):
 
 def _torch_autograd_vjp(b, g):
     """Prims whose exact VJP is intricate (products with zeros): PyTorch's autograd on the prim's torch impl."""
-    from fulmen.transforms import grad_rules
-
     args = _args(b)
     tensors = [x for x in tree_flatten((b.args, b.kwargs))[0] if _t(x)]
     which = tuple(i for i, x in enumerate(tensors) if is_differentiable_dtype(x.dtype))
     cts = g if isinstance(g, tuple) else (g,)
     grads = dict(zip((tensors[i].name for i in which),
-                     grad_rules.autograd_vjp(b.sym.extra["torch_impl"])(b.args, b.kwargs, cts, which, None)))
+                     grad_ops.autograd_vjp(b.sym.extra["torch_impl"])(b.args, b.kwargs, cts, which, None)))
     return tuple(grads.get(x.name) if _t(x) else None for x in args)
 
 
@@ -651,14 +645,12 @@ def _linear_vjp(b, g):
 
 @_rule(PrimIDs.CONVOLUTION)
 def _convolution_vjp(b, g):
-    from fulmen.transforms import grad_rules
-
     a, w, bias, stride, padding, dilation, transposed, output_padding, groups = _args(b)
     if dtypes.is_complex_dtype(a.dtype):  # aten's convolution_backward has no complex kernels
         return _torch_autograd_vjp(b, g)
     mask = [wanted(a), wanted(w), wanted(bias)]
-    ga, gw, gb = grad_rules.convolution_backward(g, a, w, tuple(bias.shape) if _t(bias) else None, stride, padding,
-                                                 dilation, transposed, output_padding, groups, mask)
+    ga, gw, gb = grad_ops.convolution_backward(g, a, w, tuple(bias.shape) if _t(bias) else None, stride, padding,
+                                               dilation, transposed, output_padding, groups, mask)
     return ga, gw, gb, None, None, None, None, None, None
 
 

@@ -33,7 +33,7 @@ from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 from fulmen.core.trace import get_tracectx
 from fulmen.core.utils import check
 from fulmen.prims import PrimIDs
-from fulmen.transforms import grad_table
+from fulmen.transforms import grad_ops, grad_table
 from fulmen.transforms.grad_table import Convention, GradEntry, Source
 
 
@@ -356,20 +356,18 @@ class _Linearizer:
         return Node(bsym, [Node(b) for b in forward])
 
     def _by_torch_autograd(self, bsym: BoundSymbol, fn: Callable) -> Node:
-        from fulmen.transforms import grad_rules
-
         leaves, _ = tree_flatten((bsym.args, bsym.kwargs))
-        # positions among the tensor arguments only, as grad_rules.autograd_vjp reads them
+        # positions among the tensor arguments only, as grad_ops.autograd_vjp reads them
         tensors = [x for x in leaves if isinstance(x, TensorProxy)]
         which = tuple(i for i, x in enumerate(tensors) if self.is_active(x))
         parts, state = None, None
-        if grad_rules.is_random_op(fn):
+        if grad_ops.is_random_op(fn):
             # The backward recomputes the op: it must draw the same random numbers, so snapshot the generator.
             scope: list[BoundSymbol] = []
             get_tracectx().scopes.append(scope)
             try:
                 device = next(x.device for x in leaves if isinstance(x, TensorProxy))
-                state = grad_rules.rng_state(str(device))
+                state = grad_ops.rng_state(str(device))
             finally:
                 get_tracectx().scopes.pop()
             parts = [Node(scope[0]), Node(bsym)]
@@ -444,12 +442,10 @@ def _augmented_backward(bsym: BoundSymbol, entry: GradEntry, saved: Any, cts: li
 
 
 def _autograd_backward(bsym: BoundSymbol, fn: Callable, which: tuple, state, cts: list) -> list[tuple]:
-    from fulmen.transforms import grad_rules
-
     if not which:
         return []
     tensors = [x for x in tree_flatten((bsym.args, bsym.kwargs))[0] if isinstance(x, TensorProxy)]
-    grads = grad_rules.autograd_vjp(fn)(bsym.args, bsym.kwargs, tuple(cts), which, state)
+    grads = grad_ops.autograd_vjp(fn)(bsym.args, bsym.kwargs, tuple(cts), which, state)
     return [(tensors[i], g) for i, g in zip(which, grads)]
 
 
