@@ -17,7 +17,7 @@ the symbol's outputs carry no gradient. Every registration API writes here; noth
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
@@ -42,6 +42,9 @@ class Source(Enum):
     AUGMENTED = "augmented"
     BUILTIN = "builtin"
     PRIM = "prim"
+
+
+_SOURCES = tuple(Source)
 
 
 @dataclass(frozen=True)
@@ -102,19 +105,14 @@ def is_non_differentiable(sym_or_id: Any) -> bool:
     return entry is not None and entry.convention is Convention.NONE
 
 
-def candidates(sym_or_id: Any, executors: Sequence = ()) -> Iterator[GradEntry]:
-    """The symbol's entries in lookup order (see the module docstring); ``NONE`` entries are not yielded."""
-    row = _rows.get(sym_id(sym_or_id))
+def candidates(sym_or_id: Any, executors: Sequence = ()) -> list[GradEntry]:
+    """The symbol's entries in lookup order (see the module docstring); ``NONE`` entries are left out."""
+    row = _rows.get(sym_or_id.id if isinstance(sym_or_id, Symbol) else sym_or_id)
     if not row:
-        return
-    for ex in executors:
-        entry = row.get(ex)
-        if entry is not None:
-            yield entry
-    for source in Source:
-        entry = row.get(source)
-        if entry is not None and entry.convention is not Convention.NONE:
-            yield entry
+        return []
+    found = [row[ex] for ex in executors if ex in row]
+    found += [e for source in _SOURCES if (e := row.get(source)) is not None and e.convention is not Convention.NONE]
+    return found
 
 
 def has_user_rule(sym_or_id: Any) -> bool:
