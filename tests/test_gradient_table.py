@@ -98,8 +98,10 @@ def test_a_checker_that_declines_hands_over_to_the_next_entry(x):
     second.register_implementation(ltorch.sin, grad_transform=_scaled_grad_rule(7.0), checker=lambda a: True)
     try:
         order = list(grad_table.candidates(ltorch.sin.id, [first, second]))
-        assert [e.rule for e in order[:2]] == [first.get_grad_transform(ltorch.sin),
-                                                second.get_grad_transform(ltorch.sin)]
+        assert [e.rule for e in order[:2]] == [
+            first.get_grad_transform(ltorch.sin),
+            second.get_grad_transform(ltorch.sin),
+        ]
         torch.testing.assert_close(_sin_grad(x, [first, second]), 7.0 * torch.cos(x))
     finally:
         for ex in (first, second):
@@ -147,13 +149,20 @@ def _ones_meta(shape, *, device, dtype):
     return TensorProxy(shape=tuple(shape), device=device, dtype=dtype)
 
 
-ones_prim = _new_prim("ones_prim", (OpTags.CREATION,), _ones_meta,
-                      lambda shape, *, device, dtype: torch.ones(shape, device=device, dtype=dtype))
-cube_prim = _new_prim("cube_prim", (OpTags.ELEMENTWISE, OpTags.UNARY), lambda a: TensorProxy(like=a),
-                      lambda a: a * a * a)
-grad_table.put(cube_prim, Source.PRIM, GradEntry(lambda b, g: (ltorch.mul(ltorch.mul(g, 3.0),
-                                                                          ltorch.mul(b.args[0], b.args[0])),),
-                                                 Convention.VJP))
+ones_prim = _new_prim(
+    "ones_prim",
+    (OpTags.CREATION,),
+    _ones_meta,
+    lambda shape, *, device, dtype: torch.ones(shape, device=device, dtype=dtype),
+)
+cube_prim = _new_prim(
+    "cube_prim", (OpTags.ELEMENTWISE, OpTags.UNARY), lambda a: TensorProxy(like=a), lambda a: a * a * a
+)
+grad_table.put(
+    cube_prim,
+    Source.PRIM,
+    GradEntry(lambda b, g: (ltorch.mul(ltorch.mul(g, 3.0), ltorch.mul(b.args[0], b.args[0])),), Convention.VJP),
+)
 
 
 def _saved_for_backward(jfn) -> int:
@@ -164,10 +173,13 @@ def _saved_for_backward(jfn) -> int:
 def test_a_new_creation_prim_is_recomputed_like_full():
     x = torch.randn(64, 64, dtype=torch.float64, requires_grad=True)
     saved = {}
-    for name, make in (("full", lambda s, d, t: prims.full(s, 1.0, device=d, dtype=t)),
-                       ("new", lambda s, d, t: ones_prim(s, device=d, dtype=t))):
-        jfn = fulmen.jit(lambda a, make=make: ltorch.mul(a, ltorch.exp(make(tuple(a.shape), a.device, a.dtype))),
-                         executors=[])
+    for name, make in (
+        ("full", lambda s, d, t: prims.full(s, 1.0, device=d, dtype=t)),
+        ("new", lambda s, d, t: ones_prim(s, device=d, dtype=t)),
+    ):
+        jfn = fulmen.jit(
+            lambda a, make=make: ltorch.mul(a, ltorch.exp(make(tuple(a.shape), a.device, a.dtype))), executors=[]
+        )
         out = jfn(x)
         torch.testing.assert_close(out, x * torch.e)
         (g,) = torch.autograd.grad(out.sum(), x)
@@ -191,8 +203,14 @@ def test_a_new_elementwise_prim_fuses_and_differentiates_like_its_peers():
 def test_a_new_bookkeeping_symbol_is_carried_by_every_pass():
     from fulmen.core.codegen import python_source
 
-    note = Symbol(name="note", meta=lambda text: None, id="test_gradient_table.note", is_prim=True,
-                  tags=(OpTags.BOOKKEEPING,), python_printer=lambda bsym, printer: f"# note: {bsym.args[0]}")
+    note = Symbol(
+        name="note",
+        meta=lambda text: None,
+        id="test_gradient_table.note",
+        is_prim=True,
+        tags=(OpTags.BOOKKEEPING,),
+        python_printer=lambda bsym, printer: f"# note: {bsym.args[0]}",
+    )
 
     def fn(a):
         note("before the exp")

@@ -8,8 +8,14 @@ from __future__ import annotations
 
 from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 
-DEL = Symbol(name="del", id="del", is_prim=True, module=None, tags=(OpTags.BOOKKEEPING,),
-             python_printer=lambda bsym, printer: "del " + ", ".join(p.name for p in bsym.flat_args))
+DEL = Symbol(
+    name="del",
+    id="del",
+    is_prim=True,
+    module=None,
+    tags=(OpTags.BOOKKEEPING,),
+    python_printer=lambda bsym, printer: "del " + ", ".join(p.name for p in bsym.flat_args),
+)
 
 
 def is_bookkeeping(bsym: BoundSymbol) -> bool:

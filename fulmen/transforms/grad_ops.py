@@ -27,8 +27,14 @@ _HALF = (torch.float16, torch.bfloat16)
 def declare_op(name: str, impl: Callable, meta: Callable, *, module: str | None = None, tags=()) -> Symbol:
     """An operation the rules call, declared as a prim is (``prims.make_prim``): id, meta, tags and its torch
     implementation, which the torch executor runs. Traces print it as ``module.name(...)``."""
-    sym = Symbol(name=name, meta=meta, id=f"{module or 'autodiff'}.{name}".removeprefix("torch.ops."),
-                 is_prim=True, module=module, tags=tuple(tags))
+    sym = Symbol(
+        name=name,
+        meta=meta,
+        id=f"{module or 'autodiff'}.{name}".removeprefix("torch.ops."),
+        is_prim=True,
+        module=module,
+        tags=tuple(tags),
+    )
     sym.extra["torch_impl"] = impl
     return sym
 
@@ -43,8 +49,16 @@ def executable_symbol(name: str, impl: Callable, meta: Callable, *, tags=()) -> 
     or fuses it (its implementation is Python that only runs eagerly)."""
     from fulmen.executors.torchex import ex as torch_ex
 
-    return Symbol(name=name, meta=meta, id=f"autodiff:{name}", is_prim=True, module=None, impl=impl,
-                  executor=torch_ex, tags=tuple(tags))
+    return Symbol(
+        name=name,
+        meta=meta,
+        id=f"autodiff:{name}",
+        is_prim=True,
+        module=None,
+        impl=impl,
+        executor=torch_ex,
+        tags=tuple(tags),
+    )
 
 
 def _like(x: TensorProxy, **changes) -> TensorProxy:
@@ -173,22 +187,36 @@ def _attention_backward_meta(g, q, k, v, *args, **kwargs):
 
 
 flash_attention_cpu = aten_op("_scaled_dot_product_flash_attention_for_cpu", _flash_meta, tags=_MM)
-flash_attention_cpu_backward = aten_op("_scaled_dot_product_flash_attention_for_cpu_backward",
-                                       _attention_backward_meta, tags=_MM)
+flash_attention_cpu_backward = aten_op(
+    "_scaled_dot_product_flash_attention_for_cpu_backward", _attention_backward_meta, tags=_MM
+)
 
 
 def efficient_attention_forward(q, k, v, attn_mask, is_causal, scale):
     """CUDA memory-efficient attention without dropout: the output and the per-row log-sum-exp."""
     out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
-        _last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v), attn_mask, True, 0.0, is_causal, scale=scale)
+        _last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v), attn_mask, True, 0.0, is_causal, scale=scale
+    )
     return out, lse
 
 
 def efficient_attention_backward(g, q, k, v, out, lse, attn_mask, is_causal, scale):
     philox = torch.zeros((), dtype=torch.int64, device=q.device)  # read only with dropout, which is never used here
     gq, gk, gv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-        _last_dim_dense(g), _last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v), attn_mask, out, lse, philox,
-        philox, 0.0, [True, True, True, False], is_causal, scale=scale)
+        _last_dim_dense(g),
+        _last_dim_dense(q),
+        _last_dim_dense(k),
+        _last_dim_dense(v),
+        attn_mask,
+        out,
+        lse,
+        philox,
+        philox,
+        0.0,
+        [True, True, True, False],
+        is_causal,
+        scale=scale,
+    )
     return gq, gk, gv
 
 
@@ -207,14 +235,19 @@ def _efficient_meta(q, k, v, attn_mask, is_causal, scale):
 #: per-row log-sum-exp, which with the inputs and output is all the backward needs. Python functions around the
 #: aten kernels, which Inductor traces into a fused region as it does aten ops.
 efficient_attention_cuda = declare_op("efficient_attention", efficient_attention_forward, _efficient_meta, tags=_MM)
-efficient_attention_cuda_backward = declare_op("efficient_attention_backward", efficient_attention_backward,
-                                               _attention_backward_meta, tags=_MM)
+efficient_attention_cuda_backward = declare_op(
+    "efficient_attention_backward", efficient_attention_backward, _attention_backward_meta, tags=_MM
+)
 
 
-def _convolution_backward_meta(g, a, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups,
-                               mask):
-    return (_like(a) if mask[0] else None, _like(w) if mask[1] else None,
-            _like(g, shape=tuple(bias_sizes)) if mask[2] and bias_sizes is not None else None)
+def _convolution_backward_meta(
+    g, a, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask
+):
+    return (
+        _like(a) if mask[0] else None,
+        _like(w) if mask[1] else None,
+        _like(g, shape=tuple(bias_sizes)) if mask[2] and bias_sizes is not None else None,
+    )
 
 
 def _unfold_backward_meta(g, sizes, dim, size, step):
@@ -228,6 +261,7 @@ unfold_backward = aten_op("unfold_backward", _unfold_backward_meta, tags=_IDX)
 # ---------------------------------------------------------------------------------------------------------
 # PyTorch's autograd as a backward: opaque ops, and prims whose exact VJP is intricate
 
+
 def is_random_op(fn: Callable) -> bool:
     """Whether an opaque op draws random numbers (``fulmen.torch.fallback.draws_random``)."""
     from fulmen.torch.fallback import draws_random
@@ -236,7 +270,7 @@ def is_random_op(fn: Callable) -> bool:
 
 
 def _rng_state_meta(device: str) -> TensorProxy:
-    n = (torch.cuda.get_rng_state(to_device(device).index) if device.startswith("cuda") else torch.get_rng_state())
+    n = torch.cuda.get_rng_state(to_device(device).index) if device.startswith("cuda") else torch.get_rng_state()
     return TensorProxy(shape=(n.numel(),), dtype=torch.uint8, device="cpu")
 
 
