@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from fulmen.core.bookkeeping import is_bookkeeping
 from fulmen.frontend.jit import JittedFunction, get_stats
 from fulmen.frontend.module import JittedModule
 
@@ -212,7 +213,7 @@ def _pipeline_html(traces: list) -> str:
     parts = []
     for i, t in enumerate(traces):
         text = _trace_text(t)
-        n = sum(1 for b in t.bound_symbols if b.sym.id not in ("del", "comment"))
+        n = sum(1 for b in t.bound_symbols if not is_bookkeeping(b))
         took = f"{t.elapsed_ms:.1f} ms" if getattr(t, "elapsed_ms", None) is not None else ""
         head = f"{i}. {_esc(_title(t, i))} <span class=muted>({n} operations{', ' + took if took else ''})</span>"
         body = (_diff_html(_trace_text(traces[i - 1]), text) if i else "")

@@ -26,7 +26,7 @@ from fulmen import prims
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import OpTags, Symbol
 from fulmen.core.trace import check_trace
-from fulmen.transforms import linearize
+from fulmen.transforms import grad_table
 from fulmen.transforms.autodiff import (
     NON_DIFFERENTIABLE,
     get_grad,
@@ -500,8 +500,7 @@ def test_augmented_forward_and_backward_seed_000_style():
         assert "xent_fwd" not in text or "xent_bwd" in text  # the forward's loss output is not needed for grads
         assert "xent_bwd" in text
     finally:
-        del linearize._augmented_forward[sym_id]
-        del linearize._backward[sym_id]
+        grad_table.put(sym_id, grad_table.Source.AUGMENTED, None)
 
 
 def test_get_grad_outside_a_transform_is_an_error():
@@ -729,16 +728,13 @@ def test_compute_in_forward_moves_a_rules_backward_value_into_the_forward():
     x = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
     names = {}
     for mark in (False, True):
-        old = lin._builtin_rules.get("torch.sin")
-        lin._builtin_rules["torch.sin"] = (make_rule(mark), None)
+        entry = grad_table.GradEntry(make_rule(mark), grad_table.Convention.RULE_ARGS)
+        old = grad_table.put("torch.sin", grad_table.Source.BUILTIN, entry)
         try:
             jfn = fulmen.jit(lambda a: torch.sin(a), executors=[])
             jfn(x).sum().backward()
         finally:
-            if old is None:
-                lin._builtin_rules.pop("torch.sin")
-            else:
-                lin._builtin_rules["torch.sin"] = old
+            grad_table.put("torch.sin", grad_table.Source.BUILTIN, old)
         names[mark] = {b.sym.name for b in fulmen.last_backward_traces(jfn)[-1].bound_symbols}
         x.grad = None
     assert "matmul" in names[False] and "matmul" not in names[True], names

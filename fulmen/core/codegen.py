@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from fulmen.core import devices, dtypes
+from fulmen.core.bookkeeping import is_bookkeeping
 from fulmen.core.codeutils import Printer, comment_text, sanitize_name
 from fulmen.core.symbol import Symbol
 from fulmen.core.symbolic import SymbolBinder
@@ -141,14 +142,11 @@ def python_source(trace: Trace, ctx: dict[str, Any] | None = None, *, comments: 
     body.extend(binder.lines_for(trace.args))
     unused = trace.unused_outputs or ()
     for bsym in trace.bound_symbols:
-        if binder.needed and bsym.sym.id not in ("del", "comment"):
+        if is_bookkeeping(bsym):
+            body.append(bsym.call_string(printer))
+            continue
+        if binder.needed:
             binder.check((bsym.args, bsym.kwargs), bsym.sym.qualified_name)
-        if bsym.sym.id == "del":
-            body.append("del " + ", ".join(p.name for p in bsym.flat_args))
-            continue
-        if bsym.sym.id == "comment":
-            body.append(f"# {comment_text(str(bsym.args[0]), 10_000)}")
-            continue
         # an output nothing reads is printed "_", unless it is the one value that carries a size the code uses
         carriers = binder.carriers([p for p in bsym.flat_proxy_outs if p.name in unused]) if unused else []
         if carriers:

@@ -38,6 +38,7 @@ class OpTags(Enum):
     VIEW = auto()
     COMMUNICATION = auto()  # exchanges data with other processes: kept, never merged, recomputed, copied or fused
     WAIT = auto()  # waits for a communication's result: scheduled as late as its readers allow
+    BOOKKEEPING = auto()  # computes nothing (``del``): never claimed by an executor, carried along by passes
 
 
 class SymbolCalledOutsideTracing(RuntimeError):

@@ -8,9 +8,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from fulmen.core import meta_corrections
+from fulmen.core.bookkeeping import DEL
 from fulmen.core.codeutils import Printer, comment_text, outputs_of, sanitize_name, type_comment
 from fulmen.core.proxies import Proxy, TensorProxy
-from fulmen.core.symbol import BoundSymbol
+from fulmen.core.symbol import BoundSymbol, OpTags
 from fulmen.core.symbolic import SymbolBinder
 from fulmen.core.tracectx import get_tracectx  # noqa: F401  (where callers have always found it)
 from fulmen.core.tracer import tracectx  # noqa: F401  (where callers have always found it)
@@ -97,7 +98,7 @@ class Trace:
     def is_execution_trace(self) -> bool:
         """True when every operation has an implementation (the trace is claimed and can be compiled)."""
         return bool(self.bound_symbols) and all(
-            b.sym.impl is not None or b.sym.id in ("del", "comment") for b in self.bound_symbols)
+            b.sym.impl is not None or OpTags.BOOKKEEPING in b.sym.tags for b in self.bound_symbols)
 
     def python(self, *, printer: Printer | None = None, include_decorator: bool = False) -> str:
         if self.is_execution_trace() and printer is None:
@@ -171,7 +172,7 @@ def check_trace(trace: Trace) -> None:
                 raise TraceCheckError(f"{p.name} is used before it is defined in:\n{bsym}")
             if p.name in deleted:
                 raise TraceCheckError(f"{p.name} is used after it was deleted in:\n{bsym}")
-        if bsym.sym.id == "del":
+        if bsym.sym is DEL:
             deleted.update(p.name for p in bsym.flat_args)
             continue
         for p in bsym.flat_proxy_outs:

@@ -15,6 +15,8 @@ from typing import Any
 from fulmen.core.proxies import Proxy, TensorProxy
 from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 from fulmen.core.trace import Trace, tracectx
+from fulmen.transforms import grad_table
+from fulmen.transforms.grad_table import Convention, GradEntry
 
 
 class ExecutorError(RuntimeError):
@@ -26,7 +28,6 @@ class ImplInfo:
     symbol: Symbol | None = None  # the executable symbol that replaces the bound symbol's
     checker: Callable | None = None
     execution_transform: Callable | None = None
-    grad_transform: Callable | None = None
 
 
 class Executor:
@@ -40,7 +41,9 @@ class Executor:
         return False
 
     def get_grad_transform(self, sym: Symbol) -> Callable | None:
-        return None
+        """The grad transform this executor gave ``sym`` (its entry in the gradient table), if any."""
+        entry = grad_table.get(sym, self)
+        return entry.rule if entry is not None else None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
@@ -103,14 +106,16 @@ class OperatorExecutor(Executor):
         """Run the symbol ``sym_or_id`` with ``op`` (an executable symbol) or through ``execution_transform``.
 
         ``checker(*args, **kwargs) -> bool`` sees proxies and says whether this executor can take the call.
-        ``grad_transform`` replaces the symbol's gradient (see ``fulmen.core.transforms.get_grad``).
+        ``grad_transform`` replaces the symbol's gradient (see ``fulmen.core.transforms.get_grad``) where
+        ``checker`` accepts the call: it is this executor's entry in the gradient table (``grad_table.py``).
         """
         sym_id = sym_or_id.id if isinstance(sym_or_id, Symbol) else sym_or_id
         if op is None and execution_transform is None and grad_transform is None:
             raise TypeError(f"register_implementation for {sym_id!r} on executor {self.name!r} needs op= or "
                             "execution_transform= (or a grad_transform=)")
-        self.implmap[sym_id] = ImplInfo(symbol=op, checker=checker, execution_transform=execution_transform,
-                                        grad_transform=grad_transform)
+        self.implmap[sym_id] = ImplInfo(symbol=op, checker=checker, execution_transform=execution_transform)
+        entry = GradEntry(grad_transform, Convention.TRANSFORM, checker=checker) if grad_transform else None
+        grad_table.put(sym_id, self, entry)
 
     def implements(self, sym_or_id) -> bool:
         return (sym_or_id.id if isinstance(sym_or_id, Symbol) else sym_or_id) in self.implmap
@@ -126,10 +131,6 @@ class OperatorExecutor(Executor):
         except Exception as e:
             raise ExecutorError(f"the checker of executor {self.name!r} for {bsym.sym.qualified_name} raised "
                                 f"{type(e).__name__}: {e}\n  while checking: {bsym.python_lines()[0]}") from e
-
-    def get_grad_transform(self, sym: Symbol) -> Callable | None:
-        info = self.implmap.get(sym.id)
-        return info.grad_transform if info is not None else None
 
     def execution_symbol(self, bsym: BoundSymbol) -> Symbol:
         """The executable symbol that runs ``bsym`` (an operator this executor registered is its own)."""
@@ -293,7 +294,7 @@ def claim_symbols(trace: Trace, executors: Sequence[Executor], *, provenance: st
     out: list[BoundSymbol] = []
 
     def visit(bsym: BoundSymbol, depth: int):
-        if bsym.sym.id in ("del", "comment"):
+        if OpTags.BOOKKEEPING in bsym.sym.tags:
             out.append(bsym)
             return
         for ex in executors:
@@ -322,8 +323,9 @@ def claim_symbols(trace: Trace, executors: Sequence[Executor], *, provenance: st
                         visit(p, depth + 1)
                 return
             exec_sym = ex.execution_symbol(bsym)
-            # the claimed symbol is kept as a comment, unless it is an opaque op (it would print the same line)
-            shown = bsym.subsymbols if exec_sym is bsym.sym or OpTags.FALLBACK in bsym.sym.tags else (bsym,)
+            # the claimed symbol is kept as a comment, unless it would print the same line (an opaque op, an aten op)
+            same = exec_sym is bsym.sym or exec_sym.qualified_name == bsym.sym.qualified_name
+            shown = bsym.subsymbols if same else (bsym,)
             out.append(BoundSymbol(exec_sym, bsym.args, bsym.kwargs, bsym.output, shown))
             return
         if bsym.subsymbols:
@@ -351,7 +353,7 @@ def fuse_regions(trace: Trace, executors: Sequence[Executor]) -> Trace:
     for ex in executors:
         if isinstance(ex, FusionExecutor):
             trace.claims = {id(b): ex for b in trace.bound_symbols
-                            if b.sym.id not in ("del", "comment") and ex.can_fuse(b)}
+                            if OpTags.BOOKKEEPING not in b.sym.tags and ex.can_fuse(b)}
             trace = ex.fusion_pass(trace)
     return trace
 

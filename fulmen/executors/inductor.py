@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 from torch import __version__ as torch_version
-from torch._ops import OpOverload, OpOverloadPacket
 
 from fulmen.core import symbolic
 from fulmen.core.ambient import Ambient
+from fulmen.core.bookkeeping import is_bookkeeping
 from fulmen.core.codegen import compile_trace
 from fulmen.core.codeutils import outputs_of
 from fulmen.core.proxies import Proxy, TensorProxy
@@ -45,14 +45,15 @@ from fulmen.executors.inductor_compile import (  # noqa: F401  (re-exported: the
 )
 from fulmen.executors.partition import fusion_groups, split_repeats, sums_after_other_readers
 from fulmen.transforms import overlap
+from fulmen.transforms.grad_ops import unfold_backward
 from fulmen.transforms.passes import del_last_used
 
 _NOT_FUSED = (OpTags.RANDOM_OP, OpTags.SIDE_EFFECT, OpTags.FALLBACK, OpTags.COMMUNICATION)
 #: Compiled variants one region keeps (one per input layout it has seen); beyond that it runs unfused.
 MAX_VARIANTS = 8
-#: Operations Inductor (torch 2.13) computes wrongly inside a fused graph: ``unfold_backward`` fed by other
+#: Operations (by id) Inductor (torch 2.13) computes wrongly inside a fused graph: ``unfold_backward`` fed by other
 #: fused operations (max_pool2d's backward) gave gradients off by 2.0 where alone it is exact.
-_NOT_FUSED_OPS = frozenset({"unfold_backward"})
+_NOT_FUSED_IDS = frozenset({unfold_backward.id})
 MIN_REGION_SIZE = 2
 #: The smallest piece left over next to a model's repeated layers that still gets its own region.
 MIN_LEFTOVER = 8
@@ -202,7 +203,7 @@ class InductorExecutor(FusionExecutor):
 
     def can_fuse(self, bsym: BoundSymbol) -> bool:
         sym = bsym.sym
-        if any(t in sym.tags for t in _NOT_FUSED) or sym.name in _NOT_FUSED_OPS:
+        if any(t in sym.tags for t in _NOT_FUSED) or sym.id in _NOT_FUSED_IDS:
             return False
         if OpTags.DEVICE_OP in sym.tags and not _same_device_conversion(bsym):
             return False
@@ -215,11 +216,7 @@ class InductorExecutor(FusionExecutor):
         if symbolic.in_use and has_unbacked((bsym.flat_args, bsym.flat_proxy_outs)):
             return False
         if sym.executor is not None:
-            # the aten calls autodiff writes (native_layer_norm, gelu_backward, ...): Inductor decomposes them
-            # (and functions of aten calls that mark themselves traceable, such as CUDA's attention kernels)
-            traceable = isinstance(sym.impl, (OpOverload, OpOverloadPacket)) or sym.extra.get("inductor_traceable")
-            return sym.executor.name == "torch" and bool(traceable) and bool(
-                bsym.flat_proxy_outs) and all(isinstance(p, TensorProxy) for p in bsym.flat_proxy_outs)
+            return False  # an executor's own operation (register_operator, fulmen's runtime helpers) runs there
         if not (sym.is_prim and "torch_impl" in sym.extra) and not sym.extra.get("torch_executable"):
             return False
         return all(isinstance(p, TensorProxy) for p in bsym.flat_proxy_outs) and bool(bsym.flat_proxy_outs)
@@ -233,11 +230,12 @@ class InductorExecutor(FusionExecutor):
         for k, (fused, run) in enumerate(groups):
             if not fused:
                 new.extend(run)
-            elif sum(1 for b in run if b.sym.id not in ("comment", "del")) < MIN_REGION_SIZE:
+            elif sum(1 for b in run if not is_bookkeeping(b)) < MIN_REGION_SIZE:
                 new.extend(self._unfused(trace, run, torch_executors))
             else:
                 later = [b for _, r in groups[k + 1:] for b in r]
-                pieces = split_repeats([b for b in run if b.sym.id not in ("comment", "del")])
+                new.extend(b for b in run if is_bookkeeping(b))  # lines that compute nothing stay, ahead of it
+                pieces = split_repeats([b for b in run if not is_bookkeeping(b)])
                 # next to repeated layers, a short leftover piece (embedding, final norm) is not worth a
                 # compilation of its own (~1 s each on a CPU): it runs on the torch executor
                 smallest = MIN_LEFTOVER if len(pieces) > 1 else MIN_REGION_SIZE

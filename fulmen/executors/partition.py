@@ -28,8 +28,7 @@ from collections.abc import Callable, Sequence
 
 from fulmen.core.proxies import Proxy, TensorProxy
 from fulmen.core.symbol import BoundSymbol, OpTags
-
-_COMMENTS = ("comment", "del")
+from fulmen.prims import PrimIDs
 
 
 def fusion_groups(bsyms: Sequence[BoundSymbol], fusible: Callable[[BoundSymbol], bool], *,
@@ -93,7 +92,7 @@ def _nodes(bsyms: Sequence[BoundSymbol]) -> tuple[list[list[BoundSymbol]], list[
     pending: list[BoundSymbol] = []
     for b in bsyms:
         pending.append(b)
-        if b.sym.id not in _COMMENTS:
+        if OpTags.BOOKKEEPING not in b.sym.tags:
             nodes.append(pending)
             pending = []
     return nodes, pending
@@ -238,12 +237,10 @@ def _repeat(ops: Sequence[BoundSymbol]) -> tuple[int, int, int]:
     return covered, period, start
 
 
-#: Operations that take a view of their input (a reshape copies where the strides do not allow a view).
-_VIEWS = frozenset({"broadcast_in_dim", "reshape", "transpose", "squeeze", "slice_prim"})
-
-
 def _is_view(op: BoundSymbol) -> bool:
-    return op.sym.name in _VIEWS or OpTags.VIEW in op.sym.tags
+    """An operation that takes a view of its input (``OpTags.VIEW``; a reshape copies where the strides do not
+    allow a view)."""
+    return OpTags.VIEW in op.sym.tags
 
 
 def _has_in_place(ops: Sequence[BoundSymbol]) -> bool:
@@ -292,7 +289,7 @@ def sums_after_other_readers(ops: Sequence[BoundSymbol]) -> list[BoundSymbol]:
 
     key = [float(i) for i in range(n)]
     for i, op in enumerate(ops):
-        if not (op.sym.is_prim and op.sym.name == "sum") or not op.flat_args:
+        if op.sym.id is not PrimIDs.SUM or not op.flat_args:
             continue
         after: set[int] = set()  # everything that needs the sum's result
         stack = [i]
@@ -302,7 +299,7 @@ def sums_after_other_readers(ops: Sequence[BoundSymbol]) -> list[BoundSymbol]:
                     after.add(u)
                     stack.append(u)
         others = [j for name in _views_of(ops, op.flat_args[0].name) for j in readers.get(name, ())
-                  if j > i and j not in after and not (ops[j].sym.is_prim and ops[j].sym.name == "sum")]
+                  if j > i and j not in after and ops[j].sym.id is not PrimIDs.SUM]
         if others:
             key[i] = max(others) + 0.5
     if key == sorted(key):

@@ -17,7 +17,7 @@ import torch
 
 from fulmen.core.proxies import TensorProxy
 from fulmen.executors.base import OperatorExecutor, register_executor
-from fulmen.transforms.grad_rules import efficient_attention_backward, efficient_attention_forward
+from fulmen.transforms.grad_ops import efficient_attention_backward, efficient_attention_forward
 
 SDPA_ID = "torch.nn.functional.scaled_dot_product_attention"
 _aten = torch.ops.aten

@@ -50,6 +50,9 @@ class TorchExecutor(OperatorExecutor):
         elif OpTags.FALLBACK in sym.tags or (sym.module or "").startswith("torch."):  # printed as the torch callable
             fn = sym.extra["torch_impl"]
             module, name = sym.module, sym.name
+        elif (sym.module or "").split(".")[0] == "torch":  # it names the torch callable it runs (torch.ops.aten.gelu)
+            fn = sym.extra["torch_impl"]
+            module, name = sym.module, sym.name
         else:
             fn = sym.extra["torch_impl"]
             module, name = "torchex", sym.name

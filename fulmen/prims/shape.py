@@ -11,6 +11,9 @@ from fulmen.core.utils import canonicalize_dim, check, prod
 from fulmen.prims.base import PrimIDs, check_valid_shape, make_prim
 
 _SHAPE = (OpTags.SHAPE_OP,)
+#: shape prims whose torch implementation returns a view of the input where the strides allow (a reshape copies
+#: where they do not)
+_VIEW = (OpTags.SHAPE_OP, OpTags.VIEW)
 
 
 def _broadcast_in_dim_meta(a, shape, broadcast_dimensions):
@@ -37,7 +40,7 @@ def _torch_broadcast_in_dim(a, shape, broadcast_dimensions):
 
 
 broadcast_in_dim = make_prim(PrimIDs.BROADCAST_IN_DIM, "broadcast_in_dim", meta=_broadcast_in_dim_meta,
-                             torch_impl=_torch_broadcast_in_dim, tags=_SHAPE,
+                             torch_impl=_torch_broadcast_in_dim, tags=_VIEW,
                              doc="Broadcast a to shape; dim i of a becomes dim broadcast_dimensions[i].")
 
 
@@ -48,7 +51,7 @@ def _reshape_meta(a, shape):
 
 
 reshape = make_prim(PrimIDs.RESHAPE, "reshape", meta=_reshape_meta, torch_impl=lambda a, shape: a.reshape(shape),
-                    tags=_SHAPE, doc="Same elements in row-major order, new shape.")
+                    tags=_VIEW, doc="Same elements in row-major order, new shape.")
 
 
 def _transpose_meta(a, permutation):
@@ -58,7 +61,7 @@ def _transpose_meta(a, permutation):
 
 
 transpose = make_prim(PrimIDs.TRANSPOSE, "transpose", meta=_transpose_meta,
-                      torch_impl=lambda a, permutation: a.permute(tuple(permutation)), tags=_SHAPE,
+                      torch_impl=lambda a, permutation: a.permute(tuple(permutation)), tags=_VIEW,
                       doc="Permute dims: output dim i is input dim permutation[i].")
 
 
@@ -72,7 +75,7 @@ def _torch_squeeze(a, dims):
     return a.squeeze(tuple(dims)) if dims else a
 
 
-squeeze = make_prim(PrimIDs.SQUEEZE, "squeeze", meta=_squeeze_meta, torch_impl=_torch_squeeze, tags=_SHAPE,
+squeeze = make_prim(PrimIDs.SQUEEZE, "squeeze", meta=_squeeze_meta, torch_impl=_torch_squeeze, tags=_VIEW,
                     doc="Remove the given length-1 dims.")
 
 
@@ -93,7 +96,7 @@ def _torch_slice(a, start_indices, end_indices, strides=None):
     return a[tuple(slice(s, e, st) for s, e, st in zip(start_indices, end_indices, strides))]
 
 
-slice_prim = make_prim(PrimIDs.SLICE, "slice_prim", meta=_slice_meta, torch_impl=_torch_slice, tags=_SHAPE,
+slice_prim = make_prim(PrimIDs.SLICE, "slice_prim", meta=_slice_meta, torch_impl=_torch_slice, tags=_VIEW,
                        doc="a[start:end:stride] in every dim.")
 
 

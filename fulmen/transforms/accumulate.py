@@ -30,7 +30,7 @@ import fulmen.torch as ltorch
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol
 from fulmen.core.trace import Trace
-from fulmen.transforms.grad_rules import embedding_dense_backward, executable_symbol
+from fulmen.transforms.grad_ops import embedding_dense_backward, executable_symbol
 from fulmen.transforms.passes import use_counts
 
 
@@ -77,7 +77,7 @@ def _meta(acc, grad, indices, padding_idx):
     return TensorProxy(like=acc, requires_grad=False)
 
 
-embedding_grad_add = executable_symbol("embedding_grad_add_", _embedding_grad_add, _meta, module=None)
+embedding_grad_add = executable_symbol("embedding_grad_add_", _embedding_grad_add, _meta)
 
 
 def _rewritable(acc: TensorProxy, rows: TensorProxy, producer: BoundSymbol) -> bool:
@@ -101,7 +101,7 @@ def accumulate_embedding_grads(trace: Trace) -> Trace:
             continue
         for acc, rows in (b.args, b.args[::-1]):
             made = producer.get(getattr(rows, "name", None))
-            if (made is None or made.sym is not embedding_dense_backward or getattr(acc, "name", None) not in producer
+            if (made is None or made.sym.id != embedding_dense_backward.id or getattr(acc, "name", None) not in producer
                     or uses.get(acc.name) != 1 or uses.get(rows.name) != 1
                     or id(made) in replaced or not _rewritable(acc, rows, made)):
                 continue

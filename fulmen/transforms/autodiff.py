@@ -1,13 +1,13 @@
 """Reverse-mode automatic differentiation: the VJP table and the backward walk (the functional APIs built on them,
 ``grad`` / ``value_and_grad`` / ``vjp``, are in ``fulmen.frontend.functional``).
 
-Every prim has a vector-Jacobian product in ``vjp_rules`` (keyed by ``PrimIDs``) or is listed in
-``NON_DIFFERENTIABLE``; a test checks that the two cover ``prims.all_prims()``. A rule takes the bound
-symbol and the cotangent of its output (a tuple for prims with several outputs) and returns one gradient per
-parameter of the prim. Rules are written in the torch language where it has the operation (elementwise math)
-and in clang/prims otherwise (sums, reshapes): a backward's ``ltorch.mul`` runs as one torch call and an
-executor can claim it (seed 001 replaces it by its own kernel). Broadcasting needs no care:
-prims take same-shape inputs, so un-broadcasting is the VJP of ``prims.broadcast_in_dim`` (a sum).
+Every prim has a vector-Jacobian product in ``vjp_rules`` (keyed by ``PrimIDs``; the prims' rows of the gradient
+table, ``grad_table.py``) or is listed in ``NON_DIFFERENTIABLE``; a test checks that the two cover
+``prims.all_prims()``. A rule takes the bound symbol and the cotangent of its output (a tuple for prims with
+several outputs) and returns one gradient per parameter of the prim. Rules are written in the torch language where
+it has the operation (elementwise math) and in clang/prims otherwise (sums, reshapes): a backward's ``ltorch.mul``
+runs as one torch call and an executor can claim it (seed 001 replaces it by its own kernel). Broadcasting needs no
+care: prims take same-shape inputs, so un-broadcasting is the VJP of ``prims.broadcast_in_dim`` (a sum).
 
 How symbols above prims are differentiated (grad transforms, augmented forward/backward, decomposition,
 PyTorch autograd for opaque ops) is in ``linearize.py``; turning the result into forward and backward traces
@@ -32,6 +32,7 @@ from fulmen.core.symbol import BoundSymbol
 from fulmen.core.unbacked import known_equal
 from fulmen.core.utils import canonicalize_dim, check, prod
 from fulmen.prims import PrimIDs
+from fulmen.transforms import grad_ops, grad_table
 from fulmen.transforms.linearize import (  # noqa: F401  (public names)
     Joint,
     NotDifferentiableError,
@@ -64,8 +65,11 @@ NON_DIFFERENTIABLE = frozenset({
     PrimIDs.MANUAL_SEED, PrimIDs.GET_RNG_STATE, PrimIDs.SET_RNG_STATE,
 })
 
-#: prim id -> rule(bsym, cotangent) -> one gradient (or None) per parameter of the prim.
-vjp_rules: dict[PrimIDs, Callable] = {}
+grad_table.mark_non_differentiable(*NON_DIFFERENTIABLE)
+
+#: prim id -> rule(bsym, cotangent) -> one gradient (or None) per parameter of the prim: the prims' entries of
+#: the gradient table (``grad_table.py``), read and written through this mapping.
+vjp_rules = grad_table.VJPRules()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -237,9 +241,7 @@ _rule(PrimIDs.ABS)(lambda b, g: (mul(g, sgn(_args(b)[0], b.output)),))
 
 @_rule(PrimIDs.DIGAMMA)
 def _digamma_vjp(b, g):
-    from fulmen.transforms import grad_rules
-
-    return (mul(g, grad_rules.polygamma(1, _args(b)[0])),)
+    return (mul(g, grad_ops.polygamma(1, _args(b)[0])),)
 
 
 @_rule(PrimIDs.CONVERT_ELEMENT_TYPE)
@@ -437,10 +439,8 @@ def _cat_vjp(b, g):
 
 @_rule(PrimIDs.UNFOLD)
 def _unfold_vjp(b, g):
-    from fulmen.transforms import grad_rules
-
     a, dim, size, step = _args(b)
-    return grad_rules.unfold_backward(g, tuple(a.shape), dim, size, step), None, None, None
+    return grad_ops.unfold_backward(g, tuple(a.shape), dim, size, step), None, None, None
 
 
 # ---- indexing ----
@@ -561,14 +561,12 @@ def _cumsum_vjp(b, g):
 
 def _torch_autograd_vjp(b, g):
     """Prims whose exact VJP is intricate (products with zeros): PyTorch's autograd on the prim's torch impl."""
-    from fulmen.transforms import grad_rules
-
     args = _args(b)
     tensors = [x for x in tree_flatten((b.args, b.kwargs))[0] if _t(x)]
     which = tuple(i for i, x in enumerate(tensors) if is_differentiable_dtype(x.dtype))
     cts = g if isinstance(g, tuple) else (g,)
     grads = dict(zip((tensors[i].name for i in which),
-                     grad_rules.autograd_vjp(b.sym.extra["torch_impl"])(b.args, b.kwargs, cts, which, None)))
+                     grad_ops.autograd_vjp(b.sym.extra["torch_impl"])(b.args, b.kwargs, cts, which, None)))
     return tuple(grads.get(x.name) if _t(x) else None for x in args)
 
 
@@ -644,14 +642,12 @@ def _linear_vjp(b, g):
 
 @_rule(PrimIDs.CONVOLUTION)
 def _convolution_vjp(b, g):
-    from fulmen.transforms import grad_rules
-
     a, w, bias, stride, padding, dilation, transposed, output_padding, groups = _args(b)
     if dtypes.is_complex_dtype(a.dtype):  # aten's convolution_backward has no complex kernels
         return _torch_autograd_vjp(b, g)
     mask = [wanted(a), wanted(w), wanted(bias)]
-    ga, gw, gb = grad_rules.convolution_backward(g, a, w, tuple(bias.shape) if _t(bias) else None, stride, padding,
-                                                 dilation, transposed, output_padding, groups, mask)
+    ga, gw, gb = grad_ops.convolution_backward(g, a, w, tuple(bias.shape) if _t(bias) else None, stride, padding,
+                                               dilation, transposed, output_padding, groups, mask)
     return ga, gw, gb, None, None, None, None, None, None
 
 

@@ -1,4 +1,4 @@
-"""fulmen's own gradient rules for heavy torch operations, and the executable torch symbols backwards use.
+"""fulmen's own gradient rules for heavy torch operations.
 
 Differentiating ``softmax`` or ``layer_norm`` through their decompositions works, but the forward then runs
 several operations where eager runs one, and saves intermediates eager does not. The rules here make the
@@ -7,26 +7,49 @@ forward one torch call (whole, or the aten op that also returns what the backwar
 written as grad transforms (``get_grad`` / ``put_grad``), keyed by torch symbol id, and may decline a call
 (``NotImplemented``) they do not cover; the decomposition is then differentiated instead.
 
-Executable symbols made here print as the torch callable they run (``torch.ops.aten.gelu_backward(...)``).
-``autograd_vjp(fn)`` is the backward of opaque ops: it recomputes ``fn`` under autograd and calls
-``torch.autograd.grad``.
+The aten operations the rules call are declared, as prims are, in ``grad_ops.py``. Each rule is an entry of
+the gradient table (``grad_table.py``, source ``BUILTIN``), written there by ``builtin_rule``.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
-
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import fulmen.torch as ltorch
 from fulmen import clang, prims
 from fulmen.core import dtypes
 from fulmen.core.devices import to_device
 from fulmen.core.proxies import TensorProxy
-from fulmen.core.symbol import OpTags, Symbol
+from fulmen.core.symbol import Symbol
 from fulmen.core.utils import canonicalize_dim
+from fulmen.transforms.grad_ops import (  # noqa: F401  (is_random_op: re-exported for frontend.tracing)
+    _REDUCTIONS,
+    _stats_shape,
+    efficient_attention_cuda,
+    efficient_attention_cuda_backward,
+    elu,
+    elu_backward,
+    embedding,
+    embedding_dense_backward,
+    flash_attention_cpu,
+    flash_attention_cpu_backward,
+    fused_rms_norm,
+    gelu,
+    gelu_backward,
+    is_random_op,
+    log_softmax,
+    log_softmax_backward,
+    native_layer_norm,
+    native_layer_norm_backward,
+    nll_loss_backward,
+    nll_loss_forward,
+    relu,
+    silu,
+    silu_backward,
+    softmax,
+    softmax_backward,
+    threshold_backward,
+)
 from fulmen.transforms.linearize import (
     RuleArgs,
     builtin_rule,
@@ -37,229 +60,6 @@ from fulmen.transforms.linearize import (
     put_grads,
 )
 
-_aten = torch.ops.aten
-_HALF = (torch.float16, torch.bfloat16)
-
-
-def executable_symbol(name: str, impl: Callable, meta: Callable, *, module: str | None = "torch.ops.aten",
-                      tags=()) -> Symbol:
-    """A symbol the torch executor runs with ``impl``; traces print it as ``module.name(...)``."""
-    from fulmen.executors.torchex import ex as torch_ex
-
-    return Symbol(name=name, meta=meta, id=f"autodiff:{module}.{name}" if module else f"autodiff:{name}",
-                  is_prim=True, module=module, impl=impl, executor=torch_ex, tags=tuple(tags))
-
-
-def _aten_symbol(name: str, meta: Callable, *, tags=()) -> Symbol:
-    return executable_symbol(name, getattr(_aten, name), meta, tags=tags)
-
-
-def _like(x: TensorProxy, **changes) -> TensorProxy:
-    return TensorProxy(like=x, requires_grad=False, **changes)
-
-
-def _stats_dtype(x: TensorProxy, *, always_opmath: bool = False) -> torch.dtype:
-    """The dtype aten normalization kernels give their statistics (float32 for half types, on CUDA always)."""
-    if x.dtype in _HALF and (always_opmath or x.device.type != "cpu"):
-        return torch.float32
-    return x.dtype
-
-
-def _stats_shape(x: TensorProxy, normalized_shape) -> tuple[int, ...]:
-    k = x.ndim - len(normalized_shape)
-    return tuple(x.shape[:k]) + (1,) * len(normalized_shape)
-
-
-def _masked(mask, *likes):
-    return tuple(_like(t) if m and t is not None else None for m, t in zip(mask, likes))
-
-
-# ---- normalization ----
-
-native_layer_norm = _aten_symbol("native_layer_norm", lambda a, shape, w, b, eps: (
-    _like(a), _like(a, shape=_stats_shape(a, shape), dtype=_stats_dtype(a)),
-    _like(a, shape=_stats_shape(a, shape), dtype=_stats_dtype(a))))
-native_layer_norm_backward = _aten_symbol(
-    "native_layer_norm_backward", lambda g, a, shape, mean, rstd, w, b, mask: _masked(mask, a, w, b))
-fused_rms_norm = executable_symbol("_fused_rms_norm", _aten._fused_rms_norm, lambda a, shape, w, eps: (
-    _like(a), _like(a, shape=_stats_shape(a, shape), dtype=_stats_dtype(a, always_opmath=True))))
-
-# ---- softmax, losses ----
-
-softmax = _aten_symbol("_softmax", lambda a, dim, half_to_float: _like(a, dtype=torch.float32 if half_to_float
-                                                                        else a.dtype))
-softmax_backward = _aten_symbol("_softmax_backward_data", lambda g, out, dim, dtype: _like(g, dtype=dtype))
-log_softmax = _aten_symbol("_log_softmax", lambda a, dim, half_to_float: _like(a, dtype=torch.float32 if
-                                                                                half_to_float else a.dtype))
-log_softmax_backward = _aten_symbol("_log_softmax_backward_data", lambda g, out, dim, dtype: _like(g, dtype=dtype))
-_REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
-nll_loss_forward = _aten_symbol("nll_loss_forward", lambda a, target, w, reduction, ignore_index: (
-    _like(a, shape=(a.shape[0],) if reduction == 0 and a.ndim == 2 else ()), _like(a, shape=())))
-nll_loss_backward = _aten_symbol("nll_loss_backward", lambda g, a, target, w, reduction, ignore_index, total: _like(a))
-
-# ---- pointwise activations (elementwise: the backward may recompute them instead of saving) ----
-
-_EW = (OpTags.ELEMENTWISE,)
-gelu = _aten_symbol("gelu", lambda a, approximate="none": _like(a), tags=_EW)
-gelu_backward = _aten_symbol("gelu_backward", lambda g, a, approximate="none": _like(a))
-silu = _aten_symbol("silu", lambda a: _like(a), tags=_EW)
-silu_backward = _aten_symbol("silu_backward", lambda g, a: _like(a))
-polygamma = _aten_symbol("polygamma", lambda n, a: _like(a), tags=_EW)
-relu = _aten_symbol("relu", lambda a: _like(a), tags=_EW)
-threshold_backward = _aten_symbol("threshold_backward", lambda g, out, threshold: _like(g))
-elu = _aten_symbol("elu", lambda a, alpha=1.0, scale=1.0, input_scale=1.0: _like(a), tags=_EW)
-elu_backward = _aten_symbol("elu_backward", lambda g, alpha, scale, input_scale, is_result, a: _like(a))
-
-# ---- embedding, attention, convolution, unfold ----
-
-embedding = _aten_symbol("embedding", lambda w, idx, padding_idx=-1, scale=False, sparse=False: _like(
-    w, shape=tuple(idx.shape) + (w.shape[-1],)))
-embedding_dense_backward = _aten_symbol("embedding_dense_backward", lambda g, idx, n, padding_idx, scale: _like(
-    g, shape=(n, g.shape[-1])))
-
-
-def _flash_meta(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
-    lse_dtype = torch.float64 if q.dtype is torch.float64 else torch.float32
-    return _like(q, shape=tuple(q.shape[:-1]) + (v.shape[-1],)), _like(q, shape=tuple(q.shape[:-1]), dtype=lse_dtype)
-
-
-flash_attention_cpu = _aten_symbol("_scaled_dot_product_flash_attention_for_cpu", _flash_meta)
-flash_attention_cpu_backward = _aten_symbol(
-    "_scaled_dot_product_flash_attention_for_cpu_backward",
-    lambda g, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask=None, scale=None: (_like(q), _like(k), _like(v)))
-
-
-def efficient_attention_forward(q, k, v, attn_mask, is_causal, scale):
-    """CUDA memory-efficient attention without dropout: the output and the per-row log-sum-exp."""
-    out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
-        _last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v), attn_mask, True, 0.0, is_causal, scale=scale)
-    return out, lse
-
-
-def efficient_attention_backward(g, q, k, v, out, lse, attn_mask, is_causal, scale):
-    philox = torch.zeros((), dtype=torch.int64, device=q.device)  # read only with dropout, which is never used here
-    gq, gk, gv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-        _last_dim_dense(g), _last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v), attn_mask, out, lse, philox,
-        philox, 0.0, [True, True, True, False], is_causal, scale=scale)
-    return gq, gk, gv
-
-
-def _last_dim_dense(t: torch.Tensor) -> torch.Tensor:
-    """The kernels need unit stride in the head dimension, as eager's dispatcher requires before picking them."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _efficient_meta(q, k, v, attn_mask, is_causal, scale):
-    # the log-sum-exp rows are padded to a multiple of 32, as the kernel writes them
-    lse_shape = tuple(q.shape[:-2]) + (-(-q.shape[-2] // 32) * 32,)
-    return _like(q, shape=tuple(q.shape[:-1]) + (v.shape[-1],)), _like(q, shape=lse_shape, dtype=torch.float32)
-
-
-#: CUDA memory-efficient attention (eager's choice for float32; usable for every float dtype): output and the
-#: per-row log-sum-exp, which with the inputs and output is all the backward needs. Python functions around the
-#: aten kernels, which Inductor can still trace into a fused region (``inductor_traceable``).
-efficient_attention_cuda = executable_symbol("efficient_attention", efficient_attention_forward, _efficient_meta,
-                                             module=None)
-efficient_attention_cuda_backward = executable_symbol(
-    "efficient_attention_backward", efficient_attention_backward,
-    lambda g, q, k, v, out, lse, attn_mask, is_causal, scale: (_like(q), _like(k), _like(v)), module=None)
-for _sym in (efficient_attention_cuda, efficient_attention_cuda_backward):
-    _sym.extra["inductor_traceable"] = True
-convolution_backward = _aten_symbol(
-    "convolution_backward",
-    lambda g, a, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask: (
-        _like(a) if mask[0] else None, _like(w) if mask[1] else None,
-        _like(g, shape=tuple(bias_sizes)) if mask[2] and bias_sizes is not None else None))
-unfold_backward = _aten_symbol("unfold_backward", lambda g, sizes, dim, size, step: _like(g, shape=tuple(sizes)))
-
-
-# ---------------------------------------------------------------------------------------------------------
-# PyTorch's autograd as a backward: opaque ops, and prims whose exact VJP is intricate
-
-def is_random_op(fn: Callable) -> bool:
-    """Whether an opaque op draws random numbers (``fulmen.torch.fallback.draws_random``)."""
-    from fulmen.torch.fallback import draws_random
-
-    return draws_random(fn)
-
-
-def _rng_state_meta(device: str) -> TensorProxy:
-    n = (torch.cuda.get_rng_state(to_device(device).index) if device.startswith("cuda") else torch.get_rng_state())
-    return TensorProxy(shape=(n.numel(),), dtype=torch.uint8, device="cpu")
-
-
-def _rng_state_impl(device: str) -> torch.Tensor:
-    if device.startswith("cuda"):
-        return torch.cuda.get_rng_state(torch.device(device).index)
-    return torch.get_rng_state()
-
-
-rng_state = executable_symbol("rng_state", _rng_state_impl, _rng_state_meta, module=None, tags=(OpTags.RANDOM_OP,))
-
-
-@contextlib.contextmanager
-def _replaying_rng(state: torch.Tensor | None, device: torch.device | None):
-    if state is None:
-        yield
-        return
-    cuda = device is not None and device.type == "cuda"
-    with torch.random.fork_rng(devices=[device.index or 0] if cuda else []):
-        if cuda:
-            torch.cuda.set_rng_state(state, device.index or 0)
-        else:
-            torch.set_rng_state(state)
-        yield
-
-
-_vjp_symbols: dict = {}
-
-
-def _autograd_vjp_meta(args, kwargs, cotangents, which, state):
-    tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, TensorProxy)]
-    return tuple(_like(tensors[i]) for i in which)
-
-
-def autograd_vjp(fn: Callable) -> Symbol:
-    """The backward symbol of ``fn`` computed by PyTorch: ``vjp(args, kwargs, cotangents, which, rng_state)``
-    returns the gradients of the ``which``-th tensor arguments (counting tensors only)."""
-    sym = _vjp_symbols.get(fn)
-    if sym is not None:
-        return sym
-
-    def impl(args, kwargs, cotangents, which, state):
-        flat, spec = tree_flatten((args, kwargs))
-        positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
-        inputs = []
-        for j in which:
-            t = flat[positions[j]].detach()
-            # an integer input (a PackedSequence's batch_sizes) reached from differentiable values gets zeros
-            t = t.requires_grad_() if t.is_floating_point() or t.is_complex() else t
-            flat[positions[j]] = t
-            inputs.append(t)
-        args, kwargs = tree_unflatten(flat, spec)
-        device = inputs[0].device if inputs else None
-        with torch.enable_grad(), _replaying_rng(state, device):
-            out = fn(*args, **kwargs)
-        outs, cts = [], []
-        out_tensors = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
-        for o, c in zip(out_tensors, cotangents):
-            if c is not None and o.requires_grad:
-                outs.append(o)
-                cts.append(c)
-        wrt = [x for x in inputs if x.requires_grad]
-        found = iter(torch.autograd.grad(outs, wrt, cts, allow_unused=True) if outs and wrt else (None,) * len(wrt))
-        grads = [next(found) if x.requires_grad else None for x in inputs]
-        return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs))
-
-    base = getattr(fn, "__name__", None) or "op"
-    sym = executable_symbol(f"{base}_autograd_vjp", impl, _autograd_vjp_meta, module=None)
-    sym.extra["skip_meta_check"] = True
-    _vjp_symbols[fn] = sym
-    return sym
-
-
-# ---------------------------------------------------------------------------------------------------------
-# the rules
 
 def _convert(x, dtype):
     return clang.maybe_convert_to_dtype(x, dtype) if dtype is not None else x

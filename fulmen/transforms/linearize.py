@@ -8,10 +8,10 @@
 - a list of ``Unit`` in forward order: what the backward walk (``autodiff.backward_pass``) calls with
   the cotangents of a unit's outputs to get ``(value, gradient)`` pairs.
 
-A symbol is differentiated by the first of: an executor's grad transform, one registered with
-``register_grad`` (both seed-001 style, ``get_grad`` / ``put_grad``), a registered augmented forward and
-backward (seed 000), fulmen's own rules (``grad_rules.py``), the VJP table for prims (``autodiff.vjp_rules``),
-PyTorch's autograd for opaque (fallback) ops, and otherwise its decomposition.
+A symbol is differentiated by the first entry of the gradient table (``grad_table.py``: an executor's grad
+transform, ``register_grad``, a seed-000 augmented forward and backward, fulmen's own rules in ``grad_rules.py``,
+a prim's VJP from ``autodiff.py``) that accepts the call, otherwise by PyTorch's autograd for opaque (fallback)
+ops, otherwise through its decomposition. The registration functions here write into that table.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 from fulmen.core.trace import get_tracectx
 from fulmen.core.utils import check
 from fulmen.prims import PrimIDs
+from fulmen.transforms import grad_ops, grad_table
+from fulmen.transforms.grad_table import Convention, GradEntry, Source
 
 
 class NotDifferentiableError(NotImplementedError):
@@ -44,19 +46,11 @@ def is_differentiable_dtype(dtype: torch.dtype) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# registries of rules for symbols above prims
+# the registration APIs: thin adapters that write into the gradient table (grad_table.py)
 
 #: Torch-language symbols that stop gradients (besides those tagged ``OpTags.NON_DIFFERENTIABLE``).
-NON_DIFFERENTIABLE_IDS = {"torch.Tensor.detach", "torch.detach"}
-
-_grad_transforms: dict[Any, Callable] = {}  # register_grad: seed-001 style, called with the symbol's arguments
-_builtin_rules: dict[Any, tuple[Callable, Callable | None]] = {}  # grad_rules.py: called with RuleArgs
-_augmented_forward: dict[Any, Callable] = {}  # seed 000: (primal, saved) = fwd(*args, **kwargs)
-_backward: dict[Any, Callable] = {}  # seed 000: grads = bwd(*saved, *cotangents)
-
-
-def _sym_id(sym_or_id) -> Any:
-    return sym_or_id.id if isinstance(sym_or_id, Symbol) else sym_or_id
+grad_table.mark_non_differentiable("torch.Tensor.detach", "torch.detach")
+has_user_rule = grad_table.has_user_rule
 
 
 def register_grad(sym_or_id: Symbol | str, fn: Callable | None = None):
@@ -71,25 +65,18 @@ def register_grad(sym_or_id: Symbol | str, fn: Callable | None = None):
             return out
     """
     if fn is None:
-        if isinstance(sym_or_id, (Symbol, str)) and _sym_id(sym_or_id) in _grad_transforms:
-            return _grad_transforms.pop(_sym_id(sym_or_id))
+        if isinstance(sym_or_id, (Symbol, str)) and grad_table.get(sym_or_id, Source.REGISTER_GRAD) is not None:
+            return grad_table.put(sym_or_id, Source.REGISTER_GRAD, None).rule
         return lambda f: register_grad(sym_or_id, f)
-    _grad_transforms[_sym_id(sym_or_id)] = fn
+    grad_table.put(sym_or_id, Source.REGISTER_GRAD, GradEntry(fn, Convention.TRANSFORM))
     return fn
-
-
-def has_user_rule(sym_or_id: Symbol | str) -> bool:
-    """Whether a grad rule registered by the user (``register_grad``, an augmented forward or a backward) covers
-    the symbol."""
-    sym_id = _sym_id(sym_or_id)
-    return sym_id in _grad_transforms or sym_id in _augmented_forward or sym_id in _backward
 
 
 def register_augmented_forward(sym_id: Symbol | str) -> Callable:
     """Decorator (seed 000): ``fwd(*args, **kwargs) -> (primal, saved_for_backward)`` replaces the symbol's
     forward when it is differentiated; ``saved_for_backward`` goes to the matching ``register_backward``."""
     def decorator(fn: Callable) -> Callable:
-        _augmented_forward[_sym_id(sym_id)] = fn
+        grad_table.put_augmented(sym_id, forward=fn)
         return fn
     return decorator
 
@@ -98,7 +85,7 @@ def register_backward(sym_id: Symbol | str) -> Callable:
     """Decorator (seed 000): ``bwd(*saved_for_backward, *output_cotangents)`` returns one gradient per parameter
     of the augmented forward, in its signature's order (``None`` for non-tensor or non-differentiable ones)."""
     def decorator(fn: Callable) -> Callable:
-        _backward[_sym_id(sym_id)] = fn
+        grad_table.put_augmented(sym_id, backward=fn)
         return fn
     return decorator
 
@@ -108,7 +95,7 @@ def builtin_rule(*sym_ids: str, checker: Callable | None = None) -> Callable:
     may return ``NotImplemented`` (or ``checker`` may refuse) to fall back to the decomposition."""
     def decorator(fn: Callable) -> Callable:
         for sid in sym_ids:
-            _builtin_rules[sid] = (fn, checker)
+            grad_table.put(sid, Source.BUILTIN, GradEntry(fn, Convention.RULE_ARGS, checker=checker))
         return fn
     return decorator
 
@@ -257,16 +244,12 @@ def _is_identity(bsym: BoundSymbol) -> bool:
     return all(p.name in arg_names for p in bsym.flat_proxy_outs)
 
 
-def _stops_gradient(sym: Symbol, non_differentiable_prims) -> bool:
-    return sym.id in non_differentiable_prims or OpTags.NON_DIFFERENTIABLE in sym.tags or (
-        isinstance(sym.id, str) and sym.id in NON_DIFFERENTIABLE_IDS)
+def _stops_gradient(sym: Symbol) -> bool:
+    return OpTags.NON_DIFFERENTIABLE in sym.tags or grad_table.is_non_differentiable(sym.id)
 
 
 class _Linearizer:
     def __init__(self, active: set[str], executors: Sequence):
-        from fulmen.transforms.autodiff import NON_DIFFERENTIABLE, vjp_rules
-
-        self.vjp_rules, self.non_differentiable = vjp_rules, NON_DIFFERENTIABLE
         self.active = set(active)
         self.executors = list(executors or ())
         self.units: list[Unit] = []
@@ -282,19 +265,15 @@ class _Linearizer:
 
     def visit(self, bsym: BoundSymbol) -> Node:
         sym = bsym.sym
-        if not any(self.is_active(p) for p in bsym.flat_args) or bsym.no_grad \
-                or _stops_gradient(sym, self.non_differentiable) or _is_identity(bsym):
+        if not any(self.is_active(p) for p in bsym.flat_args) or bsym.no_grad or _stops_gradient(sym) \
+                or _is_identity(bsym):
             return Node(bsym)
-        node = self._by_transform(bsym)
-        if node is not None:
-            return node
+        for entry in grad_table.candidates(sym.id, self.executors):
+            node = self._by_entry(bsym, entry)
+            if node is not None:
+                return node
         if sym.is_prim and isinstance(sym.id, PrimIDs):
-            rule = self.vjp_rules.get(sym.id)
-            if rule is None:
-                raise NotDifferentiableError(f"prims.{sym.name} has no VJP rule (see fulmen.transforms.autodiff)")
-            self.units.append(Unit(bsym.flat_proxy_outs, functools.partial(_prim_backward, bsym, rule), sym.name))
-            self.activate(bsym)
-            return Node(bsym)
+            raise NotDifferentiableError(f"prims.{sym.name} has no VJP rule (see fulmen.transforms.autodiff)")
         if OpTags.FALLBACK in sym.tags:
             return self._by_torch_autograd(bsym, sym.extra["torch_impl"])
         if bsym.subsymbols:
@@ -314,40 +293,36 @@ class _Linearizer:
             f"register_backward, an executor's grad_transform=, or register_operator(like=...).\n  in: "
             f"{bsym.python_lines(with_subsymbols=False)[0]}")
 
-    # ---- rules that run their own forward ----
-    def _find_transform(self, bsym: BoundSymbol) -> tuple[Callable, str] | None:
-        sym = bsym.sym
-        for ex in self.executors:
-            fn = ex.get_grad_transform(sym)
-            if fn is None:
-                continue
-            checker = getattr(getattr(ex, "implmap", {}).get(sym.id), "checker", None)
-            if checker is None or checker(*bsym.args, **bsym.kwargs):
-                return fn, "args"
-        if sym.id in _grad_transforms:
-            return _grad_transforms[sym.id], "args"
-        if sym.id in _augmented_forward or sym.id in _backward:
-            check(sym.id in _augmented_forward and sym.id in _backward,
-                  lambda: f"{sym.id!r} has a registered augmented forward or backward but not both; register both "
-                  "with register_augmented_forward and register_backward", RuntimeError)
-            return _augmented_forward[sym.id], "augmented"
-        rule = _builtin_rules.get(sym.id)
-        if rule is not None and (rule[1] is None or rule[1](RuleArgs(bsym))):
-            return rule[0], "builtin"
-        return None
+    # ---- the table's entries ----
+    def _by_entry(self, bsym: BoundSymbol, entry: GradEntry) -> Node | None:
+        """Differentiate ``bsym`` by one entry of the gradient table; ``None`` when the entry declines the call."""
+        conv = entry.convention
+        if conv is Convention.VJP:
+            self.units.append(Unit(bsym.flat_proxy_outs, functools.partial(_prim_backward, bsym, entry.rule),
+                                   bsym.sym.name))
+            self.activate(bsym)
+            return Node(bsym)
+        if conv is Convention.AUGMENTED:
+            check(entry.rule is not None and entry.backward is not None,
+                  lambda: f"{bsym.sym.id!r} has a registered augmented forward or backward but not both; register "
+                  "both with register_augmented_forward and register_backward", RuntimeError)
+        elif entry.checker is not None:
+            accepted = entry.checker(RuleArgs(bsym)) if conv is Convention.RULE_ARGS else entry.checker(
+                *bsym.args, **bsym.kwargs)
+            if not accepted:
+                return None
+        return self._by_transform(bsym, entry)
 
-    def _by_transform(self, bsym: BoundSymbol) -> Node | None:
-        found = self._find_transform(bsym)
-        if found is None:
-            return None
-        fn, style = found
+    # ---- rules that run their own forward ----
+    def _by_transform(self, bsym: BoundSymbol, entry: GradEntry) -> Node | None:
+        fn, conv = entry.rule, entry.convention
         trc = get_tracectx()
         scope: list[BoundSymbol] = []
         trc.scopes.append(scope)
         _linearizers.append(self)
         outer, self.in_forward = self.in_forward, set()
         try:
-            result = fn(RuleArgs(bsym)) if style == "builtin" else fn(*bsym.args, **bsym.kwargs)
+            result = fn(RuleArgs(bsym)) if conv is Convention.RULE_ARGS else fn(*bsym.args, **bsym.kwargs)
         finally:
             _linearizers.pop()
             trc.scopes.pop()
@@ -355,7 +330,7 @@ class _Linearizer:
         if result is NotImplemented:
             return None
         saved = None
-        if style == "augmented":
+        if conv is Convention.AUGMENTED:
             check(isinstance(result, tuple) and len(result) == 2,
                   lambda: f"the augmented forward of {bsym.sym.id!r} must return (primal, saved_for_backward)",
                   TypeError)
@@ -368,9 +343,12 @@ class _Linearizer:
             return None  # the rule returned an input unchanged: differentiate the decomposition instead
         swap = {g.name: w for g, w in zip(got, want) if g.name != w.name}
         recorded = [b.from_bsym_swap_proxies(swap) for b in scope]
+        saved = _swap_values(saved, swap)
+        # what an augmented forward saves is computed in the forward, whether or not its primal needs it
+        in_forward |= {p.name for p in outputs_of(saved)}
         forward, rest = _partition(recorded, want, in_forward)
-        if style == "augmented":
-            backward = functools.partial(_augmented_backward, bsym, fn, _swap_values(saved, swap))
+        if conv is Convention.AUGMENTED:
+            backward = functools.partial(_augmented_backward, bsym, entry, saved)
         else:
             backward = functools.partial(_replay_backward, rest, list(want))
         self.units.append(Unit(list(want), backward, bsym.sym.name))
@@ -378,20 +356,18 @@ class _Linearizer:
         return Node(bsym, [Node(b) for b in forward])
 
     def _by_torch_autograd(self, bsym: BoundSymbol, fn: Callable) -> Node:
-        from fulmen.transforms import grad_rules
-
         leaves, _ = tree_flatten((bsym.args, bsym.kwargs))
-        # positions among the tensor arguments only, as grad_rules.autograd_vjp reads them
+        # positions among the tensor arguments only, as grad_ops.autograd_vjp reads them
         tensors = [x for x in leaves if isinstance(x, TensorProxy)]
         which = tuple(i for i, x in enumerate(tensors) if self.is_active(x))
         parts, state = None, None
-        if grad_rules.is_random_op(fn):
+        if grad_ops.is_random_op(fn):
             # The backward recomputes the op: it must draw the same random numbers, so snapshot the generator.
             scope: list[BoundSymbol] = []
             get_tracectx().scopes.append(scope)
             try:
                 device = next(x.device for x in leaves if isinstance(x, TensorProxy))
-                state = grad_rules.rng_state(str(device))
+                state = grad_ops.rng_state(str(device))
             finally:
                 get_tracectx().scopes.pop()
             parts = [Node(scope[0]), Node(bsym)]
@@ -456,22 +432,20 @@ def _replay_backward(recorded: list[BoundSymbol], outputs: list[TensorProxy], ct
     return pairs
 
 
-def _augmented_backward(bsym: BoundSymbol, fwd: Callable, saved: Any, cts: list) -> list[tuple]:
+def _augmented_backward(bsym: BoundSymbol, entry: GradEntry, saved: Any, cts: list) -> list[tuple]:
     filled = [c if c is not None else zeros_like(o) for c, o in zip(cts, bsym.flat_proxy_outs)]
     saved = saved if isinstance(saved, (tuple, list)) else (saved,)
-    grads = _backward[bsym.sym.id](*saved, *filled)
+    grads = entry.backward(*saved, *filled)
     grads = grads if isinstance(grads, (tuple, list)) else (grads,)
-    values = list(bind_arguments(fwd, bsym).values())
+    values = list(bind_arguments(entry.rule, bsym).values())
     return [(x, g) for x, g in zip(values, grads) if isinstance(x, TensorProxy) and g is not None]
 
 
 def _autograd_backward(bsym: BoundSymbol, fn: Callable, which: tuple, state, cts: list) -> list[tuple]:
-    from fulmen.transforms import grad_rules
-
     if not which:
         return []
     tensors = [x for x in tree_flatten((bsym.args, bsym.kwargs))[0] if isinstance(x, TensorProxy)]
-    grads = grad_rules.autograd_vjp(fn)(bsym.args, bsym.kwargs, tuple(cts), which, state)
+    grads = grad_ops.autograd_vjp(fn)(bsym.args, bsym.kwargs, tuple(cts), which, state)
     return [(tensors[i], g) for i, g in zip(which, grads)]
 
 

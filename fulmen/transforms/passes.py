@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
+from fulmen.core.bookkeeping import DEL
 from fulmen.core.codeutils import outputs_of
 from fulmen.core.proxies import Proxy, TensorProxy
-from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
+from fulmen.core.symbol import BoundSymbol, OpTags
 from fulmen.core.symbolic import SYMBOLIC_TYPES, expr_of
 from fulmen.core.trace import Trace
 from fulmen.prims import PrimIDs
-
-DEL = Symbol(name="del", id="del", is_prim=True, module=None,
-             python_printer=lambda bsym, printer: "del " + ", ".join(p.name for p in bsym.flat_args))
 
 
 def _keeps(bsym: BoundSymbol) -> bool:
@@ -35,7 +33,7 @@ def dce(trace: Trace, *, provenance: str = "Dead Code Elimination") -> Trace:
     kept: list[BoundSymbol] = []
     for bsym in reversed(trace.bound_symbols):
         outs = bsym.flat_proxy_outs
-        if _keeps(bsym) or any(p.name in needed for p in outs) or (not outs and bsym.sym.id != "del"):
+        if _keeps(bsym) or any(p.name in needed for p in outs) or (not outs and bsym.sym is not DEL):
             kept.append(bsym)
             needed.update(p.name for p in bsym.flat_args)
     kept.reverse()

@@ -37,18 +37,24 @@ from fulmen.core.symbol import BoundSymbol, OpTags
 from fulmen.core.symbolic import size_hint
 
 _INF = 1 << 62
-_CHEAP_TAGS = (OpTags.ELEMENTWISE, OpTags.SHAPE_OP, OpTags.VIEW)
-_NEVER_TAGS = (OpTags.RANDOM_OP, OpTags.SIDE_EFFECT, OpTags.FALLBACK, OpTags.DONT_DCE, OpTags.IN_PLACE)
+#: The op groups rematerialization reads: cheap ones are recomputed where that saves memory; costly ones (matrix
+#: products, reductions) and those that must run exactly once are always saved.
+_CHEAP_TAGS = frozenset((OpTags.ELEMENTWISE, OpTags.SHAPE_OP, OpTags.VIEW))
+_COSTLY_TAGS = frozenset((OpTags.MATMUL_OP, OpTags.REDUCTION))
+_NEVER_TAGS = frozenset((OpTags.RANDOM_OP, OpTags.SIDE_EFFECT, OpTags.FALLBACK, OpTags.DONT_DCE, OpTags.IN_PLACE,
+                         OpTags.BOOKKEEPING)) | _COSTLY_TAGS
 
 
 def is_recomputable(bsym: BoundSymbol) -> bool:
     """Cheap, deterministic operations the backward may run again instead of keeping their results."""
-    tags = bsym.sym.tags
-    if any(t in tags for t in _NEVER_TAGS):
+    sym = bsym.sym
+    if not _NEVER_TAGS.isdisjoint(sym.tags):
         return False
-    if bsym.sym.name in ("full", "iota") and bsym.sym.module == "prims":
+    # A creation prim makes its values from its arguments alone; a torch-level creation symbol (linspace) may do
+    # floating point arithmetic whose bits another kernel need not reproduce, and is judged by its parts.
+    if sym.is_prim and OpTags.CREATION in sym.tags:
         return True
-    return any(t in tags for t in _CHEAP_TAGS)
+    return not _CHEAP_TAGS.isdisjoint(sym.tags)
 
 
 def _is_float(p) -> bool:

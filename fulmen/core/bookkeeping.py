@@ -1,0 +1,23 @@
+"""Bookkeeping symbols: lines of an execution trace that compute nothing.
+
+``DEL`` (``del t1, t2`` after a value's last use) is the one such symbol. It carries ``OpTags.BOOKKEEPING``,
+which is what passes match on: executors never claim it, fusion carries it along, counts of operations skip it.
+"""
+
+from __future__ import annotations
+
+from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
+
+DEL = Symbol(
+    name="del",
+    id="del",
+    is_prim=True,
+    module=None,
+    tags=(OpTags.BOOKKEEPING,),
+    python_printer=lambda bsym, printer: "del " + ", ".join(p.name for p in bsym.flat_args),
+)
+
+
+def is_bookkeeping(bsym: BoundSymbol) -> bool:
+    """Whether ``bsym`` computes nothing (a ``del``)."""
+    return OpTags.BOOKKEEPING in bsym.sym.tags
