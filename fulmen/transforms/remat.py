@@ -41,8 +41,10 @@ _INF = 1 << 62
 #: products, reductions) and those that must run exactly once are always saved.
 _CHEAP_TAGS = frozenset((OpTags.ELEMENTWISE, OpTags.SHAPE_OP, OpTags.VIEW))
 _COSTLY_TAGS = frozenset((OpTags.MATMUL_OP, OpTags.REDUCTION))
-_NEVER_TAGS = frozenset((OpTags.RANDOM_OP, OpTags.SIDE_EFFECT, OpTags.FALLBACK, OpTags.DONT_DCE, OpTags.IN_PLACE,
-                         OpTags.BOOKKEEPING)) | _COSTLY_TAGS
+#: Operations that must run exactly once (or compute nothing): never recomputed, checkpointed or not.
+_ONCE_TAGS = frozenset((OpTags.RANDOM_OP, OpTags.SIDE_EFFECT, OpTags.FALLBACK, OpTags.DONT_DCE, OpTags.IN_PLACE,
+                        OpTags.BOOKKEEPING, OpTags.COMMUNICATION, OpTags.WAIT))
+_NEVER_TAGS = _ONCE_TAGS | _COSTLY_TAGS
 
 
 def is_recomputable(bsym: BoundSymbol) -> bool:
@@ -236,7 +238,7 @@ def choose_saved(leaves: Sequence[BoundSymbol], inputs: Iterable[Proxy], needed:
         """A checkpointed value: recomputed, never saved, if its producer may run again."""
         b = producer.get(name)
         return name in checkpointed and b is not None and name not in input_names and name not in pinned \
-            and not any(t in b.sym.tags for t in _NEVER_TAGS)
+            and _ONCE_TAGS.isdisjoint(b.sym.tags)
 
     def cheap(name: str) -> bool:
         b = producer.get(name)
