@@ -254,11 +254,9 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
             from torch._inductor.compile_fx import compile_fx_inner
 
             from fulmen.executors.inductor_graph import aten_graph
-            from fulmen.executors.inductor_sympy import install as install_index_shortcut  # imports sympy
-            from fulmen.executors.inductor_sympy import shortcut_here as index_shortcut
+            from fulmen.executors.inductor_sympy import shortcut_here as index_shortcut  # imports sympy
 
             decompositions = decomposition_table()
-            install_index_shortcut()
         # Inductor's compilation has process-wide moments: its own passes trace with FX (pattern replacements,
         # loop bounds), which replaces nn.Module.__call__ for the process while it runs, and it keeps one
         # compilation's state in class attributes. Dynamo compiles (and Inductor compiles a backward) holding
