@@ -25,6 +25,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -87,9 +88,9 @@ class Kernel:
     ``parked``: the job the background compiler set aside because the process's settings (default dtype, ...)
     were others (``resume`` queues it again)."""
 
-    __slots__ = ("name", "fn", "failed", "done", "seconds", "threads", "ambient", "parked")
+    __slots__ = ("name", "fn", "failed", "done", "seconds", "threads", "ambient", "parked", "dims", "check")
 
-    def __init__(self, name: str, ambient: Ambient):
+    def __init__(self, name: str, ambient: Ambient, dims: frozenset[tuple[int, int]] | None = None):
         self.name = name
         self.fn: Callable | None = None
         self.failed = False
@@ -98,6 +99,8 @@ class Kernel:
         self.threads: int | None = None  # the CPU threads of the program that asked for it (``program_threads``)
         self.ambient = ambient
         self.parked: tuple | None = None
+        self.dims = dims  # the (input, dim) sizes that are symbols in its compilation (None: every size a constant)
+        self.check = None  # for such a kernel, once compiled: the ``LayoutCheck`` a call's inputs must pass
 
 
 def _submit(job: tuple) -> None:
@@ -148,14 +151,16 @@ def _stop_compiling() -> None:
 threading._register_atexit(_stop_compiling)  # runs before atexit's hooks, while threads still run
 
 
-def get_kernel(key: tuple, name: str, eager: Callable, args: tuple, mode: str, ambient: Ambient) -> Kernel:
+def get_kernel(key: tuple, name: str, eager: Callable, args: tuple, mode: str, ambient: Ambient,
+               dims: frozenset[tuple[int, int]] | None = None) -> Kernel:
     """The shared kernel for ``key`` (which includes ``ambient.key()``: the same code compiles to different kernels
-    under other defaults); a new one is compiled now (sync), scheduled (async) or never (off), under ``ambient``."""
+    under other defaults); a new one is compiled now (sync), scheduled (async) or never (off), under ``ambient``.
+    ``dims``: the (input, dim) sizes to compile as symbols (part of ``key``)."""
     global _last_request
     kernel = _kernels.get(key)
     if kernel is not None:
         return kernel
-    kernel = Kernel(name, ambient)
+    kernel = Kernel(name, ambient, dims)
     kernel.threads = program_threads()
     if mode == "off":
         kernel.done = True
@@ -216,10 +221,12 @@ def _vector_isa_known() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads: int | None = None) -> Callable:
+def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads: int | None = None,
+           dims: frozenset[tuple[int, int]] | None = None) -> Any:
     """Inductor's compilation of ``fn`` for inputs like ``example``, except for its CPU kernels' C++ build: those
     join ``cpp``, and the returned callable works once ``cpp`` is built. ``threads``: the PyTorch CPU threads the
-    kernels will run with (default: the calling thread's)."""
+    kernels will run with (default: the calling thread's). ``dims``: the (input, dim) sizes compiled as symbols;
+    then ``(callable, LayoutCheck)`` (``fulmen.executors.inductor_dynamic``)."""
     on_cpu = all(a.device.type == "cpu" for a in example)
     with compiler_import_lock:
         import torch._dynamo  # noqa: F401  (before Inductor: its modules import Dynamo's)
@@ -253,7 +260,8 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
             from torch._guards import TracingContext, tracing
             from torch._inductor.compile_fx import compile_fx_inner
 
-            from fulmen.executors.inductor_graph import aten_graph
+            from fulmen.executors.inductor_dynamic import LayoutCheck, check_output_strides
+            from fulmen.executors.inductor_graph import aten_graph, symbolic_aten_graph
             from fulmen.executors.inductor_sympy import shortcut_here as index_shortcut  # imports sympy
 
             decompositions = decomposition_table()
@@ -263,12 +271,19 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
         # Dynamo's compile lock; a lowering holds it too, so it never runs while Dynamo traces the user's code on
         # another thread, which would see FX's wrappers. The C++ build after it runs without the lock.
         with compile_lock:
-            gm = aten_graph(fn, example, decompositions)
+            if dims:
+                gm, fake_mode, fakes = symbolic_aten_graph(fn, example, decompositions, dims)
+            else:
+                gm, fake_mode = aten_graph(fn, example, decompositions), _fake_mode()
+                fakes = [fake_mode.from_tensor(a) for a in example]
             keep_output_strides(gm)
-            fake_mode = _fake_mode()
             with merged_cpp_build(cpp), tracing(TracingContext(fake_mode)), index_shortcut():
-                compiled = compile_fx_inner(gm, [fake_mode.from_tensor(a) for a in example])
-        return with_eager_strides(getattr(compiled, "current_callable", compiled), compiled, gm, fn, example)
+                compiled = compile_fx_inner(gm, fakes)
+        call = getattr(compiled, "current_callable", compiled)
+        if dims:
+            check_output_strides(compiled, gm)
+            return call, LayoutCheck(fakes, fake_mode.shape_env)
+        return with_eager_strides(call, compiled, gm, fn, example)
 
 
 def _fake_mode():
@@ -311,7 +326,9 @@ def _compile(jobs: list[tuple[Kernel, Callable, list[torch.Tensor]]]) -> None:
                 _park(kernel, eager, example)
                 continue
             with kernel.ambient.applied():  # on the background thread: the default device only
-                call = _lower(eager, example, cpp, kernel.threads)
+                call = _lower(eager, example, cpp, kernel.threads, kernel.dims)
+                if kernel.dims:
+                    call, kernel.check = call
             if background and (switches() != before or not kernel.ambient.matches()):  # changed while it lowered
                 _park(kernel, eager, example)
                 continue
