@@ -11,8 +11,11 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
+
+import fulmen
 
 _SNAPSHOT = r'''
 import json, sys
@@ -67,12 +70,15 @@ report = {"import": changed(before, after_import)}
 
 
 def _run(body: str) -> dict:
-    env = dict(os.environ, FULMEN_COMPILE="sync")
+    # the fulmen this test process imported, whatever the working directory (python -c puts it first on the path)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(fulmen.__file__)))
+    env = dict(os.environ, FULMEN_COMPILE="sync", PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
         [sys.executable, "-c", _SCRIPT + body + "\nprint('RESULT' + json.dumps(report))"],
         capture_output=True,
         text=True,
         env=env,
+        cwd=tempfile.gettempdir(),
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
