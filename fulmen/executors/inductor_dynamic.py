@@ -85,8 +85,8 @@ class LayoutCheck:
         self.order = [self.sources[s] for s in names]
         params = ", ".join(str(s) for s in names)
         strides = ", ".join(
-            "(" + "".join(printer.doprint(_expr(s, shape_env)) + ", " for s in fake.stride()) + ")"
-            for fake in fakes)
+            "(" + "".join(printer.doprint(_expr(s, shape_env)) + ", " for s in fake.stride()) + ")" for fake in fakes
+        )
         # a guard that two sizes are equal also made one symbol stand for both: in those terms it holds trivially
         exprs = [shape_env.replace(g.expr) for g in shape_env.guards]
         exprs = [e for e in exprs if e is not sympy.true]
