@@ -362,6 +362,10 @@ def _park(kernel: Kernel, eager: Callable, example: list[torch.Tensor]) -> None:
 
 def _failed(kernel: Kernel, e: Exception) -> None:
     kernel.failed = True
+    if kernel.dims and not _shutting_down:  # the region still compiles a kernel per layout
+        log.info("fulmen: %s has no kernel with symbolic sizes (%s: %s); it compiles one per input layout",
+                 kernel.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return
     if not _shutting_down:  # at interpreter exit nothing will call the region again
         log.warning("fulmen: Inductor could not compile %s (%s: %s); it keeps running with the torch executor",
                     kernel.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
