@@ -326,7 +326,7 @@ def _compile(jobs: list[tuple[Kernel, Callable, list[torch.Tensor]]]) -> None:
                 _park(kernel, eager, example)
                 continue
             with kernel.ambient.applied():  # on the background thread: the default device only
-                call = _lower(eager, example, cpp, kernel.threads, dims=kernel.dims)
+                call = _lower(eager, example, cpp, kernel.threads, kernel.dims)
                 if kernel.dims:
                     call, kernel.check = call
             if background and (switches() != before or not kernel.ambient.matches()):  # changed while it lowered
