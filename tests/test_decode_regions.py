@@ -80,3 +80,25 @@ def _input_names(jf) -> list[str]:
 def test_varying_dims(old, new, dims):
     got = varying_dims(old, new)
     assert (got if got is None else set(got)) == dims
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("quiet_transformers")
+def test_llama_generate_compiles_a_bounded_number_of_region_kernels():
+    """A tiny Llama's greedy ``generate()`` under ``fulmen.jit(compile="sync")``: eager's tokens, and the regions
+    that read the growing cache run every later length on their symbolic kernel (not one kernel per length)."""
+    from fulmen.bench.hf import hf_model
+
+    model = hf_model("hf:llama", max_position_embeddings=48).eval()
+    model.config.use_cache = model.generation_config.use_cache = True
+    ids = torch.randint(2, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+    jm = fulmen.jit(model, compile="sync")
+    before = len(inductor_compile._kernels)
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=24, min_new_tokens=24, **kwargs)
+        got = jm.generate(ids, max_new_tokens=24, min_new_tokens=24, **kwargs)
+    assert torch.equal(got, expected)
+    kernels = list(inductor_compile._kernels.values())[before:]
+    assert any(k.dims and k.fn is not None for k in kernels), "no region compiled a kernel with symbolic sizes"
+    assert len(kernels) <= 12, f"{len(kernels)} region kernels for 24 new tokens"
