@@ -261,7 +261,7 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
             from torch._inductor.compile_fx import compile_fx_inner
 
             from fulmen.executors.inductor_dynamic import LayoutCheck, check_output_strides
-            from fulmen.executors.inductor_graph import aten_graph, symbolic_aten_graph
+            from fulmen.executors.inductor_graph import aten_graph  # noqa: F401  (imported under the lock)
             from fulmen.executors.inductor_sympy import shortcut_here as index_shortcut  # imports sympy
 
             decompositions = decomposition_table()
@@ -271,11 +271,7 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
         # Dynamo's compile lock; a lowering holds it too, so it never runs while Dynamo traces the user's code on
         # another thread, which would see FX's wrappers. The C++ build after it runs without the lock.
         with compile_lock:
-            if dims:
-                gm, fake_mode, fakes = symbolic_aten_graph(fn, example, decompositions, dims)
-            else:
-                gm, fake_mode = aten_graph(fn, example, decompositions), _fake_mode()
-                fakes = [fake_mode.from_tensor(a) for a in example]
+            gm, fake_mode, fakes = _region_graph(fn, example, decompositions, dims)
             keep_output_strides(gm)
             with merged_cpp_build(cpp), tracing(TracingContext(fake_mode)), index_shortcut():
                 compiled = compile_fx_inner(gm, fakes)
@@ -284,6 +280,17 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
             check_output_strides(compiled, gm)
             return call, LayoutCheck(fakes, fake_mode.shape_env)
         return with_eager_strides(call, compiled, gm, fn, example)
+
+
+def _region_graph(fn: Callable, example: list[torch.Tensor], decompositions, dims) -> tuple:
+    """The aten graph of ``fn``, the fake mode to compile it in and its fake inputs (the sizes at ``dims``
+    symbolic)."""
+    from fulmen.executors.inductor_graph import aten_graph, symbolic_aten_graph
+
+    if dims:
+        return symbolic_aten_graph(fn, example, decompositions, dims)
+    fake_mode = _fake_mode()
+    return aten_graph(fn, example, decompositions), fake_mode, [fake_mode.from_tensor(a) for a in example]
 
 
 def _fake_mode():
