@@ -237,7 +237,7 @@ def test_new_input_strides_get_their_own_program(sync_compile):
 
 
 def test_inductor_failure_falls_back_with_a_warning(sync_compile, monkeypatch, caplog):
-    def broken(fn, example, cpp, threads=None):
+    def broken(fn, example, cpp, threads=None, dims=None):
         raise RuntimeError("simulated Inductor failure")
 
     monkeypatch.setattr(inductor_compile, "_lower", broken)

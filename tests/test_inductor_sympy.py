@@ -2,6 +2,7 @@
 in Inductor's ``sizevars`` module only, and Inductor generates the same code with it as without it."""
 
 import random
+from contextlib import nullcontext
 
 import pytest
 import sympy
@@ -73,14 +74,16 @@ def _clear_index_caches(sizevars):
         fn.cache_clear()
 
 
-def test_install_touches_inductors_sizevars_only(fresh_sizevars):
-    inductor_sympy.install()
-    assert fresh_sizevars.sympy.simplify is inductor_sympy.simplify
-    assert fresh_sizevars.sympy.Symbol is sympy.Symbol and fresh_sizevars.sympy.Wild is sympy.Wild
-    assert sympy.simplify is not inductor_sympy.simplify, "sympy itself must not change"
-    namespace = fresh_sizevars.sympy
-    inductor_sympy.install()
-    assert fresh_sizevars.sympy is namespace, "installing twice changes nothing"
+def test_shortcut_touches_inductors_sizevars_only_while_lowering(fresh_sizevars):
+    with inductor_sympy.shortcut_here():
+        namespace = fresh_sizevars.sympy
+        assert namespace.simplify is inductor_sympy.simplify
+        assert namespace.Symbol is sympy.Symbol and namespace.Wild is sympy.Wild
+        assert sympy.simplify is not inductor_sympy.simplify, "sympy itself must not change"
+        with inductor_sympy.shortcut_here():
+            assert fresh_sizevars.sympy is namespace, "a nested block changes nothing"
+        assert fresh_sizevars.sympy is namespace, "the outer block still lowers"
+    assert fresh_sizevars.sympy is sympy, "sizevars sees sympy again once no lowering runs"
 
 
 def _gqa_scores(q, k):
@@ -96,7 +99,7 @@ def test_inductor_generates_the_same_code_with_the_shortcut(fresh_sizevars, monk
     from torch._inductor import config
 
     taken = []
-    real, install = inductor_sympy.is_plain_linear, inductor_sympy.install
+    real, shortcut_here = inductor_sympy.is_plain_linear, inductor_sympy.shortcut_here
     monkeypatch.setattr(inductor_sympy, "is_plain_linear", lambda e: taken.append(real(e)) or taken[-1])
     q, k = torch.randn(2, 8, 16, 32), torch.randn(2, 2, 16, 32)
     token = inductor.compile_mode.set("sync")
@@ -105,8 +108,8 @@ def test_inductor_generates_the_same_code_with_the_shortcut(fresh_sizevars, monk
         with config.patch(fx_graph_cache=False):  # Inductor lowers the graph both times
             for shortcut in (False, True):
                 monkeypatch.setattr(inductor_compile, "_kernels", {})  # and fulmen compiles it both times
-                # the first compilation runs without the shortcut (_lower imports install at each lowering)
-                monkeypatch.setattr(inductor_sympy, "install", install if shortcut else lambda: None)
+                # the first compilation runs without the shortcut (_lower imports it at each lowering)
+                monkeypatch.setattr(inductor_sympy, "shortcut_here", shortcut_here if shortcut else nullcontext)
                 fresh_sizevars.sympy = sympy
                 _clear_index_caches(fresh_sizevars)
                 jf = fulmen.jit(_gqa_scores, executors=["inductor"])

@@ -433,7 +433,7 @@ def test_multihead_attention_dropout_matches_eager_under_the_same_seed(need_weig
 
 
 def test_multihead_attention_still_scripts():
-    """``F._none_or_dtype`` is replaced by one that takes proxies; TorchScript must still compile the module."""
+    """fulmen changes nothing TorchScript reads while scripting the module (``F._none_or_dtype`` is torch's own)."""
     torch.manual_seed(0)
     m = nn.MultiheadAttention(_E, _HEADS, batch_first=True)
     x = torch.randn(2, _S, _E)

@@ -6,7 +6,9 @@ one region. Each region becomes one ``FusedRegion`` callable in the execution tr
 running its operations one by one with the torch executor; its Inductor kernel compiles in the background (or
 right away in ``compile_mode`` ``"sync"``) and swaps in when ready, so no call waits for a compiler
 (``inductor_compile``). Inductor's output code is specialized to its inputs' shapes and strides, so a region
-keeps one compiled variant per input layout it sees. Regions with the same code share their kernels.
+keeps one compiled variant per input layout it sees; once sizes vary between calls (a growing key/value cache),
+it compiles one kernel with those sizes symbolic and runs every layout that kernel fits on it
+(``inductor_dynamic``). Regions with the same code share their kernels.
 
 Random operations stay outside regions (so results draw from torch's generator exactly as in eager), and
 so do side effects and opaque ops.
@@ -43,6 +45,7 @@ from fulmen.executors.inductor_compile import (  # noqa: F401  (re-exported: the
     resume,
     wait_for_compilations,
 )
+from fulmen.executors.inductor_dynamic import varying_dims
 from fulmen.executors.partition import fusion_groups, split_repeats, sums_after_other_readers
 from fulmen.transforms import overlap
 from fulmen.transforms.grad_ops import unfold_backward
@@ -51,6 +54,8 @@ from fulmen.transforms.passes import del_last_used
 _NOT_FUSED = (OpTags.RANDOM_OP, OpTags.SIDE_EFFECT, OpTags.FALLBACK, OpTags.COMMUNICATION)
 #: Compiled variants one region keeps (one per input layout it has seen); beyond that it runs unfused.
 MAX_VARIANTS = 8
+#: Layouts remembered as fitting the region's kernel with symbolic sizes (each new one is checked once).
+MAX_FITTED_LAYOUTS = 256
 #: Operations (by id) Inductor (torch 2.13) computes wrongly inside a fused graph: ``unfold_backward`` fed by other
 #: fused operations (max_pool2d's backward) gave gradients off by 2.0 where alone it is exact.
 _NOT_FUSED_IDS = frozenset({unfold_backward.id})
@@ -75,6 +80,8 @@ class FusedRegion:
             raise ValueError(f"compile mode {self.mode!r} is not one of {', '.join(COMPILE_MODES)}")
         self.kernels: dict[tuple, Kernel] = {}
         self.variants: dict[tuple, Callable] = {}  # layout -> compiled callable, the fast path
+        self.last_key: tuple | None = None  # the layout of the last kernel compiled for one layout
+        self.dynamic: Kernel | None = None  # the kernel whose varying sizes are symbols, once sizes varied
 
     def __call__(self, *args):
         key = tuple((a.shape, a.stride()) for a in args)
@@ -86,17 +93,44 @@ class FusedRegion:
     def _slow_call(self, key: tuple, args: tuple):
         kernel = self.kernels.get(key)
         if kernel is None:
+            if self.kernels:
+                fn = self._symbolic_call(key, args)
+                if fn is not None:
+                    return fn(list(args))
+                if self.dynamic is not None and not self.dynamic.done:
+                    return self.eager(*args)  # sizes vary: no kernel for this one layout while that compiles
             if len(self.kernels) >= MAX_VARIANTS:
                 return self.eager(*args)
             layout = tuple((a.shape, a.stride(), a.dtype, a.device) for a in args)
             kernel = self.kernels[key] = get_kernel((self.code_key, layout, self.ambient.key()), self.name,
                                                     self.eager, args, self.mode, self.ambient)
+            self.last_key = key
         elif kernel.parked is not None:
             resume(kernel)
         if kernel.fn is not None:
             self.variants[key] = kernel.fn
             return kernel.fn(list(args))
         return self.eager(*args)
+
+    def _symbolic_call(self, key: tuple, args: tuple) -> Callable | None:
+        """The kernel compiled with the varying sizes symbolic, for a layout it fits; the first layout whose sizes
+        differ from the last one compiled for starts its compilation (``inductor_dynamic``)."""
+        kernel = self.dynamic
+        if kernel is None:
+            dims = varying_dims(self.last_key, key)
+            if not dims:
+                return None
+            layout = tuple((tuple(None if (i, d) in dims else n for d, n in enumerate(a.shape)), a.dtype, a.device)
+                           for i, a in enumerate(args))
+            kernel = self.dynamic = get_kernel((self.code_key, ("symbolic", dims, layout), self.ambient.key()),
+                                               self.name, self.eager, args, self.mode, self.ambient, dims)
+        elif kernel.parked is not None:
+            resume(kernel)
+        if kernel.fn is None or not kernel.check.fits(args):
+            return None
+        if len(self.variants) < MAX_FITTED_LAYOUTS:
+            self.variants[key] = kernel.fn
+        return kernel.fn
 
     @property
     def failed(self) -> bool:

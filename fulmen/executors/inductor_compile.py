@@ -25,6 +25,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -88,9 +89,9 @@ class Kernel:
     ``parked``: the job the background compiler set aside because the process's settings (default dtype, ...)
     were others (``resume`` queues it again)."""
 
-    __slots__ = ("name", "fn", "failed", "done", "seconds", "threads", "ambient", "parked")
+    __slots__ = ("name", "fn", "failed", "done", "seconds", "threads", "ambient", "parked", "dims", "check")
 
-    def __init__(self, name: str, ambient: Ambient):
+    def __init__(self, name: str, ambient: Ambient, dims: frozenset[tuple[int, int]] | None = None):
         self.name = name
         self.fn: Callable | None = None
         self.failed = False
@@ -99,6 +100,8 @@ class Kernel:
         self.threads: int | None = None  # the CPU threads of the program that asked for it (``program_threads``)
         self.ambient = ambient
         self.parked: tuple | None = None
+        self.dims = dims  # the (input, dim) sizes that are symbols in its compilation (None: every size a constant)
+        self.check = None  # for such a kernel, once compiled: the ``LayoutCheck`` a call's inputs must pass
 
 
 def _submit(job: tuple) -> None:
@@ -149,14 +152,16 @@ def _stop_compiling() -> None:
 threading._register_atexit(_stop_compiling)  # runs before atexit's hooks, while threads still run
 
 
-def get_kernel(key: tuple, name: str, eager: Callable, args: tuple, mode: str, ambient: Ambient) -> Kernel:
+def get_kernel(key: tuple, name: str, eager: Callable, args: tuple, mode: str, ambient: Ambient,
+               dims: frozenset[tuple[int, int]] | None = None) -> Kernel:
     """The shared kernel for ``key`` (which includes ``ambient.key()``: the same code compiles to different kernels
-    under other defaults); a new one is compiled now (sync), scheduled (async) or never (off), under ``ambient``."""
+    under other defaults); a new one is compiled now (sync), scheduled (async) or never (off), under ``ambient``.
+    ``dims``: the (input, dim) sizes to compile as symbols (part of ``key``)."""
     global _last_request
     kernel = _kernels.get(key)
     if kernel is not None:
         return kernel
-    kernel = Kernel(name, ambient)
+    kernel = Kernel(name, ambient, dims)
     kernel.threads = program_threads()
     if mode == "off":
         kernel.done = True
@@ -217,10 +222,12 @@ def _vector_isa_known() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads: int | None = None) -> Callable:
+def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads: int | None = None,
+           dims: frozenset[tuple[int, int]] | None = None) -> Any:
     """Inductor's compilation of ``fn`` for inputs like ``example``, except for its CPU kernels' C++ build: those
     join ``cpp``, and the returned callable works once ``cpp`` is built. ``threads``: the PyTorch CPU threads the
-    kernels will run with (default: the calling thread's)."""
+    kernels will run with (default: the calling thread's). ``dims``: the (input, dim) sizes compiled as symbols;
+    then ``(callable, LayoutCheck)`` (``fulmen.executors.inductor_dynamic``)."""
     on_cpu = all(a.device.type == "cpu" for a in example)
     with compiler_import_lock:
         import torch._dynamo  # noqa: F401  (before Inductor: its modules import Dynamo's)
@@ -254,12 +261,11 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
             from torch._guards import TracingContext, tracing
             from torch._inductor.compile_fx import compile_fx_inner
 
-            from fulmen.executors.inductor_graph import aten_graph
-            from fulmen.executors.inductor_sympy import install as install_index_shortcut  # imports sympy
-            from fulmen.executors.inductor_sympy import shortcut_here as index_shortcut
+            from fulmen.executors.inductor_dynamic import LayoutCheck, check_output_strides
+            from fulmen.executors.inductor_graph import aten_graph  # noqa: F401  (imported under the lock)
+            from fulmen.executors.inductor_sympy import shortcut_here as index_shortcut  # imports sympy
 
             decompositions = decomposition_table()
-            install_index_shortcut()
         # Inductor's compilation has process-wide moments: its own passes trace with FX (pattern replacements,
         # loop bounds), which replaces nn.Module.__call__ for the process while it runs, and it keeps one
         # compilation's state in class attributes. Dynamo compiles (and Inductor compiles a backward) holding
@@ -267,12 +273,26 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
         # another thread, which would see FX's wrappers. The C++ build after it runs without the lock. Threads that
         # are only running code meanwhile (a torch.compile'd step) see FX's traces neither (fx_isolation).
         with compile_lock, fx_tracing_kept_to_this_thread():
-            gm = aten_graph(fn, example, decompositions)
+            gm, fake_mode, fakes = _region_graph(fn, example, decompositions, dims)
             keep_output_strides(gm)
-            fake_mode = _fake_mode()
             with merged_cpp_build(cpp), tracing(TracingContext(fake_mode)), index_shortcut():
-                compiled = compile_fx_inner(gm, [fake_mode.from_tensor(a) for a in example])
-        return with_eager_strides(getattr(compiled, "current_callable", compiled), compiled, gm, fn, example)
+                compiled = compile_fx_inner(gm, fakes)
+        call = getattr(compiled, "current_callable", compiled)
+        if dims:
+            check_output_strides(compiled, gm)
+            return call, LayoutCheck(fakes, fake_mode.shape_env)
+        return with_eager_strides(call, compiled, gm, fn, example)
+
+
+def _region_graph(fn: Callable, example: list[torch.Tensor], decompositions, dims) -> tuple:
+    """The aten graph of ``fn``, the fake mode to compile it in and its fake inputs (the sizes at ``dims``
+    symbolic)."""
+    from fulmen.executors.inductor_graph import aten_graph, symbolic_aten_graph
+
+    if dims:
+        return symbolic_aten_graph(fn, example, decompositions, dims)
+    fake_mode = _fake_mode()
+    return aten_graph(fn, example, decompositions), fake_mode, [fake_mode.from_tensor(a) for a in example]
 
 
 def _fake_mode():
@@ -315,7 +335,9 @@ def _compile(jobs: list[tuple[Kernel, Callable, list[torch.Tensor]]]) -> None:
                 _park(kernel, eager, example)
                 continue
             with kernel.ambient.applied():  # on the background thread: the default device only
-                call = _lower(eager, example, cpp, kernel.threads)
+                call = _lower(eager, example, cpp, kernel.threads, kernel.dims)
+                if kernel.dims:
+                    call, kernel.check = call
             if background and (switches() != before or not kernel.ambient.matches()):  # changed while it lowered
                 _park(kernel, eager, example)
                 continue
@@ -349,6 +371,10 @@ def _park(kernel: Kernel, eager: Callable, example: list[torch.Tensor]) -> None:
 
 def _failed(kernel: Kernel, e: Exception) -> None:
     kernel.failed = True
+    if kernel.dims and not _shutting_down:  # the region still compiles a kernel per layout
+        log.info("fulmen: %s has no kernel with symbolic sizes (%s: %s); it compiles one per input layout",
+                 kernel.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return
     if not _shutting_down:  # at interpreter exit nothing will call the region again
         log.warning("fulmen: Inductor could not compile %s (%s: %s); it keeps running with the torch executor",
                     kernel.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")

@@ -39,8 +39,10 @@ log = logging.getLogger("fulmen.inductor")
 
 _state = threading.local()
 _lock = threading.Lock()
-#: Inductor's ``AsyncCompile.cpp_pybinding``, once ``merged_cpp_build`` has put its own in place.
+#: Inductor's ``AsyncCompile.cpp_pybinding`` while ``merged_cpp_build`` has put its own in place.
 _original_cpp_pybinding = None
+#: How many threads are inside ``merged_cpp_build()`` (``_binding_in_place``).
+_users = 0
 
 _ENTRY = re.compile(r'extern\s+"C"\s+void\s+kernel\s*\(')
 #: Preprocessor lines that would leak from one kernel into the next in a shared translation unit.
@@ -344,15 +346,26 @@ def _cpp_pybinding(self, argtypes, source_code):
     return batch.add(argtypes, source_code)
 
 
-def _install() -> None:
-    global _original_cpp_pybinding
-    with _lock:
-        if _original_cpp_pybinding is not None:
-            return
-        from torch._inductor.async_compile import AsyncCompile
+@contextlib.contextmanager
+def _binding_in_place():
+    """Inductor's ``AsyncCompile.cpp_pybinding`` is ours while some thread is inside ``merged_cpp_build()``, and
+    torch's again when the last one leaves. Ours delegates to torch's in a thread without a batch, so another
+    thread that compiles meanwhile builds as Inductor does."""
+    global _original_cpp_pybinding, _users
+    from torch._inductor.async_compile import AsyncCompile
 
-        _original_cpp_pybinding = AsyncCompile.cpp_pybinding
-        AsyncCompile.cpp_pybinding = _cpp_pybinding  # delegates to the original outside merged_cpp_build()
+    with _lock:
+        if _users == 0:
+            _original_cpp_pybinding = AsyncCompile.cpp_pybinding
+            AsyncCompile.cpp_pybinding = _cpp_pybinding
+        _users += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _users -= 1
+            if _users == 0:
+                AsyncCompile.cpp_pybinding = _original_cpp_pybinding
 
 
 #: A kernel-like source: it uses ATen's vector types, so its build takes the same flags (and the same
@@ -444,11 +457,11 @@ def _code_cache_without_header():
 def merged_cpp_build(batch: MergedBuild):
     """Collect the CPU kernels Inductor asks for in this thread into ``batch``, as one group; the caller builds
     the batch with ``build()``."""
-    _install()
     batch.groups.append([])
     previous = getattr(_state, "batch", None)
     _state.batch = batch
     try:
-        yield batch
+        with _binding_in_place():
+            yield batch
     finally:
         _state.batch = previous

@@ -20,6 +20,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
+from typing import Any
 
 import torch
 from torch import fx
@@ -60,12 +61,32 @@ def aten_graph(fn: Callable, example: list[torch.Tensor], decompositions: Mappin
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    table = dict(decompositions)
-    table.setdefault(torch.ops.aten.sym_numel.default, torch._decomp.decompositions.sym_numel)  # as make_fx does
     with functorch_config.patch(fake_tensor_allow_unsafe_data_ptr_access=False):  # a per-thread setting
         fake_mode = FakeTensorMode(allow_fallback_kernels=True, shape_env=ShapeEnv(), static_shapes=True)
-    tracer = _DispatchGraphTracer()
     fakes = [fake_mode.from_tensor(a, source=ConstantSource(f"input{i}")) for i, a in enumerate(example)]
+    return _trace(fn, fake_mode, fakes, decompositions, "fake")
+
+
+def symbolic_aten_graph(fn: Callable, example: list[torch.Tensor], decompositions: Mapping,
+                        dims: frozenset[tuple[int, int]]) -> tuple[fx.GraphModule, Any, list]:
+    """``aten_graph`` with the sizes at ``dims`` (input, dim) symbolic: the graph, its fake mode (whose shape
+    environment holds the guards) and the fake inputs to compile it for."""
+    import torch._functorch.config as functorch_config
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from fulmen.executors.inductor_dynamic import symbolic_fakes
+
+    with functorch_config.patch(fake_tensor_allow_unsafe_data_ptr_access=False):
+        fake_mode = FakeTensorMode(allow_fallback_kernels=True, shape_env=ShapeEnv())
+    fakes = symbolic_fakes(fake_mode, example, dims)
+    return _trace(fn, fake_mode, fakes, decompositions, "symbolic"), fake_mode, fakes
+
+
+def _trace(fn: Callable, fake_mode, fakes: list, decompositions: Mapping, mode: str) -> fx.GraphModule:
+    table = dict(decompositions)
+    table.setdefault(torch.ops.aten.sym_numel.default, torch._decomp.decompositions.sym_numel)  # as make_fx does
+    tracer = _DispatchGraphTracer()
     unwrapped = inspect.unwrap(fn)
     if not hasattr(unwrapped, "__code__") or unwrapped.__code__.co_flags & inspect.CO_VARARGS:
         fn = fake_signature(fn, len(fakes))  # placeholders arg0, arg1, ... as make_fx names them
@@ -73,7 +94,7 @@ def aten_graph(fn: Callable, example: list[torch.Tensor], decompositions: Mappin
     with ExitStack() as stack:
         stack.enter_context(fake_mode)
         stack.enter_context(TorchFunctionMetadataMode(tracer))  # the torch call behind each node, in its meta
-        stack.enter_context(ProxyTorchDispatchMode(tracer, "fake", decomposition_table=table))
+        stack.enter_context(ProxyTorchDispatchMode(tracer, mode, decomposition_table=table))
         # a cast's cached result would enter the graph as an untracked constant
         stack.enter_context(disable_autocast_cache())
         return dispatch_trace(wrap_key(fn, fakes, tracer, False), tracer=tracer, concrete_args=placeholders)

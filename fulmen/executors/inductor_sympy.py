@@ -13,9 +13,10 @@ equal to 1. No common factor can come out of such a sum, and sympy has nothing t
 is already in the form ``sympy.simplify`` returns. The tests compare the shortcut with sympy on thousands of
 random indices. Any other expression goes to ``sympy.simplify`` itself.
 
-The shortcut is installed only where Inductor's ``sizevars`` module looks up the name ``sympy``. That name now
-points to a copy of sympy's namespace with this one function replaced. sympy itself, and every other module that
-uses it, see no change. It answers only on a thread inside ``shortcut_here()`` (fulmen's lowering of a region);
+The shortcut is put only where Inductor's ``sizevars`` module looks up the name ``sympy``, and only while fulmen
+lowers a region (``shortcut_here()``): that name then points to a copy of sympy's namespace with this one function
+replaced. sympy itself, and every other module that uses it, see no change. It answers only on a thread inside
+``shortcut_here()`` (fulmen's lowering of a region);
 elsewhere, as for a ``torch.compile`` of the user's running beside the background compiler, it is
 ``sympy.simplify``.
 """
@@ -59,25 +60,43 @@ def simplify(expr, *args, **kwargs):
     return sympy.simplify(expr, *args, **kwargs)
 
 
+_lock = threading.Lock()
+_users = 0
+_namespace = None
+
+
+def _shortcut_namespace() -> types.ModuleType:
+    """A copy of sympy's namespace whose ``simplify`` is the one above."""
+    global _namespace
+    if _namespace is None:
+        namespace = types.ModuleType("sympy", sympy.__doc__)
+        namespace.__dict__.update(sympy.__dict__)
+        namespace.simplify = simplify
+        _namespace = namespace
+    return _namespace
+
+
 @contextlib.contextmanager
 def shortcut_here():
-    """The shortcut answers on the calling thread for the block."""
+    """The shortcut answers on the calling thread for the block.
+
+    Inductor's ``sizevars`` module looks up the name ``sympy`` in the shortcut's namespace while some thread is
+    inside such a block, and in sympy itself again once the last one left. A torch release that imports sympy
+    some other way is left as it is."""
+    global _users
+    from torch._inductor import sizevars
+
+    with _lock:
+        if _users == 0 and getattr(sizevars, "sympy", None) is sympy:
+            sizevars.sympy = _shortcut_namespace()
+        _users += 1
     before = getattr(_here, "on", False)
     _here.on = True
     try:
         yield
     finally:
         _here.on = before
-
-
-def install() -> None:
-    """Point Inductor's ``sizevars`` module at a sympy namespace whose ``simplify`` is the one above. Once it is
-    installed, ``sizevars.sympy`` is no longer sympy and a later call changes nothing; so does a torch release
-    that imports sympy some other way."""
-    from torch._inductor import sizevars
-
-    if getattr(sizevars, "sympy", None) is sympy:
-        namespace = types.ModuleType("sympy", sympy.__doc__)
-        namespace.__dict__.update(sympy.__dict__)
-        namespace.simplify = simplify
-        sizevars.sympy = namespace
+        with _lock:
+            _users -= 1
+            if _users == 0 and getattr(sizevars, "sympy", None) is _namespace:
+                sizevars.sympy = sympy

@@ -164,7 +164,6 @@ class _ModuleWatch:
     Checked in full only after ``module_guard``'s epoch moved, as for jitted modules."""
 
     def __init__(self, module: torch.nn.Module):
-        module_guard.install()
         self.module = module
         self.state = self._state()
         self.epoch = module_guard.epoch

@@ -432,7 +432,6 @@ class JittedModule(nn.Module):
     """``fulmen.jit(module)``: behaves as the module (same parameters, buffers, state_dict, train/eval)."""
 
     def __init__(self, module: nn.Module, executors: Sequence[Executor | str] | None = None, **options):
-        module_guard.install()
         super().__init__()
         # Share the original's dictionaries: one set of tensors, the original's names.
         self._parameters = module._parameters
@@ -445,7 +444,6 @@ class JittedModule(nn.Module):
     def __setstate__(self, state: dict) -> None:
         # unpickled (torch.load, copy.deepcopy): the state holds the original module and a program that compiles
         # again (_ModuleProgram pickles as its module and options)
-        module_guard.install()
         super().__setstate__(state)
 
     @property

@@ -5,10 +5,16 @@ attributes its ``forward`` reads (``self.scale = 3.0``), hooks, tensors held as 
 module tree to check them costs ~2 µs per module per call (135 µs for a 56-module GPT), far above the
 per-call budget. Instead, the methods through which such changes are made (``nn.Module.__setattr__``,
 ``__delattr__``, ``register_parameter``, ``register_buffer``, ``add_module``, the hook registrations,
-``RemovableHandle.remove``, the containers' in-place edits) are wrapped, once, to bump a process-wide
-``epoch`` after a change to a module some jitted program watches. A call compares the epoch it last saw
-with the current one; only when it moved does it take a :func:`snapshot` of the tree again and, when that
-differs, re-key (``fulmen.frontend.module``).
+``RemovableHandle.remove``, the containers' in-place edits) are wrapped to bump a process-wide ``epoch`` after
+a change to a module some jitted program watches. A call compares the epoch it last saw with the current one;
+only when it moved does it take a :func:`snapshot` of the tree again and, when that differs, re-key
+(``fulmen.frontend.module``).
+
+The wrappers are in place only while they are needed: from the first snapshot of a module (which watches it)
+until the last watched module is collected, and while some thread's trace records module writes
+(``recording_writes``). ``import fulmen`` changes nothing in torch, and a process whose jitted modules are gone
+has torch's methods back. No public PyTorch API reports a plain attribute write (``self.scale = 3.0``,
+``eval()``), and checking every module's dictionaries on each call costs time in proportion to the tree.
 
 What a snapshot holds, for every module in the tree: its identity and class, the keys of its parameters and
 buffers (which slots hold the same tensor, not the tensors themselves: a replaced parameter of the same
@@ -21,11 +27,12 @@ globals a ``forward`` reads, and writes straight into ``module._parameters`` / `
 that bypass the methods above (a new tensor there is still read, as it is read on every call).
 
 While fulmen traces, the ``__setattr__``/``__delattr__`` wrappers also report each write to ``write_recorders``
-(``fulmen.frontend.module_writes``).
+(``fulmen.frontend.module_writes``, through ``recording_writes``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import threading
@@ -45,6 +52,7 @@ epoch = 0
 # (weakly: an id leaves the set when its module dies, so a new object at that address is not taken for it)
 _watched: dict[int, weakref.ref] = {}
 _installed = False
+_lock = threading.RLock()
 #: While fulmen traces, by tracing thread's id: called with (module, name) before every attribute write or delete
 #: that thread makes on any module (``fulmen.frontend.module_writes``). Empty when no thread traces.
 write_recorders: dict[int, Any] = {}
@@ -139,23 +147,71 @@ _GLOBAL_HOOK_REGISTRATIONS = ("register_module_forward_pre_hook", "register_modu
                               "register_module_full_backward_hook")
 
 
-def install() -> None:
-    """Wrap the methods that change a module's structure (once per process; idempotent)."""
+def _install() -> None:
+    """Wrap the methods that change a module's structure (idempotent)."""
     global _installed
     if _installed:
         return
     _installed = True
+    for owner, name, wrap in _targets():
+        original = owner.__dict__.get(name)
+        if original is not None and not hasattr(original, "__fulmen_wrapped__"):
+            setattr(owner, name, wrap(original))
+
+
+def _uninstall() -> None:
+    """Put torch's methods back where the wrappers are still the ones in place (one wrapped again by someone
+    else stays, and keeps working: it calls the original)."""
+    global _installed
+    if not _installed:
+        return
+    _installed = False
+    for owner, name, _ in _targets():
+        current = owner.__dict__.get(name)
+        original = getattr(current, "__fulmen_wrapped__", None)
+        if original is not None:
+            setattr(owner, name, original)
+
+
+def _targets():
     for cls, names in _MODULE_METHODS:
         for name in names:
-            method = cls.__dict__.get(name)
-            if method is not None and not hasattr(method, "__fulmen_wrapped__"):
-                wrap = {"__setattr__": _on_setattr, "__delattr__": _on_delattr}.get(name, _on_module)
-                setattr(cls, name, wrap(method))
+            yield cls, name, {"__setattr__": _on_setattr, "__delattr__": _on_delattr}.get(name, _on_module)
     for name in _GLOBAL_HOOK_REGISTRATIONS:
-        fn = getattr(_torch_module, name, None)
-        if fn is not None and not hasattr(fn, "__fulmen_wrapped__"):
-            setattr(_torch_module, name, _always(fn))
-    RemovableHandle.remove = _always(RemovableHandle.remove)
+        yield _torch_module, name, _always
+    yield RemovableHandle, "remove", _always
+
+
+def _release_if_unused() -> None:
+    if not _watched and not _recording:
+        _uninstall()
+
+
+#: How many fulmen traces record module writes right now (``recording_writes``).
+_recording = 0
+
+
+@contextlib.contextmanager
+def recording_writes(recorder) -> Any:
+    """Report this thread's writes to module attributes to ``recorder`` for the block (the ``__setattr__`` and
+    ``__delattr__`` wrappers are in place while any thread is inside such a block)."""
+    global _recording
+    thread = threading.get_ident()
+    with _lock:
+        _recording += 1
+        _install()
+    saved = write_recorders.get(thread)
+    write_recorders[thread] = recorder
+    try:
+        yield
+    finally:
+        if saved is None:
+            del write_recorders[thread]
+        else:
+            write_recorders[thread] = saved
+        with _lock:
+            _recording -= 1
+            _release_if_unused()
 
 
 # ---- snapshots (taken only when the epoch moved) ----
@@ -276,7 +332,17 @@ def assign_program_output(mod: nn.Module, outputs: dict, name: str, value: Any) 
 def _watch(mod: nn.Module) -> None:
     key = id(mod)
     if key not in _watched:
-        _watched[key] = weakref.ref(mod, lambda _, key=key: _watched.pop(key, None))
+        with _lock:
+            _watched[key] = weakref.ref(mod, lambda _, key=key: _unwatch(key))
+            _install()
+
+
+def _unwatch(key: int) -> None:
+    """A watched module died (a weakref callback; the lock is reentrant, for a collection that starts while this
+    thread holds it: every holder makes ``_watched`` or ``_recording`` non-empty before it installs)."""
+    with _lock:
+        _watched.pop(key, None)
+        _release_if_unused()
 
 
 def snapshot(root: nn.Module) -> tuple:

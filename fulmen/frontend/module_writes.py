@@ -91,7 +91,7 @@ class ModuleWrites:
         self._thread = threading.get_ident()
         self._before: dict[tuple[int, str], tuple[nn.Module, str, str, Any, str]] = {}
         self._new: dict[int, nn.Module] = {}  # held until the trace ends, so their ids are not reused
-        self._saved = None
+        self._scope = None
 
     def __call__(self, mod: nn.Module, name: str) -> None:
         if threading.get_ident() != self._thread or (id(mod), name) in self._before or id(mod) in self._new:
@@ -105,16 +105,12 @@ class ModuleWrites:
         self._before[(id(mod), name)] = (mod, name, *_locate(mod, name), writer.f_code.co_qualname)
 
     def __enter__(self) -> ModuleWrites:
-        module_guard.install()
-        self._saved = module_guard.write_recorders.get(self._thread)
-        module_guard.write_recorders[self._thread] = self
+        self._scope = module_guard.recording_writes(self)
+        self._scope.__enter__()
         return self
 
     def __exit__(self, exc_type, *_) -> None:
-        if self._saved is None:
-            del module_guard.write_recorders[self._thread]
-        else:
-            module_guard.write_recorders[self._thread] = self._saved
+        self._scope.__exit__(None, None, None)
         if exc_type is not None:  # the call failed: leave every module as it was before it
             self.undo()
 

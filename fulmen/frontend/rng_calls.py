@@ -31,6 +31,9 @@ _lock = threading.Lock()
 _users = 0
 _tracing = threading.local()  # .depth: how many traces this thread is inside
 _ORIGINALS = {name: getattr(torch.random, name) for name in ("manual_seed", "get_rng_state", "set_rng_state")}
+#: What each module held while no thread traced, put back by the last trace to end (``torch.manual_seed`` need
+#: not be ``torch.random.manual_seed``: importing ``torch._dynamo`` wraps the former).
+_saved: dict[tuple[object, str], object] = {}
 
 
 def _wrap(name: str, record):
@@ -67,8 +70,9 @@ def recording_rng_calls():
     with _lock:
         if _users == 0:
             for name, wrapper in _WRAPPERS.items():
-                setattr(torch.random, name, wrapper)
-                setattr(torch, name, wrapper)
+                for owner in (torch.random, torch):
+                    _saved[(owner, name)] = getattr(owner, name)
+                    setattr(owner, name, wrapper)
         _users += 1
     _tracing.depth = getattr(_tracing, "depth", 0) + 1
     before = _ORIGINALS["get_rng_state"]()
@@ -79,9 +83,10 @@ def recording_rng_calls():
         with _lock:
             _users -= 1
             if _users == 0:
-                for name, original in _ORIGINALS.items():
-                    setattr(torch.random, name, original)
-                    setattr(torch, name, original)
+                for (owner, name), original in _saved.items():
+                    if getattr(owner, name) is _WRAPPERS[name]:  # else replaced meanwhile: theirs calls ours
+                        setattr(owner, name, original)
+                _saved.clear()
     if not torch.equal(before, _ORIGINALS["get_rng_state"]()):
         warnings.warn(
             "fulmen.jit: torch's default random generator changed while the function was traced, in a way fulmen "

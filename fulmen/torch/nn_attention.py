@@ -10,39 +10,23 @@ differentiates them as usual, and dropout's mask is drawn once, in the forward, 
 backward would rerun it and draw another).
 
 ``F._none_or_dtype`` (called by ``nn.MultiheadAttention.forward`` and the transformer layers before anything
-reaches a torch function) accepts only real tensors; it is replaced by one that also takes proxies and is the
-same function otherwise (and still compiles under TorchScript, see ``_none_or_dtype``). ``torch.is_floating_point``,
-which they also call, is answered from the proxy's dtype.
+reaches a torch function) takes proxies as they are (a proxy is a ``torch.Tensor``), so torch's own runs.
+``torch.is_floating_point``, which they also call, is answered from the proxy's dtype.
 """
 
 from __future__ import annotations
 
 import types
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import OpTags
 from fulmen.torch.registry import register_function, torchsymbol
 
 __all__ = ["multi_head_attention_forward"]
 
-_torch_none_or_dtype = F._none_or_dtype
 _torch_mha = F.multi_head_attention_forward
-
-
-# TorchScript compiles this when scripting nn.MultiheadAttention: it needs typing.Optional annotations (torch.dtype
-# is ``int`` to it), and it skips the ``not is_scripting()`` branch, so it never sees the proxy type.
-def _none_or_dtype(input: Optional[torch.Tensor]) -> Optional[int]:  # noqa: UP045
-    if not torch.jit.is_scripting():
-        if isinstance(input, TensorProxy):
-            return input.dtype
-    return _torch_none_or_dtype(input)
-
-
-F._none_or_dtype = _none_or_dtype
 
 # The module and F._canonical_mask ask torch.is_floating_point(mask): a dtype question, answered while tracing
 # (as the method ``mask.is_floating_point()`` is), not an opaque op that runs at every call.
@@ -52,7 +36,7 @@ register_function((torch.is_floating_point,), lambda input: input.is_floating_po
 def _without_torch_function_check(fn):
     """``fn`` with ``has_torch_function*`` false in its globals: its body runs on proxies instead of dispatching."""
     checks = {name: (lambda *args: False) for name in fn.__code__.co_names if name.startswith("has_torch_function")}
-    scope = dict(vars(F), _none_or_dtype=_none_or_dtype, **checks)
+    scope = dict(vars(F), **checks)
     body = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
     body.__kwdefaults__ = fn.__kwdefaults__
     return body

@@ -1,0 +1,104 @@
+"""Fused regions whose input sizes grow from call to call (a key/value cache during decoding) compile a bounded
+number of Inductor kernels: one kernel with the varying sizes symbolic serves every later length
+(``fulmen.executors.inductor_dynamic``), and each result is eager's."""
+
+import pytest
+import torch
+
+import fulmen
+from fulmen.executors import inductor_compile
+from fulmen.executors.inductor_dynamic import varying_dims
+
+
+def _attention_step(q, k, v):
+    s = (q @ k.transpose(-1, -2)) * 0.25
+    return torch.softmax(s, -1) @ v + q
+
+
+def _regions(jf):
+    return [b.sym.impl for b in fulmen.last_traces(jf)[-1].bound_symbols if b.sym.is_fusion]
+
+
+def test_a_growing_cache_compiles_a_bounded_number_of_kernels():
+    torch.manual_seed(0)
+    jf = fulmen.jit(_attention_step, executors=["inductor"], compile="sync")
+    q = torch.randn(1, 2, 1, 16)
+    before = len(inductor_compile._kernels)
+    lengths = range(5, 17)
+    for n in lengths:
+        k, v = torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16)
+        torch.testing.assert_close(jf(q, k, v), _attention_step(q, k, v))
+    compiled = len(inductor_compile._kernels) - before
+    # the first length, the second (a program traced with the length symbolic), then one symbolic kernel
+    assert compiled <= 3, f"{compiled} kernels for {len(lengths)} cache lengths"
+    (region,) = _regions(jf)
+    assert region.dynamic is not None and region.dynamic.fn is not None, "no kernel with symbolic sizes"
+    assert sorted(d for _, d in region.dynamic.dims) == [2, 2], "the keys' and values' length, nothing else"
+    last = (torch.Size([1, 2, 1, 16]), torch.Size([1, 2, 16, 16]))
+    ran = [fn for key, fn in region.variants.items() if {s for s, _ in key} >= set(last)]
+    assert ran == [region.dynamic.fn], "the last length should run on the symbolic kernel"
+
+
+def test_the_symbolic_kernel_runs_only_layouts_it_was_compiled_for():
+    """A cache of length 1 (sizes 0 and 1 are specialized) and a transposed cache (other strides) do not fit the
+    symbolic kernel: they run otherwise, and still give eager's results."""
+    torch.manual_seed(0)
+    jf = fulmen.jit(_attention_step, executors=["inductor"], compile="sync")
+    q = torch.randn(1, 2, 1, 16)
+    for n in (5, 6, 7):
+        k, v = torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16)
+        torch.testing.assert_close(jf(q, k, v), _attention_step(q, k, v))
+    (region,) = _regions(jf)
+    check = region.dynamic.check
+    args = {"k": torch.randn(1, 2, 9, 16), "q": q, "v": torch.randn(1, 2, 9, 16)}
+    order = _input_names(jf)
+    assert check.fits([args[name] for name in order])
+    strided = {**args, "k": torch.randn(1, 2, 16, 9).transpose(-1, -2)}
+    assert not check.fits([strided[name] for name in order]), "a transposed cache has other strides"
+    short = {**args, "k": torch.randn(1, 2, 1, 16), "v": torch.randn(1, 2, 1, 16)}
+    assert not check.fits([short[name] for name in order]), "length 1 is not a symbol's value"
+    for case in (strided, short):
+        torch.testing.assert_close(
+            jf(case["q"], case["k"], case["v"]), _attention_step(case["q"], case["k"], case["v"])
+        )
+
+
+def _input_names(jf) -> list[str]:
+    """The region's inputs (the jitted function's parameters) in the order the region takes them."""
+    (bsym,) = [b for b in fulmen.last_traces(jf)[-1].bound_symbols if b.sym.is_fusion]
+    return [a.name for a in bsym.args]
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "dims"),
+    [
+        (((torch.Size([1, 5]), (5, 1)),), ((torch.Size([1, 6]), (6, 1)),), {(0, 1)}),
+        (((torch.Size([1, 5]), (5, 1)),), ((torch.Size([1, 5, 1]), (5, 1, 1)),), None),
+        (((torch.Size([2, 5]), (5, 1)),), ((torch.Size([2, 5]), (1, 2)),), set()),
+    ],
+)
+def test_varying_dims(old, new, dims):
+    got = varying_dims(old, new)
+    assert (got if got is None else set(got)) == dims
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("quiet_transformers")
+def test_llama_generate_compiles_a_bounded_number_of_region_kernels():
+    """A tiny Llama's greedy ``generate()`` under ``fulmen.jit(compile="sync")``: eager's tokens, and the regions
+    that read the growing cache run every later length on their symbolic kernel (not one kernel per length)."""
+    from fulmen.bench.hf import hf_model
+
+    model = hf_model("hf:llama", max_position_embeddings=48).eval()
+    model.config.use_cache = model.generation_config.use_cache = True
+    ids = torch.randint(2, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+    jm = fulmen.jit(model, compile="sync")
+    before = len(inductor_compile._kernels)
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=24, min_new_tokens=24, **kwargs)
+        got = jm.generate(ids, max_new_tokens=24, min_new_tokens=24, **kwargs)
+    assert torch.equal(got, expected)
+    kernels = list(inductor_compile._kernels.values())[before:]
+    assert any(k.dims and k.fn is not None for k in kernels), "no region compiled a kernel with symbolic sizes"
+    assert len(kernels) <= 12, f"{len(kernels)} region kernels for 24 new tokens"
