@@ -218,9 +218,6 @@ def _called_by_fulmen() -> bool:
 
 _DATA_ARGUMENT = frozenset((torch.as_tensor, torch.tensor, torch.asarray))
 
-#: Off: every call user code makes runs its decomposition, none is copied (``fulmen.frontend.replay``).
-REPLAY = True
-
 
 class _UserTorchCalls(TorchFunctionMode):
     """Routes torch calls that have no proxy argument (``torch.rand(3)``, ``torch.arange(n)``) made by user
@@ -362,7 +359,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
                   fn_name: str = "computation",
                   state: list[tuple[str, torch.Tensor]] | None = None,
                   sizes: list | None = None, guard_reads: Callable | None = None,
-                  own: Sequence[torch.nn.Module] = (), split_points: bool = False) -> tuple[Trace, InputSpec]:
+                  own: Sequence[torch.nn.Module] = (), split_points: bool = False,
+                  replay: bool = True) -> tuple[Trace, InputSpec]:
     """Trace ``fn(*args, **kwargs)``: tensors become proxies, every torch call becomes a bound symbol.
 
     ``state`` (a module's parameters and buffers, by name) becomes the first inputs; ``fn`` then receives
@@ -394,7 +392,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     trace.args = list(spec.tensor_proxies)
     trace.capture = _Capture(trace, spec)
     trace.autocast = _AutocastPolicies()
-    trace.replay = Replays(trace) if REPLAY else None
+    trace.replay = Replays(trace) if replay else None  # off: every call runs its decomposition, none is copied
     real = [t for _, t in state] if state is not None else []
     _real_tensors((args, kwargs), real)
     reader = ValueReader(trace, lambda: real + spec.captured)
@@ -414,7 +412,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
             attributes = writes.settle(frozenset(map(id, own)), trace.capture.by_id,
                                        recorder.codes if recorder is not None else (), real_state)
             check_no_proxies_left(own)
-            if attributes:  # the program also returns them; every call assigns them (module_writes.assigning)
+            if attributes:  # the program also returns them; every call assigns them (module_writes.assigner)
                 spec.attributes = tuple((mod, name) for mod, name, _ in attributes)
                 result = (result, [value for *_, value in attributes])
             result = _resolve_outputs(result)
