@@ -1,0 +1,34 @@
+"""The size budget of the code base (docs/architecture.md): no file under fulmen/ over 800 lines, no function
+over 60. A failure names the file or function and its length: split it along its concerns."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import fulmen
+
+MAX_FILE_LINES = 800
+MAX_FUNCTION_LINES = 60
+ROOT = Path(fulmen.__file__).parent
+
+
+def _sources() -> list[Path]:
+    return sorted(ROOT.rglob("*.py"))
+
+
+def test_no_file_is_over_the_line_budget():
+    long = {str(p.relative_to(ROOT.parent)): n for p in _sources()
+            if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES}
+    assert not long, f"files over {MAX_FILE_LINES} lines: {long}"
+
+
+def test_no_function_is_over_the_line_budget():
+    long = {}
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long[f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name}"] = n
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
