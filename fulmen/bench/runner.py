@@ -55,7 +55,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 #: The optimizers a training step can take. The optimizer step is the same code under every backend (neither
 #: fulmen nor ``torch.compile`` compiles it), so a slow one adds the same milliseconds to every step and pulls
 #: every speed-up towards 1. The default is PyTorch's fused AdamW, its fastest implementation on CPU and CUDA
-#: (gpt-small on 2 CPU cores: 5.4 ms a step against 13.5 ms for the for-loop that ``AdamW()`` picks on CPU);
+#: (docs/performance.md, "CUDA graphs", compares it with the for-loop that ``AdamW()`` picks on CPU);
 #: ``adamw`` is what ``torch.optim.AdamW(params)`` picks by itself (a for-loop on CPU, ``foreach`` on CUDA).
 OPTIMIZERS: dict[str, Callable] = {
     "adamw-fused": lambda params: torch.optim.AdamW(params, lr=1e-4, fused=True),
@@ -270,7 +270,7 @@ def _measure(config: BenchConfig, row: BenchRow, progress: Progress) -> None:
     progress("compiling" if config.backend != "eager" else "first call", None, None)
     _sync(device)
     # The clock starts before the model is wrapped: what a backend does when the user wraps the model (torch.compile
-    # imports Dynamo, about 1.5 s in a fresh process) is as much a part of the wait as the first call.
+    # imports Dynamo in a fresh process) is as much a part of the wait as the first call.
     start = time.perf_counter()
     backend.prepare()
     wrapped = backend.wrap(model)
@@ -423,7 +423,7 @@ def _run_isolated(config: BenchConfig, progress: Progress) -> BenchRow:
             env["FULMEN_CACHE_DIR"] = os.path.join(cache_dir, "fulmen")
             # Inductor keeps its precompiled C++ headers outside its cache directory, under the temporary
             # directory (<tmp>/torchinductor_<user>/precompiled_headers), so a fresh TMPDIR makes them cold too:
-            # building them is ~7 s of the first CPU compilation on a machine (gpt-small train: 17.4 s vs 10.3 s)
+            # building them is a large part of the first CPU compilation on a machine (docs/performance.md)
             env["TMPDIR"] = os.path.join(cache_dir, "tmp")
             os.makedirs(env["TMPDIR"])
         progress("starting a fresh process", None, None)

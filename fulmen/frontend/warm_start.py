@@ -1,8 +1,8 @@
 """A training program's first call on PyTorch autograd; fulmen's own forward and backward from the second call.
 
 Differentiating a trace and preparing its backward (autodiff, the forward/backward split, fusion of both traces)
-is most of what a first training call costs on top of eager: about 45 ms for the 4-layer GPT of ``fulmen bench``
-and 95 ms for its 4-layer LLaMA on a 2-core CPU, against first eager steps of 100-140 ms. When every operation
+is most of what a first training call costs on top of eager (figures: docs/performance.md, "First call"). When
+every operation
 of the computation trace is a torch callable that PyTorch's autograd differentiates exactly as it does in eager,
 the first call runs the trace with the torch executor under PyTorch autograd instead -- the operations eager
 runs, in eager's order, with eager's gradients. The second call compiles the forward and backward program (its
