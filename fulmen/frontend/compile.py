@@ -53,9 +53,6 @@ BACKWARD_STEPS: tuple[Step, ...] = (
     Step("push_scale_past_matmuls", lambda t, executors: push_scale_past_matmuls(t), "backward"),
 )
 
-DEFAULT_OPTIONS = JitOptions(check_traces=False)
-
-
 def added_steps(executors: Sequence[Executor], options: JitOptions, stage: str) -> list[Step]:
     """The steps of ``stage`` the executors declare (in their order), then those given to ``fulmen.jit``."""
     return [s for s in (*(s for ex in executors for s in ex.steps), *options.steps) if s.stage == stage]
@@ -66,7 +63,7 @@ class PipelineRun:
     """One run of the pipeline: the traces built so far with the names of the steps that built them."""
 
     executors: Sequence[Executor]
-    options: JitOptions = DEFAULT_OPTIONS
+    options: JitOptions = field(default_factory=JitOptions)  # the defaults: from the environment, read now
     timings: dict[str, float] = field(default_factory=dict)
     traces: list[Trace] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
@@ -111,9 +108,10 @@ def computation_steps(trace: Trace, run: PipelineRun) -> Trace:
 
 
 def execution_pipeline(trace: Trace, executors: Sequence[Executor], timings: dict[str, float],
-                       options: JitOptions = DEFAULT_OPTIONS) -> tuple[Callable, list[Trace]]:
-    """``EXECUTION_PIPELINE`` on ``trace`` alone: the callable and the traces, ``trace`` first."""
-    run = PipelineRun(executors, options, timings)
+                       options: JitOptions | None = None) -> tuple[Callable, list[Trace]]:
+    """``EXECUTION_PIPELINE`` on ``trace`` alone: the callable and the traces, ``trace`` first (``options``: the
+    defaults, from the environment, when not given)."""
+    run = PipelineRun(executors, options if options is not None else JitOptions(), timings)
     run.record("trace", trace)
     return run.execution(trace), run.traces
 
