@@ -11,6 +11,9 @@ import fulmen
 MAX_FILE_LINES = 800
 MAX_FUNCTION_LINES = 60
 ROOT = Path(fulmen.__file__).parent
+#: Functions over the budget whose split belongs to work in progress elsewhere, with that work named. An entry
+#: that is no longer over the budget fails the test too: remove it then.
+PENDING = {"fulmen/frontend/tracing.py trace_program": "issue 45 goal 1: the Tracer interface rewrites it"}
 
 
 def _sources() -> list[Path]:
@@ -18,8 +21,11 @@ def _sources() -> list[Path]:
 
 
 def test_no_file_is_over_the_line_budget():
-    long = {str(p.relative_to(ROOT.parent)): n for p in _sources()
-            if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES}
+    long = {
+        str(p.relative_to(ROOT.parent)): n
+        for p in _sources()
+        if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES
+    }
     assert not long, f"files over {MAX_FILE_LINES} lines: {long}"
 
 
@@ -30,5 +36,8 @@ def test_no_function_is_over_the_line_budget():
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 n = node.end_lineno - node.lineno + 1
                 if n > MAX_FUNCTION_LINES:
-                    long[f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name}"] = n
-    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+                    long[f"{path.relative_to(ROOT.parent)} {node.name}"] = (node.lineno, n)
+    stale = sorted(set(PENDING) - set(long))
+    assert not stale, f"within the budget now, remove from PENDING: {stale}"
+    over = {name: f"line {line}, {n} lines" for name, (line, n) in long.items() if name not in PENDING}
+    assert not over, f"functions over {MAX_FUNCTION_LINES} lines (split them along their concerns): {over}"
