@@ -293,3 +293,16 @@ def test_register_operator_honours_bind_postprocess():
             ex.register_operator("thrice", like=twice_like, fn=lambda x: x * 3, bind_postprocess=3)
     finally:
         deregister_executor(ex)
+
+
+def test_the_background_compilers_pacing_reads_its_environment_override(monkeypatch):
+    from fulmen.core.options import env_seconds
+
+    monkeypatch.setenv("FULMEN_COMPILE_QUIET_SECONDS", "1.5")
+    assert env_seconds("FULMEN_COMPILE_QUIET_SECONDS", 0.3) == 1.5
+    monkeypatch.delenv("FULMEN_COMPILE_QUIET_SECONDS")
+    assert env_seconds("FULMEN_COMPILE_QUIET_SECONDS", 0.3) == 0.3
+    for bad in ("soon", "-1", "nan"):
+        monkeypatch.setenv("FULMEN_COMPILE_QUIET_SECONDS", bad)
+        with pytest.raises(ValueError, match="FULMEN_COMPILE_QUIET_SECONDS=.* is not a number of seconds"):
+            env_seconds("FULMEN_COMPILE_QUIET_SECONDS", 0.3)
