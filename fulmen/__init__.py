@@ -19,7 +19,9 @@ from fulmen import prims  # noqa: F401
 from fulmen import torch as ltorch  # noqa: F401
 from fulmen.core import dtypes  # noqa: F401
 from fulmen.core import transforms as _seed_transforms
+from fulmen.core.options import JitOptions  # noqa: F401
 from fulmen.core.proxies import DataDependentError  # noqa: F401
+from fulmen.core.steps import Step  # noqa: F401
 from fulmen.executors import inductor as _inductor  # registers the inductor fusion executor
 from fulmen.executors import torchex as _torchex  # noqa: F401  (registers the torch executor)
 from fulmen.executors.base import Executor, add_default_executor
@@ -72,7 +74,7 @@ def __getattr__(name: str):
 
 __all__ = ["jit", "default_executors", "grad", "value_and_grad", "vjp", "trace", "compile", "examine",
            "DataDependentError", "last_traces", "last_backward_traces", "last_prologue_traces", "compile_stats",
-           "cache_hits", "cache_misses", "report"]
+           "cache_hits", "cache_misses", "report", "JitOptions", "Step"]
 
 
 def jit(fn: Callable | _pytorch.nn.Module, executors: Sequence[Executor | str] | None = None, **options) -> Any:
@@ -85,6 +87,10 @@ def jit(fn: Callable | _pytorch.nn.Module, executors: Sequence[Executor | str] |
 
         model = fulmen.jit(nn.Linear(4, 4))
         y = model(x)
+
+    The other options (``dynamic=``, ``compile=``, ``cuda_graphs=``, ``steps=``, ...) are the fields of
+    ``fulmen.JitOptions``, given as keywords or as one ``options=JitOptions(...)``; see ``fulmen.core.options``
+    for each one and its environment override. ``steps=`` adds pipeline steps (``fulmen.Step``).
     """
     if isinstance(fn, JittedModule | JittedFunction):
         return fn

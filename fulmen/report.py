@@ -21,6 +21,7 @@ import re
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -321,27 +322,52 @@ def report(fn_or_module: Callable | torch.nn.Module, *args, path: str | Path = "
     jitted = fn_or_module if _is_jitted(fn_or_module) else fulmen.jit(fn_or_module, **{"compile": "sync",
                                                                                          **jit_options})
     eager_fn = _original(fn_or_module)
+    run = _measure(jitted, eager_fn, args, steps, backward, loss)
+    name = getattr(eager_fn, "__name__", None) or type(eager_fn).__name__
+    path = Path(path)
+    path.write_text(_page(name, run), encoding="utf-8")
+    return path
+
+
+@dataclass
+class _Measured:
+    """What one report measured: fulmen's traces and statistics, and times, profiles and peak memory of a step
+    next to eager's."""
+
+    stats: Any
+    forward: list
+    backward_traces: list
+    backward: bool
+    cuda: bool
+    steps: int
+    step_times: dict[str, list[float]]
+    region_times: dict[str, list[float]]
+    region_eager: dict[str, list[float]]
+    profiles: tuple[Any, Any]
+    peaks: tuple[int | None, int | None]
+
+
+def _measure(jitted, eager_fn, args: tuple, steps: int, backward: bool | None, loss) -> _Measured:
+    """Run both, fulmen's regions compiled first; then time ``steps`` interleaved steps, profile one step each and
+    measure each one's peak memory."""
+    import fulmen
+    from fulmen.executors import inductor
+
     sync = lambda: _sync(args)  # noqa: E731
     cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
-
     out = jitted(*args)
     if backward is None:
         backward = torch.is_grad_enabled() and any(o.requires_grad for o in _outputs(out))
     fulmen_step, eager_step = _make_step(jitted, args, backward, loss), _make_step(eager_fn, args, backward, loss)
     for _ in range(2):  # the first calls may run on PyTorch autograd while fulmen's program compiles
         fulmen_step()
-    from fulmen.executors import inductor
-
     inductor.wait_for_compilations()
     eager_step()
-
-    stats = get_stats(jitted)
     forward = fulmen.last_traces(jitted)
     backward_traces = fulmen.last_backward_traces(jitted) if backward else []
-    region_times: dict[str, list[float]] = {}
-    region_eager: dict[str, list[float]] = {}
-    step_times: dict[str, list[float]] = {"fulmen": [], "eager": []}
-    with _timed_regions(_regions(forward[-1:] + backward_traces[-1:]), region_times, region_eager, sync):
+    m = _Measured(get_stats(jitted), forward, backward_traces, backward, cuda, steps, {"fulmen": [], "eager": []},
+                  {}, {}, (None, None), (None, None))
+    with _timed_regions(_regions(forward[-1:] + backward_traces[-1:]), m.region_times, m.region_eager, sync):
         fulmen_step()
     for _ in range(steps):  # interleaved: both see the same machine
         for name, step in (("eager", eager_step), ("fulmen", fulmen_step)):
@@ -349,33 +375,31 @@ def report(fn_or_module: Callable | torch.nn.Module, *args, path: str | Path = "
             t0 = time.perf_counter()
             step()
             sync()
-            step_times[name].append(time.perf_counter() - t0)
-    ours_ms, eager_ms = _ms(step_times["fulmen"]), _ms(step_times["eager"])
-    profile_ours, profile_eager = _op_profile(fulmen_step, cuda), _op_profile(eager_step, cuda)
-    peak_ours, peak_eager = _peak_bytes(fulmen_step, cuda), _peak_bytes(eager_step, cuda)
+            m.step_times[name].append(time.perf_counter() - t0)
+    m.profiles = (_op_profile(fulmen_step, cuda), _op_profile(eager_step, cuda))
+    m.peaks = (_peak_bytes(fulmen_step, cuda), _peak_bytes(eager_step, cuda))
+    return m
 
-    name = getattr(eager_fn, "__name__", None) or type(eager_fn).__name__
+
+def _summary_sections(name: str, m: _Measured) -> list[str]:
+    """The page's head: what ran, the summary table, the fused regions' times and the final traces."""
+    ours_ms, eager_ms = _ms(m.step_times["fulmen"]), _ms(m.step_times["eager"])
     summary = _table(["", "fulmen", "eager PyTorch"], [
         ["median step (interleaved)", _fmt_ms(ours_ms), _fmt_ms(eager_ms)],
         ["speedup = eager time / fulmen time", f"{eager_ms / ours_ms:.2f}" if ours_ms else "-", "1.00"],
-        ["peak memory allocated in a step (above what was live before it)", _mb(peak_ours), _mb(peak_eager)],
+        ["peak memory allocated in a step (above what was live before it)", _mb(m.peaks[0]), _mb(m.peaks[1])],
         ["fused regions (forward, backward)",
-         f"{len(_regions(forward[-1:]))}, {len(_regions(backward_traces[-1:]))}", "-"],
+         f"{len(_regions(m.forward[-1:]))}, {len(_regions(m.backward_traces[-1:]))}", "-"],
     ], {1, 2})
-    phases = _table(["phase", "ms"], [[k, f"{v:.2f}"] for k, v in stats.phase_times_ms.items()], {1})
-    reasons = stats.recompile_reasons
-    recompiles = (f"<p>{stats.calls} calls, {stats.cache_hits} cache hits, {stats.cache_misses} compilations.</p>"
-                  + (_table(["#", "why it recompiled"], [[i + 2, r] for i, r in enumerate(reasons)], {0})
-                     if reasons else "<p>No recompilation: every call matched the first compilation's checks.</p>"))
-    region_rows = [[n, _fmt_ms(_ms(region_times.get(n))), _fmt_ms(_ms(region_eager.get(n))),
-                    f"{_ms(region_eager[n]) / _ms(region_times[n]):.2f}" if region_times.get(n) and
-                    region_eager.get(n) and _ms(region_times[n]) else "-"]
-                   for n in sorted(region_times)]
+    times, eager = m.region_times, m.region_eager
+    region_rows = [[n, _fmt_ms(_ms(times.get(n))), _fmt_ms(_ms(eager.get(n))),
+                    f"{_ms(eager[n]) / _ms(times[n]):.2f}" if times.get(n) and eager.get(n) and _ms(times[n])
+                    else "-"] for n in sorted(times)]
     sections = [
         f"<h1>fulmen report: {_esc(name)}</h1>",
-        f'<p class="muted">torch {_esc(torch.__version__)}, {"CUDA" if cuda else "CPU"}, '
-        f'{torch.get_num_threads()} threads; {"forward and backward" if backward else "forward"} per step; '
-        f"{steps} interleaved steps each. Speedup = eager time / fulmen time (above 1: fulmen is faster).</p>",
+        f'<p class="muted">torch {_esc(torch.__version__)}, {"CUDA" if m.cuda else "CPU"}, '
+        f'{torch.get_num_threads()} threads; {"forward and backward" if m.backward else "forward"} per step; '
+        f"{m.steps} interleaved steps each. Speedup = eager time / fulmen time (above 1: fulmen is faster).</p>",
         "<h2>Summary</h2>", summary,
         "<h2>Fused regions</h2>",
         "<p>Each region's compiled kernel against the same operations run one by one by PyTorch "
@@ -384,31 +408,39 @@ def report(fn_or_module: Callable | torch.nn.Module, *args, path: str | Path = "
         else '<p class="muted">No fused regions (the executors list has no fusion executor, or nothing fused).</p>',
         "<h2>Final forward trace</h2>",
         '<p class="muted">Coloured blocks are fused regions; open one to see its operations.</p>',
-        f'<div class="box">{_final_trace_html(forward[-1], region_times, region_eager)}</div>',
+        f'<div class="box">{_final_trace_html(m.forward[-1], times, eager)}</div>',
     ]
-    if backward_traces:
+    if m.backward_traces:
         sections += ["<h2>Final backward trace</h2>",
-                     f'<div class="box">{_final_trace_html(backward_traces[-1], region_times, region_eager)}</div>']
-    sections += [
+                     f'<div class="box">{_final_trace_html(m.backward_traces[-1], times, eager)}</div>']
+    return sections
+
+
+def _page(name: str, m: _Measured) -> str:
+    """The whole HTML page: the summary sections, then the pipeline, the profiles and the compilation."""
+    stats = m.stats
+    phases = _table(["phase", "ms"], [[k, f"{v:.2f}"] for k, v in stats.phase_times_ms.items()], {1})
+    reasons = stats.recompile_reasons
+    recompiles = (f"<p>{stats.calls} calls, {stats.cache_hits} cache hits, {stats.cache_misses} compilations.</p>"
+                  + (_table(["#", "why it recompiled"], [[i + 2, r] for i, r in enumerate(reasons)], {0})
+                     if reasons else "<p>No recompilation: every call matched the first compilation's checks.</p>"))
+    sections = _summary_sections(name, m) + [
         "<h2>Pipeline</h2>",
         "<p>Each step of the forward pipeline (<code>fulmen.last_traces</code>), with its diff against the one "
-        "before; open a step to see it.</p>", _pipeline_html(forward),
+        "before; open a step to see it.</p>", _pipeline_html(m.forward),
     ]
-    if backward_traces:
-        sections += ["<h3>Backward pipeline</h3>", _pipeline_html(backward_traces)]
+    if m.backward_traces:
+        sections += ["<h3>Backward pipeline</h3>", _pipeline_html(m.backward_traces)]
     sections += [
         "<h2>PyTorch operations in one step</h2>",
         "<p>Self time per operation from <code>torch.profiler</code>, one step each, busiest first. The fused "
         "regions' kernels are not PyTorch operations: their time is in the region table above, and in the self "
         "time of fulmen's forward and backward (<code>FulmenFunction</code>, <code>FulmenFunctionBackward</code>"
         ").</p>",
-        _profile_html(profile_ours, profile_eager),
+        _profile_html(*m.profiles),
         "<h2>Compilation</h2>", phases,
         "<h2>Recompilations</h2>", recompiles,
     ]
-    page = ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>fulmen report: {_esc(name)}</title><style>{_CSS}</style></head><body>\n"
             + "\n".join(sections) + "\n</body></html>\n")
-    path = Path(path)
-    path.write_text(page, encoding="utf-8")
-    return path

@@ -1,4 +1,4 @@
-"""Session-wide test settings: check every trace after every transform, and skip GPU tests without CUDA."""
+"""Session-wide test settings: check every trace after every pipeline step, and skip GPU tests without CUDA."""
 
 import os
 
@@ -6,15 +6,12 @@ import os
 # each starting an Inductor compilation. The Inductor tests (test_inductor.py) compile with compile_mode "sync".
 os.environ.setdefault("FULMEN_COMPILE", "off")
 
+# Every step of the pipeline runs check_trace on the trace it produced (single assignment, use after definition,
+# metas that agree with recorded outputs): the check_traces option's documented override (fulmen.core.options).
+os.environ.setdefault("FULMEN_CHECK_TRACES", "1")
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
-import fulmen.frontend.compile as _compile  # noqa: E402
-
-# Every step of the execution pipeline runs check_trace on the trace it produced (single assignment,
-# use after definition, metas that agree with recorded outputs).
-_compile.CHECK_TRACES = True
-
 
 # Tests outside `make test`'s default run (`-m "not slow"`); `make test-all` and .ci/run run them too.
 # - Each OpInfo compiled by Inductor: about half of the suite's time. The default run keeps one op of each kind

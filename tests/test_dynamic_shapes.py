@@ -17,11 +17,10 @@ from fulmen.frontend import dynamic
 
 
 @pytest.fixture
-def strict():
-    """Compiling with dynamic sizes must not fail (no silent fallback to exact sizes) in these tests."""
-    dynamic.RAISE_ON_FAILURE = True
-    yield
-    dynamic.RAISE_ON_FAILURE = False
+def strict(monkeypatch):
+    """Compiling with dynamic sizes must not fail (no silent fallback to exact sizes) in these tests: the
+    raise_on_dynamic_failure option, through its environment override, for every fulmen.jit of the test."""
+    monkeypatch.setenv("FULMEN_RAISE_ON_DYNAMIC_FAILURE", "1")
 
 
 def _counts(f):

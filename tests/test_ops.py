@@ -208,11 +208,11 @@ def assert_matches(actual, expected, op, dtype, what="output"):
 
 def _check_all_traces(jfn):
     """check_trace on every trace of the last compilation (the pipeline already checked its own steps when the
-    conftest turned CHECK_TRACES on; the computation trace is checked here in any case)."""
-    from fulmen.frontend import compile as pipeline
+    conftest turned the check_traces option on; the computation trace is checked here in any case)."""
+    from fulmen.core.options import JitOptions
 
     traces = fulmen.last_traces(jfn)
-    for t in traces if not pipeline.CHECK_TRACES else traces[:1]:
+    for t in traces if not JitOptions().check_traces else traces[:1]:
         check_trace(t)
 
 

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 import fulmen
 from fulmen.bench.hf import HF_MODELS, build_hf
 from fulmen.bench.models import build_any
-from fulmen.frontend import replay, tracing
+from fulmen.core.options import JitOptions
+from fulmen.frontend import replay
 from fulmen.frontend.tracing import trace_program
 
 
@@ -37,8 +38,7 @@ def _traces(fn, args, kwargs=None, monkeypatch=None) -> tuple[str, str]:
     """The printed trace of fn(*args) with copying off, then on."""
     out = []
     for on in (False, True):
-        monkeypatch.setattr(tracing, "REPLAY", on)
-        trace, _ = trace_program(fn, args, kwargs or {})
+        trace, _ = trace_program(fn, args, kwargs or {}, replay=on)
         out.append(str(trace))
     return out[0], out[1]
 
@@ -48,7 +48,7 @@ def _module_traces(module, args, monkeypatch) -> tuple[str, str]:
     program = jitted._fulmen_jitted
     out = []
     for on in (False, True):
-        monkeypatch.setattr(tracing, "REPLAY", on)
+        program.options = JitOptions.build(program.options, replay=on)
         trace, _ = program._trace(args, {})
         out.append(str(trace))
     return out[0], out[1]

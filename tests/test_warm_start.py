@@ -18,7 +18,6 @@ from torch import nn
 import fulmen
 from fulmen.executors.base import OperatorExecutor, deregister_executor, register_executor
 from fulmen.executors.inductor_compile import wait_for_compilations
-from fulmen.frontend import warm_start
 from fulmen.transforms.autodiff import get_grad, put_grads, register_grad
 
 GRAD_TOL = dict(rtol=1e-4, atol=1e-5)
@@ -127,7 +126,7 @@ def test_first_call_stays_on_fulmen_where_autograd_could_differ(case, monkeypatc
     if case in ("sync", "off"):
         mode = case
     elif case == "disabled":
-        monkeypatch.setattr(warm_start, "ENABLED", False)
+        monkeypatch.setenv("FULMEN_WARM_START", "0")
     elif case == "no_grad region":
         fn = _no_grad_inside
     elif case == "user grad rule":

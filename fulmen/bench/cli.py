@@ -13,7 +13,6 @@ Exit codes: 0 success, 1 a run failed (demo/examine), 2 bad arguments.
 from __future__ import annotations
 
 import argparse
-import collections
 import importlib
 import importlib.util
 import json
@@ -45,7 +44,7 @@ from fulmen.bench.runner import (
     combine_repeats,
     run_benchmark,
 )
-from fulmen.core.codeutils import outputs_of
+from fulmen.bench.summary import summarize
 
 DEFAULT_BACKENDS = "eager,fulmen"
 DEFAULT_GENERATE_BACKENDS = "eager,torch.compile,fulmen,torch.compile-fulmen"
@@ -188,8 +187,14 @@ _non_negative = _int_at_least(0, "non-negative")
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fulmen", description="fulmen: a source-to-source compiler for PyTorch programs.")
     sub = parser.add_subparsers(dest="command", metavar="{bench,examine,demo,report,fuzz}", parser_class=_Parser)
-
     models = model_names()
+    parser.subcommands = {"bench": _add_bench(sub, models), "examine": _add_examine(sub, models),
+                          "demo": _add_demo(sub, models), "fuzz": _add_fuzz(sub), "report": _add_report(sub, models)}
+    return parser
+
+
+def _add_bench(sub, models: list[str]) -> argparse.ArgumentParser:
+    """``fulmen bench``: time built-in models under each backend."""
     bench = sub.add_parser("bench", help="time built-in models under eager, torch.compile and fulmen",
                            description="Benchmark built-in models. Timings are medians of --steps steps after "
                                        "warm-up; first-result and compile times are wall times from wrapping the model "
@@ -234,7 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
     bench.add_argument("--quiet", action="store_true", help="no progress display")
     bench.add_argument("--verbose", action="store_true", help="print tracebacks of failing measurements")
+    return bench
 
+
+def _add_examine(sub, models: list[str]) -> argparse.ArgumentParser:
+    """``fulmen examine``: trace a model or function and summarize the trace."""
     examine = sub.add_parser("examine", help="trace a model or function with fulmen and summarize the trace",
                              description="Trace with fulmen.jit and summarize: ops by kind, the executor of each, "
                                          "fallback (opaque) ops, trace and compile times. TARGET is "
@@ -248,7 +257,11 @@ def build_parser() -> argparse.ArgumentParser:
     examine.add_argument("--executors", help="comma-separated executor names for fulmen.jit, in priority order "
                                              "(default: fulmen's default executors)")
     examine.add_argument("--trace", action="store_true", help="also print the whole execution trace")
+    return examine
 
+
+def _add_demo(sub, models: list[str]) -> argparse.ArgumentParser:
+    """``fulmen demo``: trace a built-in GPT, compare with eager and time both."""
     demo = sub.add_parser("demo", help="the main job: trace a built-in GPT, summarize, compare with eager, time",
                           description="Build a small GPT, compile it with fulmen.jit, print a summary of its trace, "
                                       "compare fulmen's output with eager PyTorch's and time both.")
@@ -257,6 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--calls", type=_positive, default=10, help="timed calls per backend (default 10)")
     demo.add_argument("--lines", type=_non_negative, default=12, help="execution-trace lines to show (default 12)")
     _add_device_args(demo)
+    return demo
+
+
+def _add_fuzz(sub) -> argparse.ArgumentParser:
+    """``fulmen fuzz``: random small programs, fulmen.jit against eager."""
     fuzz = sub.add_parser("fuzz", help="differential fuzzing: random small programs, fulmen.jit against eager",
                           description="Generate random small programs from consecutive seeds, run each eagerly and "
                                       "with fulmen.jit (forward and gradients, first call and cache hit) and print a "
@@ -268,6 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "before the call returns (slow on a CPU)")
     fuzz.add_argument("--max-ops", type=_positive, default=6, help="statements per program at most (default 6)")
     fuzz.set_defaults(device="cpu")
+    return fuzz
+
+
+def _add_report(sub, models: list[str]) -> argparse.ArgumentParser:
+    """``fulmen report``: one HTML page of what fulmen did with a built-in model."""
     report = sub.add_parser("report", help="write one HTML page showing what fulmen did with a built-in model",
                             description="Compile a built-in model with fulmen.jit, time and profile it against eager "
                                         "PyTorch, and write a self-contained HTML page: the pipeline of traces with "
@@ -281,8 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
                                             "(default: fulmen's default executors)")
     report.add_argument("--path", default="report.html", help="where to write the page (default report.html)")
     _add_device_args(report)
-    parser.subcommands = {"bench": bench, "examine": examine, "demo": demo, "report": report, "fuzz": fuzz}
-    return parser
+    return report
 
 
 def _bench_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -458,91 +480,6 @@ def _environment_line(device: str) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # fulmen examine / fulmen demo: trace summaries
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def _exec_index(trace) -> dict[str, Any]:
-    """Output name -> the execution-trace bound symbol that produces it (values inside a fused region map to
-    the region)."""
-    index: dict[str, Any] = {}
-    for bsym in trace.bound_symbols:
-        for o in outputs_of(bsym.output):
-            index[o.name] = bsym
-    for bsym in trace.bound_symbols:
-        for sub in bsym.subsymbols:
-            for o in outputs_of(sub.output):
-                index.setdefault(o.name, bsym)
-    return index
-
-
-def _how_run(bsym, index: dict[str, Any]) -> str:
-    """Which executor runs a computation-trace op, and whether it ran as one call, decomposed or fused."""
-    outs = outputs_of(bsym.output)
-    if not outs:
-        return "-"
-    exec_bsym = index.get(outs[0].name)
-    if exec_bsym is None:
-        return "removed"
-    ex = exec_bsym.sym.executor
-    name = getattr(ex, "name", None) or "?"
-    from fulmen.executors.base import FusionExecutor
-
-    if isinstance(ex, FusionExecutor):
-        return f"{name} (fused)"
-    direct = exec_bsym.sym is bsym.sym or exec_bsym.sym.id.endswith(bsym.sym.id) or any(
-        s is bsym for s in exec_bsym.subsymbols)
-    return name if direct else f"{name} (decomposed)"
-
-
-def summarize(jitted: Any, *, name: str, out=None) -> dict:
-    """Facts about the last compilation of a jitted function or module, as a dict and printed to ``out``."""
-    import fulmen
-    from fulmen.core.symbol import OpTags
-
-    out = out if out is not None else sys.stdout
-    stats = fulmen.compile_stats(jitted)
-    traces = fulmen.last_traces(jitted)
-    comp, final = traces[0], traces[-1]
-    ops = [b for b in comp.bound_symbols if b.sym.id not in ("del", "comment", "return")]
-    index = _exec_index(final)
-    by_kind: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    kinds = collections.Counter()
-    fallbacks = collections.Counter()
-    for b in ops:
-        kinds[b.sym.qualified_name] += 1
-        by_kind[b.sym.qualified_name][_how_run(b, index)] += 1
-        if OpTags.FALLBACK in b.sym.tags:
-            fallbacks[b.sym.qualified_name] += 1
-    exec_ops = [b for b in final.bound_symbols if b.sym.id not in ("del", "comment", "return")]
-    executors = collections.Counter(getattr(b.sym.executor, "name", None) or "?" for b in exec_ops)
-    phases = ", ".join(f"{k} {v:.1f}" for k, v in stats.phase_times_ms.items())
-
-    p = lambda *a: print(*a, file=out)  # noqa: E731
-    p(f"{name}: {len(ops)} ops in the computation trace ({len(kinds)} kinds), {len(exec_ops)} calls in the "
-      "execution trace")
-    p(f"  traced in {stats.last_trace_time_ms:.1f} ms; trace + transforms + codegen {stats.last_compile_time_ms:.1f} "
-      f"ms ({phases} ms)")
-    p("  executors: " + ", ".join(f"{k} {v}" for k, v in executors.most_common()))
-    backward = fulmen.last_backward_traces(jitted)
-    backward_executors: collections.Counter = collections.Counter()
-    if backward:
-        backward_ops = [b for b in backward[-1].bound_symbols if b.sym.id not in ("del", "comment", "return")]
-        backward_executors.update(getattr(b.sym.executor, "name", None) or "?" for b in backward_ops)
-        p(f"  backward trace: {len(backward_ops)} calls; executors: "
-          + ", ".join(f"{k} {v}" for k, v in backward_executors.most_common()))
-    p("  ops by kind (count, run by):")
-    width = max((len(k) for k in kinds), default=0)
-    for kind, count in kinds.most_common():
-        how = ", ".join(f"{h}" if c == count else f"{h} x{c}" for h, c in by_kind[kind].most_common())
-        p(f"    {kind.ljust(width)}  {count:4d}  {how}")
-    if fallbacks:
-        p(f"  fallback (opaque) ops, run by torch without a fulmen rule: {sum(fallbacks.values())}")
-        for kind, count in fallbacks.most_common():
-            p(f"    {kind} x{count}")
-    else:
-        p("  fallback (opaque) ops: none")
-    return {"ops": len(ops), "kinds": dict(kinds), "executors": dict(executors), "fallbacks": dict(fallbacks),
-            "trace_ms": stats.last_trace_time_ms, "compile_ms": stats.last_compile_time_ms,
-            "execution_calls": len(exec_ops), "backward_executors": dict(backward_executors)}
 
 
 def _load_target(target: str) -> tuple[Any, tuple, dict]:

@@ -55,7 +55,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 #: The optimizers a training step can take. The optimizer step is the same code under every backend (neither
 #: fulmen nor ``torch.compile`` compiles it), so a slow one adds the same milliseconds to every step and pulls
 #: every speed-up towards 1. The default is PyTorch's fused AdamW, its fastest implementation on CPU and CUDA
-#: (gpt-small on 2 CPU cores: 5.4 ms a step against 13.5 ms for the for-loop that ``AdamW()`` picks on CPU);
+#: (docs/performance.md, "CUDA graphs", compares it with the for-loop that ``AdamW()`` picks on CPU);
 #: ``adamw`` is what ``torch.optim.AdamW(params)`` picks by itself (a for-loop on CPU, ``foreach`` on CUDA).
 OPTIMIZERS: dict[str, Callable] = {
     "adamw-fused": lambda params: torch.optim.AdamW(params, lr=1e-4, fused=True),
@@ -264,13 +264,31 @@ def _short_error(e: BaseException) -> str:
 
 
 def _measure(config: BenchConfig, row: BenchRow, progress: Progress) -> None:
-    backend = BACKENDS[config.backend]
     device, model, inputs, optimizer = _setup(config)
+    wrapped, step, first, second = _until_compiled(config, row, progress, device, model, inputs, optimizer)
+    expected, expected_second = _time_against_eager(config, row, progress, step, device)
+    _measure_memory(row, progress, step, device, model, optimizer, inputs)
+    del wrapped, step, optimizer
 
+    if first.shape != expected.shape:
+        row.error = f"result shape {tuple(first.shape)} differs from eager's {tuple(expected.shape)}"
+        return
+    diff = max((a - b).abs().max().item() if a.numel() else 0.0
+               for a, b in ((first, expected), (second, expected_second)))
+    if math.isfinite(diff):
+        row.max_diff = diff
+    else:
+        row.error = "result differs from eager's by a non-finite amount (NaN or inf)"
+
+
+def _until_compiled(config: BenchConfig, row: BenchRow, progress: Progress, device, model, inputs, optimizer):
+    """Wrap the model, take the first step and warm up until every compilation is done: ``row.first_result_s``
+    and ``row.compiled_s``; returns (the wrapped model, its step, the first and second steps' results)."""
+    backend = BACKENDS[config.backend]
     progress("compiling" if config.backend != "eager" else "first call", None, None)
     _sync(device)
     # The clock starts before the model is wrapped: what a backend does when the user wraps the model (torch.compile
-    # imports Dynamo, about 1.5 s in a fresh process) is as much a part of the wait as the first call.
+    # imports Dynamo in a fresh process) is as much a part of the wait as the first call.
     start = time.perf_counter()
     backend.prepare()
     wrapped = backend.wrap(model)
@@ -302,7 +320,12 @@ def _measure(config: BenchConfig, row: BenchRow, progress: Progress) -> None:
         if compiled_at is None and time.perf_counter() - start > MAX_BACKGROUND_WAIT_S:
             raise TimeoutError(f"{config.backend} still compiling after {MAX_BACKGROUND_WAIT_S:.0f} s")
     row.compiled_s = compiled_at - start
+    return wrapped, step, first, second
 
+
+def _time_against_eager(config: BenchConfig, row: BenchRow, progress: Progress, step, device):
+    """Time ``step`` interleaved with eager's on a fresh copy of the model: ``row.median_ms``, ``min_ms`` and
+    ``eager_median_ms``; returns eager's first two results (the reference of max_diff)."""
     # Eager PyTorch on a fresh copy of the model: its first result is the reference for max_diff, and its steps
     # are timed interleaved with this backend's, so that the speed-up compares steps taken side by side (a shared
     # machine's speed drifts between processes and over minutes; the medians of interleaved steps do not).
@@ -325,7 +348,11 @@ def _measure(config: BenchConfig, row: BenchRow, progress: Progress) -> None:
     row.min_ms = min(times) * 1e3
     row.eager_median_ms = statistics.median(eager_times) * 1e3 if pair else row.median_ms
     del ref_model, ref_inputs, ref_optimizer, ref_step
+    return expected, expected_second
 
+
+def _measure_memory(row: BenchRow, progress: Progress, step, device, model, optimizer, inputs) -> None:
+    """``row.state_mb`` and the peak of a step, ``row.peak_mb`` (``fulmen.bench.memory``)."""
     progress("measuring memory", None, None)
     row.state_mb = memory.tensor_bytes(memory.state_tensors(model, optimizer, inputs)) / 2**20
     if device.type == "cuda":
@@ -338,17 +365,6 @@ def _measure(config: BenchConfig, row: BenchRow, progress: Progress) -> None:
     else:
         row.peak_mb = row.state_mb + memory.cpu_step_peak_bytes(step) / 2**20
         row.peak_method = memory.CPU_METHOD
-    del wrapped, step, optimizer
-
-    if first.shape != expected.shape:
-        row.error = f"result shape {tuple(first.shape)} differs from eager's {tuple(expected.shape)}"
-        return
-    diff = max((a - b).abs().max().item() if a.numel() else 0.0
-               for a, b in ((first, expected), (second, expected_second)))
-    if math.isfinite(diff):
-        row.max_diff = diff
-    else:
-        row.error = "result differs from eager's by a non-finite amount (NaN or inf)"
 
 
 def _new_row(config: BenchConfig, **figures) -> BenchRow:
@@ -423,7 +439,7 @@ def _run_isolated(config: BenchConfig, progress: Progress) -> BenchRow:
             env["FULMEN_CACHE_DIR"] = os.path.join(cache_dir, "fulmen")
             # Inductor keeps its precompiled C++ headers outside its cache directory, under the temporary
             # directory (<tmp>/torchinductor_<user>/precompiled_headers), so a fresh TMPDIR makes them cold too:
-            # building them is ~7 s of the first CPU compilation on a machine (gpt-small train: 17.4 s vs 10.3 s)
+            # building them is a large part of the first CPU compilation on a machine (docs/performance.md)
             env["TMPDIR"] = os.path.join(cache_dir, "tmp")
             os.makedirs(env["TMPDIR"])
         progress("starting a fresh process", None, None)

@@ -65,7 +65,6 @@ class Symbol:
     python_printer: Callable | None = None
     is_fusion: bool = False
     torch_fns: tuple = ()
-    _phantom: bool = False
     post_hook: Callable | None = None  # called with the new BoundSymbol (view ops record their base here)
     normalize: Callable | None = None  # (args, kwargs) -> (args, kwargs) before recording, so calls stay valid
     extra: dict = field(default_factory=dict)

@@ -31,7 +31,13 @@ class ImplInfo:
 
 
 class Executor:
-    """Something that can run bound symbols. ``name`` is unique among registered executors."""
+    """Something that can run bound symbols. ``name`` is unique among registered executors.
+
+    An executor that rewrites traces declares it in ``steps``: ``fulmen.Step`` objects that every compilation it
+    is listed for runs (``fulmen.core.steps``; ``fused_linear_ce`` rewrites linear + cross_entropy with one)."""
+
+    #: the pipeline steps this executor adds (``fulmen.frontend.compile`` runs them)
+    steps: tuple = ()
 
     def __init__(self, name: str, *, version: Any = None):
         self.name = name
@@ -78,7 +84,8 @@ class OperatorExecutor(Executor):
         """A new symbol ``name`` that this executor runs with ``fn``.
 
         Exactly one of ``meta`` (computes output proxies) or ``like`` (a traceable function with the same
-        semantics; gives metadata *and* gradients by decomposition) must be given.
+        semantics; gives metadata *and* gradients by decomposition) must be given. ``bind_postprocess(bsym)``, when
+        given, is called with each new bound symbol of the operator as it is recorded (to adjust its header, say).
         """
         if (meta is None) == (like is None):
             raise TypeError(f"register_operator({name!r}) on executor {self.name!r} needs exactly one of meta= or "
@@ -87,10 +94,13 @@ class OperatorExecutor(Executor):
             raise ValueError(f"executor {self.name!r} already has an operator named {name!r}; choose another name")
         if not callable(fn):
             raise TypeError(f"register_operator({name!r}): fn must be callable, got {type(fn).__name__}")
+        if bind_postprocess is not None and not callable(bind_postprocess):
+            raise TypeError(f"register_operator({name!r}): bind_postprocess must be callable (it receives each new "
+                            f"bound symbol), got {type(bind_postprocess).__name__}")
         from fulmen.executors import checked_implementation  # the first call checks fn's outputs against the meta
 
         sym = Symbol(name=name, meta=meta if meta is not None else like, id=name, is_prim=meta is not None,
-                     tags=tuple(tags or ()), module=module, executor=self,
+                     tags=tuple(tags or ()), module=module, executor=self, post_hook=bind_postprocess,
                      impl=checked_implementation(fn, executor=self.name, symbol=name,
                                                  meta=meta if meta is not None else like,
                                                  corrects=name if meta is not None else None))

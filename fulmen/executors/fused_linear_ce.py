@@ -14,7 +14,8 @@ implementation and a chunked grad rule, so neither the (N, V) logits nor their g
   produce grad_hidden and accumulate grad_weight / grad_bias.
 
 Switching it on: list the executor, ``fulmen.jit(model, executors=["fused_linear_ce"])``; ``fulmen.jit`` applies
-each listed executor's ``transform_trace`` to the computation trace before autodiff.
+each listed executor's pipeline ``steps`` (here the step ``fused_linear_ce``, stage "computation") to the
+computation trace before autodiff.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from fulmen.core.proxies import TensorProxy
+from fulmen.core.steps import Step
 from fulmen.core.symbol import BoundSymbol, Symbol
 from fulmen.core.trace import Trace
 from fulmen.executors.base import OperatorExecutor, register_executor
@@ -46,10 +48,9 @@ CHUNK_ELEMENTS = 1 << 24
 
 
 class FusedLinearCrossEntropyExecutor(OperatorExecutor):
-    """Runs ``fused_linear_cross_entropy``; ``transform_trace`` makes those symbols out of linear + cross_entropy."""
+    """Runs ``fused_linear_cross_entropy``; its pipeline step makes those symbols out of linear + cross_entropy."""
 
-    def transform_trace(self, trace: Trace) -> Trace:
-        return fuse_linear_cross_entropy(trace)
+    steps = (Step("fused_linear_ce", lambda trace, executors: fuse_linear_cross_entropy(trace), "computation"),)
 
 
 fused_linear_ce_ex = FusedLinearCrossEntropyExecutor("fused_linear_ce", version="0.1")

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from fulmen.core.ambient import Ambient, switches
+from fulmen.core.options import COMPILE_MODES, env_seconds
 from fulmen.core.utils import compiler_import_lock
 from fulmen.executors.fx_isolation import fx_tracing_kept_to_this_thread
 from fulmen.executors.inductor_cpp import MergedBuild, merged_cpp_build, prefetch_header
@@ -38,7 +39,6 @@ from fulmen.executors.inductor_layout import keep_output_strides, with_eager_str
 
 log = logging.getLogger("fulmen.inductor")
 
-COMPILE_MODES = ("async", "sync", "off")
 _env_mode = os.environ.get("FULMEN_COMPILE", "async")
 if _env_mode not in COMPILE_MODES:
     raise ValueError(f"FULMEN_COMPILE={_env_mode!r} is not a compile mode; use one of {', '.join(COMPILE_MODES)}")
@@ -65,8 +65,9 @@ def compile_mode_set(mode: str | None):
         compile_mode.reset(token)
 
 
-#: The background compiler waits until no new compilation was requested for this long.
-QUIET_SECONDS = 0.3
+#: The background compiler waits until no new compilation was requested for this long (seconds). Shared by every
+#: jitted function of the process; the environment variable FULMEN_COMPILE_QUIET_SECONDS sets it.
+QUIET_SECONDS = env_seconds("FULMEN_COMPILE_QUIET_SECONDS", 0.3)
 
 _jobs: queue.SimpleQueue = queue.SimpleQueue()
 _workers: list[threading.Thread] = []

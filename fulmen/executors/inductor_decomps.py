@@ -5,10 +5,8 @@ changes only how Inductor's generated code gets there. Each applies only where i
 (``GELU_DEVICES``, ``CROSS_ENTROPY_DTYPES``); other devices and dtypes keep PyTorch's decompositions.
 
 - ``gelu(approximate="tanh")`` and its backward: ``0.5 * (1 + tanh(z))`` is ``sigmoid(2 * z)``. The vectorized
-  ``tanh`` (the Sleef routine both ATen and Inductor's C++ kernels call) costs about 3.5x an ``exp`` plus a
-  division: 525 us against 147 us for ``torch.tanh`` and ``torch.sigmoid`` of 262,144 floats. The GELU kernels
-  of a gpt-small step fell from 4.3 to 1.9 ms on 2 AVX2 cores (the Inductor kernels of the whole step from
-  6.4 to 4.6 ms). Written with ``exp(-|u|)``, the sigmoid and its derivative
+  ``tanh`` (the Sleef routine both ATen and Inductor's C++ kernels call) costs several times an ``exp`` plus a
+  division. Written with ``exp(-|u|)``, the sigmoid and its derivative
   cannot overflow, and the result is at least as accurate as eager's tanh formula, which cancels in
   ``1 + tanh(z)`` for negative inputs.
 - cross-entropy's backward, ``_log_softmax_backward_data(nll_loss_backward(g, ...), logp)``: PyTorch's
@@ -16,13 +14,11 @@ changes only how Inductor's generated code gets there. Each applies only where i
   256 tokens of a 4,096-word vocabulary), and then sum each row of it again. Here the one-hot gradient is a
   comparison of class indices with the target, a pointwise expression, and its row sums -- one nonzero per
   row, so the sums are exactly that value -- are handed to the log-softmax backward, which then needs no
-  reduction: the whole backward is one pass over the logits. Measured forward and backward of
-  ``cross_entropy`` on 4,096 x 50,304 logits on an H100: 2.16 -> 1.37 ms in float32 and 1.07 -> 0.71 ms in
-  bfloat16, with the same results. On CPU, bfloat16 logits were 5% slower (3.12 against 2.98 ms for 256 x
-  4,096 on 2 cores, gradients bit-identical), so half dtypes keep PyTorch's rule there.
+  reduction: the whole backward is one pass over the logits, with the same results. On CPU, half-dtype logits
+  keep PyTorch's rule, where the rewrite measured slower.
 
-The tanh-GELU rewrite stays on CPU: on an H100, Triton's ``tanh`` is cheap and the rewrite was 8-10% slower
-(0.43 against 0.40 ms in float32 and 0.40 against 0.37 ms in bfloat16, forward and backward of 4,096 x 3,072).
+The tanh-GELU rewrite stays on CPU: on CUDA, Triton's ``tanh`` is cheap and the rewrite measured slower. The
+measurements behind both choices are in docs/performance.md ("Inductor decompositions").
 """
 
 from __future__ import annotations

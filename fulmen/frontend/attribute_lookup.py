@@ -128,31 +128,50 @@ def lookup(obj: Any, attr: str, covered: set[int]) -> tuple[list, Any, Any] | No
     mro = obj.__mro__ if is_class else type(obj).__mro__
     definer = next((klass for klass in mro if attr in klass.__dict__), None)
     in_class = definer.__dict__[attr] if definer is not None else MISSING
-    checks = []
+    checks: list = []
     if not is_class:
-        if in_class is not MISSING and hasattr(type(in_class), "__set__"):  # a property or slot: code runs
-            if type(in_class) is property and is_user_class(definer):  # its getter is followed, with this self
-                return [(definer.__dict__, definer, True)], in_class, obj
-            if type(in_class) is types.MemberDescriptorType and is_user_class(definer):  # __slots__
-                value = getattr(obj, attr, MISSING)
-                return None if value is MISSING else ([(obj, SLOT, True)], value, MISSING)
-            return None
-        attrs = getattr(obj, "__dict__", None)
-        module = isinstance(obj, torch.nn.Module)
-        if type(attrs) is dict:
-            if attr in attrs:
-                value = attrs[attr]
-                snapshot_checks = module and id(obj) in covered and module_guard.snapshot_records(value)
-                return ([] if snapshot_checks else [(attrs, obj, True)]), value, MISSING
-            if not (module and id(obj) in covered):
-                checks.append((attrs, obj, False))
-        if in_class is MISSING:
-            if module and attr in obj._modules:  # a submodule: its ancestor's snapshot or watch checks it
-                value = obj._modules[attr]
-                return ([] if id(obj) in covered else [(obj._modules, obj, True)]), value, MISSING
-            return None
+        found = _on_instance(obj, attr, definer, in_class, covered, checks)
+        if found is not _FROM_CLASS:
+            return found
     elif in_class is MISSING:
         return None
+    return _from_class(obj, is_class, mro, definer, in_class, checks)
+
+
+#: ``_on_instance``'s answer when the value is the class's (the lookup goes on in ``_from_class``)
+_FROM_CLASS = object()
+
+
+def _on_instance(obj: Any, attr: str, definer, in_class, covered: set[int], checks: list):
+    """The lookup's answer when the instance decides it (its ``__dict__``, a property, a slot, a submodule), else
+    ``_FROM_CLASS`` with the check that the instance's ``__dict__`` stays without ``attr`` added to ``checks``."""
+    if in_class is not MISSING and hasattr(type(in_class), "__set__"):  # a property or slot: code runs
+        if type(in_class) is property and is_user_class(definer):  # its getter is followed, with this self
+            return [(definer.__dict__, definer, True)], in_class, obj
+        if type(in_class) is types.MemberDescriptorType and is_user_class(definer):  # __slots__
+            value = getattr(obj, attr, MISSING)
+            return None if value is MISSING else ([(obj, SLOT, True)], value, MISSING)
+        return None
+    attrs = getattr(obj, "__dict__", None)
+    module = isinstance(obj, torch.nn.Module)
+    if type(attrs) is dict:
+        if attr in attrs:
+            value = attrs[attr]
+            snapshot_checks = module and id(obj) in covered and module_guard.snapshot_records(value)
+            return ([] if snapshot_checks else [(attrs, obj, True)]), value, MISSING
+        if not (module and id(obj) in covered):
+            checks.append((attrs, obj, False))
+    if in_class is MISSING:
+        if module and attr in obj._modules:  # a submodule: its ancestor's snapshot or watch checks it
+            value = obj._modules[attr]
+            return ([] if id(obj) in covered else [(obj._modules, obj, True)]), value, MISSING
+        return None
+    return _FROM_CLASS
+
+
+def _from_class(obj: Any, is_class: bool, mro, definer, in_class, checks: list):
+    """The lookup's answer for a value a user class defines: the classes before it in the MRO stay without the
+    attribute, and the definer keeps it; a method's ``self`` (or ``cls``) is returned with it."""
     if not is_user_class(definer):
         return None
     for klass in mro:

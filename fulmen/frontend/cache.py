@@ -417,23 +417,6 @@ def lazy_view_inputs(key: Any) -> list[int]:
     return [i for i, k in enumerate(tensor_keys(key)) if type(k[1]) is tuple]
 
 
-def resolving_lazy_views(run, positions: list[int], written: frozenset[int]):
-    """``run`` given resolved copies of the inputs at ``positions`` (conjugate or negative views, whose bit compiled
-    code would ignore); those the program writes to are copied back into the caller's tensors, as eager writes
-    through such views."""
-
-    def run_resolved(flat):
-        flat = list(flat)
-        originals = [flat[i] for i in positions]
-        for i in positions:
-            flat[i] = flat[i].resolve_conj().resolve_neg()
-        result = run(flat)
-        for i, original in zip(positions, originals):
-            if i in written:
-                original.copy_(flat[i])
-        return result
-
-    return run_resolved
 
 
 def args_key(args: tuple, kwargs: dict, flat: list[torch.Tensor]) -> tuple:

@@ -1,7 +1,16 @@
-"""From a computation trace to runnable code: the pipeline of named trace -> trace steps.
+"""From a computation trace to runnable code: the pipeline, as lists of named trace -> trace steps.
 
-``PIPELINE`` lists the steps for inference; training inserts autodiff and the forward/backward split
-(``fulmen.transforms.autodiff``) before claiming. Every step's trace is kept for ``last_traces``.
+A compilation runs, in order (``docs/architecture.md`` draws it):
+
+1. the computation steps: each listed executor's ``steps`` and the ``steps=`` given to ``fulmen.jit`` whose stage
+   is "computation" (``fused_linear_ce`` rewrites linear + cross_entropy here, before autodiff);
+2. when training, ``autodiff``: the forward trace of the forward/backward split (``fulmen.frontend.training``);
+3. ``EXECUTION_PIPELINE`` on that trace, with the "execution" steps inserted before its last step; then the
+   trace becomes Python code. Each backward trace, when it first runs, goes through ``BACKWARD_STEPS`` (and the
+   "backward" steps given) and then ``EXECUTION_PIPELINE``.
+
+Every step's trace is kept under the step's name: ``fulmen.last_traces(f)`` lists the traces and
+``fulmen.compile_stats(f).last_trace_steps`` their names, one to one ("trace" names the computation trace).
 """
 
 from __future__ import annotations
@@ -12,20 +21,110 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fulmen.core.codegen import compile_trace
+from fulmen.core.options import JitOptions
+from fulmen.core.steps import Step
 from fulmen.core.trace import Trace, check_trace
 from fulmen.executors.base import Executor, FusionExecutor, claim_symbols, fuse_regions
 from fulmen.frontend.cudagraphs import graphed
+from fulmen.transforms.accumulate import accumulate_embedding_grads
 from fulmen.transforms.overlap import communicates, schedule_communication
 from fulmen.transforms.passes import cse, dce, del_last_used
+from fulmen.transforms.scale_pushdown import push_scale_past_matmuls
 
-#: Set by tests: run ``check_trace`` after every step.
-CHECK_TRACES = False
+
+def _has_fusion(executors: Sequence[Executor]) -> bool:
+    return any(isinstance(ex, FusionExecutor) for ex in executors)
+
+
+#: From a trace of torch-level symbols to the trace that runs; the "execution" steps go before the last one.
+EXECUTION_PIPELINE: tuple[Step, ...] = (
+    Step("dce", lambda t, executors: dce(t), "execution"),
+    Step("claim", lambda t, executors: claim_symbols(t, executors, fuse=False), "execution"),
+    Step("cse", lambda t, executors: cse(t), "execution"),
+    Step("dce_after_claim", lambda t, executors: dce(t, provenance="Dead Code Elimination (after claiming)"),
+         "execution"),
+    # collectives started as early as their inputs allow, waited as late as their readers allow
+    Step("overlap", lambda t, executors: schedule_communication(t) if communicates(t) else t, "execution"),
+    Step("fusion", lambda t, executors: fuse_regions(t, executors), "execution", when=_has_fusion),
+    Step("del_last_used", lambda t, executors: del_last_used(t), "execution"),
+)
+
+#: Run on each backward trace before ``EXECUTION_PIPELINE``: gradients of embedding lookups accumulated in one
+#: index_put, and scalar scales moved past matrix products onto the smaller side.
+BACKWARD_STEPS: tuple[Step, ...] = (
+    Step("accumulate_embedding_grads", lambda t, executors: accumulate_embedding_grads(t), "backward"),
+    Step("push_scale_past_matmuls", lambda t, executors: push_scale_past_matmuls(t), "backward"),
+)
+
+def added_steps(executors: Sequence[Executor], options: JitOptions, stage: str) -> list[Step]:
+    """The steps of ``stage`` the executors declare (in their order), then those given to ``fulmen.jit``."""
+    return [s for s in (*(s for ex in executors for s in ex.steps), *options.steps) if s.stage == stage]
+
+
+@dataclass
+class PipelineRun:
+    """One run of the pipeline: the traces built so far with the names of the steps that built them."""
+
+    executors: Sequence[Executor]
+    options: JitOptions = field(default_factory=JitOptions)  # the defaults: from the environment, read now
+    timings: dict[str, float] = field(default_factory=dict)
+    traces: list[Trace] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+
+    def record(self, name: str, trace: Trace, elapsed_ms: float | None = None) -> Trace:
+        """Keep ``trace`` as the result of step ``name`` (checked when the options ask for it)."""
+        if elapsed_ms is not None:
+            trace.elapsed_ms = elapsed_ms
+            self.timings[name] = self.timings.get(name, 0.0) + elapsed_ms
+        if self.options.check_traces:
+            check_trace(trace)
+        self.traces.append(trace)
+        self.names.append(name)
+        return trace
+
+    def run(self, steps: Sequence[Step], trace: Trace) -> Trace:
+        """Run each step that applies to these executors on the trace the one before it built."""
+        for step in steps:
+            if not step.applies(self.executors):
+                continue
+            start = time.perf_counter()
+            out = step.fn(trace, self.executors)
+            if out is trace:  # nothing to do for this trace: no trace is kept under the step's name
+                continue
+            if not isinstance(out, Trace):
+                raise TypeError(f"pipeline step {step.name!r} returned {type(out).__name__}; a step returns a Trace")
+            trace = self.record(step.name, out, (time.perf_counter() - start) * 1e3)
+        return trace
+
+    def execution(self, trace: Trace) -> Callable:
+        """``EXECUTION_PIPELINE`` (with the "execution" steps added) on ``trace``, then its Python code."""
+        extra = added_steps(self.executors, self.options, "execution")
+        final = self.run((*EXECUTION_PIPELINE[:-1], *extra, EXECUTION_PIPELINE[-1]), trace)
+        start = time.perf_counter()
+        fn, _ = compile_trace(final, comments=False)  # str(trace) still prints the decompositions
+        self.timings["codegen"] = self.timings.get("codegen", 0.0) + (time.perf_counter() - start) * 1e3
+        return fn
+
+
+def computation_steps(trace: Trace, run: PipelineRun) -> Trace:
+    """The computation trace (recorded as "trace") through the "computation" steps."""
+    run.record("trace", trace)
+    return run.run(added_steps(run.executors, run.options, "computation"), trace)
+
+
+def execution_pipeline(trace: Trace, executors: Sequence[Executor], timings: dict[str, float],
+                       options: JitOptions | None = None) -> tuple[Callable, list[Trace]]:
+    """``EXECUTION_PIPELINE`` on ``trace`` alone: the callable and the traces, ``trace`` first (``options``: the
+    defaults, from the environment, when not given)."""
+    run = PipelineRun(executors, options if options is not None else JitOptions(), timings)
+    run.record("trace", trace)
+    return run.execution(trace), run.traces
 
 
 @dataclass
 class CompiledProgram:
     """What a cache entry runs: the forward callable; when training, the backward is compiled when it first runs
-    and ``backward_traces()`` gives the traces of the one compiled last."""
+    and ``backward_traces()`` gives the traces of the one compiled last. ``steps`` names ``traces`` one to one."""
 
     forward: Callable
     traces: list[Trace]
@@ -35,60 +134,28 @@ class CompiledProgram:
     timings_ms: dict[str, float] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     run: Callable | None = None  # run(flat_tensors) -> output; set by whoever builds the program
+    steps: list[str] = field(default_factory=list)
 
     def __call__(self, flat: list) -> Any:
         return self.run(flat)
 
 
-def _step(traces: list[Trace], timings: dict[str, float], name: str, fn: Callable[[Trace], Trace]) -> Trace:
-    start = time.perf_counter()
-    out = fn(traces[-1])
-    elapsed = (time.perf_counter() - start) * 1e3
-    out.elapsed_ms = elapsed
-    timings[name] = timings.get(name, 0.0) + elapsed
-    if CHECK_TRACES:
-        check_trace(out)
-    traces.append(out)
-    return out
-
-
-def execution_pipeline(trace: Trace, executors: Sequence[Executor], timings: dict[str, float],
-                       traces: list[Trace] | None = None) -> tuple[Callable, list[Trace]]:
-    """DCE, claim by executors, CSE, DCE again, overlap communication, fuse regions, delete last uses, then generate
-    code."""
-    traces = traces if traces is not None else [trace]
-    if traces[-1] is not trace:
-        traces.append(trace)
-    _step(traces, timings, "dce", lambda t: dce(t))
-    _step(traces, timings, "claim", lambda t: claim_symbols(t, executors, fuse=False))
-    _step(traces, timings, "cse", lambda t: cse(t))
-    trace = _step(traces, timings, "dce", lambda t: dce(t, provenance="Dead Code Elimination (after claiming)"))
-    if communicates(trace):
-        _step(traces, timings, "overlap", schedule_communication)
-    if any(isinstance(ex, FusionExecutor) for ex in executors):
-        _step(traces, timings, "fusion", lambda t: fuse_regions(t, executors))
-    final = _step(traces, timings, "del_last_used", lambda t: del_last_used(t))
-    start = time.perf_counter()
-    fn, _ = compile_trace(final, comments=False)  # str(trace) still prints the decompositions
-    timings["codegen"] = timings.get("codegen", 0.0) + (time.perf_counter() - start) * 1e3
-    return fn, traces
-
-
-def compile_inference(trace: Trace, executors: Sequence[Executor], *,
-                      cuda_graphs: str | None = None) -> CompiledProgram:
-    timings: dict[str, float] = {}
-    fn, traces = execution_pipeline(trace, executors, timings)
-    program = CompiledProgram(forward=fn, traces=traces, timings_ms=timings)
-    graphs = graphed(fn, [trace, traces[-1]], cuda_graphs, None) if cuda_graphs else None
-    if graphs is not None:
-        fn = lambda *flat: graphs.run(flat)[0]  # noqa: E731
-    program.run = lambda flat: fn(*flat)
+def compile_inference(trace: Trace, run: PipelineRun, *, cuda_graphs: str | None = None) -> CompiledProgram:
+    """The program of ``trace`` (already through the computation steps of ``run``) without gradients."""
+    fn = run.execution(trace)
+    program = CompiledProgram(forward=fn, traces=run.traces, timings_ms=run.timings, steps=run.names)
+    graphs = graphed(fn, [trace, run.traces[-1]], cuda_graphs, None) if cuda_graphs else None
     if _has_custom_containers(trace.output):
         # Generated code returns plain tuples/dicts; give the caller back e.g. a Hugging Face ModelOutput.
         from torch.utils._pytree import tree_flatten, tree_unflatten
 
         spec = tree_flatten(trace.output)[1]
-        program.run = lambda flat: tree_unflatten(tree_flatten(fn(*flat))[0], spec)
+        call = (lambda flat: graphs.run(flat)[0]) if graphs is not None else (lambda flat: fn(*flat))
+        program.run = lambda flat: tree_unflatten(tree_flatten(call(flat))[0], spec)
+    elif graphs is not None:
+        program.run = lambda flat: graphs.run(flat)[0]
+    else:
+        program.run = lambda flat: fn(*flat)
     return program
 
 

@@ -1,7 +1,7 @@
 """CUDA graphs: a compiled program's forward, and its backward, replayed as one graph launch each.
 
 A small model on a big GPU is bound by the host: a training step of the 4-layer GPT of ``fulmen bench`` launches
-about 250 kernels, each costing 5-30 µs of Python and driver time, while the GPU finishes its work in less.
+hundreds of kernels, each costing Python and driver time, while the GPU finishes its work in less.
 A CUDA graph records the launches of one call and replays all of them with one. ``fulmen.jit(model,
 cuda_graphs=True)`` turns this on (it is opt-in, like ``torch.compile``'s ``mode="reduce-overhead"``: a graph
 keeps its memory between calls, and programs whose inputs move on every call gain nothing).
@@ -24,7 +24,7 @@ What is graphed, and when -- anything in doubt runs without the graph, and the l
   memory pool, and its gradients are copied out before autograd accumulates them.
 - Memory: a graph keeps the tensors its forward saves and its gradients between calls, and cuBLAS keeps a
   workspace for the capture stream (32 MiB on Hopper) on each thread that captures, so a graphed training step
-  holds more memory than eager (gpt-small on an H100: a 254 MB peak against eager's 150 MB in `fulmen bench`).
+  holds more memory than eager (figures: docs/performance.md, "CUDA graphs").
 - A capture that fails (a host synchronization such as ``.item()``, an operation CUDA graphs cannot record)
   is logged, and the program runs without graphs from then on.
 """

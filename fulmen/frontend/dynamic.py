@@ -27,8 +27,6 @@ from fulmen.core.unbacked import is_unbacked_symbol
 from fulmen.core.utils import compiler_import_lock
 from fulmen.frontend.cache import is_tensor_key, tensor_keys
 
-#: Tests set this: a failure to compile with dynamic sizes raises instead of falling back to exact sizes.
-RAISE_ON_FAILURE = False
 
 def key_sizes(key: Any) -> list[torch.Size]:
     """The sizes of the tensors a key describes, in flat-input order."""

@@ -72,7 +72,7 @@ log = logging.getLogger("fulmen")
 #: How many items a list, tuple or dict may hold to be compared by value (larger ones: by identity).
 MAX_VALUE_ITEMS = 64
 #: How many items a flat list or tuple (dict) of numbers and strings may hold to be compared by value with one
-#: ``==``: at most about 7 us (13 us) a call on this 2-core machine.
+#: ``==``: bounded so that the comparison stays a small part of a call (its cost: docs/performance.md).
 MAX_FLAT_ITEMS = 4096
 MAX_FLAT_DICT_ITEMS = 1024
 

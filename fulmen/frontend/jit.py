@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
@@ -13,29 +12,25 @@ from typing import Any
 
 import torch
 
+from fulmen.core.options import JitOptions
 from fulmen.core.proxies import has_proxy
 from fulmen.core.trace import Trace, get_tracectx
 from fulmen.core.unbacked import has_unbacked
 from fulmen.core.utils import compiler_import_lock
 from fulmen.executors import MetaMismatch
 from fulmen.executors.base import Executor, resolve_executors
-from fulmen.executors.inductor_compile import COMPILE_MODES, call_leaving_a_core, compile_mode_set
-from fulmen.frontend import dynamic as dynamic_sizes
+from fulmen.executors.inductor_compile import call_leaving_a_core, compile_mode_set
 from fulmen.frontend import warm_start
 from fulmen.frontend.cache import (
     aliases_written_input,
     args_key,
-    describe_key_part,
     functorch_active,
     global_state_key,
     holds_objects,
-    key_difference,
     lazy_view_inputs,
-    resolving_lazy_views,
-    tensor_keys,
     written_inputs,
 )
-from fulmen.frontend.compile import CompiledProgram, compile_inference
+from fulmen.frontend.compile import CompiledProgram, PipelineRun, compile_inference, computation_steps
 from fulmen.frontend.dynamic import (
     SizeHistory,
     SymbolicSizes,
@@ -46,11 +41,16 @@ from fulmen.frontend.dynamic import (
     symbolic_dims,
 )
 from fulmen.frontend.global_guard import GlobalGuard
-from fulmen.frontend.module_writes import assigning
+from fulmen.frontend.key_changes import argument_name, changed_value, describe_key_change
+from fulmen.frontend.module_writes import assigner
 from fulmen.frontend.prologue import Prologue, build_prologue
-from fulmen.frontend.split_points import MAX_BRANCHES, ValueChanged, restoring_rng, same_value
+from fulmen.frontend.runner import RunPlan, compose
+from fulmen.frontend.split_points import MAX_BRANCHES, ValueChanged, same_value
+from fulmen.frontend.stats import CompileStats, get_stats
 from fulmen.frontend.tracing import InputSpec, _arg_names, check_supported_tensors, trace_program
 from fulmen.transforms.autocast import current_policies
+
+__all__ = ["CacheEntry", "CompileStats", "JittedFunction", "get_stats"]
 
 log = logging.getLogger("fulmen")
 
@@ -73,7 +73,7 @@ _MAX_ALIASES = 4096
 
 @dataclass
 class CacheEntry:
-    program: CompiledProgram
+    program: CompiledProgram | None  # set by _set_program, with run
     spec: InputSpec
     computation_trace: Trace
     prologue: Prologue | None = None  # the check a call must pass to reuse the program (set by _compile)
@@ -87,113 +87,25 @@ class CacheEntry:
     # the programs of one call signature that differ in the tensor values their Python read (split points,
     # fulmen.frontend.split_points); shared by all of them
     branches: list[CacheEntry] | None = None
-
-
-@dataclass
-class CompileStats:
-    """What ``fulmen.compile_stats(f)`` returns: counters, per-phase times and the last traces."""
-
-    cache_hits: int = 0
-    cache_misses: int = 0
-    calls: int = 0
-    last_trace_time_ms: float = 0.0
-    last_prologue_traces: list[Trace] = field(default_factory=list)
-    recompile_reasons: list[str] = field(default_factory=list)  # why each compilation after the first happened
-    _last_compile_time_ms: float = 0.0
-    _phase_times_ms: dict[str, float] = field(default_factory=dict)
-    _last_traces: list[Trace] = field(default_factory=list)
-    _backward_traces: Callable[[], list[Trace]] | None = None
-    _settle: Callable[[], Any] | None = None  # compiles a program whose first call ran on PyTorch autograd
-    _deferred: int = 0  # programs whose first call ran on PyTorch autograd, not compiled yet
-
-    @property
-    def last_recompile_reason(self) -> str | None:
-        return self.recompile_reasons[-1] if self.recompile_reasons else None
-
-    def __repr__(self) -> str:
-        """A short table: counters, then the last compilation's time per phase (the traces are left out: they
-        are ``last_traces`` and friends). Reading it compiles nothing."""
-        rows = [("calls", f"{self.calls}"), ("cache hits", f"{self.cache_hits}"),
-                ("cache misses", f"{self.cache_misses}")]
-        if self.last_recompile_reason is not None:
-            rows.append(("last recompile", self.last_recompile_reason))
-        if self._settle is not None:
-            rows.append(("note", "the first call ran on PyTorch autograd; fulmen's program compiles at the next"))
-        rows += [(f"{phase} ms", f"{ms:.2f}") for phase, ms in self._phase_times_ms.items()]
-        rows.append(("traces", f"{len(self._last_traces)} (fulmen.last_traces(f))"))
-        width = max(len(name) for name, _ in rows)
-        return "CompileStats(\n" + "".join(f"  {name:<{width}}  {value}\n" for name, value in rows) + ")"
-
-    @property
-    def pending_compilations(self) -> int:
-        """Compilations not finished: this function's programs whose first call ran on PyTorch autograd and that
-        compile at their next call (``fulmen.frontend.warm_start``), plus the fused regions queued or compiling in
-        the background, across the process."""
-        from fulmen.executors.inductor_compile import pending_compilations
-
-        return self._deferred + pending_compilations()
-
-    def _settled(self) -> CompileStats:
-        if self._settle is not None:
-            self._settle()  # records the compiled program's traces and times here, and clears _settle
-        return self
-
-    @property
-    def last_compile_time_ms(self) -> float:
-        return self._settled()._last_compile_time_ms
-
-    @property
-    def phase_times_ms(self) -> dict[str, float]:
-        return self._settled()._phase_times_ms
-
-    @property
-    def last_traces(self) -> list[Trace]:
-        """The traces of the last compilation, computation trace first, execution trace last."""
-        return self._settled()._last_traces
-
-    @property
-    def last_backward_traces(self) -> list[Trace]:
-        """The last compilation's backward traces: those of the backward that ran last (before any backward ran,
-        the backward for every output is compiled to show them). Empty when nothing is differentiated."""
-        self._settled()
-        return list(self._backward_traces()) if self._backward_traces is not None else []
+    plan: RunPlan = field(default_factory=RunPlan)  # what the call around the program does (fulmen.frontend.runner)
+    run: Callable | None = None  # the program's run composed with the plan: what a call runs
 
 
 class JittedFunction:
     """A function compiled by ``fulmen.jit``; call it like the original."""
 
     def __init__(self, fn: Callable, executors: Sequence[Executor | str] | None = None, *,
-                 add_torch_executor: bool = True, disable_torch_autograd: bool = False,
-                 dynamic: bool | None = None, compile: str | None = None, cuda_graphs: bool = False, **options):
+                 options: JitOptions | None = None, **kwargs):
         if not callable(fn):
             raise TypeError(f"fulmen.jit expects a function or an nn.Module, but got {type(fn).__name__}")
+        #: everything fulmen.jit was asked for (fulmen.core.options), validated
+        self.options = options = JitOptions.build(options, **kwargs)
         # what pickling keeps (__reduce__): the function and the options, never compiled programs
         self._init_args = (fn, executors)
-        self._init_options = dict(add_torch_executor=add_torch_executor, disable_torch_autograd=disable_torch_autograd,
-                                  dynamic=dynamic, compile=compile, cuda_graphs=cuda_graphs, **options)
-        if options:
-            raise TypeError(f"fulmen.jit got unexpected keyword argument(s) {sorted(options)}; it accepts executors=, "
-                            "add_torch_executor=, disable_torch_autograd=, dynamic=, compile= and cuda_graphs=")
-        if not isinstance(cuda_graphs, bool):
-            raise TypeError(f"fulmen.jit: cuda_graphs= must be True or False, got {cuda_graphs!r}")
-        # replay each compiled program on a CUDA device as CUDA graphs (fulmen.frontend.cudagraphs)
-        self.cuda_graphs = cuda_graphs
-        if dynamic not in (None, True, False):
-            raise TypeError(f"fulmen.jit: dynamic= must be None (automatic), True or False, got {dynamic!r}")
-        # None: a dimension seen with a second size (other than 0 and 1) becomes symbolic; True: every dimension
-        # of the arguments is symbolic from the first call; False: exact sizes, one compilation per shape.
-        self.dynamic = dynamic
-        if compile not in (None, *COMPILE_MODES):
-            raise ValueError(f"fulmen.jit: compile= must be one of {', '.join(map(repr, COMPILE_MODES))} (or None for "
-                             f"the default, FULMEN_COMPILE or 'async'), got {compile!r}")
-        # how fused regions compile: "async" in the background, "sync" before the call that needs them returns,
-        # "off" never (None: the ambient compile_mode)
-        self.compile_mode = compile
         self.fn = fn
         # add_torch_executor=False keeps exactly the executors given (the seeds' fulmen.compile form);
         # a symbol none of them can run then fails with "Could not find executor for bound symbol ...".
-        self.executors = resolve_executors(executors, add_always=add_torch_executor)
-        self.disable_torch_autograd = disable_torch_autograd
+        self.executors = resolve_executors(executors, add_always=options.add_torch_executor)
         self._cache: dict[Any, CacheEntry] = {}
         self._dynamic_entries: list[CacheEntry] = []
         self._histories: dict[Any, SizeHistory] = {}
@@ -219,7 +131,23 @@ class JittedFunction:
         """Pickling (``pickle``, ``torch.save``, ``copy.deepcopy``) keeps the function and the options: compiled
         programs hold generated code, locks and kernels, which belong to this process. The copy compiles again at
         its first call."""
-        return _rebuild, (type(self), self._init_args, self._init_options), {"_guard_reads": self._guard_reads}
+        return _rebuild, (type(self), self._init_args, {"options": self.options}), {"_guard_reads": self._guard_reads}
+
+    @property
+    def dynamic(self) -> bool | None:
+        return self.options.dynamic
+
+    @property
+    def compile_mode(self) -> str | None:
+        return self.options.compile
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.options.cuda_graphs
+
+    @property
+    def disable_torch_autograd(self) -> bool:
+        return self.options.disable_torch_autograd
 
     # ---- the call path (keep it short: it runs on every call) ----
     def __call__(self, *args, **kwargs):
@@ -242,7 +170,7 @@ class JittedFunction:
         if entry.written and aliases_written_input(flat, entry.written, self._n_state()):
             return self._run_eagerly(args, kwargs)
         try:
-            return call_leaving_a_core(entry.program.run, flat)  # a flag read, unless regions are compiling
+            return call_leaving_a_core(entry.run, flat)  # a flag read, unless regions are compiling
         except (MetaMismatch, ValueChanged) as e:
             return self._program_stopped(e, entry, args, kwargs)
 
@@ -291,7 +219,7 @@ class JittedFunction:
                 return self._call_eagerly(*args, **kwargs)
             self._last_entry = entry = other
             try:
-                return call_leaving_a_core(other.program.run, flat)
+                return call_leaving_a_core(other.run, flat)
             except ValueChanged as e:
                 changed = e
 
@@ -387,7 +315,7 @@ class JittedFunction:
 
     def _trace(self, args, kwargs, sizes=None) -> tuple[Trace, InputSpec]:
         return trace_program(self.fn, args, kwargs, sizes=sizes, guard_reads=self.fn if self._guard_reads else None,
-                             split_points=self._split_points)
+                             split_points=self._split_points, replay=self.options.replay)
 
     def _globals_changed(self, key, entry: CacheEntry, args, kwargs, flat, inputs: tuple) -> CacheEntry:
         """The key matched but the entry's prologue failed: a global or closure variable the program's code read
@@ -456,14 +384,14 @@ class JittedFunction:
         everywhere else; None when they differ in anything else."""
         if old is None or old[1] != new[1]:
             return None
-        return _changed_value(old[0], new[0])
+        return changed_value(old[0], new[0])
 
     def _warn_recompile_limit(self, changed: int | str, key, args, kwargs) -> None:
         warned = self.__dict__.setdefault("_warned_limit", set())
         if changed in warned:
             return
         warned.add(changed)
-        name = _argument_name(self.fn, args, kwargs, changed)
+        name = argument_name(self.fn, args, kwargs, changed)
         log.warning("fulmen: %s has been recompiled %d times because the value of its argument %s changed, and "
                     "compiled code is specialized on that value; from now on a call with a new value of it runs "
                     "eagerly (not compiled), and the values compiled so far still run compiled. Pass the value as "
@@ -563,7 +491,7 @@ class JittedFunction:
             try:
                 entry = self._compile_symbolic(key, args, kwargs, flat, sizes, dims)
             except Exception as e:  # never a crash because of dynamic sizes: compile for the exact sizes instead
-                if dynamic_sizes.RAISE_ON_FAILURE:
+                if self.options.raise_on_dynamic_failure:
                     raise
                 self._histories[erase_sizes(key, None)].failed = True
                 log.warning("fulmen: compiling %s with dynamic sizes failed (%s: %s); compiling for the exact sizes "
@@ -626,7 +554,7 @@ class JittedFunction:
                         "on (a call that needs one again compiles it again)", _display_name(self.fn), MAX_CACHE_ENTRIES)
 
     def _describe_key_change(self, old, new, names: list[str] = ()) -> str:
-        return _describe_key_change(old, new, names)
+        return describe_key_change(old, new, names)
 
     def _compile_symbolic(self, key, args, kwargs, flat, sizes, dims) -> CacheEntry:
         # A ShapeEnv imports parts of Dynamo, AOTAutograd and torch.export as it goes, which the background
@@ -654,52 +582,23 @@ class JittedFunction:
     def _build_entry(self, key, args, kwargs, symbolic: SymbolicSizes | None) -> CacheEntry:
         stats = self._stats
         start = time.perf_counter()
-        autocast_devices = [p.device_type for p in current_policies()]
+        autocast_devices = tuple(p.device_type for p in current_policies())
         trace, spec = self._trace(args, kwargs, sizes=symbolic.sizes if symbolic is not None else None)
-        # executors may rewrite the computation trace before autodiff (fused_linear_ce replaces linear followed by
-        # cross_entropy with one symbol whose gradient is computed chunk by chunk)
-        for ex in self.executors:
-            transform = getattr(ex, "transform_trace", None)
-            if transform is not None:
-                trace = transform(trace)
         traced = time.perf_counter()
-        graph_name = _display_name(self.fn) if self.cuda_graphs else None  # what CUDA-graph logs call it
-        if graph_name and symbolic is not None:
-            log.warning("fulmen: %s runs without CUDA graphs: its sizes are dynamic (pass dynamic=False to compile "
-                        "for exact sizes)", graph_name)
-            graph_name = None
-        if graph_name and (spec.values or any(has_unbacked(b.flat_proxy_outs) for b in trace.bound_symbols)):
-            # a replayed graph runs no Python (a split point's check) and fixes every size (a data-dependent one)
-            log.warning("fulmen: %s runs without CUDA graphs: it has data-dependent sizes or split points",
-                        graph_name)
-            graph_name = None
-        if self._needs_grad(spec.tensor_proxies):
-            from fulmen.frontend.training import compile_training
-
-            executors = self.executors
-            if symbolic is None and warm_start.applies(trace, executors):
-                stats._deferred += 1
-                program = warm_start.deferred_training(
-                    trace, lambda: compile_training(trace, executors, cuda_graphs=graph_name),
-                    on_ready=lambda real: self._on_compiled(entry, real))
-            else:
-                program = compile_training(trace, executors, cuda_graphs=graph_name)
-        else:
-            program = compile_inference(trace, self.executors, cuda_graphs=graph_name)
-        if autocast_devices:
-            program.run = _without_autocast(program.run, autocast_devices)
-        if spec.values:  # split points: a program that stops at one must not have used up random numbers
-            program.run = restoring_rng(program.run)
-        if spec.attributes:  # the program returns (result, module attribute values): every call assigns them
-            program.run = assigning(program.run, spec.attributes)
-        if spec.objects is not None:  # it returns (result, object tensors): every call updates and builds objects
-            program.run = spec.objects.wrap(program.run)
-        done = time.perf_counter()
-        entry = CacheEntry(program=program, spec=spec, computation_trace=trace, written=written_inputs(trace),
+        run = PipelineRun(self.executors, self.options)
+        trace = computation_steps(trace, run)  # the executors' and the user's steps, before autodiff
+        graph_name = self._graph_name(trace, spec, symbolic)
+        entry = CacheEntry(program=None, spec=spec, computation_trace=trace, written=written_inputs(trace),
                            globals_guard=spec.guard)
-        lazy_views = lazy_view_inputs(key)
-        if lazy_views:
-            program.run = resolving_lazy_views(program.run, lazy_views, entry.written)
+        if self._needs_grad(spec.tensor_proxies):
+            program = self._training_program(trace, run, graph_name, symbolic, entry)
+        else:
+            program = compile_inference(trace, run, cuda_graphs=graph_name)
+        entry.plan = RunPlan(autocast_devices=autocast_devices, restores_rng=bool(spec.values),
+                             lazy_views=tuple(lazy_view_inputs(key)), written=entry.written,
+                             attributes=assigner(spec.attributes) if spec.attributes else None, objects=spec.objects)
+        self._set_program(entry, program)
+        done = time.perf_counter()
         stats.last_trace_time_ms = (traced - start) * 1e3
         stats._last_compile_time_ms = (done - start) * 1e3
         self._record(entry)
@@ -707,15 +606,49 @@ class JittedFunction:
         self._stats_entry = entry
         return entry
 
+    def _set_program(self, entry: CacheEntry, program: CompiledProgram) -> None:
+        """The entry runs ``program``, with what its plan asks for around it (``fulmen.frontend.runner``)."""
+        entry.program = program
+        entry.run = compose(program.run, entry.plan)
+
+    def _graph_name(self, trace: Trace, spec: InputSpec, symbolic: SymbolicSizes | None) -> str | None:
+        """The name CUDA-graph logs give the program when it replays as CUDA graphs; None when it does not."""
+        graph_name = _display_name(self.fn) if self.cuda_graphs else None
+        if graph_name and symbolic is not None:
+            log.warning("fulmen: %s runs without CUDA graphs: its sizes are dynamic (pass dynamic=False to compile "
+                        "for exact sizes)", graph_name)
+            return None
+        if graph_name and (spec.values or any(has_unbacked(b.flat_proxy_outs) for b in trace.bound_symbols)):
+            # a replayed graph runs no Python (a split point's check) and fixes every size (a data-dependent one)
+            log.warning("fulmen: %s runs without CUDA graphs: it has data-dependent sizes or split points",
+                        graph_name)
+            return None
+        return graph_name
+
+    def _training_program(self, trace: Trace, run: PipelineRun, graph_name: str | None,
+                          symbolic: SymbolicSizes | None, entry: CacheEntry) -> CompiledProgram:
+        from fulmen.frontend.training import compile_training
+
+        if symbolic is None and warm_start.applies(trace, self.executors, self.options):
+            self._stats._deferred += 1
+            return warm_start.deferred_training(
+                trace, self.options, lambda: compile_training(trace, run, cuda_graphs=graph_name),
+                on_ready=lambda real: self._on_compiled(entry, real))
+        return compile_training(trace, run, cuda_graphs=graph_name)
+
     def _record(self, entry: CacheEntry) -> None:
-        stats, program, trace = self._stats, entry.program, entry.computation_trace
+        stats, program = self._stats, entry.program
         stats._phase_times_ms = {"trace": stats.last_trace_time_ms, **program.timings_ms}
-        stats._last_traces = [trace, *program.traces[1:]] if program.traces else [trace]
+        stats._last_traces, stats._last_steps = list(program.traces), list(program.steps)
         stats._backward_traces = program.backward_traces
+        runtime = program.extra.get("runtime")
+        stats._backward_steps = runtime.last_steps if runtime is not None else None
 
     def _on_compiled(self, entry: CacheEntry, real: CompiledProgram) -> None:
-        """A program whose first call ran on PyTorch autograd is compiled: the statistics show it, if it is
-        still the last compilation."""
+        """A program whose first call ran on PyTorch autograd is compiled: the entry runs it from now on (in the
+        first program's place, which stays as it was), and the statistics show it if it is still the last
+        compilation."""
+        self._set_program(entry, real)
         stats = self._stats
         stats._deferred -= 1
         if self._stats_entry is entry:
@@ -733,87 +666,3 @@ def _display_name(fn) -> str:
     if isinstance(owner, torch.nn.Module):
         return type(owner).__name__
     return getattr(fn, "__qualname__", None) or type(fn).__name__
-
-
-def _without_autocast(run: Callable, device_types: list[str]) -> Callable:
-    """The trace already holds autocast's casts; running it under autocast again would cast twice."""
-
-    def run_without_autocast(flat):
-        with contextlib.ExitStack() as stack:
-            for device_type in device_types:
-                stack.enter_context(torch.autocast(device_type, enabled=False))
-            return run(flat)
-
-    return run_without_autocast
-
-
-def _describe_key_change(old, new, names: list[str] = ()) -> str:
-    if old is None:
-        return "a first call"
-    (old_args, old_state), (new_args, new_state) = old, new
-    if old_state != new_state:
-        parts = ["grad mode", "default dtype", "CPU autocast", "CUDA autocast", "CPU autocast dtype",
-                 "CUDA autocast dtype", "default device"]
-        changed = [n for n, a, b in zip(parts, old_state, new_state) if a != b]
-        return "a change of " + ", ".join(changed)
-    if len(old_args) != len(new_args):
-        return f"a different number of arguments ({len(old_args)} -> {len(new_args)})"
-    for i, (a, b) in enumerate(zip(old_args, new_args)):
-        if a != b:
-            keywords = type(a) is tuple and a[:1] == ("kwargs",)
-            if keywords and type(b) is tuple and b[:1] == ("kwargs",) and [k for k, _ in a[1:]] == [
-                    k for k, _ in b[1:]]:
-                name, x, y = next((k, x, y) for (k, x), (_, y) in zip(a[1:], b[1:]) if x != y)
-                where, x, y = key_difference(x, y, name)
-                return f"keyword argument {where} changed from {describe_key_part(x)} to {describe_key_part(y)}"
-            if keywords and type(b) is tuple and b[:1] == ("kwargs",):
-                return f"keyword arguments changed from {[k for k, _ in a[1:]]} to {[k for k, _ in b[1:]]}"
-            name = f" ({names[i]})" if i < len(names) and not keywords else ""
-            if not keywords and holds_objects((a, b)):
-                where, x, y = key_difference(a, b)
-                return f"argument {i}{name}{where} changed from {describe_key_part(x)} to {describe_key_part(y)}"
-            return f"argument {i}{name} changed from {_short(a)} to {_short(b)}"
-    return "a changed argument"
-
-
-def _changed_value(old_args: tuple, new_args: tuple) -> int | str | None:
-    """The first argument (position, or keyword) whose key differs between two call keys, when what differs is a
-    non-tensor value (the tensors in it are described alike); None otherwise."""
-    if len(old_args) != len(new_args):
-        return None
-    for i, (a, b) in enumerate(zip(old_args, new_args)):
-        if a == b:
-            continue
-        if type(a) is tuple and a[:1] == ("kwargs",) and type(b) is tuple and b[:1] == ("kwargs",):
-            if len(a) != len(b):
-                return None
-            for (name, x), (other, y) in zip(a[1:], b[1:]):
-                if name != other:
-                    return None
-                if x != y:
-                    return name if tensor_keys(x) == tensor_keys(y) else None
-            return None
-        return i if tensor_keys(a) == tensor_keys(b) else None
-    return None
-
-
-def _argument_name(fn, args: tuple, kwargs: dict, changed: int | str) -> str:
-    """``'scale' (argument 1)``: the parameter's name when the signature says it."""
-    if isinstance(changed, str):
-        return repr(changed)
-    names = _arg_names(fn, args, kwargs)
-    return f"{names[changed]!r} (argument {changed})" if changed < len(names) else f"{changed}"
-
-
-def _short(k) -> str:
-    text = repr(k)
-    return text if len(text) < 120 else text[:117] + "..."
-
-
-def get_stats(fn) -> CompileStats:
-    target = getattr(fn, "_fulmen_jitted", fn)
-    stats = getattr(target, "_stats", None)
-    if stats is None:
-        raise TypeError(f"{type(fn).__name__} was not compiled by fulmen.jit; there are no traces or statistics "
-                        "for it")
-    return stats

@@ -32,7 +32,8 @@ from fulmen.executors.inductor_compile import call_leaving_a_core
 from fulmen.frontend import fsdp2, module_guard
 from fulmen.frontend.cache import aliases_written_input, args_key, global_state_key, state_key
 from fulmen.frontend.distributed_wrappers import refuse_traced_wrappers
-from fulmen.frontend.jit import JittedFunction, _changed_value
+from fulmen.frontend.jit import JittedFunction
+from fulmen.frontend.key_changes import changed_value
 from fulmen.frontend.split_points import ValueChanged
 from fulmen.frontend.tracing import _arg_names, check_supported_tensors, trace_program
 
@@ -215,7 +216,7 @@ class _ModuleProgram(JittedFunction):
         if entry.written and aliases_written_input(flat, entry.written, len(state.unique_slots)):
             return self._run_eagerly(args, kwargs)
         try:
-            return call_leaving_a_core(entry.program.run, flat)  # a flag read, unless regions are compiling
+            return call_leaving_a_core(entry.run, flat)  # a flag read, unless regions are compiling
         except (MetaMismatch, ValueChanged) as e:
             return self._program_stopped(e, entry, args, kwargs)
 
@@ -258,7 +259,7 @@ class _ModuleProgram(JittedFunction):
     def _changed_value(self, old, new):
         if old is None or old[1] != new[1] or old[0][:2] != new[0][:2]:  # global state, structure, parameters
             return None
-        return _changed_value(old[0][2], new[0][2])
+        return changed_value(old[0][2], new[0][2])
 
     # filling a cache entry traces, which swaps proxies in: under the swap lock first, then the program's own
     # (the order tracing takes them in), so that no thread holds one while waiting for the other
@@ -313,14 +314,15 @@ class _ModuleProgram(JittedFunction):
         names = _arg_names(forward_fn, args, kwargs)
         return trace_program(forward, args, kwargs, state=named, fn_name="computation", arg_names=names,
                              sizes=sizes, guard_reads=forward_fn if self._guard_reads else None,
-                             own=own, split_points=self._split_points)
+                             own=own, split_points=self._split_points, replay=self.options.replay)
 
     def _build_entry(self, key, args, kwargs, symbolic):
         entry = super()._build_entry(key, args, kwargs, symbolic)  # assigns the module attributes on every call
         rebinds = self._traced_rebinds
         if rebinds:  # the program returns (result, new buffer values): every call assigns them, as eager did
-            run, state = entry.program.run, self.state
-            entry.program.run = lambda flat: state.rebind(rebinds, run(flat))
+            state = self.state
+            entry.plan.rebind = lambda out: state.rebind(rebinds, out)
+            self._set_program(entry, entry.program)
         if entry.spec.attributes:
             self.state.keep_version()
         return entry

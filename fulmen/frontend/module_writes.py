@@ -7,7 +7,7 @@ the first value each (module, name) held. After the traced function returned, ``
 it was and decides, name by name:
 
 - a traced tensor assigned to a plain attribute (``self.attn_map = weights``) is a program output: the program
-  returns it and every call assigns it (``assigning``), as eager does. The snapshot of the module's structure
+  returns it and every call assigns it (``assigner``), as eager does. The snapshot of the module's structure
   leaves it out (``module_guard.mark_program_output``), so train/eval round trips reuse programs. Where some code
   may read the name (``if self.cache is None: ...``), the trace may have branched on its old value: it counts as
   an output only while it holds what a program assigned, and a call that finds anything else recompiles;
@@ -269,16 +269,14 @@ def _may_read(cls: type, name: str, codes: Iterable[types.CodeType]) -> bool:
 # ---- every call ----
 
 
-def assigning(run: Callable, outputs: tuple[tuple[nn.Module, str], ...]) -> Callable:
-    """``run`` (a program returning ``(result, attribute values)``) assigning each value to its module attribute,
-    as the eager call did, and returning the result."""
+def assigner(outputs: tuple[tuple[nn.Module, str], ...]) -> Callable[[Any], None]:
+    """``assign(values)``: each of a program's extra output values assigned to its module attribute, as the eager
+    call did (``fulmen.frontend.runner`` calls it after the program)."""
     slots = [(mod, module_guard.program_outputs(mod), name) for mod, name in outputs]
     assign = module_guard.assign_program_output
 
-    def run_and_assign(flat):
-        result, values = run(flat)
+    def assign_all(values) -> None:
         for (mod, last, name), value in zip(slots, values):
             assign(mod, last, name, value)
-        return result
 
-    return run_and_assign
+    return assign_all

@@ -379,16 +379,6 @@ class ObjectResults:
     # calls, such as a KV cache growing by one token per call (fulmen.frontend.jit makes such sizes dynamic)
     rebound: list[tuple[str, tuple, tuple]]
 
-    def wrap(self, run: Callable) -> Callable:
-        """``run(flat)`` of the program, with the holders the prologue appended to ``flat`` taken off, the objects
-        updated and the result's objects built."""
-        n = len(self.holders)
-        finish = self.finish
-
-        def run_with_objects(flat):
-            return finish(run(flat[:-n] if n else flat), flat[len(flat) - n:] if n else ())
-
-        return run_with_objects
 
     def finish(self, out: Any, holder_values) -> Any:
         result, tensors = out

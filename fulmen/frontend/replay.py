@@ -5,10 +5,9 @@ A model's layers call the same torch operations on tensors of the same shapes ov
 A torch-language symbol's decomposition depends on nothing but its arguments' metadata and values (and the grad
 mode and default dtype), so the second and later calls can copy the bound symbols of the first with fresh proxies
 in place of its intermediate values. The copy is what running the decomposition again would record, name for
-name: fresh proxies are named in the order the first call made them. A copy costs about a third of a run while
-tracing (``layer_norm`` 120 us instead of 300 us, ``scaled_dot_product_attention`` 180 us instead of 600 us), and
-tracing is most of what a model's first call costs beyond eager's: gpt-small's first trace takes 16 ms instead of
-19 ms, and with 12 layers 27 ms instead of 40 ms.
+name: fresh proxies are named in the order the first call made them. A copy costs a fraction of a run while
+tracing, and tracing is most of what a model's first call costs beyond eager's (figures: docs/performance.md,
+"Tracing").
 
 Only calls made by user code (the outermost scope) are remembered, and only when copying cannot differ from
 running:
@@ -24,7 +23,8 @@ running:
   come once, and never pay for it).
 
 Switches a decomposition might read besides its arguments (``torch.backends`` flags) are taken not to change
-between two calls of one trace. ``fulmen.frontend.tracing.REPLAY = False`` runs every call.
+between two calls of one trace. The ``replay`` option (``fulmen.jit(f, replay=False)``, or ``FULMEN_REPLAY=0``)
+off runs every call.
 """
 
 from __future__ import annotations

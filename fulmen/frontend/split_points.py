@@ -157,23 +157,3 @@ def _not_splittable(what: str, proxy: TensorProxy, why: str) -> DataDependentErr
         f"{what} needs the value of tensor {proxy.name} ({proxy.type_string()}), and {why}.\n  at {_user_location()}"
         "\nMove the read out of that operation, express it with tensor operations (torch.where, masking), or use "
         "torch.compile(model, backend=\"fulmen\").")
-
-
-def restoring_rng(run: Callable) -> Callable:
-    """``run``, putting the random-number state back when it stops at a split point: it may have drawn numbers
-    before it, and the program of the other branch draws them again, as eager draws them once. Every program with
-    split points pays the copy: an opaque op (dropout inside a torch function fulmen has no rule for) draws numbers
-    without saying so."""
-
-    def run_restoring_rng(flat):
-        cpu = torch.get_rng_state()
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        try:
-            return run(flat)
-        except ValueChanged:
-            torch.set_rng_state(cpu)
-            if cuda is not None:
-                torch.cuda.set_rng_state_all(cuda)
-            raise
-
-    return run_restoring_rng

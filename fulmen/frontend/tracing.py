@@ -233,9 +233,6 @@ def _called_by_fulmen() -> bool:
 
 _DATA_ARGUMENT = frozenset((torch.as_tensor, torch.tensor, torch.asarray))
 
-#: Off: every call user code makes runs its decomposition, none is copied (``fulmen.frontend.replay``).
-REPLAY = True
-
 
 class _UserTorchCalls(TorchFunctionMode):
     """Routes torch calls that have no proxy argument (``torch.rand(3)``, ``torch.arange(n)``) made by user
@@ -335,13 +332,13 @@ class UserTracer(Tracer):
     captures_tensors = True
 
     def __init__(self, trace: Trace, spec: InputSpec, *, reader: ValueReader | None = None,
-                 on_user_call: Callable[[], None] | None = None):
+                 on_user_call: Callable[[], None] | None = None, replay: bool = True):
         super().__init__(trace)
         self.captured = _Capture(trace, spec)
         self._reader = reader
         self._on_user_call = on_user_call
         self._autocast = _AutocastPolicies()
-        self._replays = Replays(trace) if REPLAY else None
+        self._replays = Replays(trace) if replay else None  # off: every call runs its decomposition
 
     def process_symbol(self, sym: Symbol, args: tuple, kwargs: dict) -> Any:
         trace = self.trace
@@ -448,7 +445,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
                   fn_name: str = "computation",
                   state: list[tuple[str, torch.Tensor]] | None = None,
                   sizes: list | None = None, guard_reads: Callable | None = None,
-                  own: Sequence[torch.nn.Module] = (), split_points: bool = False) -> tuple[Trace, InputSpec]:
+                  own: Sequence[torch.nn.Module] = (), split_points: bool = False,
+                  replay: bool = True) -> tuple[Trace, InputSpec]:
     """Trace ``fn(*args, **kwargs)``: tensors become proxies, every torch call becomes a bound symbol.
 
     ``state`` (a module's parameters and buffers, by name) becomes the first inputs; ``fn`` then receives
@@ -469,7 +467,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     _real_tensors((args, kwargs), real)
     reader = ValueReader(trace, lambda: real + spec.captured)
     recorder = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
-    tracer = UserTracer(trace, spec, reader=reader if split_points else None, on_user_call=recorder)
+    tracer = UserTracer(trace, spec, reader=reader if split_points else None, on_user_call=recorder, replay=replay)
     try:
         with tracing(tracer), _UserTorchCalls(trace), _compiling(), _recording_autograd_functions(), \
                 nn_functional_traceable(), routing_higher_order_ops(), recording_rng_calls(), \

@@ -27,14 +27,13 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fulmen.core.ambient import Ambient
+from fulmen.core.options import JitOptions
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.trace import Trace
 from fulmen.executors.base import Executor
 from fulmen.executors.inductor_compile import call_leaving_a_core, compile_mode, compile_mode_set
-from fulmen.frontend.compile import CompiledProgram, compile_inference, execution_pipeline
+from fulmen.frontend.compile import BACKWARD_STEPS, CompiledProgram, PipelineRun, added_steps, compile_inference
 from fulmen.frontend.cudagraphs import GraphedProgram, graphed
-from fulmen.transforms.accumulate import accumulate_embedding_grads
-from fulmen.transforms.scale_pushdown import push_scale_past_matmuls
 from fulmen.transforms.split import ForwardBackward, split_forward_backward
 
 
@@ -52,9 +51,10 @@ class _Runtime:
     (``loss.backward()`` on a model returning ``(logits, loss)`` gives ``logits`` none), so no backward
     that never runs is ever compiled -- or handed to a fusion executor's background compiler."""
 
-    def __init__(self, fb: ForwardBackward, executors: Sequence[Executor], forward, timings):
+    def __init__(self, fb: ForwardBackward, executors: Sequence[Executor], forward, timings, options: JitOptions):
         self.fb = fb
         self.executors = executors
+        self.options = options
         self.forward = forward
         self.n_outputs = len(fb.outputs)
         self.differentiable = list(fb.differentiable)
@@ -74,6 +74,7 @@ class _Runtime:
         self.n_inputs = len(fb.forward.args)
         self.backwards: dict[tuple[bool, ...], Any] = {}
         self.traces: dict[tuple[bool, ...], list[Trace]] = {}
+        self.steps: dict[tuple[bool, ...], list[str]] = {}  # the names of the steps that built each of traces
         self.latest: tuple[bool, ...] | None = None
         self.timings = timings
         self.compile_mode = compile_mode.get()  # the jitted function's: the backward's regions compile alike
@@ -90,16 +91,17 @@ class _Runtime:
         everything = (True,) * len(self.differentiable)
         try:
             start = time.perf_counter()
+            run = PipelineRun(self.executors, self.options)
             with self.ambient.applied():
-                trace = push_scale_past_matmuls(accumulate_embedding_grads(self.fb.backward_trace(present)))
+                trace = run.record("backward_split", self.fb.backward_trace(present))
             self.timings["backward_split"] = self.timings.get("backward_split", 0.0) + (
                 time.perf_counter() - start) * 1e3
-            timings: dict[str, float] = {}
+            steps = (*BACKWARD_STEPS, *added_steps(self.executors, self.options, "backward"))
             with compile_mode_set(self.compile_mode), self.ambient.applied():
-                fn, traces = execution_pipeline(trace, self.executors, timings)
-            for k, v in timings.items():
+                fn = run.execution(run.run(steps, trace))
+            for k, v in run.timings.items():
                 self.timings[f"backward_{k}"] = self.timings.get(f"backward_{k}", 0.0) + v
-            self.traces[present] = traces
+            self.traces[present], self.steps[present] = run.traces, run.names
         except RuntimeError:  # the saved values do not cover this backward: give the absent outputs zeros
             if present == everything:
                 raise
@@ -114,6 +116,11 @@ class _Runtime:
         if self.latest is None:
             self.backward_for((True,) * len(self.differentiable))
         return self.traces[self.latest]
+
+    def last_steps(self) -> list[str]:
+        """The names of the steps that built ``last_traces()``, one to one."""
+        self.last_traces()
+        return self.steps[self.latest]
 
     def _with_zeros(self, present):
         full = self.backward_for((True,) * len(self.differentiable))
@@ -290,39 +297,36 @@ def _output_builder(trace: Trace, fb: ForwardBackward):
     return build
 
 
-def compile_training(trace: Trace, executors: Sequence[Executor], *,
-                     cuda_graphs: str | None = None) -> CompiledProgram:
-    """Differentiate ``trace`` with respect to its inputs that require grad and compile forward and backward
-    (replayed as CUDA graphs, logged under the name ``cuda_graphs``, when it is given and the program qualifies:
-    ``fulmen.frontend.cudagraphs``)."""
-    timings: dict[str, float] = {}
+def compile_training(trace: Trace, run: PipelineRun, *, cuda_graphs: str | None = None) -> CompiledProgram:
+    """Differentiate ``trace`` (already through the computation steps of ``run``) with respect to its inputs that
+    require grad and compile forward and backward (replayed as CUDA graphs, logged under the name ``cuda_graphs``,
+    when it is given and the program qualifies: ``fulmen.frontend.cudagraphs``)."""
+    executors, timings = run.executors, run.timings
     start = time.perf_counter()
     fb = split_forward_backward(trace, executors)
-    timings["autodiff"] = (time.perf_counter() - start) * 1e3
+    elapsed = (time.perf_counter() - start) * 1e3
     if fb is None:  # no output depends on an input that requires grad: nothing to differentiate
-        program = compile_inference(trace, executors, cuda_graphs=cuda_graphs)
-        program.timings_ms = {**timings, **program.timings_ms}
-        run = program.run
+        timings["autodiff"] = elapsed
+        program = compile_inference(trace, run, cuda_graphs=cuda_graphs)
+        run_with_grad = program.run
 
         def run_without_grad(flat: list) -> Any:
             # as an inference program: kernels that write into given outputs (Inductor's extern mm(out=...)) refuse
             # inputs that require grad while grad mode is on
             with torch.no_grad():
-                return run(flat)
+                return run_with_grad(flat)
 
         program.run = run_without_grad
         return program
-    fb.forward.elapsed_ms = timings["autodiff"]
-    forward, traces = execution_pipeline(fb.forward, executors, timings, [trace])
-    runtime = _Runtime(fb, executors, forward, timings)
+    forward = run.execution(run.record("autodiff", fb.forward, elapsed))
+    runtime = _Runtime(fb, executors, forward, timings, run.options)
     if cuda_graphs:
-        runtime.graphs = graphed(forward, [trace, traces[-1]], cuda_graphs, runtime.n_outputs)
+        runtime.graphs = graphed(forward, [trace, run.traces[-1]], cuda_graphs, runtime.n_outputs)
     build = _output_builder(trace, fb)
     apply = FulmenFunction.apply
-
     unreached = fb.unreached
 
-    def run(flat: list) -> Any:
+    def run_program(flat: list) -> Any:
         if unreached:
             passed = list(flat)
             for i in unreached:
@@ -330,6 +334,6 @@ def compile_training(trace: Trace, executors: Sequence[Executor], *,
             return build(apply(runtime, *passed), flat)
         return build(apply(runtime, *flat), flat)
 
-    return CompiledProgram(forward=forward, traces=traces, backward_traces=runtime.last_traces,
+    return CompiledProgram(forward=forward, traces=run.traces, backward_traces=runtime.last_traces,
                            num_saved=len(fb.saved), output_spec=build, timings_ms=timings,
-                           extra={"runtime": runtime, "split": fb}, run=run)
+                           extra={"runtime": runtime, "split": fb}, run=run_program, steps=run.names)

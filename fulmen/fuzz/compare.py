@@ -220,64 +220,81 @@ def _rms_explains(g: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, atol: flo
 
 def _compare(program: Program, got: Outcome, want: Outcome, ref: Outcome | None, executors: str,
              call: int) -> Mismatch | None:
-    where = f"call {call}"
+    """The first way fulmen's call differs from eager's (errors, outputs, inputs written, gradients), or None."""
+    if want.error is not None or got.error is not None:
+        found = _error_difference(got, want)
+    else:
+        floor = _floor_dtype(program)
+        ok_ref = ref if ref is not None and ref.error is None else None
+        found = (_output_difference(program, got, want, ok_ref, floor)
+                 or _input_difference(program, got, want, ok_ref, floor) or _grad_difference(got, want, ok_ref, floor))
+    return Mismatch(found[0], f"call {call}: {found[1]}", program, executors) if found else None
 
-    def mismatch(kind: str, detail: str) -> Mismatch:
-        return Mismatch(kind, f"{where}: {detail}", program, executors)
 
+def _error_difference(got: Outcome, want: Outcome) -> tuple[str, str] | None:
     if want.error is not None:
         if "INTERNAL ASSERT FAILED" in str(want.error):
             return None  # a PyTorch bug (eager asks for a report), not a behaviour to match; counted by run_fuzz
         if got.error is None:
-            return mismatch("error", f"eager raised in {want.stage} ({type(want.error).__name__}: "
-                                     f"{_first_line(want.error)}) but fulmen did not")
+            return "error", (f"eager raised in {want.stage} ({type(want.error).__name__}: "
+                             f"{_first_line(want.error)}) but fulmen did not")
         return None
-    if got.error is not None:
-        return mismatch("error", f"fulmen raised in {got.stage} but eager did not: {type(got.error).__name__}: "
-                                 f"{_first_line(got.error)}")
+    return "error", (f"fulmen raised in {got.stage} but eager did not: {type(got.error).__name__}: "
+                     f"{_first_line(got.error)}")
+
+
+def _output_difference(program: Program, got: Outcome, want: Outcome, ref: Outcome | None,
+                       floor) -> tuple[str, str] | None:
     if len(got.outputs) != len(want.outputs):
-        return mismatch("structure", f"{len(got.outputs)} outputs, eager {len(want.outputs)}")
+        return "structure", f"{len(got.outputs)} outputs, eager {len(want.outputs)}"
     if got.traced is not None and len(got.traced) == len(got.outputs):
         for k, (g, meta) in enumerate(zip(got.outputs, got.traced)):
             if isinstance(g, torch.Tensor) and meta is not None and meta != (tuple(g.shape), g.dtype):
-                return mismatch("metadata", f"output {k} ({program.outputs[k]}): the trace recorded {meta[1]} "
-                                            f"{list(meta[0])}, the call returned {g.dtype} {list(g.shape)}")
-    floor = _floor_dtype(program)
-    refs = ref.outputs if ref is not None and ref.error is None else [None] * len(want.outputs)
+                return "metadata", (f"output {k} ({program.outputs[k]}): the trace recorded {meta[1]} "
+                                    f"{list(meta[0])}, the call returned {g.dtype} {list(g.shape)}")
+    refs = ref.outputs if ref is not None else [None] * len(want.outputs)
     for k, (g, w, r) in enumerate(zip(got.outputs, want.outputs, refs)):
         if not isinstance(g, torch.Tensor) or not isinstance(w, torch.Tensor):
             if type(g) is not type(w) or g != w:
-                return mismatch("values", f"output {k}: {g!r} != eager's {w!r}")
+                return "values", f"output {k}: {g!r} != eager's {w!r}"
             continue
         if g.requires_grad != w.requires_grad:
-            return mismatch("metadata", f"output {k} ({program.outputs[k]}): requires_grad {g.requires_grad} != "
-                                        f"eager's {w.requires_grad}")
+            return "metadata", (f"output {k} ({program.outputs[k]}): requires_grad {g.requires_grad} != "
+                                f"eager's {w.requires_grad}")
         why = _close(g, w, r if isinstance(r, torch.Tensor) else None, floor)
         if why:
-            return mismatch("values", f"output {k} ({program.outputs[k]}): {why}")
+            return "values", f"output {k} ({program.outputs[k]}): {why}"
+    return None
+
+
+def _input_difference(program: Program, got: Outcome, want: Outcome, ref: Outcome | None,
+                      floor) -> tuple[str, str] | None:
     names = [i.name for i in program.args()] + [p.name for p in program.params()]
-    ref_inputs = ref.inputs if ref is not None and ref.error is None else [None] * len(want.inputs)
+    ref_inputs = ref.inputs if ref is not None else [None] * len(want.inputs)
     for name, g, w, r in zip(names, got.inputs, want.inputs, ref_inputs):
         why = _close(g, w, r, floor)
         if why:
-            return mismatch("input-mutation", f"input {name} after the call: {why}")
-    ref_grads = ref.grads if ref is not None and ref.error is None and len(ref.grads) == len(want.grads) \
-        else [None] * len(want.grads)
+            return "input-mutation", f"input {name} after the call: {why}"
+    return None
+
+
+def _grad_difference(got: Outcome, want: Outcome, ref: Outcome | None, floor) -> tuple[str, str] | None:
+    ref_grads = ref.grads if ref is not None and len(ref.grads) == len(want.grads) else [None] * len(want.grads)
     if len(got.grads) != len(want.grads):
-        return mismatch("grad", f"{len(got.grads)} gradients, eager {len(want.grads)}")
+        return "grad", f"{len(got.grads)} gradients, eager {len(want.grads)}"
     for k, (g, w, r) in enumerate(zip(got.grads, want.grads, ref_grads)):
         if (g is None) != (w is None):
             # no gradient and a zero gradient are the same to a user's optimizer; anything else is not
             other = g if g is not None else w
             if not torch.all(other == 0):
-                return mismatch("grad", f"gradient {k}: {'None' if g is None else 'a tensor'} where eager has "
-                                        f"{'None' if w is None else 'a nonzero tensor'}")
+                return "grad", (f"gradient {k}: {'None' if g is None else 'a tensor'} where eager has "
+                                f"{'None' if w is None else 'a nonzero tensor'}")
             continue
         if g is None:
             continue
         why = _close(g, w, r, floor)
         if why:
-            return mismatch("grad", f"gradient {k}: {why}")
+            return "grad", f"gradient {k}: {why}"
     return None
 
 

@@ -142,7 +142,3 @@ def check_valid_shape(shape: Sequence[int], op: str) -> None:
     for s in shape:
         check(isinstance(s, INT_TYPES) and not isinstance(s, bool) and s >= 0,
               lambda: f"{op}: shape entries must be non-negative ints, but got {tuple(shape)}", RuntimeError)
-
-
-def is_number(x) -> bool:
-    return isinstance(x, NUMBER_TYPES) and not isinstance(x, torch.Tensor)

@@ -75,6 +75,17 @@ def _check_options(op: str, layout=None, out=None, generator=None, pin_memory=Fa
           "with torch.manual_seed instead", NotImplementedError)
 
 
+def _check_layout_options(op: str, *, pin_memory: bool = False, memory_format=None) -> None:
+    """Factory keywords fulmen does not honour raise rather than being dropped: a pinned or channels-last result, or
+    a named tensor, would otherwise silently come back as a plain tensor. ``contiguous_format`` and
+    ``preserve_format`` are honoured: the program's outputs get the strides eager gives them."""
+    check(not pin_memory, lambda: f"{op}: pin_memory=True is not supported inside fulmen.jit; pin the tensor outside "
+          "the compiled function (tensor.pin_memory())", NotImplementedError)
+    check(memory_format in (None, torch.contiguous_format, torch.preserve_format),
+          lambda: f"{op}: memory_format={memory_format} is not supported inside fulmen.jit (its tensors are "
+          "contiguous); call .contiguous(memory_format=...) outside the compiled function", NotImplementedError)
+
+
 def _finish(out: TensorProxy, requires_grad: bool) -> TensorProxy:
     if requires_grad:
         check(dtypes.is_inexact_dtype(out.dtype), lambda: "Only Tensors of floating point and complex dtype can "
@@ -104,8 +115,9 @@ def _filled(shape, value, *, dtype, device, requires_grad=False) -> TensorProxy:
 
 @torchsymbol(torch.zeros, tags=_CREATION)
 def zeros(*size_args, size=None, out=None, dtype=None, layout=None, device=None, pin_memory=False,
-          requires_grad=False, names=None):
+          requires_grad=False):
     """``torch.zeros``: ``size`` as varargs, a sequence or ``torch.Size``; ``dtype`` defaults to the default dtype."""
+    _check_layout_options("zeros", pin_memory=pin_memory)
     _check_options("zeros", layout, out)
     shape = sizes_arg("zeros", size_args, size)
     return _filled(shape, 0, dtype=dtype or torch.get_default_dtype(), device=_device(device),
@@ -114,7 +126,8 @@ def zeros(*size_args, size=None, out=None, dtype=None, layout=None, device=None,
 
 @torchsymbol(torch.ones, tags=_CREATION)
 def ones(*size_args, size=None, out=None, dtype=None, layout=None, device=None, pin_memory=False,
-         requires_grad=False, names=None):
+         requires_grad=False):
+    _check_layout_options("ones", pin_memory=pin_memory)
     _check_options("ones", layout, out)
     shape = sizes_arg("ones", size_args, size)
     return _filled(shape, 1, dtype=dtype or torch.get_default_dtype(), device=_device(device),
@@ -122,9 +135,9 @@ def ones(*size_args, size=None, out=None, dtype=None, layout=None, device=None, 
 
 
 @torchsymbol(torch.full, tags=_CREATION)
-def full(size, fill_value, *, out=None, dtype=None, layout=None, device=None, pin_memory=False, requires_grad=False,
-         names=None):
+def full(size, fill_value, *, out=None, dtype=None, layout=None, device=None, pin_memory=False, requires_grad=False):
     """``torch.full``: the dtype follows the fill value (bool, int64, the default float or complex dtype)."""
+    _check_layout_options("full", pin_memory=pin_memory)
     _check_options("full", layout, out)
     shape = sizes_arg("full", (size,))
     return _filled(shape, fill_value, dtype=dtype or _fill_dtype(fill_value), device=_device(device),
@@ -133,8 +146,9 @@ def full(size, fill_value, *, out=None, dtype=None, layout=None, device=None, pi
 
 @torchsymbol(torch.empty, tags=_CREATION)
 def empty(*size_args, size=None, out=None, dtype=None, layout=None, device=None, pin_memory=False,
-          requires_grad=False, memory_format=None, names=None):
+          requires_grad=False, memory_format=None):
     """``torch.empty``: unspecified contents (``prims.empty``)."""
+    _check_layout_options("empty", pin_memory=pin_memory, memory_format=memory_format)
     _check_options("empty", layout, out)
     shape = sizes_arg("empty", size_args, size)
     for s in shape:
@@ -155,12 +169,14 @@ def _like(a, value, dtype, device, layout, requires_grad):
 @torchsymbol(torch.zeros_like, tags=_CREATION)
 def zeros_like(a, *, dtype=None, layout=None, device=None, pin_memory=False, requires_grad=False,
                memory_format=torch.preserve_format):
+    _check_layout_options("zeros_like", pin_memory=pin_memory, memory_format=memory_format)
     return _like(a, 0, dtype, device, layout, requires_grad)
 
 
 @torchsymbol(torch.ones_like, tags=_CREATION)
 def ones_like(a, *, dtype=None, layout=None, device=None, pin_memory=False, requires_grad=False,
               memory_format=torch.preserve_format):
+    _check_layout_options("ones_like", pin_memory=pin_memory, memory_format=memory_format)
     return _like(a, 1, dtype, device, layout, requires_grad)
 
 
@@ -168,12 +184,14 @@ def ones_like(a, *, dtype=None, layout=None, device=None, pin_memory=False, requ
 def full_like(a, fill_value, *, dtype=None, layout=None, device=None, pin_memory=False, requires_grad=False,
               memory_format=torch.preserve_format):
     """``torch.full_like``: ``a``'s shape, dtype and device unless given (the fill value does not set the dtype)."""
+    _check_layout_options("full_like", pin_memory=pin_memory, memory_format=memory_format)
     return _like(a, fill_value, dtype, device, layout, requires_grad)
 
 
 @torchsymbol(torch.empty_like, tags=_CREATION)
 def empty_like(a, *, dtype=None, layout=None, device=None, pin_memory=False, requires_grad=False,
                memory_format=torch.preserve_format):
+    _check_layout_options("empty_like", pin_memory=pin_memory, memory_format=memory_format)
     _check_options("empty_like", layout)
     return _finish(prims.empty(a.shape, device=_device(device, a), dtype=dtype or a.dtype), requires_grad)
 
@@ -181,6 +199,7 @@ def empty_like(a, *, dtype=None, layout=None, device=None, pin_memory=False, req
 @torchsymbol(torch.Tensor.new_zeros, method_name="new_zeros", tags=_CREATION)
 def new_zeros(a, *size_args, size=None, dtype=None, layout=None, device=None, pin_memory=False,
               requires_grad=False):
+    _check_layout_options("new_zeros", pin_memory=pin_memory)
     shape = sizes_arg("new_zeros", size_args, size)
     return _filled(shape, 0, dtype=dtype or a.dtype, device=_device(device, a), requires_grad=requires_grad)
 
@@ -188,12 +207,14 @@ def new_zeros(a, *size_args, size=None, dtype=None, layout=None, device=None, pi
 @torchsymbol(torch.Tensor.new_ones, method_name="new_ones", tags=_CREATION)
 def new_ones(a, *size_args, size=None, dtype=None, layout=None, device=None, pin_memory=False,
              requires_grad=False):
+    _check_layout_options("new_ones", pin_memory=pin_memory)
     shape = sizes_arg("new_ones", size_args, size)
     return _filled(shape, 1, dtype=dtype or a.dtype, device=_device(device, a), requires_grad=requires_grad)
 
 
 @torchsymbol(torch.Tensor.new_full, method_name="new_full", tags=_CREATION)
 def new_full(a, size, fill_value, *, dtype=None, layout=None, device=None, pin_memory=False, requires_grad=False):
+    _check_layout_options("new_full", pin_memory=pin_memory)
     return _filled(sizes_arg("new_full", (size,)), fill_value, dtype=dtype or a.dtype, device=_device(device, a),
                    requires_grad=requires_grad)
 
@@ -201,6 +222,7 @@ def new_full(a, size, fill_value, *, dtype=None, layout=None, device=None, pin_m
 @torchsymbol(torch.Tensor.new_empty, method_name="new_empty", tags=_CREATION)
 def new_empty(a, *size_args, size=None, dtype=None, layout=None, device=None, pin_memory=False,
               requires_grad=False):
+    _check_layout_options("new_empty", pin_memory=pin_memory)
     shape = sizes_arg("new_empty", size_args, size)
     return _finish(prims.empty(shape, device=_device(device, a), dtype=dtype or a.dtype), requires_grad)
 
@@ -208,6 +230,7 @@ def new_empty(a, *size_args, size=None, dtype=None, layout=None, device=None, pi
 @torchsymbol(torch.Tensor.new_tensor, method_name="new_tensor", tags=_CREATION)
 def new_tensor(a, data, *, dtype=None, device=None, requires_grad=False, layout=None, pin_memory=False):
     """``Tensor.new_tensor``: Python data (or a copy of a tensor) with ``a``'s dtype and device by default."""
+    _check_layout_options("new_tensor", pin_memory=pin_memory)
     if isinstance(data, TensorProxy):
         from fulmen.torch.conversion import to
 
@@ -243,6 +266,7 @@ def _data_dtype(data) -> torch.dtype:
 def tensor(data, *, dtype=None, device=None, requires_grad=False, pin_memory=False):
     """``torch.tensor`` of Python data: a constant built from prims (see ``indexing.index_constant``). Of a tensor
     (a NumPy array's, a global's): a detached copy, as eager makes (which warns, recommending t.clone().detach())."""
+    _check_layout_options("tensor", pin_memory=pin_memory)
     if isinstance(data, TensorProxy):
         from fulmen.torch.conversion import to
         from fulmen.torch.shape import detach
@@ -278,6 +302,7 @@ def _check_real(op: str, *values) -> None:
 def arange(start, end=None, step=1, *, out=None, dtype=None, layout=None, device=None, pin_memory=False,
            requires_grad=False):
     """``torch.arange``: int64 when start, end and step are ints, else the default float dtype."""
+    _check_layout_options("arange", pin_memory=pin_memory)
     _check_options("arange", layout, out)
     if end is None:
         start, end = 0, start
@@ -337,6 +362,7 @@ def _spaced(start, end, steps: int, dtype, device, op: str) -> TensorProxy:
 def linspace(start, end, steps, *, out=None, dtype=None, layout=None, device=None, pin_memory=False,
              requires_grad=False):
     """``torch.linspace``: ``steps`` evenly spaced values from ``start`` to ``end`` inclusive."""
+    _check_layout_options("linspace", pin_memory=pin_memory)
     _check_options("linspace", layout, out)
     dtype = dtype or torch.get_default_dtype()
     out_ = clang.maybe_convert_to_dtype(_spaced(start, end, steps, dtype, _device(device), "linspace"), dtype)
@@ -347,6 +373,7 @@ def linspace(start, end, steps, *, out=None, dtype=None, layout=None, device=Non
 def logspace(start, end, steps, base=10.0, *, out=None, dtype=None, layout=None, device=None, pin_memory=False,
              requires_grad=False):
     """``torch.logspace``: ``base ** linspace(start, end, steps)``."""
+    _check_layout_options("logspace", pin_memory=pin_memory)
     _check_options("logspace", layout, out)
     dtype = dtype or torch.get_default_dtype()
     exponents = _spaced(start, end, steps, dtype, _device(device), "logspace")
@@ -357,6 +384,7 @@ def logspace(start, end, steps, base=10.0, *, out=None, dtype=None, layout=None,
 @torchsymbol(torch.eye, tags=_CREATION)
 def eye(n, m=None, *, out=None, dtype=None, layout=None, device=None, pin_memory=False, requires_grad=False):
     """``torch.eye``: ones on the diagonal of an ``n`` x ``m`` matrix."""
+    _check_layout_options("eye", pin_memory=pin_memory)
     _check_options("eye", layout, out)
     m = n if m is None else m
     check(n >= 0, lambda: f"n must be greater or equal to 0, got {n}", RuntimeError)
@@ -380,8 +408,9 @@ def _float_dtype(dtype, op: str) -> torch.dtype:
 
 @torchsymbol(torch.rand, tags=_RANDOM)
 def rand(*size_args, size=None, generator=None, out=None, dtype=None, layout=None, device=None, pin_memory=False,
-         requires_grad=False, names=None):
+         requires_grad=False):
     """``torch.rand``: uniform in [0, 1) from the default generator (``empty(...).uniform_(0, 1)``)."""
+    _check_layout_options("rand", pin_memory=pin_memory)
     _check_options("rand", layout, out, generator)
     shape = sizes_arg("rand", size_args, size)
     out_ = prims.uniform(shape, 0.0, 1.0, device=_device(device), dtype=_float_dtype(dtype, "rand"))
@@ -390,8 +419,9 @@ def rand(*size_args, size=None, generator=None, out=None, dtype=None, layout=Non
 
 @torchsymbol(torch.randn, tags=_RANDOM)
 def randn(*size_args, size=None, generator=None, out=None, dtype=None, layout=None, device=None, pin_memory=False,
-          requires_grad=False, names=None):
+          requires_grad=False):
     """``torch.randn``: standard normal samples from the default generator (``normal_(0, 1)``)."""
+    _check_layout_options("randn", pin_memory=pin_memory)
     _check_options("randn", layout, out, generator)
     shape = sizes_arg("randn", size_args, size)
     out_ = prims.normal(shape, 0.0, 1.0, device=_device(device), dtype=_float_dtype(dtype, "randn"))
@@ -414,6 +444,7 @@ def _randint_bounds(args, op: str) -> tuple[int, int, tuple]:
 def randint(*args, low=None, high=None, size=None, generator=None, out=None, dtype=None, layout=None, device=None,
             pin_memory=False, requires_grad=False):
     """``torch.randint(high, size)`` / ``(low, high, size)``: int64 uniform in [low, high) by default."""
+    _check_layout_options("randint", pin_memory=pin_memory)
     _check_options("randint", layout, out, generator)
     args = (() if low is None else (low,)) + args + tuple(v for v in (high, size) if v is not None)
     low, high, size = _randint_bounds(args, "randint")
@@ -424,6 +455,7 @@ def randint(*args, low=None, high=None, size=None, generator=None, out=None, dty
 @torchsymbol(torch.rand_like, tags=_RANDOM)
 def rand_like(a, *, dtype=None, layout=None, device=None, pin_memory=False, requires_grad=False,
               memory_format=torch.preserve_format, generator=None):
+    _check_layout_options("rand_like", pin_memory=pin_memory, memory_format=memory_format)
     _check_options("rand_like", layout, None, generator)
     out_ = prims.uniform(a.shape, 0.0, 1.0, device=_device(device, a), dtype=_float_dtype(dtype or a.dtype,
                                                                                            "rand_like"))
@@ -433,6 +465,7 @@ def rand_like(a, *, dtype=None, layout=None, device=None, pin_memory=False, requ
 @torchsymbol(torch.randn_like, tags=_RANDOM)
 def randn_like(a, *, dtype=None, layout=None, device=None, pin_memory=False, requires_grad=False,
                memory_format=torch.preserve_format, generator=None):
+    _check_layout_options("randn_like", pin_memory=pin_memory, memory_format=memory_format)
     _check_options("randn_like", layout, None, generator)
     out_ = prims.normal(a.shape, 0.0, 1.0, device=_device(device, a), dtype=_float_dtype(dtype or a.dtype,
                                                                                          "randn_like"))
@@ -443,6 +476,7 @@ def randn_like(a, *, dtype=None, layout=None, device=None, pin_memory=False, req
 def randint_like(a, low_or_high, high=None, *, dtype=None, layout=None, device=None, pin_memory=False,
                  requires_grad=False, memory_format=torch.preserve_format, generator=None):
     """``torch.randint_like(a, high)`` / ``(a, low, high)``."""
+    _check_layout_options("randint_like", pin_memory=pin_memory, memory_format=memory_format)
     _check_options("randint_like", layout, None, generator)
     low, high = (0, low_or_high) if high is None else (low_or_high, high)
     check(low < high, lambda: f"random_ expects 'from' to be less than 'to', but got from={low} >= to={high}",
@@ -454,6 +488,7 @@ def randint_like(a, low_or_high, high=None, *, dtype=None, layout=None, device=N
 def normal(mean, std=1.0, size=None, *, generator=None, out=None, dtype=None, layout=None, device=None,
            pin_memory=False, requires_grad=False):
     """``torch.normal``: numbers and a ``size``, or tensors of means / standard deviations (as eager computes)."""
+    _check_layout_options("normal", pin_memory=pin_memory)
     _check_options("normal", layout, out, generator)
     if not isinstance(mean, TensorProxy) and not isinstance(std, TensorProxy):
         check(size is not None, lambda: "normal() with float mean and std needs a size", TypeError)

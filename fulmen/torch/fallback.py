@@ -44,55 +44,15 @@ def _fake_meta(func: Callable, name: str, views: bool = False) -> Callable:
     are recorded as views of it, so in-place updates of either reach the other."""
 
     def meta(*args, **kwargs):
-        # a trace with symbolic sizes: fake tensors get the same symbols, and the op's checks record guards
-        env = _shape_env_of((args, kwargs))
-        fargs = ()
-        try:
-            try:
-                fargs, out = _run_fake(func, args, kwargs, env)
-            except (torch._subclasses.fake_tensor.DynamicOutputShapeException,
-                    torch._subclasses.fake_tensor.DataDependentOutputException):
-                if env is not None:
-                    raise
-                # an output size that depends on the data (nonzero, masked_select): an unbacked size of the
-                # trace's ShapeEnv (fulmen.core.unbacked)
-                fargs, out = _run_fake(func, args, kwargs, trace_shape_env())
-        except (torch._subclasses.fake_tensor.DynamicOutputShapeException,
-                torch._subclasses.fake_tensor.DataDependentOutputException) as e:
-            static = STATIC_RESULT_METAS.get(func)
-            if static is not None:
-                return static(*args, **kwargs)
-            raise DataDependentError(
-                f"{name} returns a tensor whose shape depends on tensor values, which fulmen.jit cannot trace.\n"
-                f"  at {_user_location()}\nUse torch.compile(model, backend=\"fulmen\") to run it eagerly between "
-                "compiled parts, or move it out of the compiled function."
-            ) from e
-        except GuardOnDataDependentSymNode as e:
-            special = DATA_DEPENDENT_INPUT_METAS.get(func)
-            out = special(*args, **kwargs) if special is not None else None
-            if out is not None:
-                return out
-            raise data_dependent_guard(name, e) from e
-        except RuntimeError:
-            # Some meta kernels are stricter than the real ones (grouped_mm's demands bf16; the CPU kernel takes
-            # float32, and Hugging Face MoE models call it so): learn the output metadata from one real call on
-            # zero-filled tensors, and re-raise the fake-tensor error if that fails too.
-            out = _run_on_zeros(func, args, kwargs)
-            if out is None:
-                raise
-
-        def to_proxy(x):
-            if isinstance(x, torch.Tensor):
-                if _is_dtensor(x):
-                    raise _makes_dtensor(name)
-                return TensorProxy(shape=tuple(x.shape), dtype=x.dtype, device=x.device,
-                                   requires_grad=x.requires_grad)
-            return x
-
+        fargs, out = _fake_outputs(func, name, args, kwargs)
+        if fargs is None:  # a meta of its own gave the result
+            return out
+        if any(isinstance(x, torch.Tensor) and _is_dtensor(x) for x in tree_leaves(out)):
+            raise _makes_dtensor(name)
         if type(out).__module__ == "torch.return_types":  # keep .values / .indices, as eager does
-            result = type(out)(tuple(tree_map(to_proxy, x) for x in out))
+            result = type(out)(tuple(tree_map(_as_proxy, x) for x in out))
         else:
-            result = tree_map(to_proxy, out)
+            result = tree_map(_as_proxy, out)
         if views and fargs and isinstance(fargs[0], torch.Tensor):
             _link_aliases(func, args, kwargs, fargs[0], out, result)
             for fake, proxy in zip(tree_leaves(out), tree_leaves(result)):
@@ -115,6 +75,55 @@ def _makes_dtensor(name: str) -> NotImplementedError:
         f"{name} makes a DTensor, which fulmen.jit does not trace (DTensor operations run through DTensor's own "
         f"dispatch and collectives).\n  at {_user_location()}\nUse torch.compile(model, backend=\"fulmen\"), which "
         "leaves the DTensor parts to PyTorch and compiles the rest, or make the DTensor outside the jitted function.")
+
+
+def _as_proxy(x):
+    if isinstance(x, torch.Tensor):
+        return TensorProxy(shape=tuple(x.shape), dtype=x.dtype, device=x.device, requires_grad=x.requires_grad)
+    return x
+
+
+_DATA_DEPENDENT_OUTPUT = (torch._subclasses.fake_tensor.DynamicOutputShapeException,
+                          torch._subclasses.fake_tensor.DataDependentOutputException)
+
+
+def _fake_outputs(func: Callable, name: str, args: tuple, kwargs: dict) -> tuple[tuple | None, Any]:
+    """``(fake arguments, fake outputs)`` of ``func`` on the proxies' metadata; ``(None, proxies)`` when a meta of
+    fulmen's own answers (data-dependent sizes), or a clear error naming the user's line."""
+    # a trace with symbolic sizes: fake tensors get the same symbols, and the op's checks record guards
+    env = _shape_env_of((args, kwargs))
+    try:
+        try:
+            return _run_fake(func, args, kwargs, env)
+        except _DATA_DEPENDENT_OUTPUT:
+            if env is not None:
+                raise
+            # an output size that depends on the data (nonzero, masked_select): an unbacked size of the
+            # trace's ShapeEnv (fulmen.core.unbacked)
+            return _run_fake(func, args, kwargs, trace_shape_env())
+    except _DATA_DEPENDENT_OUTPUT as e:
+        static = STATIC_RESULT_METAS.get(func)
+        if static is not None:
+            return None, static(*args, **kwargs)
+        raise DataDependentError(
+            f"{name} returns a tensor whose shape depends on tensor values, which fulmen.jit cannot trace.\n"
+            f"  at {_user_location()}\nUse torch.compile(model, backend=\"fulmen\") to run it eagerly between "
+            "compiled parts, or move it out of the compiled function."
+        ) from e
+    except GuardOnDataDependentSymNode as e:
+        special = DATA_DEPENDENT_INPUT_METAS.get(func)
+        out = special(*args, **kwargs) if special is not None else None
+        if out is not None:
+            return None, out
+        raise data_dependent_guard(name, e) from e
+    except RuntimeError:
+        # Some meta kernels are stricter than the real ones (grouped_mm's demands bf16; the CPU kernel takes
+        # float32, and Hugging Face MoE models call it so): learn the output metadata from one real call on
+        # zero-filled tensors, and re-raise the fake-tensor error if that fails too.
+        out = _run_on_zeros(func, args, kwargs)
+        if out is None:
+            raise
+        return (), out
 
 
 def _ctc_loss_meta(log_probs, targets, input_lengths, target_lengths, blank=0, reduction="mean",

@@ -94,14 +94,7 @@ def mutate(target: TensorProxy, new_value, *, overwrites: bool = False, refuse_o
         _check_not_multi_output_view(target)
     if refuse_overlap and _from_view is None:
         check(not _shares_elements(current), lambda: _OVERLAP_MESSAGE)
-    if isinstance(new_value, TensorProxy):
-        check(clang.broadcast_shapes(current.shape, new_value.shape) == tuple(current.shape),
-              lambda: f"output with shape {list(current.shape)} doesn't match the broadcast shape "
-              f"{list(clang.broadcast_shapes(current.shape, new_value.shape))}")
-        new = clang.maybe_convert_to_dtype(new_value, current.dtype)
-        new = clang.expand_to(new, current.shape)
-    else:
-        new = clang.full(current.shape, new_value, device=current.device, dtype=current.dtype)
+    new = _cast_to(current, new_value)
     # torch's check concerns the tensor written through (x.detach().zero_() on a leaf is allowed)
     if _from_view is None and torch.is_grad_enabled() and current.requires_grad and current.origin == "input-leaf":
         raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
@@ -121,24 +114,39 @@ def mutate(target: TensorProxy, new_value, *, overwrites: bool = False, refuse_o
         if strides is not None:
             set_strides(new, strides)
     if current.view_of is not None:
-        base, remake = current.view_of
-        select, through = remake, None
-        # a base whose elements share memory (an expand) cannot take the view's new value element by element (its
-        # other elements would carry old values to the same memory): the write goes on up, through the composed
-        # views, to the first base that can
-        while latest(base).view_of is not None and _shares_elements(latest(base)):
-            through = base
-            outer, outer_remake = latest(base).view_of
-            select = (lambda inner, view: lambda b: inner(view(b)))(select, outer_remake)
-            base = outer
-        if through is None:
-            unview = getattr(remake, "unview", None)
-            new_base = unview(new) if unview is not None else scatter_into(latest(base), remake, new)
-            mutate(base, new_base, _from_view=current)  # computed from the base's old value
-        else:
-            mutate(base, scatter_into(latest(base), select, new), _from_view=through, _refresh_written=True)
+        _write_to_base(current, new)
     _refresh_views(current, new, None if _refresh_written else _from_view, keep_history=unseen and new.requires_grad)
     return target
+
+
+def _cast_to(current: TensorProxy, new_value) -> TensorProxy:
+    """``new_value`` (a tensor or a number) cast and broadcast to ``current``, as an in-place op writes it."""
+    if not isinstance(new_value, TensorProxy):
+        return clang.full(current.shape, new_value, device=current.device, dtype=current.dtype)
+    check(clang.broadcast_shapes(current.shape, new_value.shape) == tuple(current.shape),
+          lambda: f"output with shape {list(current.shape)} doesn't match the broadcast shape "
+          f"{list(clang.broadcast_shapes(current.shape, new_value.shape))}")
+    return clang.expand_to(clang.maybe_convert_to_dtype(new_value, current.dtype), current.shape)
+
+
+def _write_to_base(current: TensorProxy, new: TensorProxy) -> None:
+    """A view written to: its base gets the new value of the view's elements (``mutate`` of the base)."""
+    base, remake = current.view_of
+    select, through = remake, None
+    # a base whose elements share memory (an expand) cannot take the view's new value element by element (its
+    # other elements would carry old values to the same memory): the write goes on up, through the composed
+    # views, to the first base that can
+    while latest(base).view_of is not None and _shares_elements(latest(base)):
+        through = base
+        outer, outer_remake = latest(base).view_of
+        select = (lambda inner, view: lambda b: inner(view(b)))(select, outer_remake)
+        base = outer
+    if through is None:
+        unview = getattr(remake, "unview", None)
+        new_base = unview(new) if unview is not None else scatter_into(latest(base), remake, new)
+        mutate(base, new_base, _from_view=current)  # computed from the base's old value
+    else:
+        mutate(base, scatter_into(latest(base), select, new), _from_view=through, _refresh_written=True)
 
 
 def _refresh_views(old: TensorProxy, new: TensorProxy, written: TensorProxy | None, keep_history: bool) -> None:

@@ -409,9 +409,8 @@ def _contract_pair(a, la, b, lb, keep: set[str], sizes: dict[str, int]):
     return out, batch + only_a + only_b
 
 
-@torchsymbol(torch.einsum, tags=_MM)
-def einsum(equation, *operands):
-    """Einstein summation: "bij,bjk->bik", implicit outputs, "..." broadcasting and repeated subscripts (diagonals)."""
+def _einsum_args(equation, operands) -> tuple[str, list[str], tuple]:
+    """The equation without spaces, its input terms and the operands, checked as eager checks them."""
     if isinstance(equation, TensorProxy):  # the sublist form: einsum(op0, [0, 1], op1, [1, 2], [0, 2])
         equation, operands = _sublist_equation((equation,) + operands)
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
@@ -420,8 +419,7 @@ def einsum(equation, *operands):
     check(len(operands) > 0, lambda: "einsum(): must provide at least one operand", RuntimeError)
     _check_tensors("einsum", *operands)
     eq = equation.replace(" ", "")
-    lhs, arrow, rhs = eq.partition("->")
-    terms = lhs.split(",")
+    terms = eq.partition("->")[0].split(",")
     check(len(terms) <= len(operands), lambda: "einsum(): fewer operands were provided than specified in the equation",
           RuntimeError)
     check(len(terms) >= len(operands), lambda: "einsum(): more operands were provided than specified in the equation",
@@ -429,7 +427,11 @@ def einsum(equation, *operands):
     for t in operands[1:]:
         check(t.dtype == operands[0].dtype, lambda: f"expected scalar type {scalar_type_name(operands[0].dtype)} but "
               f"found {scalar_type_name(t.dtype)}", RuntimeError)
+    return eq, terms, operands
 
+
+def _parsed_terms(terms: list[str], operands) -> tuple[list, list[str]]:
+    """Each term's labels with how many dims its "..." stands for, and the labels of the broadcast "..." dims."""
     parsed, offset = [], 0
     for number, (term, t) in enumerate(zip(terms, operands)):
         labels, has_ellipsis = _parse_term(term, number, offset)
@@ -444,9 +446,12 @@ def einsum(equation, *operands):
                   RuntimeError)
         parsed.append((labels, t.ndim - n_sub))
     n_ell = max(e for _, e in parsed) if any("..." in lb for lb, _ in parsed) else 0
-    ell_labels = [f"...{j}" for j in range(n_ell)]  # right-aligned across operands, as broadcasting is
+    return parsed, [f"...{j}" for j in range(n_ell)]  # right-aligned across operands, as broadcasting is
 
-    ops, sizes = [], {}
+
+def _labelled_operands(parsed: list, ell_labels: list[str], operands) -> tuple[list, dict]:
+    """(operand with repeated labels reduced to diagonals, its labels) each, and the size of every label."""
+    ops, sizes, n_ell = [], {}, len(ell_labels)
     for number, ((labels, e), t) in enumerate(zip(parsed, operands)):
         if "..." in labels:
             at = labels.index("...")
@@ -458,23 +463,36 @@ def einsum(equation, *operands):
                   f"{number} which does not broadcast with previously seen size {seen}", RuntimeError)
             sizes[lb] = s if seen == 1 else seen
         ops.append((t, labels))
+    return ops, sizes
 
-    if arrow:
-        out_labels, out_has_ellipsis = _parse_term(rhs, -1, len(lhs) + 2)
-        if out_has_ellipsis:
-            at = out_labels.index("...")
-            out_labels = out_labels[:at] + ell_labels + out_labels[at + 1:]
-        for lb in out_labels:
-            check(lb in sizes, lambda: f"einsum(): output subscript {lb} does not appear in the equation for any input "
-                  "operand", RuntimeError)
-            check(out_labels.count(lb) == 1, lambda: f"einsum(): output subscript {lb} appears more than once in the "
-                  "output", RuntimeError)
-    else:
+
+def _output_labels(eq: str, terms: list[str], ell_labels: list[str], sizes: dict) -> list[str]:
+    """The output's labels: those after "->", or (implicit form) "..." then the labels used once, sorted."""
+    lhs, arrow, rhs = eq.partition("->")
+    if not arrow:
         counts: dict[str, int] = {}
         for lb in "".join(terms).replace(".", ""):
             counts[lb] = counts.get(lb, 0) + 1
-        out_labels = ell_labels + sorted(lb for lb, c in counts.items() if c == 1)
+        return ell_labels + sorted(lb for lb, c in counts.items() if c == 1)
+    out_labels, out_has_ellipsis = _parse_term(rhs, -1, len(lhs) + 2)
+    if out_has_ellipsis:
+        at = out_labels.index("...")
+        out_labels = out_labels[:at] + ell_labels + out_labels[at + 1:]
+    for lb in out_labels:
+        check(lb in sizes, lambda: f"einsum(): output subscript {lb} does not appear in the equation for any input "
+              "operand", RuntimeError)
+        check(out_labels.count(lb) == 1, lambda: f"einsum(): output subscript {lb} appears more than once in the "
+              "output", RuntimeError)
+    return out_labels
 
+
+@torchsymbol(torch.einsum, tags=_MM)
+def einsum(equation, *operands):
+    """Einstein summation: "bij,bjk->bik", implicit outputs, "..." broadcasting and repeated subscripts (diagonals)."""
+    eq, terms, operands = _einsum_args(equation, operands)
+    parsed, ell_labels = _parsed_terms(terms, operands)
+    ops, sizes = _labelled_operands(parsed, ell_labels, operands)
+    out_labels = _output_labels(eq, terms, ell_labels, sizes)
     out_set = set(out_labels)
     # Sum out, per operand, the labels neither the output nor any other operand mentions.
     for i, (t, labels) in enumerate(ops):

@@ -261,6 +261,16 @@ def choose_saved(leaves: Sequence[BoundSymbol], inputs: Iterable[Proxy], needed:
                     proxies.setdefault(p.name, p)  # values from outside the leaves count as inputs
                     stack.append(p.name)
 
+    side = _source_side(relevant, needed, proxies, producer, cheap, forced, free_inputs, input_names)
+    return _read_cut(needed, side, proxies, producer)
+
+
+def _source_side(relevant: list[str], needed: list[str], proxies: dict[str, Proxy], producer: dict[str, BoundSymbol],
+                 cheap, forced, free_inputs: set[str], input_names: set[str]) -> set:
+    """The source side of a minimum cut of the graph whose cut edges are the values to save: each value is an
+    edge of its size from its ``in`` to its ``out`` node (free for inputs the forward does not overwrite; never
+    cut when ``forced``: a checkpointed value), fed by the source when it cannot be recomputed, else by its
+    producer's inputs."""
     # Capacities are bytes, scaled so that among values of equal size the later one is cheaper to save: a tie
     # between saving a value and recomputing it from an earlier one of the same size goes to saving.
     position = {name: i for i, name in enumerate(proxies)}
@@ -290,8 +300,13 @@ def choose_saved(leaves: Sequence[BoundSymbol], inputs: Iterable[Proxy], needed:
     for n in needed:
         g.add((n, "out"), sink, _INF)
     g.max_flow(source, sink)
-    side = g.reachable(source)
+    return g.reachable(source)
 
+
+def _read_cut(needed: list[str], side: set, proxies: dict[str, Proxy],
+              producer: dict[str, BoundSymbol]) -> tuple[list[Proxy], dict[str, BoundSymbol]]:
+    """(values to save, in forward order; ``{name: producer}`` of those to recompute) from the cut's source side,
+    walking back from what the backward needs."""
     saved: dict[str, Proxy] = {}
     recomputed: dict[str, BoundSymbol] = {}
     stack, seen = list(needed), set()

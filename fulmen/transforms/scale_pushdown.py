@@ -13,10 +13,9 @@ operand and its result instead::
     t636 = ltorch.mul(prims.matmul(t682, W), t679)       # scales (2, 128, 256)
     t640 = prims.matmul(t638, ltorch.mul(t639, t679))    # scales (256, 256)
 
-(the reshapes now read ``t671``). That removes the (N, V) pass and its buffer: gpt-small on 2 CPU cores spent
-1.4 ms of a 64 ms training step on that multiply, mostly faulting in the fresh 4 MiB buffer's pages, and with
-that buffer gone the forward's cross-entropy kernel no longer faults in its own output either (0.8 ms instead
-of 1.9). The step went from 64.4 to 61.3 ms (medians of 3 processes each).
+(the reshapes now read ``t671``). That removes the (N, V) pass and its fresh buffer, whose pages the multiply
+spent most of its time faulting in; with that buffer gone the forward's cross-entropy kernel no longer faults in
+its own output either (figures: docs/performance.md, "Backward rewrites").
 
 ``push_scale_past_matmuls`` rewrites a ``mul(a, s)`` (``s`` a 0-d tensor) when every reader of its result is a
 chain of reshapes and transposes ending in a matrix product that reads it once, the result is not returned,

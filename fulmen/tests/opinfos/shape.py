@@ -335,10 +335,6 @@ def setitem(a, key, value):
     return a
 
 
-def _setitem_cases(dtype, case):
-    return not (dtype is B8 and isinstance(case[2], float))
-
-
 setitem_opinfo = _op(setitem, cases(
     (X, 0, 2.5), (X, (slice(None), slice(1, 3)), S((3, 2, 5))), (X, (Ellipsis, 0), S((4,))), (X, Ix([2, 0]), S((5,))),
     (X, (Ix([0, 1]), Ix([3, 3])), 1), (X, Ix([[True, False, True, True]] * 3, dtype=torch.bool), 0),

@@ -1,0 +1,157 @@
+"""How views alias and lay out their results, as eager's do: the strides fulmen keeps for proxies, and
+``view_symbol``, which declares a torch-language view op (``fulmen.torch.shape`` holds the ops themselves).
+
+Proxies carry no strides, so fulmen keeps the strides eager would give each view here (inputs are taken to be
+contiguous) and asks PyTorch itself, on a storage-less ``meta`` tensor with those strides, what the op does: a
+view, a copy, or an error. Program inputs have the strides of the tensors they stand for (``set_strides``);
+elementwise results take their inputs' layout (``follow_input_layout``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from fulmen.core.proxies import TensorProxy
+from fulmen.core.symbol import BoundSymbol, Symbol
+from fulmen.core.utils import contiguous_strides
+from fulmen.torch.registry import link_views, set_lazy_bits, torchsymbol, with_lazy_bits
+
+#: id(proxy) -> (weak reference to it, the strides eager gives it); proxies not listed are contiguous.
+_strides: dict[int, tuple[weakref.ref, tuple[int, ...]]] = {}
+#: Strides of views, keyed by the function that remakes the view from its base: a view keeps its layout when
+#: an in-place update gives it a new value (``fulmen.torch.inplace`` passes the same function on).
+_view_strides: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def strides_of(p: TensorProxy) -> tuple[int, ...]:
+    """The strides eager PyTorch gives the tensor ``p`` stands for (inputs: those of ``set_strides``)."""
+    if p.view_of is not None:
+        strides = _view_strides.get(p.view_of[1])
+        if strides is not None:
+            return strides
+    entry = _strides.get(id(p))
+    if entry is not None and entry[0]() is p:
+        return entry[1]
+    return contiguous_strides(p.shape)
+
+
+def layout_of(p: TensorProxy) -> tuple[int, ...] | None:
+    """``strides_of(p)``, or None when ``p`` is contiguous for want of any other record (the common case, told
+    apart without computing contiguous strides)."""
+    if p.view_of is None and id(p) not in _strides:
+        return None
+    return strides_of(p)
+
+
+def _set_strides(p: TensorProxy, strides: tuple[int, ...]) -> None:
+    if p.view_of is not None:
+        _view_strides[p.view_of[1]] = tuple(strides)
+        return
+    if tuple(strides) == contiguous_strides(p.shape):
+        _strides.pop(id(p), None)
+        return
+    key = id(p)
+    _strides[key] = (weakref.ref(p, lambda _, key=key: _strides.pop(key, None)), tuple(strides))
+
+
+def set_strides(p: TensorProxy, strides: Sequence[int]) -> None:
+    """Record the strides of ``p``: a program input, which has those of the tensor it stands for (the cache keys
+    non-contiguous inputs by their strides), or the new value an in-place update gives a tensor, which keeps the
+    tensor's; its views and copies are then decided as eager decides them."""
+    _set_strides(p, tuple(int(s) for s in strides))
+
+
+def _to_meta(x):
+    if isinstance(x, TensorProxy):
+        return with_lazy_bits(torch.empty_strided(tuple(x.shape), strides_of(x), dtype=x.dtype, device="meta"), x)
+    if type(x) in (tuple, list):
+        return type(x)(_to_meta(v) for v in x)
+    return x
+
+
+def _on_meta(fn, args, kwargs):
+    """Run ``fn`` on meta tensors laid out as eager would lay out the proxies: (meta output, meta input 0).
+
+    Torch function handling is off meanwhile: only meta tensors are involved, and the tracer's mode would
+    otherwise see each of these calls: it doubled what a view op costs while tracing."""
+    with torch._C.DisableTorchFunction():
+        margs = [_to_meta(a) for a in args]
+        return fn(*margs, **{k: _to_meta(v) for k, v in kwargs.items()}), margs[0]
+
+
+def follow_input_layout(bsym: BoundSymbol) -> None:
+    """After an elementwise op is recorded: eager lays its result out as its tensor inputs are (a transposed
+    input gives a transposed result), which decides what a later ``view``/``reshape`` of it does. When some input
+    is not contiguous, the result gets the strides the op gives on meta tensors laid out as the inputs."""
+    out = bsym.output
+    if not isinstance(out, TensorProxy) or out.view_of is not None or any(type(n) is not int for n in out.shape):
+        return
+    tensors = [a for a in (*bsym.args, *bsym.kwargs.values()) if isinstance(a, TensorProxy)]
+    if any(a is out for a in tensors) or all(layout_of(a) is None for a in tensors):
+        return
+    try:
+        mout, _ = _on_meta(bsym.sym.torch_fns[0], bsym.args, bsym.kwargs)
+    except Exception:  # an argument meta tensors cannot take: the result stays taken to be contiguous
+        return
+    if isinstance(mout, torch.Tensor) and tuple(mout.shape) == tuple(out.shape):
+        _set_strides(out, mout.stride())
+
+
+follow_input_layout.layout_only = True  # a copy of a recorded call may stand in for it (fulmen.frontend.replay)
+
+
+def _view_hook(bsym: BoundSymbol, unview=None) -> None:
+    """After a view op is recorded: link its outputs to the input when eager would alias them, keep strides."""
+    base = bsym.args[0] if bsym.args else None
+    if not isinstance(base, TensorProxy):
+        return
+    sym = bsym.sym
+    fn = sym.extra.get("meta_fn") or sym.torch_fns[0]
+    try:
+        out, mbase = _on_meta(fn, bsym.args, bsym.kwargs)
+    except Exception:  # eager layout unknown (e.g. an argument meta tensors cannot take): assume a plain view
+        link_views(sym, bsym.args, bsym.kwargs, bsym.output, unview=unview)
+        return
+    outs = bsym.output if isinstance(bsym.output, (tuple, list)) else (bsym.output,)
+    mouts = out if isinstance(out, (tuple, list)) else (out,)
+    with torch._C.DisableTorchFunction():  # meta tensors only (see _on_meta)
+        layouts = [(p, m.stride(), m.is_conj(), m.is_neg(), m is mbase or m._base is mbase)
+                   for p, m in zip(outs, mouts) if isinstance(p, TensorProxy) and isinstance(m, torch.Tensor)]
+    if sym.extra.get("always_alias") or any(aliases for *_, aliases in layouts):
+        link_views(sym, bsym.args, bsym.kwargs, bsym.output, unview=unview)
+        if isinstance(bsym.output, (tuple, list)) and torch.is_grad_enabled():
+            # autograd refuses in-place writes to the views a multi-view op (split, chunk, unbind) returns
+            for p in bsym.output:
+                if isinstance(p, TensorProxy) and p.requires_grad:
+                    p.mark_multi_output_view()
+    for p, strides, conj, neg, _ in layouts:
+        if p is not base:
+            _set_strides(p, strides)
+            set_lazy_bits(p, conj, neg)
+
+
+def check_viewable(fn, a: TensorProxy, *args, **kwargs) -> None:
+    """Raise eager's error when ``a``'s strides do not allow the view (``x.t().view(-1)``)."""
+    if strides_of(a) != contiguous_strides(a.shape):
+        _on_meta(fn, (a, *args), kwargs)
+
+
+def view_symbol(*torch_fns, meta_fn=None, always_alias: bool = False, unview=None, **kwargs):
+    """``torchsymbol(..., is_view=True)`` whose outputs alias the input exactly when eager's do.
+
+    ``unview(new value of the view)`` gives the new value of the whole input, for views that a write cannot be
+    scattered through element by element (a view with another dtype, as ``view_as_real``'s).
+    """
+
+    def decorator(fn) -> Symbol:
+        sym = torchsymbol(*torch_fns, is_view=True, **kwargs)(fn)
+        sym.post_hook = _view_hook if unview is None else lambda bsym: _view_hook(bsym, unview)
+        if meta_fn is not None:
+            sym.extra["meta_fn"] = meta_fn
+        sym.extra["always_alias"] = always_alias
+        return sym
+
+    return decorator
