@@ -332,11 +332,7 @@ def claim_symbols(trace: Trace, executors: Sequence[Executor], *, provenance: st
                     else:
                         visit(p, depth + 1)
                 return
-            exec_sym = ex.execution_symbol(bsym)
-            # the claimed symbol is kept as a comment, unless it would print the same line (an opaque op, an aten op)
-            same = exec_sym is bsym.sym or exec_sym.qualified_name == bsym.sym.qualified_name
-            shown = bsym.subsymbols if same else (bsym,)
-            out.append(BoundSymbol(exec_sym, bsym.args, bsym.kwargs, bsym.output, shown))
+            out.append(_claimed(ex, bsym))
             return
         if bsym.subsymbols:
             for s in bsym.subsymbols:
@@ -355,6 +351,15 @@ def claim_symbols(trace: Trace, executors: Sequence[Executor], *, provenance: st
                                f"none of them runs {e.bsym.sym.qualified_name})") from None
     new.bound_symbols[:] = out
     return fuse_regions(new, executors) if fuse else new
+
+
+def _claimed(ex: Executor, bsym: BoundSymbol) -> BoundSymbol:
+    """``bsym`` as ``ex`` runs it. The claimed symbol is kept as a comment, unless it would print the same line (an
+    opaque op, an aten op)."""
+    exec_sym = ex.execution_symbol(bsym)
+    same = exec_sym is bsym.sym or exec_sym.qualified_name == bsym.sym.qualified_name
+    shown = bsym.subsymbols if same else (bsym,)
+    return BoundSymbol(exec_sym, bsym.args, bsym.kwargs, bsym.output, shown)
 
 
 def fuse_regions(trace: Trace, executors: Sequence[Executor]) -> Trace:

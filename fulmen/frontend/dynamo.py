@@ -153,6 +153,39 @@ def _without_transforms(gm: torch.fx.GraphModule, example_inputs: list) -> torch
             return make_fx(gm, tracing_mode="real")(*fakes)
 
 
+def _traceable(gm: torch.fx.GraphModule, example_inputs: list) -> tuple[torch.fx.GraphModule, list[str]]:
+    """``(graph fulmen traces, the transform primitives left in it)``. vmap/grad levels inside a graph (Mamba's
+    associative_scan runs torch's vmap) act on the tensors the graph passes them, which fulmen's traced tensors
+    cannot stand for; the same graph with the batching rules applied (aten operations on unbatched tensors) can be
+    traced. A graph with symbolic sizes keeps its primitives (``_without_transforms``): PyTorch runs it."""
+    transforms = _functorch_calls(gm)
+    retraced = _without_transforms(gm, example_inputs) if transforms else None
+    if retraced is None:
+        return gm, transforms
+    log.info("fulmen: a Dynamo graph calls torch.func's transform primitives (%s); compiling it as make_fx "
+             "retraced it with their batching rules applied", ", ".join(transforms))
+    return retraced, []
+
+
+def _jitted_graph(gm: torch.fx.GraphModule, n_inputs: int, sources: dict, kept: list[int], options: dict):
+    """``fulmen.jit`` of the graph, taking the inputs at ``kept`` and reading the sizes at ``sources`` from them."""
+    from fulmen.frontend.jit import JittedFunction
+
+    position = {i: k for k, i in enumerate(kept)}
+
+    def run_graph(*passed):  # runs only while fulmen traces: not on the per-call path
+        return gm(*[passed[position[sources[i][0]]].shape[sources[i][1]] if i in sources else passed[position[i]]
+                    for i in range(n_inputs)])
+
+    run_graph.__name__ = "dynamo_graph"
+    jitted = JittedFunction(run_graph, **options)
+    jitted._guard_reads = False  # Dynamo guards the globals the user's code read; the graph's own are its constants
+    if jitted.dynamic is None:  # the dims Dynamo compiled for every size are symbolic in fulmen's first compilation
+        jitted._marked_dims = _dynamic_dims(gm, kept)
+    jitted._split_points = False  # a value the graph reads (.item()) is a float Dynamo passes anew on each call
+    return jitted
+
+
 def fulmen_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None,
                    **kwargs) -> Callable:
     """Compile one Dynamo graph with ``fulmen.jit``; options are passed to it (e.g. ``executors=``).
@@ -167,41 +200,20 @@ def fulmen_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict
     """
     from fulmen.core.proxies import DataDependentError
     from fulmen.frontend import dynamo_dtensor
-    from fulmen.frontend.jit import JittedFunction
 
     if dynamo_dtensor.holds_dtensors(gm, example_inputs):
         # DTensor operations run with PyTorch's DTensor dispatch; fulmen compiles the plain-tensor parts between
         return dynamo_dtensor.split_at_dtensors(gm, lambda part, examples: fulmen_backend(part, examples, options,
                                                                                           **kwargs))
 
-    transforms = _functorch_calls(gm)
-    retraced = _without_transforms(gm, example_inputs) if transforms else None
-    if retraced is not None:
-        # vmap/grad levels inside a graph (Mamba's associative_scan runs torch's vmap) act on the tensors the graph
-        # passes them, which fulmen's traced tensors cannot stand for; the same graph with the batching rules
-        # applied (aten operations on unbatched tensors) can be traced
-        log.info("fulmen: a Dynamo graph calls torch.func's transform primitives (%s); compiling it as make_fx "
-                 "retraced it with their batching rules applied", ", ".join(transforms))
-        gm, transforms = retraced, []
+    gm, transforms = _traceable(gm, example_inputs)
     sources = _size_sources(gm) or {}
     kept = [i for i in range(len(example_inputs)) if i not in sources]  # the inputs fulmen is passed
-    position = {i: k for k, i in enumerate(kept)}
-
-    def run_graph(*passed):  # runs only while fulmen traces: not on the per-call path
-        return gm(*[passed[position[sources[i][0]]].shape[sources[i][1]] if i in sources else passed[position[i]]
-                    for i in range(len(example_inputs))])
-
-    run_graph.__name__ = "dynamo_graph"
-    jitted = JittedFunction(run_graph, **{**(options or {}), **kwargs})
-    jitted._guard_reads = False  # Dynamo guards the globals the user's code read; the graph's own are its constants
-    if jitted.dynamic is None:  # the dims Dynamo compiled for every size are symbolic in fulmen's first compilation
-        jitted._marked_dims = _dynamic_dims(gm, kept)
-    jitted._split_points = False  # a value the graph reads (.item()) is a float Dynamo passes anew on each call
-
+    jitted = _jitted_graph(gm, len(example_inputs), sources, kept, {**(options or {}), **kwargs})
     select = (lambda args: [args[i] for i in kept]) if sources else (lambda args: args)
     record = _GraphRecord(jitted)
     eager = None  # set when fulmen cannot trace the graph: Dynamo's graph then runs as it is
-    if transforms:  # a graph with symbolic sizes that calls transform primitives: PyTorch runs it
+    if transforms:
         record.eager_reason = f"the graph calls torch.func's transform primitives ({', '.join(transforms)})"
         log.warning("fulmen: a Dynamo graph runs with eager PyTorch, not compiled: %s", record.eager_reason)
         eager = gm
