@@ -14,8 +14,7 @@ Example: common-subexpression elimination once more, on the computation trace be
     jfn = fulmen.jit(fn, steps=[fulmen.Step("early_cse", lambda trace, executors: cse(trace))])
 
 A step's function receives the trace and the executors of the compilation and returns a new trace (it must
-not edit the one it is given: earlier traces are kept as they were), or the trace it was given when it has nothing
-to do for it (then no trace is kept under its name).
+not edit the one it is given: earlier traces are kept as they were).
 """
 
 from __future__ import annotations
@@ -34,12 +33,14 @@ STAGES = ("computation", "execution", "backward")
 @dataclass(frozen=True)
 class Step:
     """``fn(trace, executors) -> trace`` under ``name``, run at ``stage`` (one of ``STAGES``); ``when(executors)``,
-    when given, says whether the step runs for a compilation (a step that does not run keeps no trace)."""
+    when given, says whether the step runs for a compilation, and ``for_trace(trace)`` whether it has work on a
+    given trace (the "overlap" step: only traces that communicate). A step that does not run keeps no trace."""
 
     name: str
     fn: Callable[[Any, Sequence[Any]], Any]
     stage: str = "computation"
     when: Callable[[Sequence[Any]], bool] | None = None
+    for_trace: Callable[[Any], bool] | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name.isidentifier():

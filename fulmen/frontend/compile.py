@@ -44,7 +44,7 @@ EXECUTION_PIPELINE: tuple[Step, ...] = (
     Step("dce_after_claim", lambda t, executors: dce(t, provenance="Dead Code Elimination (after claiming)"),
          "execution"),
     # collectives started as early as their inputs allow, waited as late as their readers allow
-    Step("overlap", lambda t, executors: schedule_communication(t) if communicates(t) else t, "execution"),
+    Step("overlap", lambda t, executors: schedule_communication(t), "execution", for_trace=communicates),
     Step("fusion", lambda t, executors: fuse_regions(t, executors), "execution", when=_has_fusion),
     Step("del_last_used", lambda t, executors: del_last_used(t), "execution"),
 )
@@ -88,9 +88,9 @@ class PipelineRun:
             if not step.applies(self.executors):
                 continue
             start = time.perf_counter()
-            out = step.fn(trace, self.executors)
-            if out is trace:  # nothing to do for this trace: no trace is kept under the step's name
+            if step.for_trace is not None and not step.for_trace(trace):
                 continue
+            out = step.fn(trace, self.executors)
             if not isinstance(out, Trace):
                 raise TypeError(f"pipeline step {step.name!r} returned {type(out).__name__}; a step returns a Trace")
             trace = self.record(step.name, out, (time.perf_counter() - start) * 1e3)

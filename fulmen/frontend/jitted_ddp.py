@@ -17,7 +17,6 @@ from collections.abc import Iterator, Sequence
 from torch import nn
 
 from fulmen.executors.base import Executor
-from fulmen.frontend import module_guard
 from fulmen.frontend.module import JittedModule
 
 
@@ -32,7 +31,6 @@ class JittedDDP(JittedModule):
     """
 
     def __init__(self, ddp: nn.Module, executors: Sequence[Executor | str] | None = None, **options):
-        module_guard.install()
         nn.Module.__init__(self)
         self._parameters = ddp._parameters
         self._buffers = ddp._buffers
