@@ -33,6 +33,7 @@ import threading
 import time
 from typing import Any
 
+from fulmen.core.shared_patch import SharedPatch
 from fulmen.core.utils import compiler_import_lock
 
 log = logging.getLogger("fulmen.inductor")
@@ -41,8 +42,6 @@ _state = threading.local()
 _lock = threading.Lock()
 #: Inductor's ``AsyncCompile.cpp_pybinding`` while ``merged_cpp_build`` has put its own in place.
 _original_cpp_pybinding = None
-#: How many threads are inside ``merged_cpp_build()`` (``_binding_in_place``).
-_users = 0
 
 _ENTRY = re.compile(r'extern\s+"C"\s+void\s+kernel\s*\(')
 #: Preprocessor lines that would leak from one kernel into the next in a shared translation unit.
@@ -346,26 +345,24 @@ def _cpp_pybinding(self, argtypes, source_code):
     return batch.add(argtypes, source_code)
 
 
-@contextlib.contextmanager
-def _binding_in_place():
-    """Inductor's ``AsyncCompile.cpp_pybinding`` is ours while some thread is inside ``merged_cpp_build()``, and
-    torch's again when the last one leaves. Ours delegates to torch's in a thread without a batch, so another
-    thread that compiles meanwhile builds as Inductor does."""
-    global _original_cpp_pybinding, _users
+def _install_binding() -> None:
+    global _original_cpp_pybinding
     from torch._inductor.async_compile import AsyncCompile
 
-    with _lock:
-        if _users == 0:
-            _original_cpp_pybinding = AsyncCompile.cpp_pybinding
-            AsyncCompile.cpp_pybinding = _cpp_pybinding
-        _users += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _users -= 1
-            if _users == 0:
-                AsyncCompile.cpp_pybinding = _original_cpp_pybinding
+    _original_cpp_pybinding = AsyncCompile.cpp_pybinding
+    AsyncCompile.cpp_pybinding = _cpp_pybinding
+
+
+def _uninstall_binding() -> None:
+    from torch._inductor.async_compile import AsyncCompile
+
+    AsyncCompile.cpp_pybinding = _original_cpp_pybinding
+
+
+#: Inductor's ``AsyncCompile.cpp_pybinding`` is ours while some thread is inside ``merged_cpp_build()``, and
+#: torch's again when the last one leaves. Ours delegates to torch's in a thread without a batch, so another
+#: thread that compiles meanwhile builds as Inductor does.
+_binding_in_place = SharedPatch(_install_binding, _uninstall_binding)
 
 
 #: A kernel-like source: it uses ATen's vector types, so its build takes the same flags (and the same
@@ -461,7 +458,7 @@ def merged_cpp_build(batch: MergedBuild):
     previous = getattr(_state, "batch", None)
     _state.batch = batch
     try:
-        with _binding_in_place():
+        with _binding_in_place:
             yield batch
     finally:
         _state.batch = previous

@@ -29,6 +29,8 @@ import types
 
 import sympy
 
+from fulmen.core.shared_patch import SharedPatch
+
 _here = threading.local()
 
 
@@ -60,8 +62,6 @@ def simplify(expr, *args, **kwargs):
     return sympy.simplify(expr, *args, **kwargs)
 
 
-_lock = threading.Lock()
-_users = 0
 _namespace = None
 
 
@@ -76,27 +76,33 @@ def _shortcut_namespace() -> types.ModuleType:
     return _namespace
 
 
-@contextlib.contextmanager
-def shortcut_here():
-    """The shortcut answers on the calling thread for the block.
-
-    Inductor's ``sizevars`` module looks up the name ``sympy`` in the shortcut's namespace while some thread is
-    inside such a block, and in sympy itself again once the last one left. A torch release that imports sympy
-    some other way is left as it is."""
-    global _users
+def _install_shortcut() -> None:
     from torch._inductor import sizevars
 
-    with _lock:
-        if _users == 0 and getattr(sizevars, "sympy", None) is sympy:
-            sizevars.sympy = _shortcut_namespace()
-        _users += 1
-    before = getattr(_here, "on", False)
-    _here.on = True
-    try:
-        yield
-    finally:
-        _here.on = before
-        with _lock:
-            _users -= 1
-            if _users == 0 and getattr(sizevars, "sympy", None) is _namespace:
-                sizevars.sympy = sympy
+    if getattr(sizevars, "sympy", None) is sympy:
+        sizevars.sympy = _shortcut_namespace()
+
+
+def _uninstall_shortcut() -> None:
+    from torch._inductor import sizevars
+
+    if getattr(sizevars, "sympy", None) is _namespace:
+        sizevars.sympy = sympy
+
+
+#: Inductor's ``sizevars`` module looks up the name ``sympy`` in the shortcut's namespace while some thread is
+#: inside ``shortcut_here()``, and in sympy itself again once the last one left. A torch release that imports sympy
+#: some other way is left as it is.
+_in_place = SharedPatch(_install_shortcut, _uninstall_shortcut)
+
+
+@contextlib.contextmanager
+def shortcut_here():
+    """The shortcut answers on the calling thread for the block (see ``_in_place``)."""
+    with _in_place:
+        before = getattr(_here, "on", False)
+        _here.on = True
+        try:
+            yield
+        finally:
+            _here.on = before

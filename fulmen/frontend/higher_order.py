@@ -12,13 +12,12 @@ otherwise (other threads, eager calls); the last trace to end puts the original 
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
-import threading
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
+from fulmen.core.shared_patch import SharedPatch
 from fulmen.core.trace import get_tracectx
 from fulmen.frontend import checkpointing
 from fulmen.torch import higher_order
@@ -36,8 +35,6 @@ _ROUTES = {
     ("torch.utils.checkpoint", "_checkpoint_without_reentrant_generator"): checkpointing.without_reentrant,
 }
 
-_lock = threading.Lock()
-_users = 0
 # function -> (its own code, a function running that code, the stub's code); filled at the first trace
 _patched: dict[Callable, tuple[types.CodeType, Callable, types.CodeType]] = {}
 # stub index -> (PyTorch's code as a function, fulmen's version, whether it is a method)
@@ -101,21 +98,21 @@ def _prepare() -> None:
         _by_index.append((original, traced, "." in qualname))
 
 
-@contextlib.contextmanager
-def routing_higher_order_ops() -> Iterator[None]:
-    """Route the calls (see the module docstring) for as long as any thread traces."""
-    global _users
-    with _lock:
-        if _users == 0:
-            _prepare()
-            for fn, (_, _, stub) in _patched.items():
-                fn.__code__ = stub
-        _users += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _users -= 1
-            if _users == 0:
-                for fn, (code, _, _) in _patched.items():
-                    fn.__code__ = code
+def _route() -> None:
+    _prepare()
+    for fn, (_, _, stub) in _patched.items():
+        fn.__code__ = stub
+
+
+def _unroute() -> None:
+    for fn, (code, _, _) in _patched.items():
+        fn.__code__ = code
+
+
+_routing = SharedPatch(_route, _unroute)
+
+
+def routing_higher_order_ops() -> SharedPatch:
+    """Route the calls (see the module docstring) for as long as any thread traces: ``with
+    routing_higher_order_ops():``."""
+    return _routing

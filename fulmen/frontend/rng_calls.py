@@ -24,11 +24,10 @@ import torch.random
 
 from fulmen import prims
 from fulmen.core.proxies import _user_location
+from fulmen.core.shared_patch import SharedPatch
 from fulmen.core.trace import get_tracectx
 from fulmen.core.tracer import get_tracer
 
-_lock = threading.Lock()
-_users = 0
 _tracing = threading.local()  # .depth: how many traces this thread is inside
 _ORIGINALS = {name: getattr(torch.random, name) for name in ("manual_seed", "get_rng_state", "set_rng_state")}
 #: What each module held while no thread traced, put back by the last trace to end (``torch.manual_seed`` need
@@ -63,30 +62,33 @@ _WRAPPERS = {"manual_seed": _wrap("manual_seed", _manual_seed),
              "set_rng_state": _wrap("set_rng_state", _set_rng_state)}
 
 
+def _install() -> None:
+    for name, wrapper in _WRAPPERS.items():
+        for owner in (torch.random, torch):
+            _saved[(owner, name)] = getattr(owner, name)
+            setattr(owner, name, wrapper)
+
+
+def _uninstall() -> None:
+    for (owner, name), original in _saved.items():
+        if getattr(owner, name) is _WRAPPERS[name]:  # else replaced meanwhile: theirs calls ours
+            setattr(owner, name, original)
+    _saved.clear()
+
+
+_recording = SharedPatch(_install, _uninstall)
+
+
 @contextlib.contextmanager
 def recording_rng_calls():
     """Record the tracing thread's calls that set the default generator; fail if its state changed otherwise."""
-    global _users
-    with _lock:
-        if _users == 0:
-            for name, wrapper in _WRAPPERS.items():
-                for owner in (torch.random, torch):
-                    _saved[(owner, name)] = getattr(owner, name)
-                    setattr(owner, name, wrapper)
-        _users += 1
-    _tracing.depth = getattr(_tracing, "depth", 0) + 1
-    before = _ORIGINALS["get_rng_state"]()
-    try:
-        yield
-    finally:
-        _tracing.depth -= 1
-        with _lock:
-            _users -= 1
-            if _users == 0:
-                for (owner, name), original in _saved.items():
-                    if getattr(owner, name) is _WRAPPERS[name]:  # else replaced meanwhile: theirs calls ours
-                        setattr(owner, name, original)
-                _saved.clear()
+    with _recording:
+        _tracing.depth = getattr(_tracing, "depth", 0) + 1
+        before = _ORIGINALS["get_rng_state"]()
+        try:
+            yield
+        finally:
+            _tracing.depth -= 1
     if not torch.equal(before, _ORIGINALS["get_rng_state"]()):
         warnings.warn(
             "fulmen.jit: torch's default random generator changed while the function was traced, in a way fulmen "

@@ -20,6 +20,7 @@ from fulmen import prims
 from fulmen.core import langctx
 from fulmen.core.codeutils import sanitize_name
 from fulmen.core.proxies import Proxy, TensorProxy, call_with_out, has_proxy, is_library_file, is_proxy, latest
+from fulmen.core.shared_patch import SharedPatch
 from fulmen.core.symbol import Symbol
 from fulmen.core.trace import Trace, get_tracectx
 from fulmen.core.tracer import Tracer, record, resolve_latest, tracing
@@ -389,8 +390,6 @@ class UserTracer(Tracer):
 
 
 _tracing = threading.local()  # .depth: how many trace_program calls this thread is inside
-_patch_lock = threading.Lock()
-_patch_users = 0
 _original_apply = torch.autograd.Function.__dict__["apply"]
 _ReentrantCheckpoint = getattr(torch.utils.checkpoint, "CheckpointFunction", None)
 
@@ -421,24 +420,27 @@ def _apply(cls, *args, **kwargs):  # named "apply" below: Dynamo recognizes Func
 _apply.__name__ = "apply"
 
 
+def _install_apply() -> None:
+    torch.autograd.Function.apply = classmethod(_apply)
+
+
+def _uninstall_apply() -> None:
+    torch.autograd.Function.apply = _original_apply
+
+
+_apply_patch = SharedPatch(_install_apply, _uninstall_apply)
+
+
 @contextlib.contextmanager
 def _recording_autograd_functions():
     """PyTorch's C++ apply would run ``forward`` on proxies (inlining it and losing the custom backward):
     ``Function.apply`` is wrapped while any thread traces, and the wrapper acts only for the tracing thread."""
-    global _patch_users
-    with _patch_lock:
-        if _patch_users == 0:
-            torch.autograd.Function.apply = classmethod(_apply)
-        _patch_users += 1
-    _tracing.depth = getattr(_tracing, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _tracing.depth -= 1
-        with _patch_lock:
-            _patch_users -= 1
-            if _patch_users == 0:
-                torch.autograd.Function.apply = _original_apply
+    with _apply_patch:
+        _tracing.depth = getattr(_tracing, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            _tracing.depth -= 1
 
 
 def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[str] | None = None,

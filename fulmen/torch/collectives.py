@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
-import threading
 from collections.abc import Callable
 
 import torch
@@ -33,6 +32,7 @@ import torch.distributed as dist
 
 from fulmen.core import langctx
 from fulmen.core.proxies import TensorProxy, _user_location
+from fulmen.core.shared_patch import SharedPatch
 from fulmen.core.symbol import OpTags, Symbol
 from fulmen.core.trace import get_tracectx
 from fulmen.core.utils import check, contiguous_strides
@@ -353,8 +353,6 @@ def _nn_reduce_scatter(op, group, output, *inputs):
 
 
 _NN = "torch.distributed.nn.functional."
-_patch_lock = threading.Lock()
-_patch_users = 0
 _original_refusal: Callable | None = None
 
 
@@ -364,28 +362,31 @@ def _refuse_unless_traced(name, *, suggestion=None):
     return None
 
 
+def _lift_refusal() -> None:
+    global _original_refusal
+    module = sys.modules["torch.distributed.nn.functional"]
+    _original_refusal = module._not_supported_under_compile
+    module._not_supported_under_compile = _refuse_unless_traced
+
+
+def _restore_refusal() -> None:
+    sys.modules["torch.distributed.nn.functional"]._not_supported_under_compile = _original_refusal
+
+
+_refusal_lifted = SharedPatch(_lift_refusal, _restore_refusal)
+
+
 @contextlib.contextmanager
 def nn_functional_traceable():
     """While fulmen traces, ``torch.distributed.nn.functional`` sees ``torch.compiler.is_compiling()`` and refuses
     to run; its Functions are recorded as fulmen's collectives (above), so the refusal is lifted for the threads
     that trace, for as long as any traces (a scoped patch; other threads keep PyTorch's behaviour)."""
-    global _patch_users, _original_refusal
     module = sys.modules.get("torch.distributed.nn.functional")  # not imported: nothing to lift
     if module is None or not hasattr(module, "_not_supported_under_compile"):
         yield
         return
-    with _patch_lock:
-        if _patch_users == 0:
-            _original_refusal = module._not_supported_under_compile
-            module._not_supported_under_compile = _refuse_unless_traced
-        _patch_users += 1
-    try:
+    with _refusal_lifted:
         yield
-    finally:
-        with _patch_lock:
-            _patch_users -= 1
-            if _patch_users == 0:
-                module._not_supported_under_compile = _original_refusal
 
 
 langctx.autograd_functions.update(
