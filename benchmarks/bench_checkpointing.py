@@ -18,31 +18,15 @@ import dataclasses
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import fulmen
-from fulmen.bench.models import CONFIGS, GPT
-
-
-class Checkpointed(nn.Module):
-    """A block whose activations are recomputed in the backward."""
-
-    def __init__(self, block: nn.Module, use_reentrant: bool):
-        super().__init__()
-        self.block = block
-        self.use_reentrant = use_reentrant
-
-    def forward(self, x):
-        return checkpoint(self.block, x, use_reentrant=self.use_reentrant)
+from fulmen.bench.models import CONFIGS, GPT, checkpoint_blocks
 
 
 def build(name: str, mode: str, dropout: float) -> GPT:
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(CONFIGS[name], dropout=dropout))
-    if mode != "none":
-        h = model.transformer.h
-        model.transformer.h = nn.ModuleList(Checkpointed(b, mode == "reentrant") for b in h)
-    return model
+    return model if mode == "none" else checkpoint_blocks(model, use_reentrant=mode == "reentrant")
 
 
 def _storages(tensors, skip: set[int]) -> int:

@@ -148,6 +148,17 @@ def _paused_region(monkeypatch, paused: _Paused):
     assert paused.reached.wait(300), "the background compiler never reached the pause"
 
 
+def _while_paused(monkeypatch, paused):
+    """A fixture's body: start a region's lowering that stops at ``paused``, hand ``paused`` to the test, then let
+    the lowering finish."""
+    try:
+        _paused_region(monkeypatch, paused)
+        yield paused
+    finally:
+        paused.release.set()
+    paused.finish()
+
+
 @pytest.fixture
 def paused_lowering(monkeypatch):
     """A region's Inductor lowering on the background compiler, stopped in the middle of its aten trace (at its
@@ -161,12 +172,7 @@ def paused_lowering(monkeypatch):
 
     table[torch.ops.aten.mul.Tensor] = pause
     monkeypatch.setattr(inductor_compile, "decomposition_table", lambda: table)
-    try:
-        _paused_region(monkeypatch, paused)
-        yield paused
-    finally:
-        paused.release.set()
-    paused.finish()
+    yield from _while_paused(monkeypatch, paused)
 
 
 def test_a_paused_background_lowering_changes_nothing_the_main_thread_sees(paused_lowering):
@@ -216,12 +222,7 @@ def paused_in_inductors_fx_trace(monkeypatch, compiled_before):
         return compile_inner(*args, **kwargs)
 
     monkeypatch.setattr(compile_fx, "compile_fx_inner", tracing_first)
-    try:
-        _paused_region(monkeypatch, paused)
-        yield paused
-    finally:
-        paused.release.set()
-    paused.finish()
+    yield from _while_paused(monkeypatch, paused)
 
 
 def test_inductors_own_fx_traces_leave_the_main_thread_alone(paused_in_inductors_fx_trace, compiled_before):

@@ -253,24 +253,12 @@ def test_other_context_fn_is_refused():
         fulmen.jit(program, executors=["torch"])(torch.randn(2, 2), torch.randn(2, 2, requires_grad=True))
 
 
-class _CheckpointedBlock(nn.Module):
-    def __init__(self, block: nn.Module, use_reentrant: bool):
-        super().__init__()
-        self.block = block
-        self.use_reentrant = use_reentrant
-
-    def forward(self, x):
-        return checkpoint(self.block, x, use_reentrant=self.use_reentrant)
-
-
 def _gpt(checkpointed: bool, use_reentrant: bool = False):
-    from fulmen.bench.models import GPT, GPTConfig
+    from fulmen.bench.models import GPT, GPTConfig, checkpoint_blocks
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16, dropout=0.1))
-    if checkpointed:
-        model.transformer.h = nn.ModuleList(_CheckpointedBlock(b, use_reentrant) for b in model.transformer.h)
-    return model
+    return checkpoint_blocks(model, use_reentrant) if checkpointed else model
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])

@@ -163,6 +163,26 @@ class GPT(nn.Module):
         return logits, loss
 
 
+class Checkpointed(nn.Module):
+    """A block whose activations are recomputed in the backward (``torch.utils.checkpoint``)."""
+
+    def __init__(self, block: nn.Module, use_reentrant: bool = False):
+        super().__init__()
+        self.block = block
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, x, use_reentrant=self.use_reentrant)
+
+
+def checkpoint_blocks(model: GPT, use_reentrant: bool = False) -> GPT:
+    """``model`` with each transformer block wrapped in ``Checkpointed`` (in place; returned for chaining)."""
+    model.transformer.h = nn.ModuleList(Checkpointed(b, use_reentrant) for b in model.transformer.h)
+    return model
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # LLaMA style
 # ---------------------------------------------------------------------------------------------------------------

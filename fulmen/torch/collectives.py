@@ -287,30 +287,15 @@ def c10d_all_gather(tensor_list, tensor, group=None, async_op=False):
 
 if dist.is_available():
     register_function([dist.all_reduce], c10d_all_reduce)
-    register_function(
-        [
-            f
-            for f in (
-                getattr(dist, "all_gather_single", None),
-                dist.all_gather_into_tensor,
-                getattr(dist.distributed_c10d, "_all_gather_base", None),
-            )
-            if f is not None
-        ],
-        c10d_all_gather_single,
-    )
-    register_function(
-        [
-            f
-            for f in (
-                getattr(dist, "reduce_scatter_single", None),
-                dist.reduce_scatter_tensor,
-                getattr(dist.distributed_c10d, "_reduce_scatter_base", None),
-            )
-            if f is not None
-        ],
-        c10d_reduce_scatter_single,
-    )
+    def _present(*names: str) -> list:
+        """The functions of these names (``module.name`` under torch.distributed) this torch release has."""
+        found = (getattr(dist.distributed_c10d if "." in n else dist, n.rpartition(".")[2], None) for n in names)
+        return [f for f in found if f is not None]
+
+    register_function(_present("all_gather_single", "all_gather_into_tensor", "c10d._all_gather_base"),
+                      c10d_all_gather_single)
+    register_function(_present("reduce_scatter_single", "reduce_scatter_tensor", "c10d._reduce_scatter_base"),
+                      c10d_reduce_scatter_single)
     register_function([dist.broadcast], c10d_broadcast)
     register_function([dist.all_gather], c10d_all_gather)
 
