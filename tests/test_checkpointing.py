@@ -455,3 +455,38 @@ def test_the_first_call_already_runs_the_checkpointed_program():
     loss = fulmen.jit(_two_blocks, executors=["torch"], compile="async")(x, w1, w2, False)
     assert type(loss.grad_fn).__name__ == "FulmenFunctionBackward"
     assert saved_bytes(loss, exclude=[x, w1, w2]) == 16 * 8 * 4
+
+
+@pytest.mark.usefixtures("quiet_transformers")
+def test_hugging_face_gradient_checkpointing_is_recomputed_and_equals_eager():
+    # transformers' own checkpointing (model.gradient_checkpointing_enable(), use_reentrant=False) on a tiny Llama
+    # built from its config: fulmen recomputes the layers in the backward, the loss and every gradient as eager's
+    pytest.importorskip("transformers")
+    from fulmen.bench.hf_families import FAMILIES
+
+    family = FAMILIES["llama"]
+
+    def build(checkpointed: bool):
+        model = family.build(use_cache=False).train()
+        if checkpointed:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+
+    kwargs = family.inputs(build(False).config)
+    eager = build(True)
+    expected = eager(**kwargs).loss
+    expected.backward()
+    results = {}
+    for checkpointed in (False, True):
+        model = build(checkpointed)
+        jitted = fulmen.jit(model, executors=["torch"])
+        jitted(**kwargs).loss.backward()  # the first call compiles
+        model.zero_grad()
+        loss = jitted(**kwargs).loss
+        results[checkpointed] = saved_bytes(loss, exclude=[*model.parameters()])
+        loss.backward()
+        if checkpointed:
+            torch.testing.assert_close(loss, expected)
+            for (name, p), e in zip(model.named_parameters(), eager.parameters()):
+                torch.testing.assert_close(p.grad, e.grad, msg=name)
+    assert results[True] < results[False]

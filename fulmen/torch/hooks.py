@@ -19,7 +19,7 @@ from fulmen.core import langctx
 from fulmen.core.proxies import TensorProxy, _user_location, latest
 from fulmen.core.trace import get_tracectx
 from fulmen.core.utils import check
-from fulmen.torch.fallback import opaque_symbol
+from fulmen.torch.fallback import opaque_symbol, record
 
 
 class _GradHook(torch.autograd.Function):
@@ -89,3 +89,15 @@ def retain_grad(t: TensorProxy) -> None:
 
 
 langctx.methods["retain_grad"] = retain_grad
+
+
+def requires_grad_(t: TensorProxy, requires_grad: bool = True) -> TensorProxy:
+    """``Tensor.requires_grad_`` inside a traced function. Asking for the flag the tensor already has changes
+    nothing, as in eager (transformers' ``enable_input_require_grads`` hook asks it of embeddings that already
+    require grad, for gradient checkpointing); another change is recorded as any in-place method without a rule."""
+    if bool(requires_grad) == latest(t).requires_grad:
+        return t
+    return record(torch.Tensor.requires_grad_)(t, requires_grad)
+
+
+langctx.methods["requires_grad_"] = requires_grad_
