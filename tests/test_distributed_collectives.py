@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fulmen.core.bookkeeping import is_bookkeeping
 from fulmen.launch import run_on_ranks
 
 
@@ -148,7 +149,7 @@ def _checks(rank, world_size):
     _grads(jf, a, coef)
     out["nn_backward_trace"] = str(fulmen.last_backward_traces(jf)[-1])
     out["nn_backward_order"] = [
-        b.sym.name for b in fulmen.last_backward_traces(jf)[-1].bound_symbols if b.sym.id not in ("del", "comment")
+        b.sym.name for b in fulmen.last_backward_traces(jf)[-1].bound_symbols if not is_bookkeeping(b)
     ]
 
     other = dist.new_group([0, 1])  # the same ranks, another group: another program
@@ -165,7 +166,7 @@ def _checks(rank, world_size):
         got = jf(xf, w1, w2)
         out[f"overlap_{mode}"] = (_overlap_program(xf, w1, w2), got)
         out[f"overlap_{mode}_order"] = [
-            b.sym.name for b in fulmen.last_traces(jf)[-1].bound_symbols if b.sym.id not in ("del", "comment")
+            b.sym.name for b in fulmen.last_traces(jf)[-1].bound_symbols if not is_bookkeeping(b)
         ]
     return out
 

@@ -141,7 +141,7 @@ def _new_prim(name: str, tags: tuple, meta, impl) -> Symbol:
     """A prim declared as ``make_prim`` declares one (meta, torch implementation, tags), under a test id so the
     table of real prims stays as it is."""
     sym = Symbol(name=name, meta=meta, id=f"test_gradient_table.{name}", is_prim=True, tags=tags, module="prims")
-    sym.extra["torch_impl"] = impl
+    sym.torch_impl = impl
     return sym
 
 
@@ -156,7 +156,7 @@ ones_prim = _new_prim(
     lambda shape, *, device, dtype: torch.ones(shape, device=device, dtype=dtype),
 )
 cube_prim = _new_prim(
-    "cube_prim", (OpTags.ELEMENTWISE, OpTags.UNARY), lambda a: TensorProxy(like=a), lambda a: a * a * a
+    "cube_prim", (OpTags.ELEMENTWISE,), lambda a: TensorProxy(like=a), lambda a: a * a * a
 )
 grad_table.put(
     cube_prim,
@@ -238,7 +238,7 @@ def test_rule_ops_are_declared_symbols_that_executors_claim():
     assert len(ops) >= 20
     for sym in ops:
         assert sym.id == f"aten.{sym.name}" and sym.executor is None and sym.impl is None, sym
-        assert sym.extra["torch_impl"] is getattr(torch.ops.aten, sym.name)
+        assert sym.torch_impl is getattr(torch.ops.aten, sym.name)
     g = TensorProxy(shape=(2, 3), dtype=torch.float32, device="cpu")
     bsym = grad_ops.gelu_backward.bind(g, g, output=TensorProxy(like=g))
     assert torch_ex.can_execute(bsym)

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import fulmen
+from fulmen.core.bookkeeping import is_bookkeeping
 from fulmen.core.codegen import python_source
 from fulmen.core.devices import DeviceType
 from fulmen.core.proxies import DataDependentError, Proxy, TensorProxy
@@ -358,7 +359,7 @@ def _torch_impl(bsym):
 def interpret_and_check_meta(bound_symbols, env, path=""):
     """Run each bound symbol on real tensors (its subsymbols too, separately) and compare metadata."""
     for bsym in bound_symbols:
-        if bsym.sym.id in ("del", "comment"):
+        if is_bookkeeping(bsym):
             continue
         where = f"{path}{bsym.python_lines(with_subsymbols=False)[0]}"
         args, kwargs = _substitute(bsym.args, env), _substitute(bsym.kwargs, env)

@@ -321,7 +321,7 @@ def test_intermediates_are_freed_after_backward():
     x, w = torch.randn(16, 16), torch.randn(16, 16, requires_grad=True)
     loss = jfn(x, w)
     program = next(iter(jfn._cache.values())).program
-    runtime = program.extra["runtime"]
+    runtime = program.runtime
     assert runtime.list_saved, "the matmul's output should be saved as an intermediate"
     refs = [weakref.ref(t) for t in loss.grad_fn.fulmen_saved]
     loss.backward()

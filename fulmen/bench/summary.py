@@ -7,6 +7,7 @@ import collections
 import sys
 from typing import Any
 
+from fulmen.core.bookkeeping import is_bookkeeping
 from fulmen.core.codeutils import outputs_of
 
 
@@ -52,7 +53,7 @@ def summarize(jitted: Any, *, name: str, out=None) -> dict:
     stats = fulmen.compile_stats(jitted)
     traces = fulmen.last_traces(jitted)
     comp, final = traces[0], traces[-1]
-    ops = [b for b in comp.bound_symbols if b.sym.id not in ("del", "comment", "return")]
+    ops = [b for b in comp.bound_symbols if not is_bookkeeping(b)]
     index = _exec_index(final)
     by_kind: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     kinds = collections.Counter()
@@ -62,7 +63,7 @@ def summarize(jitted: Any, *, name: str, out=None) -> dict:
         by_kind[b.sym.qualified_name][_how_run(b, index)] += 1
         if OpTags.FALLBACK in b.sym.tags:
             fallbacks[b.sym.qualified_name] += 1
-    exec_ops = [b for b in final.bound_symbols if b.sym.id not in ("del", "comment", "return")]
+    exec_ops = [b for b in final.bound_symbols if not is_bookkeeping(b)]
     executors = collections.Counter(getattr(b.sym.executor, "name", None) or "?" for b in exec_ops)
     phases = ", ".join(f"{k} {v:.1f}" for k, v in stats.phase_times_ms.items())
 
@@ -75,7 +76,7 @@ def summarize(jitted: Any, *, name: str, out=None) -> dict:
     backward = fulmen.last_backward_traces(jitted)
     backward_executors: collections.Counter = collections.Counter()
     if backward:
-        backward_ops = [b for b in backward[-1].bound_symbols if b.sym.id not in ("del", "comment", "return")]
+        backward_ops = [b for b in backward[-1].bound_symbols if not is_bookkeeping(b)]
         backward_executors.update(getattr(b.sym.executor, "name", None) or "?" for b in backward_ops)
         p(f"  backward trace: {len(backward_ops)} calls; executors: "
           + ", ".join(f"{k} {v}" for k, v in backward_executors.most_common()))

@@ -8,7 +8,7 @@ calls is kept as its ``subsymbols``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Any
 
@@ -21,11 +21,8 @@ class OpTags(Enum):
     """Groups of operations that passes match on."""
 
     ELEMENTWISE = auto()
-    UNARY = auto()
-    BINARY = auto()
     REDUCTION = auto()
     SHAPE_OP = auto()
-    INDEXING = auto()
     MATMUL_OP = auto()
     CREATION = auto()
     RANDOM_OP = auto()
@@ -45,13 +42,16 @@ class SymbolCalledOutsideTracing(RuntimeError):
     pass
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Symbol:
     """A named operation.
 
     ``meta`` maps proxies to output proxies (for a prim: checks inputs and computes metadata; for a
     composite: the decomposition, which is traced). ``module`` is the prefix traces print (``prims``,
     ``ltorch``, ``torch``). An *executable* symbol has an ``impl`` that generated code calls.
+
+    Every fact a pass or executor reads about a symbol is a declared field below (slots: a misspelt field is an
+    ``AttributeError``, read or written); the groups passes match on are its ``tags``.
     """
 
     name: str
@@ -63,11 +63,23 @@ class Symbol:
     impl: Callable | None = None
     executor: Any = None
     python_printer: Callable | None = None
-    is_fusion: bool = False
+    is_fusion: bool = False  # a region a fusion executor made (its impl runs the fused kernel)
     torch_fns: tuple = ()
     post_hook: Callable | None = None  # called with the new BoundSymbol (view ops record their base here)
     normalize: Callable | None = None  # (args, kwargs) -> (args, kwargs) before recording, so calls stay valid
-    extra: dict = field(default_factory=dict)
+    #: what the torch executor calls for this symbol: a prim's implementation, an opaque torch call, an aten op
+    torch_impl: Callable | None = None
+    #: the torch executor may run the whole symbol as one call of ``torch_fns[0]`` (and autograd differentiate it)
+    torch_executable: bool = False
+    #: ``check_trace`` does not run this prim's meta again (it runs user code, or guards values at run time)
+    skip_meta_check: bool = False
+    #: the signature grad rules bind a call's arguments to, when not ``meta``'s (``register_operator(like=)``)
+    like: Callable | None = None
+    #: a view op's function run on meta tensors to learn eager's strides and aliasing (default ``torch_fns[0]``)
+    view_meta_fn: Callable | None = None
+    #: a view op whose outputs alias its input even where the meta tensors' do not say so
+    always_alias: bool = False
+    doc: str = ""  # one line: what the operation computes
 
     def __post_init__(self):
         if self.id is None:

@@ -190,7 +190,7 @@ def check_trace(trace: Trace) -> None:
 def _check_meta(bsym: BoundSymbol) -> None:
     """Re-run a prim's meta on its inputs and compare shapes, dtypes and devices with the recorded outputs."""
     sym = bsym.sym
-    if not sym.is_prim or sym.meta is None or sym.extra.get("skip_meta_check"):
+    if not sym.is_prim or sym.meta is None or sym.skip_meta_check:
         return
     scratch = Trace("check")
     with tracectx(scratch):

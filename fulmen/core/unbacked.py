@@ -187,9 +187,8 @@ def _make_check_symbol():
     from fulmen.core.symbol import OpTags, Symbol
 
     sym = Symbol(name="check_sizes", meta=_check_sizes_meta, id="fulmen.check_sizes", is_prim=True, module="fulmen",
-                 tags=(OpTags.SIDE_EFFECT, OpTags.DONT_DCE, OpTags.NON_DIFFERENTIABLE))
-    sym.extra["torch_impl"] = _check_sizes
-    sym.extra["skip_meta_check"] = True
+                 tags=(OpTags.SIDE_EFFECT, OpTags.DONT_DCE, OpTags.NON_DIFFERENTIABLE), torch_impl=_check_sizes,
+                 skip_meta_check=True)
     return sym
 
 

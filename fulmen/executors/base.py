@@ -103,9 +103,7 @@ class OperatorExecutor(Executor):
                      tags=tuple(tags or ()), module=module, executor=self, post_hook=bind_postprocess,
                      impl=checked_implementation(fn, executor=self.name, symbol=name,
                                                  meta=meta if meta is not None else like,
-                                                 corrects=name if meta is not None else None))
-        if like is not None:
-            sym.extra["like"] = like
+                                                 corrects=name if meta is not None else None), like=like)
         self.opmap[name] = sym
         self.implmap[name] = ImplInfo(symbol=sym)
         return sym

@@ -251,7 +251,7 @@ class InductorExecutor(FusionExecutor):
             return False
         if sym.executor is not None:
             return False  # an executor's own operation (register_operator, fulmen's runtime helpers) runs there
-        if not (sym.is_prim and "torch_impl" in sym.extra) and not sym.extra.get("torch_executable"):
+        if not (sym.is_prim and sym.torch_impl is not None) and not sym.torch_executable:
             return False
         return all(isinstance(p, TensorProxy) for p in bsym.flat_proxy_outs) and bool(bsym.flat_proxy_outs)
 

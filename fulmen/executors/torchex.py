@@ -30,7 +30,7 @@ class TorchExecutor(OperatorExecutor):
             return super().can_execute(bsym)
         if sym.executor is self:
             return True
-        return "torch_impl" in sym.extra or bool(sym.extra.get("torch_executable"))
+        return sym.torch_impl is not None or sym.torch_executable
 
     def execution_symbol(self, bsym: BoundSymbol) -> Symbol:
         sym = bsym.sym
@@ -44,17 +44,17 @@ class TorchExecutor(OperatorExecutor):
         return cached
 
     def _make_exec_symbol(self, sym: Symbol) -> Symbol:
-        if sym.extra.get("torch_executable"):
+        if sym.torch_executable:
             fn = sym.torch_fns[0]
             module, _, name = torch_id(fn).rpartition(".")
         elif OpTags.FALLBACK in sym.tags or (sym.module or "").startswith("torch."):  # printed as the torch callable
-            fn = sym.extra["torch_impl"]
+            fn = sym.torch_impl
             module, name = sym.module, sym.name
         elif (sym.module or "").split(".")[0] == "torch":  # it names the torch callable it runs (torch.ops.aten.gelu)
-            fn = sym.extra["torch_impl"]
+            fn = sym.torch_impl
             module, name = sym.module, sym.name
         else:
-            fn = sym.extra["torch_impl"]
+            fn = sym.torch_impl
             module, name = "torchex", sym.name
             setattr(torchex_namespace, name, fn)
         return Symbol(name=name, module=module, impl=fn, executor=self, is_prim=True, id=f"torch-exec:{sym.id}",

@@ -132,9 +132,12 @@ class CompiledProgram:
     num_saved: int = 0
     output_spec: Any = None
     timings_ms: dict[str, float] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
     run: Callable | None = None  # run(flat_tensors) -> output; set by whoever builds the program
     steps: list[str] = field(default_factory=list)
+    #: a training program's backward runtime (``fulmen.frontend.training``): its compiled backward and statistics
+    runtime: Any = None
+    #: a warm-started program's ``settle()``: compiles the real program now and returns it (``warm_start``)
+    settle: Callable[[], CompiledProgram] | None = None
 
     def __call__(self, flat: list) -> Any:
         return self.run(flat)

@@ -563,7 +563,7 @@ class JittedFunction:
         with compiler_import_lock:
             symbolic = SymbolicSizes(sizes, dims)
             entry = self._build(key, args, kwargs, symbolic)
-            if entry.program.extra.get("runtime") is not None:
+            if entry.program.runtime is not None:
                 # the backward is otherwise compiled when it first runs: fail here, where exact sizes can take over
                 entry.program.backward_traces()
             holds = symbolic.guard(flat)  # also builds the guard function, which may import more
@@ -602,7 +602,7 @@ class JittedFunction:
         stats.last_trace_time_ms = (traced - start) * 1e3
         stats._last_compile_time_ms = (done - start) * 1e3
         self._record(entry)
-        stats._settle = program.extra.get("settle")  # set while the first call runs on PyTorch autograd
+        stats._settle = program.settle  # set while the first call runs on PyTorch autograd
         self._stats_entry = entry
         return entry
 
@@ -641,7 +641,7 @@ class JittedFunction:
         stats._phase_times_ms = {"trace": stats.last_trace_time_ms, **program.timings_ms}
         stats._last_traces, stats._last_steps = list(program.traces), list(program.steps)
         stats._backward_traces = program.backward_traces
-        runtime = program.extra.get("runtime")
+        runtime = program.runtime
         stats._backward_steps = runtime.last_steps if runtime is not None else None
 
     def _on_compiled(self, entry: CacheEntry, real: CompiledProgram) -> None:

@@ -78,9 +78,8 @@ def _guard_meta(t, kind, expected, index, where):
 
 
 value_guard = Symbol(name="value_guard", meta=_guard_meta, id="fulmen.value_guard", is_prim=True, module="fulmen",
-                     tags=(OpTags.SIDE_EFFECT, OpTags.DONT_DCE, OpTags.NON_DIFFERENTIABLE))
-value_guard.extra["torch_impl"] = _guard_impl
-value_guard.extra["skip_meta_check"] = True
+                     tags=(OpTags.SIDE_EFFECT, OpTags.DONT_DCE, OpTags.NON_DIFFERENTIABLE), torch_impl=_guard_impl,
+                     skip_meta_check=True)
 
 
 class ValueReader:

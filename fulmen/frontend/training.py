@@ -336,4 +336,4 @@ def compile_training(trace: Trace, run: PipelineRun, *, cuda_graphs: str | None 
 
     return CompiledProgram(forward=forward, traces=run.traces, backward_traces=runtime.last_traces,
                            num_saved=len(fb.saved), output_spec=build, timings_ms=timings,
-                           extra={"runtime": runtime, "split": fb}, run=run_program, steps=run.names)
+                           runtime=runtime, run=run_program, steps=run.names)

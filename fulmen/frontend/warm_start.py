@@ -56,7 +56,7 @@ def applies(trace: Trace, executors: Sequence[Executor], options: JitOptions) ->
         sym = bsym.sym
         if bsym.no_grad or linearize.has_user_rule(sym):
             return False
-        as_torch = sym.extra.get("torch_executable") and sym.torch_fns and sym.id not in torchex.ex.implmap
+        as_torch = sym.torch_executable and sym.torch_fns and sym.id not in torchex.ex.implmap
         if not (as_torch or OpTags.FALLBACK in sym.tags):
             return False
     return True
@@ -65,7 +65,7 @@ def applies(trace: Trace, executors: Sequence[Executor], options: JitOptions) ->
 def deferred_training(trace: Trace, options: JitOptions, compile_training: Callable[[], CompiledProgram],
                       on_ready: Callable[[CompiledProgram], None]) -> CompiledProgram:
     """A program whose first call runs ``trace`` under PyTorch autograd; ``compile_training()`` builds the real one
-    at the second call (or at ``program.extra["settle"]()``) and hands it to ``on_ready(real)``, which puts it in
+    at the second call (or at ``program.settle()``) and hands it to ``on_ready(real)``, which puts it in
     the cache in this program's place; a call that still holds this program runs the real one from then on.
     This program itself is never changed: its traces stay those of the first call's."""
     run = PipelineRun([torchex.ex], options)
@@ -102,4 +102,4 @@ def deferred_training(trace: Trace, options: JitOptions, compile_training: Calla
 
     return CompiledProgram(forward=warm.forward, traces=warm.traces, steps=warm.steps, timings_ms=timings,
                            run=run_program, backward_traces=lambda: settle().backward_traces(),
-                           extra={"settle": settle})
+                           settle=settle)

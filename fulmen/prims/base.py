@@ -92,9 +92,8 @@ def make_prim(
     doc: str = "",
 ) -> Symbol:
     """Declare a primitive: its meta function (all input checks), its torch implementation, tags and docstring."""
-    sym = Symbol(name=name, meta=meta, id=id, is_prim=True, tags=tuple(tags), module="prims")
-    sym.extra["torch_impl"] = torch_impl
-    sym.__doc__ = doc
+    sym = Symbol(name=name, meta=meta, id=id, is_prim=True, tags=tuple(tags), module="prims", torch_impl=torch_impl,
+                 doc=doc)
     _prims_by_id[id] = sym
     return sym
 

@@ -30,7 +30,7 @@ def _torch_convert(a, dtype):
 
 convert_element_type = make_prim(
     PrimIDs.CONVERT_ELEMENT_TYPE, "convert_element_type", meta=_convert_element_type_meta,
-    torch_impl=_torch_convert, tags=(OpTags.ELEMENTWISE, OpTags.UNARY),
+    torch_impl=_torch_convert, tags=(OpTags.ELEMENTWISE,),
     doc="Convert to another dtype with torch's casting rules.",
 )
 

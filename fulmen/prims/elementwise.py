@@ -13,8 +13,7 @@ from fulmen.core.symbolic import NUMBER_TYPES
 from fulmen.core.utils import check
 from fulmen.prims.base import PrimIDs, make_prim, same_dtype, same_shape_device
 
-_UNARY = (OpTags.ELEMENTWISE, OpTags.UNARY)
-_BINARY = (OpTags.ELEMENTWISE, OpTags.BINARY)
+_ELEMENTWISE = (OpTags.ELEMENTWISE,)
 
 
 def _unary_meta_factory(name: str, *, output: str = "same", supports: str | None = None):
@@ -39,7 +38,7 @@ def _unary_meta_factory(name: str, *, output: str = "same", supports: str | None
 
 def _unary(pid, name, torch_fn, doc, *, output="same", supports=None, extra_tags=()):
     return make_prim(pid, name, meta=_unary_meta_factory(name, output=output, supports=supports),
-                     torch_impl=torch_fn, tags=_UNARY + tuple(extra_tags), doc=doc)
+                     torch_impl=torch_fn, tags=_ELEMENTWISE + tuple(extra_tags), doc=doc)
 
 
 abs = _unary(PrimIDs.ABS, "abs", torch.abs, "Absolute value; complex inputs give their real magnitude.", output="real")
@@ -129,7 +128,7 @@ _TENSOR_ONLY = {"maximum", "minimum", "atan2", "nextafter", "copysign", "remaind
 def _binary(pid, name, torch_fn, doc, *, output="same", supports=None):
     impl = _scalars_as_tensors(torch_fn, both=name in _TENSOR_ONLY)
     return make_prim(pid, name, meta=_binary_meta_factory(name, output=output, supports=supports),
-                     torch_impl=impl, tags=_BINARY, doc=doc)
+                     torch_impl=impl, tags=_ELEMENTWISE, doc=doc)
 
 
 def _torch_div(a, b):

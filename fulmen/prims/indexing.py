@@ -6,11 +6,8 @@ import torch
 
 from fulmen.core import dtypes
 from fulmen.core.proxies import TensorProxy
-from fulmen.core.symbol import OpTags
 from fulmen.core.utils import canonicalize_dim, check
 from fulmen.prims.base import PrimIDs, make_prim
-
-_INDEXING = (OpTags.INDEXING,)
 
 
 def _check_index(index, op):
@@ -30,7 +27,7 @@ def _take_meta(a, index, dim):
 
 
 take = make_prim(PrimIDs.TAKE, "take", meta=_take_meta,
-                 torch_impl=lambda a, index, dim: torch.index_select(a, dim, index), tags=_INDEXING,
+                 torch_impl=lambda a, index, dim: torch.index_select(a, dim, index),
                  doc="Select entries of a along dim by a 1-D index (torch.index_select).")
 
 
@@ -46,7 +43,7 @@ def _take_along_axis_meta(a, index, dim):
 
 
 take_along_axis = make_prim(PrimIDs.TAKE_ALONG_AXIS, "take_along_axis", meta=_take_along_axis_meta,
-                            torch_impl=lambda a, index, dim: torch.gather(a, dim, index), tags=_INDEXING,
+                            torch_impl=lambda a, index, dim: torch.gather(a, dim, index),
                             doc="out[i][j] = a[index[i][j]][j] for dim 0 (torch.gather).")
 
 
@@ -68,9 +65,9 @@ def _torch_scatter(a, dim, index, src):
 
 
 scatter = make_prim(PrimIDs.SCATTER, "scatter", meta=_scatter_like_meta("scatter"), torch_impl=_torch_scatter,
-                    tags=_INDEXING, doc="Copy of a with a[index[i][j]][j] = src[i][j] for dim 0.")
+                    doc="Copy of a with a[index[i][j]][j] = src[i][j] for dim 0.")
 scatter_add = make_prim(PrimIDs.SCATTER_ADD, "scatter_add", meta=_scatter_like_meta("scatter_add"),
-                        torch_impl=lambda a, dim, index, src: torch.scatter_add(a, dim, index, src), tags=_INDEXING,
+                        torch_impl=lambda a, dim, index, src: torch.scatter_add(a, dim, index, src),
                         doc="Copy of a with src[i][j] added at a[index[i][j]][j] for dim 0.")
 
 
@@ -84,7 +81,7 @@ def _index_add_meta(a, dim, index, source):
 
 index_add = make_prim(PrimIDs.INDEX_ADD, "index_add", meta=_index_add_meta,
                       torch_impl=lambda a, dim, index, source: torch.index_add(a, dim, index, source),
-                      tags=_INDEXING, doc="Copy of a with the rows of source added at index along dim.")
+                      doc="Copy of a with the rows of source added at index along dim.")
 
 
 def _index_put_meta(a, indices, values, accumulate):
@@ -101,4 +98,4 @@ def _index_put_meta(a, indices, values, accumulate):
 index_put = make_prim(PrimIDs.INDEX_PUT, "index_put", meta=_index_put_meta,
                       torch_impl=lambda a, indices, values, accumulate: torch.index_put(a, tuple(indices), values,
                                                                                         accumulate),
-                      tags=_INDEXING, doc="Copy of a with a[indices] = values (or += with accumulate).")
+                      doc="Copy of a with a[indices] = values (or += with accumulate).")

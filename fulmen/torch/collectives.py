@@ -137,7 +137,7 @@ def _symbol(name: str, meta: Callable, tags: tuple = _TAGS) -> Symbol:
         module="torch.ops._c10d_functional",
         torch_fns=(op,),
     )
-    sym.extra["torch_impl"] = op  # generated code calls the op itself: torch.ops._c10d_functional.<name>(...)
+    sym.torch_impl = op  # generated code calls the op itself: torch.ops._c10d_functional.<name>(...)
     langctx.torch_functions[op] = langctx.torch_functions[op.default] = sym
     # the differentiable twins (all_gather_tensor_autograd, which DTensor uses): the same op, gradients included
     twin = getattr(torch.ops._c10d_functional_autograd, name, None)
@@ -440,7 +440,7 @@ def record_c10d(func: Callable) -> Callable:
             tags=(OpTags.COMMUNICATION, OpTags.SIDE_EFFECT, OpTags.DONT_DCE),
             torch_fns=(impl,),
         )
-        sym.extra["torch_impl"] = impl
+        sym.torch_impl = impl
         _opaque[func] = sym
 
     def call(*args, **kwargs):

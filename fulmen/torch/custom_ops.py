@@ -158,9 +158,8 @@ def _pure_symbol(opdef) -> Symbol:
     op = opdef._opoverload
     ns, name = opdef._qualname.split("::")
     sym = Symbol(name=f"{name}.{op._overloadname}", meta=_meta(opdef, op), id=f"custom_op:{ns}.{name}",
-                 is_prim=True, tags=(OpTags.FALLBACK,), module=f"torch.ops.{ns}", torch_fns=(op,))
-    sym.extra["torch_impl"] = op  # the torch executor calls the op itself; traces print torch.ops.ns.name.default
-    sym.extra["custom_op"] = opdef
+                 is_prim=True, tags=(OpTags.FALLBACK,), module=f"torch.ops.{ns}", torch_fns=(op,),
+                 torch_impl=op)  # the torch executor calls the op itself; traces print torch.ops.ns.name.default
     _made.append((sym, opdef))
     for callback in _when_made:
         callback(sym, opdef)
@@ -194,9 +193,7 @@ def _functional_symbol(opdef, mutated: list[str]) -> Symbol:
         return out[0], tuple(out[1])
 
     sym = Symbol(name=f"{name}_functional", meta=meta, id=f"custom_op:{ns}.{name}.functional", is_prim=True,
-                 tags=(OpTags.FALLBACK,), module=None, torch_fns=(functional,))
-    sym.extra["torch_impl"] = functional
-    sym.extra["custom_op"] = opdef
+                 tags=(OpTags.FALLBACK,), module=None, torch_fns=(functional,), torch_impl=functional)
     return sym
 
 

@@ -259,9 +259,7 @@ def opaque_symbol(func: Callable) -> Symbol:
         module, _, name = full.rpartition(".")
         tags = (OpTags.FALLBACK, OpTags.RANDOM_OP) if draws_random(func) else (OpTags.FALLBACK,)
         sym = Symbol(name=name, meta=_fake_meta(func, full, views=True), id=f"fallback:{full}", is_prim=True,
-                     tags=tags, module=module or None, torch_fns=(func,))
-        sym.extra["torch_impl"] = func
-        sym.extra["skip_meta_check"] = False
+                     tags=tags, module=module or None, torch_fns=(func,), torch_impl=func)
         _opaque[func] = sym
     return sym
 
@@ -297,9 +295,7 @@ def autograd_function_symbol(cls: type, autocast: tuple = ()) -> Symbol:
         # must draw the same ones again, and nothing tells which Functions do
         apply.draws_random = True
         sym = Symbol(name=name, meta=_function_meta(apply, name), id=f"fallback:{cls.__module__}.{cls.__qualname__}",
-                     is_prim=True, tags=(OpTags.FALLBACK,), torch_fns=(apply,))
-        sym.extra["torch_impl"] = apply
-        sym.extra["skip_meta_check"] = False
+                     is_prim=True, tags=(OpTags.FALLBACK,), torch_fns=(apply,), torch_impl=apply)
         _functions[key] = sym
     return sym
 

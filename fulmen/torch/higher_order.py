@@ -197,9 +197,8 @@ def _opaque_loop(cond_fn: Callable, body_fn: Callable, carried: tuple) -> Any:
         return tuple(TensorProxy(like=x) for x in flat)
 
     sym = Symbol(name="while_loop", meta=meta, id=f"fallback:while_loop:{next(_loops)}", is_prim=True,
-                 tags=(OpTags.FALLBACK,), torch_fns=(run,))
-    sym.extra["torch_impl"] = run
-    sym.extra["skip_meta_check"] = True  # its meta runs user functions; the first run's outputs are checked
+                 tags=(OpTags.FALLBACK,), torch_fns=(run,), torch_impl=run,
+                 skip_meta_check=True)  # its meta runs user functions; the first run's outputs are checked
     return pytree.tree_unflatten(list(sym(*leaves)), spec)
 
 

@@ -35,8 +35,6 @@ __all__ = [
     "setitem", "index_put_", "index_add_", "scatter_", "scatter_add_", "index_constant",
 ]
 
-_INDEXING = (OpTags.INDEXING,)
-
 
 def _mask_error(mask: TensorProxy, what: str):
     raise DataDependentError(
@@ -305,7 +303,7 @@ def _getitem_hook(bsym: BoundSymbol) -> None:
         _view_hook(bsym)
 
 
-@torchsymbol(torch.Tensor.__getitem__, method_name="__getitem__", tags=_INDEXING)
+@torchsymbol(torch.Tensor.__getitem__, method_name="__getitem__")
 def getitem(a, key):
     """``a[key]``: basic indexing gives a view, advanced (integer tensors, lists) a new tensor."""
     out = _getitem(a, key)
@@ -409,7 +407,7 @@ def _empty_index(a, index, op: str):
     return clang.reshape(clang.maybe_convert_to_dtype(index, torch.int64), (0,) * max(a.ndim, 1)), True
 
 
-@torchsymbol(torch.gather, torch.Tensor.gather, method_name="gather", tags=_INDEXING)
+@torchsymbol(torch.gather, torch.Tensor.gather, method_name="gather")
 def gather(a, dim: int, index, *, sparse_grad: bool = False):
     """``torch.gather``: ``out[i][j] = a[index[i][j]][j]`` for ``dim=0``."""
     index_, empty = _empty_index(a, index, "gather")
@@ -427,7 +425,7 @@ def _check_scatter_shapes(a, dim, index, src, op: str) -> None:
               f"dimension {dim} and to be no larger size than src {list(getattr(src, 'shape', ()))}", RuntimeError)
 
 
-@torchsymbol(torch.scatter, torch.Tensor.scatter, method_name="scatter", tags=_INDEXING)
+@torchsymbol(torch.scatter, torch.Tensor.scatter, method_name="scatter")
 def scatter(a, dim: int, index, src=None, *, value=None, reduce=None):
     """``torch.scatter``: a copy of ``a`` with ``a[index[i][j]][j] = src[i][j]`` (dim 0), ``src`` a tensor or number."""
     if reduce is not None:
@@ -446,7 +444,7 @@ def scatter(a, dim: int, index, src=None, *, value=None, reduce=None):
     return prims.scatter(a, dim, index, src)
 
 
-@torchsymbol(torch.scatter_add, torch.Tensor.scatter_add, method_name="scatter_add", tags=_INDEXING)
+@torchsymbol(torch.scatter_add, torch.Tensor.scatter_add, method_name="scatter_add")
 def scatter_add(a, dim: int, index, src):
     """``torch.scatter_add``: a copy of ``a`` with ``src[i][j]`` added at ``a[index[i][j]][j]`` (dim 0)."""
     index, empty = _empty_index(a, index, "scatter_add")
@@ -459,7 +457,7 @@ def scatter_add(a, dim: int, index, src):
     return prims.scatter_add(a, dim, index, src)
 
 
-@torchsymbol(torch.index_select, torch.Tensor.index_select, method_name="index_select", tags=_INDEXING)
+@torchsymbol(torch.index_select, torch.Tensor.index_select, method_name="index_select")
 def index_select(a, dim: int, index):
     """``torch.index_select``: the entries ``index`` (a vector) of ``a`` along ``dim``."""
     check(isinstance(index, TensorProxy) and index.dtype in (torch.int64, torch.int32),
@@ -468,7 +466,7 @@ def index_select(a, dim: int, index):
     return prims.take(a, index, dim)
 
 
-@torchsymbol(torch.index_add, torch.Tensor.index_add, method_name="index_add", tags=_INDEXING)
+@torchsymbol(torch.index_add, torch.Tensor.index_add, method_name="index_add")
 def index_add(a, dim: int, index, source, *, alpha=1):
     """``torch.index_add``: a copy of ``a`` with ``alpha * source`` rows added at ``index`` along ``dim``."""
     check(isinstance(index, TensorProxy) and index.dtype in (torch.int64, torch.int32) and index.ndim <= 1,
@@ -489,7 +487,7 @@ def index_add(a, dim: int, index, source, *, alpha=1):
     return prims.index_add(a, dim, index, source)
 
 
-@torchsymbol(torch.take_along_dim, torch.Tensor.take_along_dim, method_name="take_along_dim", tags=_INDEXING)
+@torchsymbol(torch.take_along_dim, torch.Tensor.take_along_dim, method_name="take_along_dim")
 def take_along_dim(a, indices, dim=None):
     """``torch.take_along_dim``: ``gather`` with ``a`` and ``indices`` broadcast against each other (but ``dim``)."""
     check(indices.dtype is torch.int64, lambda: f"torch.take_along_dim(): dtype of indices should be Long but got "
@@ -514,7 +512,7 @@ def _fallback(fn):
     return langctx.fallback[0](fn)
 
 
-@torchsymbol(torch.index_put, torch.Tensor.index_put, method_name="index_put", tags=_INDEXING)
+@torchsymbol(torch.index_put, torch.Tensor.index_put, method_name="index_put")
 def index_put(a, indices, values, accumulate: bool = False):
     """``torch.index_put``: a copy of ``a`` with ``a[indices] = values`` (``+=`` with ``accumulate``)."""
     check(isinstance(indices, (tuple, list)), lambda: "index_put(): argument 'indices' must be tuple of Tensors",

@@ -627,7 +627,7 @@ def normalize(input, p: float = 2.0, dim: int = 1, eps: float = 1e-12, out=None)
 # embedding, one_hot
 
 
-@torchsymbol(F.embedding, tags=(OpTags.INDEXING,))
+@torchsymbol(F.embedding)
 def embedding(input, weight, padding_idx: int | None = None, max_norm: float | None = None, norm_type: float = 2.0,
               scale_grad_by_freq: bool = False, sparse: bool = False):
     """Rows of ``weight`` picked by the integer ``input``; output shape ``input.shape + (embedding_dim,)``.

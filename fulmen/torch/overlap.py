@@ -43,7 +43,7 @@ def _on_meta(root: TensorProxy, calls: list) -> torch.Tensor | None:
     try:
         with torch._C.DisableTorchFunction():
             for sym, rest, kwargs, index in calls:
-                fn = sym.extra.get("meta_fn") or (sym.torch_fns[0] if sym.torch_fns else None)
+                fn = sym.view_meta_fn or (sym.torch_fns[0] if sym.torch_fns else None)
                 if fn is None:
                     return None
                 rest = [_meta(a) if isinstance(a, TensorProxy) else a for a in rest]

@@ -116,9 +116,8 @@ def torchsymbol(
     def decorator(fn: Callable) -> Symbol:
         sym_id = id or (torch_id(torch_fns[0]) if torch_fns else f"ltorch.{fn.__name__}")
         sym = Symbol(name=fn.__name__, meta=fn, id=sym_id, is_prim=False, tags=tuple(tags), module="ltorch",
-                     torch_fns=tuple(torch_fns), post_hook=_record_view if is_view else None, normalize=normalize)
-        sym.__doc__ = fn.__doc__
-        sym.extra["torch_executable"] = torch_executable and bool(torch_fns)
+                     torch_fns=tuple(torch_fns), post_hook=_record_view if is_view else None, normalize=normalize,
+                     torch_executable=torch_executable and bool(torch_fns), doc=fn.__doc__ or "")
         if is_view:
             sym.tags = sym.tags + (OpTags.VIEW,)
         symbols_by_id[sym_id] = sym

@@ -109,7 +109,7 @@ def _view_hook(bsym: BoundSymbol, unview=None) -> None:
     if not isinstance(base, TensorProxy):
         return
     sym = bsym.sym
-    fn = sym.extra.get("meta_fn") or sym.torch_fns[0]
+    fn = sym.view_meta_fn or sym.torch_fns[0]
     try:
         out, mbase = _on_meta(fn, bsym.args, bsym.kwargs)
     except Exception:  # eager layout unknown (e.g. an argument meta tensors cannot take): assume a plain view
@@ -120,7 +120,7 @@ def _view_hook(bsym: BoundSymbol, unview=None) -> None:
     with torch._C.DisableTorchFunction():  # meta tensors only (see _on_meta)
         layouts = [(p, m.stride(), m.is_conj(), m.is_neg(), m is mbase or m._base is mbase)
                    for p, m in zip(outs, mouts) if isinstance(p, TensorProxy) and isinstance(m, torch.Tensor)]
-    if sym.extra.get("always_alias") or any(aliases for *_, aliases in layouts):
+    if sym.always_alias or any(aliases for *_, aliases in layouts):
         link_views(sym, bsym.args, bsym.kwargs, bsym.output, unview=unview)
         if isinstance(bsym.output, (tuple, list)) and torch.is_grad_enabled():
             # autograd refuses in-place writes to the views a multi-view op (split, chunk, unbind) returns
@@ -149,9 +149,7 @@ def view_symbol(*torch_fns, meta_fn=None, always_alias: bool = False, unview=Non
     def decorator(fn) -> Symbol:
         sym = torchsymbol(*torch_fns, is_view=True, **kwargs)(fn)
         sym.post_hook = _view_hook if unview is None else lambda bsym: _view_hook(bsym, unview)
-        if meta_fn is not None:
-            sym.extra["meta_fn"] = meta_fn
-        sym.extra["always_alias"] = always_alias
+        sym.view_meta_fn, sym.always_alias = meta_fn, always_alias
         return sym
 
     return decorator

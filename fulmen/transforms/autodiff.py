@@ -566,7 +566,7 @@ def _torch_autograd_vjp(b, g):
     which = tuple(i for i, x in enumerate(tensors) if is_differentiable_dtype(x.dtype))
     cts = g if isinstance(g, tuple) else (g,)
     grads = dict(zip((tensors[i].name for i in which),
-                     grad_ops.autograd_vjp(b.sym.extra["torch_impl"])(b.args, b.kwargs, cts, which, None)))
+                     grad_ops.autograd_vjp(b.sym.torch_impl)(b.args, b.kwargs, cts, which, None)))
     return tuple(grads.get(x.name) if _t(x) else None for x in args)
 
 

@@ -95,10 +95,10 @@ def _replay_symbol(sym: Symbol) -> Symbol:
             meta=None,
             id=f"checkpoint.replay_{sym.name}",
             is_prim=True,
-            impl=functools.partial(_replay, sym.extra["torch_impl"]),
+            impl=functools.partial(_replay, sym.torch_impl),
             executor=torch_ex,
+            skip_meta_check=True,
         )
-        replay.extra["skip_meta_check"] = True
         _REPLAYS[sym.id] = replay
     return replay
 
@@ -109,7 +109,7 @@ def _replayable(leaf: BoundSymbol, recomputed: set[str]) -> bool:
     return (
         OpTags.RANDOM_OP in leaf.sym.tags
         and leaf.sym.is_prim
-        and "torch_impl" in leaf.sym.extra
+        and leaf.sym.torch_impl is not None
         and bool(outs)
         and all(p.name in recomputed for p in outs)
         and all(isinstance(p, TensorProxy) and to_torch_device(p.device).type == "cpu" for p in outs)

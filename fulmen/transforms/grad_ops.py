@@ -34,8 +34,8 @@ def declare_op(name: str, impl: Callable, meta: Callable, *, module: str | None 
         is_prim=True,
         module=module,
         tags=tuple(tags),
+        torch_impl=impl,
     )
-    sym.extra["torch_impl"] = impl
     return sym
 
 
@@ -82,7 +82,7 @@ def _masked(mask, *likes):
 
 
 # ---- normalization ----
-_RED, _EW, _IDX, _MM = (OpTags.REDUCTION,), (OpTags.ELEMENTWISE,), (OpTags.INDEXING,), (OpTags.MATMUL_OP,)
+_RED, _EW, _MM = (OpTags.REDUCTION,), (OpTags.ELEMENTWISE,), (OpTags.MATMUL_OP,)
 
 
 def _native_layer_norm_meta(a, shape, w, b, eps):
@@ -129,7 +129,7 @@ softmax_backward = aten_op("_softmax_backward_data", _softmax_backward_meta, tag
 log_softmax = aten_op("_log_softmax", _softmax_meta, tags=_RED)
 log_softmax_backward = aten_op("_log_softmax_backward_data", _softmax_backward_meta, tags=_RED)
 nll_loss_forward = aten_op("nll_loss_forward", _nll_loss_forward_meta, tags=_RED)
-nll_loss_backward = aten_op("nll_loss_backward", _nll_loss_backward_meta, tags=_IDX)
+nll_loss_backward = aten_op("nll_loss_backward", _nll_loss_backward_meta)
 
 # ---- pointwise activations (elementwise: the backward may recompute them instead of saving) ----
 # Their backward kernels carry no tag: tagged elementwise they would become recomputable too, which would change
@@ -173,8 +173,8 @@ def _embedding_dense_backward_meta(g, idx, n, padding_idx, scale):
     return _like(g, shape=(n, g.shape[-1]))
 
 
-embedding = aten_op("embedding", _embedding_meta, tags=_IDX)
-embedding_dense_backward = aten_op("embedding_dense_backward", _embedding_dense_backward_meta, tags=_IDX)
+embedding = aten_op("embedding", _embedding_meta)
+embedding_dense_backward = aten_op("embedding_dense_backward", _embedding_dense_backward_meta)
 
 
 def _flash_meta(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
@@ -255,7 +255,7 @@ def _unfold_backward_meta(g, sizes, dim, size, step):
 
 
 convolution_backward = aten_op("convolution_backward", _convolution_backward_meta, tags=_MM)
-unfold_backward = aten_op("unfold_backward", _unfold_backward_meta, tags=_IDX)
+unfold_backward = aten_op("unfold_backward", _unfold_backward_meta)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -339,6 +339,6 @@ def autograd_vjp(fn: Callable) -> Symbol:
 
     base = getattr(fn, "__name__", None) or "op"
     sym = executable_symbol(f"{base}_autograd_vjp", impl, _autograd_vjp_meta)
-    sym.extra["skip_meta_check"] = True
+    sym.skip_meta_check = True
     _vjp_symbols[fn] = sym
     return sym

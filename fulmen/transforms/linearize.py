@@ -159,7 +159,7 @@ class RuleArgs:
 
     def __init__(self, bsym: BoundSymbol):
         self.bsym = bsym
-        self.named: dict[str, Any] = bind_arguments(bsym.sym.extra.get("like") or bsym.sym.meta, bsym)
+        self.named: dict[str, Any] = bind_arguments(bsym.sym.like or bsym.sym.meta, bsym)
         self.values = list(self.named.values())
 
     def __getitem__(self, i: int) -> Any:
@@ -275,17 +275,17 @@ class _Linearizer:
         if sym.is_prim and isinstance(sym.id, PrimIDs):
             raise NotDifferentiableError(f"prims.{sym.name} has no VJP rule (see fulmen.transforms.autodiff)")
         if OpTags.FALLBACK in sym.tags:
-            return self._by_torch_autograd(bsym, sym.extra["torch_impl"])
+            return self._by_torch_autograd(bsym, sym.torch_impl)
         if bsym.subsymbols:
             n_units, active = len(self.units), set(self.active)
             try:
                 return Node(bsym, [self.visit(s) for s in bsym.subsymbols])
             except NotDifferentiableError:
-                if not sym.extra.get("torch_executable"):
+                if not sym.torch_executable:
                     raise
                 del self.units[n_units:]
                 self.active = active
-        if sym.extra.get("torch_executable") and sym.torch_fns:
+        if sym.torch_executable and sym.torch_fns:
             return self._by_torch_autograd(bsym, sym.torch_fns[0])
         raise NotDifferentiableError(
             f"fulmen cannot differentiate {sym.qualified_name}: it has no grad rule and no decomposition. Give it "

@@ -106,8 +106,7 @@ def _make_unpack() -> Symbol:
     from fulmen.executors.torchex import ex as torch_ex
 
     sym = Symbol(name="unpack_and_clear", meta=lambda seq: None, id="autodiff.unpack_and_clear", is_prim=True,
-                 impl=_unpack_and_clear, executor=torch_ex)
-    sym.extra["skip_meta_check"] = True
+                 impl=_unpack_and_clear, executor=torch_ex, skip_meta_check=True)
     return sym
 
 
