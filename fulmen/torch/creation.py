@@ -75,12 +75,23 @@ def _check_options(op: str, layout=None, out=None, generator=None, pin_memory=Fa
           "with torch.manual_seed instead", NotImplementedError)
 
 
+def _has_accelerator() -> bool:
+    accelerator = getattr(torch, "accelerator", None)
+    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
+
+
 def _check_layout_options(op: str, *, pin_memory: bool = False, memory_format=None) -> None:
-    """Factory keywords fulmen does not honour raise rather than being dropped: a pinned or channels-last result, or
-    a named tensor, would otherwise silently come back as a plain tensor. ``contiguous_format`` and
-    ``preserve_format`` are honoured: the program's outputs get the strides eager gives them."""
-    check(not pin_memory, lambda: f"{op}: pin_memory=True is not supported inside fulmen.jit; pin the tensor outside "
-          "the compiled function (tensor.pin_memory())", NotImplementedError)
+    """Factory keywords fulmen does not honour raise rather than being dropped: a pinned or channels-last result would
+    otherwise silently come back as a plain tensor. ``contiguous_format`` and ``preserve_format`` are honoured: the
+    program's outputs get the strides eager gives them. (``names=`` is refused by the signatures, as by this torch's
+    own factories, which have no named tensors.)"""
+    if pin_memory:
+        # without an accelerator eager refuses pin_memory=True itself: the same error, so a program that catches it
+        # behaves alike; with one, a pinned result is not something a compiled program returns
+        check(_has_accelerator(), lambda: f"{op}: pin_memory=True requires a CUDA or other accelerator backend; no "
+              "pinned memory allocator is available on this system.", RuntimeError)
+        raise NotImplementedError(f"{op}: pin_memory=True is not supported inside fulmen.jit; pin the tensor outside "
+                                  "the compiled function (tensor.pin_memory())")
     check(memory_format in (None, torch.contiguous_format, torch.preserve_format),
           lambda: f"{op}: memory_format={memory_format} is not supported inside fulmen.jit (its tensors are "
           "contiguous); call .contiguous(memory_format=...) outside the compiled function", NotImplementedError)
