@@ -50,15 +50,6 @@ def sanitize_name(name: str) -> str:
     return name
 
 
-def unique_name(base: str, taken: Collection[str]) -> str:
-    """``base``, or ``base_1``, ``base_2``, ... : the first that is not in ``taken``."""
-    name, i = base, 0
-    while name in taken:
-        i += 1
-        name = f"{base}_{i}"
-    return name
-
-
 def comment_text(text: str, limit: int = 200) -> str:
     """``text`` made safe to follow ``#`` on one line of generated code: characters that could end the comment
     (newlines, and any other unprintable character) are escaped, and long text is shortened."""

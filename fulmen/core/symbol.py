@@ -152,15 +152,6 @@ class BoundSymbol:
         arg_names = {p.name for p in self.flat_args}
         return [p for p in outs if p.name not in arg_names]
 
-    def has_tag(self, tag: OpTags) -> bool:
-        return tag in self.sym.tags
-
-    def from_bsym(self, **changes) -> BoundSymbol:
-        values = dict(sym=self.sym, args=self.args, kwargs=self.kwargs, output=self.output,
-                      subsymbols=self.subsymbols, header=self.header, no_grad=self.no_grad)
-        values.update(changes)
-        return BoundSymbol(**values)
-
     def from_bsym_swap_proxies(self, swap: dict[str, Proxy], skip_output: bool = False) -> BoundSymbol:
         """A copy with proxies renamed through ``swap`` (keyed by proxy name), recursively in subsymbols."""
         if not swap:
