@@ -8,7 +8,7 @@ timed in turns (round robin) so that load drifts hit all alike, median over repe
 
 - eager: ``dist.all_reduce`` (blocking), as written;
 - eager async: the same with ``async_op=True`` and every wait at the end (the overlap written by hand);
-- fulmen, no overlap: ``fulmen.transforms.overlap.ENABLED = False`` (collectives where the program made them);
+- fulmen, no overlap: ``fulmen.jit(..., overlap_communication=False)`` (collectives where the program made them);
 - fulmen: the default (overlap on);
 each fulmen variant without fusion (``executors=["torch"]``) and with it (``compile="sync"``).
 
@@ -57,7 +57,6 @@ def _time_ms(fn, args, calls: int) -> float:
 def _rank(rank: int, world_size: int, opts: dict) -> dict:
     import fulmen
     from fulmen.executors import inductor
-    from fulmen.transforms import overlap
 
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(opts["rows"], opts["width"], generator=gen)
@@ -65,12 +64,8 @@ def _rank(rank: int, world_size: int, opts: dict) -> dict:
         torch.randn(opts["width"], opts["width"], generator=gen) / opts["width"] ** 0.5 for _ in range(opts["branches"])
     ]
     args = (x, ws)
-    overlap.ENABLED = False  # read when each program compiles (its first call)
-    no_overlap = fulmen.jit(program, executors=["torch"])
-    no_overlap(*args)
-    fused_no_overlap = fulmen.jit(program, compile="sync")
-    fused_no_overlap(*args)
-    overlap.ENABLED = True
+    no_overlap = fulmen.jit(program, executors=["torch"], overlap_communication=False)
+    fused_no_overlap = fulmen.jit(program, compile="sync", overlap_communication=False)
     candidates = {
         "eager": program,
         "eager async": program_async,

@@ -161,13 +161,20 @@ def _checks(rank, world_size):
 
     w1, w2 = torch.randn(3, 6, generator=gen), torch.randn(3, 6, generator=gen)
     xf = a.float()
-    for mode, kwargs in (("fused", {"compile": "sync"}), ("torch", {"executors": ["torch"]})):
+    off = {"overlap_communication": False}
+    for mode, kwargs in (
+        ("fused", {"compile": "sync"}),
+        ("torch", {"executors": ["torch"]}),
+        ("fused_off", {"compile": "sync", **off}),
+        ("torch_off", {"executors": ["torch"], **off}),
+    ):
         jf = fulmen.jit(_overlap_program, **kwargs)
         got = jf(xf, w1, w2)
         out[f"overlap_{mode}"] = (_overlap_program(xf, w1, w2), got)
         out[f"overlap_{mode}_order"] = [
             b.sym.name for b in fulmen.last_traces(jf)[-1].bound_symbols if not is_bookkeeping(b)
         ]
+        out[f"overlap_{mode}_steps"] = fulmen.compile_stats(jf).last_trace_steps
     return out
 
 
@@ -262,6 +269,15 @@ def test_overlap_starts_the_collective_before_and_waits_after_independent_comput
     between = order[start + 1 : wait]
     assert any(name in ("matmul", "relu") or name.startswith("inductor_fusion") for name in between), order
     assert order[wait + 1 :], order  # the reader of the result runs after the wait
+
+
+@pytest.mark.parametrize("mode", ["fused", "torch"])
+def test_overlap_is_an_option_of_each_jitted_function(ranks, mode):
+    for out in ranks:
+        expected, got = out[f"overlap_{mode}_off"]
+        torch.testing.assert_close(got, expected)
+    assert "overlap" in ranks[0][f"overlap_{mode}_steps"]
+    assert "overlap" not in ranks[0][f"overlap_{mode}_off_steps"]  # overlap_communication=False: the step is off
 
 
 def test_the_backward_starts_every_independent_collective_before_waiting_for_any(ranks):

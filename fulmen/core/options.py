@@ -11,7 +11,9 @@ change a default without editing code (``FULMEN_CHECK_TRACES=1 pytest``):
 - ``warm_start`` (``FULMEN_WARM_START``, 0/1): a training program's first call runs on PyTorch autograd
   (``fulmen.frontend.warm_start``);
 - ``raise_on_dynamic_failure`` (``FULMEN_RAISE_ON_DYNAMIC_FAILURE``, 0/1): raise when compiling with dynamic sizes
-  fails, instead of compiling for the exact sizes.
+  fails, instead of compiling for the exact sizes;
+- ``overlap_communication`` (``FULMEN_OVERLAP_COMMUNICATION``, 0/1): start each collective early and wait for it
+  late (``fulmen.transforms.overlap``); off, collectives stay where the program made them.
 
 The background compiler's pacing (``QUIET_SECONDS`` in ``fulmen.executors.inductor_compile``) is shared by every
 jitted function of the process, so it is not a per-function option; ``FULMEN_COMPILE_QUIET_SECONDS`` sets it. Its
@@ -82,6 +84,7 @@ class JitOptions:
     replay: bool = _flag("FULMEN_REPLAY", True)
     warm_start: bool = _flag("FULMEN_WARM_START", True)
     raise_on_dynamic_failure: bool = _flag("FULMEN_RAISE_ON_DYNAMIC_FAILURE", False)
+    overlap_communication: bool = _flag("FULMEN_OVERLAP_COMMUNICATION", True)
 
     def __post_init__(self):
         for name in (
@@ -92,6 +95,7 @@ class JitOptions:
             "replay",
             "warm_start",
             "raise_on_dynamic_failure",
+            "overlap_communication",
         ):
             value = getattr(self, name)
             if not isinstance(value, bool):

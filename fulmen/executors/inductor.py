@@ -258,7 +258,7 @@ class InductorExecutor(FusionExecutor):
     def fusion_pass(self, trace: Trace) -> Trace:
         torch_executors = list(get_always_executors())
         outputs = {p.name for p in outputs_of(trace.output)}
-        groups = fusion_groups(trace.bound_symbols, self.can_fuse, overlap=overlap.ENABLED)
+        groups = fusion_groups(trace.bound_symbols, self.can_fuse, overlap=overlap.enabled.get())
         shared: dict[tuple, tuple] = {}  # structure key -> (unfused callable, its source, code key)
         new: list[BoundSymbol] = []
         for k, (fused, run) in enumerate(groups):
@@ -271,7 +271,7 @@ class InductorExecutor(FusionExecutor):
                 new.extend(b for b in run if is_bookkeeping(b))  # lines that compute nothing stay, ahead of it
                 pieces = split_repeats([b for b in run if not is_bookkeeping(b)])
                 # next to repeated layers, a short leftover piece (embedding, final norm) is not worth a
-                # compilation of its own (~1 s each on a CPU): it runs on the torch executor
+                # compilation of its own, which costs far more than it saves: it runs on the torch executor
                 smallest = MIN_LEFTOVER if len(pieces) > 1 else MIN_REGION_SIZE
                 for i, piece in enumerate(pieces):
                     if len(piece) < smallest:

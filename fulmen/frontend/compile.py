@@ -27,7 +27,7 @@ from fulmen.core.trace import Trace, check_trace
 from fulmen.executors.base import Executor, FusionExecutor, claim_symbols, fuse_regions
 from fulmen.frontend.cudagraphs import graphed
 from fulmen.transforms.accumulate import accumulate_embedding_grads
-from fulmen.transforms.overlap import communicates, schedule_communication
+from fulmen.transforms.overlap import has_work, overlapping, schedule_communication
 from fulmen.transforms.passes import cse, dce, del_last_used
 from fulmen.transforms.scale_pushdown import push_scale_past_matmuls
 
@@ -44,7 +44,7 @@ EXECUTION_PIPELINE: tuple[Step, ...] = (
     Step("dce_after_claim", lambda t, executors: dce(t, provenance="Dead Code Elimination (after claiming)"),
          "execution"),
     # collectives started as early as their inputs allow, waited as late as their readers allow
-    Step("overlap", lambda t, executors: schedule_communication(t), "execution", for_trace=communicates),
+    Step("overlap", lambda t, executors: schedule_communication(t), "execution", for_trace=has_work),
     Step("fusion", lambda t, executors: fuse_regions(t, executors), "execution", when=_has_fusion),
     Step("del_last_used", lambda t, executors: del_last_used(t), "execution"),
 )
@@ -99,7 +99,8 @@ class PipelineRun:
     def execution(self, trace: Trace) -> Callable:
         """``EXECUTION_PIPELINE`` (with the "execution" steps added) on ``trace``, then its Python code."""
         extra = added_steps(self.executors, self.options, "execution")
-        final = self.run((*EXECUTION_PIPELINE[:-1], *extra, EXECUTION_PIPELINE[-1]), trace)
+        with overlapping(self.options.overlap_communication):
+            final = self.run((*EXECUTION_PIPELINE[:-1], *extra, EXECUTION_PIPELINE[-1]), trace)
         start = time.perf_counter()
         fn, _ = compile_trace(final, comments=False)  # str(trace) still prints the decompositions
         self.timings["codegen"] = self.timings.get("codegen", 0.0) + (time.perf_counter() - start) * 1e3

@@ -14,12 +14,27 @@ so fused regions neither swallow a wait nor hold up a collective's start.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 from fulmen.core.symbol import BoundSymbol, OpTags
 from fulmen.core.trace import Trace
 from fulmen.executors.partition import fusion_groups
 
-#: Off: traces keep their collectives where the program made them, fused or not (the benchmark's baseline).
-ENABLED = True
+#: Whether the compilation in progress overlaps communication (``JitOptions.overlap_communication``, set around
+#: the execution pipeline by ``overlapping``); off, traces keep their collectives where the program made them.
+enabled: ContextVar[bool] = ContextVar("fulmen_overlap_communication", default=True)
+
+
+@contextmanager
+def overlapping(on: bool) -> Iterator[None]:
+    """Overlap communication (or not) in the pipeline steps run inside the block, fusion's ordering included."""
+    token = enabled.set(bool(on))
+    try:
+        yield
+    finally:
+        enabled.reset(token)
 
 _ORDERED = (OpTags.RANDOM_OP, OpTags.SIDE_EFFECT, OpTags.FALLBACK, OpTags.IN_PLACE, OpTags.COMMUNICATION)
 
@@ -29,13 +44,18 @@ def communicates(trace: Trace) -> bool:
     return any(OpTags.COMMUNICATION in b.sym.tags for b in trace.bound_symbols)
 
 
+def has_work(trace: Trace) -> bool:
+    """Whether ``schedule_communication`` would reorder ``trace``: overlap is on and the trace communicates."""
+    return enabled.get() and communicates(trace)
+
+
 def _free(bsym: BoundSymbol) -> bool:
     return not any(t in bsym.sym.tags for t in _ORDERED)
 
 
 def schedule_communication(trace: Trace) -> Trace:
     """``trace`` with each collective started as early and waited for as late as its data dependencies allow."""
-    if not ENABLED or not communicates(trace):
+    if not has_work(trace):
         return trace
     order = [b for _, run in fusion_groups(trace.bound_symbols, _free) for b in run]
     return trace.derive("Overlap communication", order)
