@@ -211,12 +211,12 @@ def _start_triton_workers() -> None:
 def _vector_isa_known() -> bool:
     """Whether ATen itself runs AVX2 or AVX-512 kernels on this x86 CPU.
 
-    Inductor decides which vector instructions its C++ kernels may use by compiling and loading a probe library
-    for each candidate, once per cache directory: about 3 s of a cold start on a 2-core CPU, as long as one
-    region's compilation. ATen has already made the same decision at startup (CPU and operating-system support,
-    and the ``ATEN_CPU_CAPABILITY`` override), so when it runs AVX2 or AVX-512 kernels fulmen tells Inductor the
-    instructions are usable (``config.cpp.vec_isa_ok``) instead of probing. A C++ compiler that cannot emit them
-    would fail the region's compilation, and the region keeps running with the torch executor (logged).
+    Inductor decides which vector instructions its C++ kernels may use by compiling and loading a probe library for each
+    candidate, once per cache directory: on a cold start that costs as much as compiling a region. ATen has already made
+    the same decision at startup (CPU and operating-system support, and the ``ATEN_CPU_CAPABILITY`` override), so when
+    it runs AVX2 or AVX-512 kernels fulmen tells Inductor the instructions are usable (``config.cpp.vec_isa_ok``)
+    instead of probing. A C++ compiler that cannot emit them would fail the region's compilation, and the region keeps
+    running with the torch executor (logged).
     """
     import platform
 
@@ -233,7 +233,7 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
     with compiler_import_lock:
         import torch._dynamo  # noqa: F401  (before Inductor: its modules import Dynamo's)
         from torch._inductor import codecache, config
-    # The FX graph cache's key hashes the source files of torch and Triton (about 0.5 s, once per process): on
+    # The FX graph cache's key hashes the source files of torch and Triton (once per process, not cheap): on
     # threads of PyTorch's own, beside the rest of Inductor's imports (a no-op once they are computed; older torch
     # releases have no prefetch and compute them when first asked).
     for key in (getattr(codecache, "torch_key", None), getattr(codecache, "triton_key", None)):
@@ -256,7 +256,7 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
         patch["cpp.threads"] = threads
     with config.patch(patch):
         if on_cpu:
-            prefetch_header()  # before the rest of Inductor's imports (about 1.5 s): they run beside the header
+            prefetch_header()  # before the rest of Inductor's imports, which then run beside the header's check
         with compiler_import_lock:
             from torch._dynamo.convert_frame import compile_lock
             from torch._guards import TracingContext, tracing
@@ -301,11 +301,10 @@ def _fake_mode():
     Dynamo provides one around Inductor.
 
     Inductor's FX graph cache (the on-disk cache of whole compilations, keyed by the graph, the input layouts,
-    Inductor's configuration and the torch version) refuses a compilation without a shape environment ("Bypassing
-    FX Graph Cache because 'No shape env'"), and it hashes real example inputs by value, as constants. Without
-    both, a second process lowers every region again (about 2 s of a 4-layer GPT's training step on 2 CPU cores)
-    and only the C++ build comes from the disk. The shapes are static, so the environment records no guards and a
-    cached graph matches on its key alone.
+    Inductor's configuration and the torch version) refuses a compilation without a shape environment ("Bypassing FX
+    Graph Cache because 'No shape env'"), and it hashes real example inputs by value, as constants. Without both, a
+    second process lowers every region again and only the C++ build comes from the disk. The shapes are static, so the
+    environment records no guards and a cached graph matches on its key alone.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv

@@ -1,10 +1,10 @@
 """Building the C++ kernels of fused CPU regions in batches: one compiler run for many kernels.
 
 Inductor turns a CPU graph into several C++ kernels and builds each into its own shared library: one g++ run
-per kernel. Most of such a run is fixed cost: parsing ATen's vector headers (about 4 s on the 2-core CI
-machine), or loading them precompiled (about 0.7 s, once a 150 MB precompiled header exists: about 7 s of one
-core to build, once per machine), and linking (0.2 s); the kernel itself takes a fraction of that. A GPT
-training step on CPU makes 11 kernels in 3 regions: 11 runs, 12 s of compiler time with the header.
+per kernel. Most of such a run is fixed cost: parsing ATen's vector headers, or loading them precompiled (once
+a precompiled header exists, which takes one core a while to build, once per machine), and linking; the kernel
+itself takes a fraction of that. A GPT training step on CPU makes a dozen kernels in a few regions, so a dozen
+runs pay that cost (figures: docs/performance.md, "What individual changes bought").
 
 Inside ``merged_cpp_build(batch)``, Inductor's ``cpp_pybinding`` (the call its generated module makes for each
 kernel) only records the kernel's source and hands back a placeholder. The background compiler collects every
@@ -376,13 +376,13 @@ _header_ready = False
 
 
 def prefetch_header() -> None:
-    """Start Inductor's precompiled header on a thread of its own: a check (about 0.5 s) where it is built
-    already, a build (about 7 s of one core, once per machine and compiler flags) where it is not.
+    """Start Inductor's precompiled header on a thread of its own: a quick check where it is built already, a
+    build (seconds of one core, once per machine and compiler flags) where it is not.
 
-    Until the header is ready, C++ builds parse ATen's headers themselves (about 4 s per build) instead of
-    waiting for it: a first build of the header is worth it for later builds and later processes, not for the
-    one at hand. It runs at the lowest CPU priority, so it takes only the time the user's program and the
-    compilation leave idle.
+    Until the header is ready, C++ builds parse ATen's headers themselves instead of waiting for it: a first build of
+    the header takes longer than one build parsing them, so it pays off for later builds and later processes, not for
+    the one at hand (figures: docs/performance.md, "First call"). It runs at the lowest CPU priority, so it takes only
+    the time the user's program and the compilation leave idle.
 
     Call it in the compiling thread with Inductor's configuration in place: the vector instructions are picked
     here, so the thread builds exactly the header the kernels will use. The thread only asks Inductor's C++ cache

@@ -2,10 +2,10 @@
 
 To decide how to vectorize each loop, Inductor's C++ backend asks for the stride of every index expression along
 the vectorized variable (``torch._inductor.sizevars.stride_at_vec_range``), and it first passes the index through
-``sympy.simplify``. That call takes 5 to 9 ms each on a 2-core CPU. Most calls get a plain linear index, such as
-``8192*x0 + 64*x1 + 32*x2 + x3``, and ``simplify`` returns it unchanged. Compiling a llama-small training step
-made 257 calls: 130 of them plain linear indices, which took 1.2 of the 9.2 s compilation. The other 127 had
-integer results and cost almost nothing.
+``sympy.simplify``, a search that costs milliseconds a call. Most calls get a plain linear index, such as
+``8192*x0 + 64*x1 + 32*x2 + x3``, and ``simplify`` returns it unchanged; about half the calls of a model's
+compilation are of that kind, and they make up most of the time spent in ``simplify`` (figures:
+docs/performance.md, "What individual changes bought").
 
 The ``simplify`` installed here returns such an index as it is, without sympy's search. The shape it answers is a
 sum of positive integer multiples of symbols plus a nonnegative integer constant, with at least one coefficient

@@ -76,7 +76,7 @@ def _on_meta(fn, args, kwargs):
     """Run ``fn`` on meta tensors laid out as eager would lay out the proxies: (meta output, meta input 0).
 
     Torch function handling is off meanwhile: only meta tensors are involved, and the tracer's mode would
-    otherwise see each of these calls: it doubled what a view op costs while tracing."""
+    otherwise see each of these calls, a second trip through the tracer for every view op traced."""
     with torch._C.DisableTorchFunction():
         margs = [_to_meta(a) for a in args]
         return fn(*margs, **{k: _to_meta(v) for k, v in kwargs.items()}), margs[0]

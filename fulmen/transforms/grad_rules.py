@@ -299,9 +299,9 @@ def _cross_entropy_unit_gradient(a: TensorProxy, target: TensorProxy, reduction:
     computes them, the loss is the negated picked log-probability summed, or averaged over the kept rows, and
     the gradient is ATen's ``(exp(logp) - onehot) * (g / count)`` up to rounding.
 
-    CPU only, where it was measured: lm_head and loss of gpt-small (256 x 4,096 logits, 2 cores), forward and
-    backward, 8.45 against 8.68 ms (medians of 180 calls). On CUDA the log-softmax path with fulmen's one-pass
-    backward decomposition (``inductor_decomps``) was measured on an H100 and stays."""
+    CPU only, where it is the faster of the two; on CUDA the log-softmax path with fulmen's one-pass backward
+    decomposition (``inductor_decomps``) is faster and stays (figures: docs/performance.md, "What individual
+    changes bought")."""
     n, c = a.shape
     shifted = ltorch.sub(a, ltorch.amax(a, 1, keepdim=True))
     total = ltorch.sum(ltorch.exp(shifted), 1, keepdim=True)
