@@ -174,20 +174,25 @@ def test_fsdp2_both_orders_with_fusion():
     assert all("inductor_fusion" in out["execution"] for out in results)
 
 
-def _tensor_parallel(mesh) -> Block:
+def _tensor_parallel(mesh, hidden: int = 16, blocks: int = 1) -> nn.Module:
+    """``blocks`` blocks with ``up`` column-wise and ``down`` row-wise parallel."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     torch.manual_seed(0)
-    return parallelize_module(Block(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    model = nn.Sequential(*(Block() for _ in range(blocks)))
+    for block in model:
+        block.up, block.down = nn.Linear(8, hidden), nn.Linear(hidden, 8)
+        parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    return model if blocks > 1 else model[0]
 
 
-def _tp_loss(model: Block, x: torch.Tensor) -> torch.Tensor:
+def _tp_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).square().mean()
 
 
-def _train_replicated(model: Block, loss_fn, steps: range) -> list[float]:
+def _train_replicated(model: nn.Module, loss_fn, steps: range, params: nn.Module | None = None) -> list[float]:
     """SGD steps where every rank sees the same batch, as tensor parallelism expects."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD((params or model).parameters(), lr=0.1)
     losses = []
     for step in steps:
         loss = loss_fn(model, _batch(0, step))
@@ -196,6 +201,46 @@ def _train_replicated(model: Block, loss_fn, steps: range) -> list[float]:
         opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+class _Renormed(nn.Module):
+    """Reads its DTensor weight through ``renorm``, which DTensor has no sharding rule for."""
+
+    def __init__(self, mesh):
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        super().__init__()
+        self.weight = nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)]))
+
+    def forward(self, x):
+        return x.sum() + self.weight.renorm(2, 0, 1.0).to_local().sum()
+
+
+def _tp_under_jit(mesh, options: dict) -> dict:
+    """Tensor parallelism under fulmen.jit: two blocks (the second's input needs a gradient, so the backward
+    all-reduces it), eager alongside in the same process; then eval without gradients, and a refusal."""
+    import fulmen
+
+    out = {}
+    for name, hidden in (("even", 16),):
+        eager, net = _tensor_parallel(mesh, hidden, blocks=2), _tensor_parallel(mesh, hidden, blocks=2)
+        jitted = fulmen.jit(net, **options)
+        out[name] = _train_replicated(jitted, _tp_loss, range(3), params=net)
+        out[name + "_eager"] = _train_replicated(eager, _tp_loss, range(3))
+        out[name + "_params"], out[name + "_eager_params"] = _full_params(net), _full_params(eager)
+        out[name + "_misses"] = fulmen.cache_misses(jitted)
+        # the parameters and the state_dict stay the user's DTensors
+        out[name + "_kinds"] = {type(net[0].up.weight).__name__, type(jitted.state_dict()["1.down.weight"]).__name__}
+    out["forward"], out["backward"] = str(fulmen.last_traces(jitted)[-1]), str(fulmen.last_backward_traces(jitted)[-1])
+    with torch.no_grad():  # eval without gradients: another program, traced once
+        eager.eval(), jitted.eval()
+        out["eval"] = [jitted(_batch(0, 9)), eager(_batch(0, 9))]
+    out["eval_misses"] = fulmen.cache_misses(jitted)
+    try:
+        fulmen.jit(_Renormed(mesh), **options)(_batch(0, 0))
+    except NotImplementedError as e:
+        out["no_rule"] = str(e)
+    return out
 
 
 def _dtensor_programs(rank, world_size, mesh):
@@ -217,25 +262,39 @@ def _dtensor_programs(rank, world_size, mesh):
     stats = dynamo.backend_stats()
     out["stats"] = (stats.graphs, stats.compilations, stats.eager_graphs)
     out["plain_parts"] = "".join(str(fulmen.last_traces(r.jitted)[0]) for r in dynamo._records.values())
+    out["jit"] = _tp_under_jit(mesh, {"executors": ["torch"]})
 
-    # fulmen.jit refuses DTensors, naming what works, rather than failing inside the tensor parallel hooks
-    errors = []
-    try:
-        fulmen.jit(_tensor_parallel(mesh), executors=["torch"])(_batch(0, 0))
-    except NotImplementedError as e:
-        errors.append(str(e))
-    try:  # a DTensor made inside the jitted function: refused where it is made
+    try:  # a DTensor made inside a jitted function: refused where it is made
         from torch.distributed.tensor import DTensor, Shard
 
         fulmen.jit(lambda x: DTensor.from_local(x, mesh, [Shard(0)]).full_tensor(), executors=["torch"])(_batch(0, 0))
     except NotImplementedError as e:
-        errors.append(str(e))
-    out["errors"] = errors
+        out["made_inside"] = str(e)
     return out
 
 
+def _check_tp_under_jit(results: list[dict]) -> None:
+    for out in results:
+        for name in ("even",):
+            torch.testing.assert_close(out[name], out[name + "_eager"], **TOL)
+            _assert_params_close(out[name + "_params"], out[name + "_eager_params"])
+            assert out[name + "_misses"] == 1  # traced once, then cache hits
+            assert out[name + "_kinds"] == {"DTensor"}
+        torch.testing.assert_close(out["eval"][0], out["eval"][1], **TOL)
+        assert out["eval_misses"] == 2
+        # the collectives are traced operations: RowwiseParallel's all-reduce of its partial output in the forward
+        # (one per block), and in the backward the all-reduce of the gradient of the second block's replicated input
+        assert out["forward"].count("_c10d_functional.all_reduce(") == 2
+        assert out["forward"].count("_c10d_functional.wait_tensor(") == 2
+        assert out["backward"].count("_c10d_functional.all_reduce(") == 1
+        assert "renorm" in out["no_rule"] and "_Renormed" in out["no_rule"] and "sharding" in out["no_rule"]
+    for name in ("even",):
+        torch.testing.assert_close(results[0][name], results[1][name], rtol=0, atol=0)
+        _assert_params_close(results[0][name + "_params"], results[1][name + "_params"])
+
+
 def _check_tensor_parallel_results(results: list[dict]) -> None:
-    """Tensor parallel under torch.compile(backend="fulmen") trains as eager; fulmen.jit refuses its DTensors."""
+    """Tensor parallel under torch.compile(backend="fulmen") and under fulmen.jit trains as eager."""
     for out in results:
         torch.testing.assert_close(out["compiled"], out["eager"], **TOL)
         _assert_params_close(out["compiled_params"], out["eager_params"])
@@ -243,7 +302,6 @@ def _check_tensor_parallel_results(results: list[dict]) -> None:
         assert graphs >= 1 and compilations == graphs and eager_graphs == 0  # the plain parts, compiled once each
         assert "ltorch.add" in out["plain_parts"] and "ltorch.mean" in out["plain_parts"]
         assert "DTensor" not in out["plain_parts"] and "redistribute" not in out["plain_parts"]
-        assert len(out["errors"]) == 2
-        assert all("DTensor" in message and "torch.compile" in message for message in out["errors"])
-        assert "before fully_shard" in out["errors"][0] and "makes a DTensor" in out["errors"][1]
+        assert "makes a DTensor" in out["made_inside"] and "fulmen.jit(model)" in out["made_inside"]
     torch.testing.assert_close(results[0]["compiled"], results[1]["compiled"], rtol=0, atol=0)
+    _check_tp_under_jit([out["jit"] for out in results])

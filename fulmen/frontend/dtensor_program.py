@@ -1,0 +1,237 @@
+"""Modules holding DTensors (tensor parallelism: ``parallelize_module``) under ``fulmen.jit``: the DTensor program is
+traced into operations on local tensors and functional collectives, and fulmen compiles those.
+
+A ``DTensor`` runs through DTensor's own dispatch: sharding propagation picks the local kernel and the collectives a
+redistribution needs, and DTensor's autograd decides the backward's collectives (the backward of a replicated input
+all-reduces its partial gradient). fulmen's traced tensors cannot stand for a DTensor, so the module is traced the
+way ``torch.compile`` traces one after Dynamo: AOTAutograd (``aot_function``) runs the module with its parameters
+and inputs as fake DTensors, desugars each into its local tensor (the placements and mesh are static facts of the
+program) and records what DTensor's dispatch ran: aten operations on local tensors and ``_c10d_functional``
+collectives, for the forward and, through DTensor's autograd, for the backward. Each of the two graphs is then
+compiled by ``fulmen.jit`` (fulmen's executors and fusion), where the collectives are traced operations
+(``fulmen.torch.collectives``): the printed traces show the all-reduces and all-gathers. AOTAutograd's
+``autograd.Function`` joins the two programs and wraps the gradients back into DTensors, so the parameters, their
+``.grad``, the optimizer and the ``state_dict`` stay the user's DTensors.
+
+The traced program is specialized, like any trace, on what the module's Python read; the cache key here holds what
+a later call must match: the arguments' structure, non-tensor values and tensor metadata (a DTensor's placements
+and mesh too), the parameters' and buffers', grad mode, and each submodule's plain attributes (``training``, flags,
+sizes) and hook counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from fulmen.core.trace import Trace
+from fulmen.frontend.stats import CompileStats
+
+log = logging.getLogger("fulmen")
+
+_PLAIN_ATTRIBUTES = (bool, int, float, str, type(None))
+
+
+def _dtensor_class() -> type | None:
+    # no DTensor exists unless its module was imported: checking costs nothing for programs that never use one
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
+
+def dtensor_state(module: nn.Module) -> str | None:
+    """The name of the first parameter or buffer of ``module`` that is a DTensor, or None."""
+    dtensor = _dtensor_class()
+    if dtensor is None:
+        return None
+    for name, t in (*module.named_parameters(), *module.named_buffers()):
+        if isinstance(t, dtensor):
+            return name
+    return None
+
+
+def _describe(value: Any, dtensor: type) -> Any:
+    """What a later call must match of one argument leaf: a tensor's metadata (a DTensor's placements, mesh and
+    local strides too), a plain value itself."""
+    if isinstance(value, dtensor):
+        local = value._local_tensor
+        return (
+            "dtensor",
+            value.shape,
+            value.dtype,
+            value.requires_grad,
+            value.placements,
+            value.device_mesh,
+            local.shape,
+            local.stride(),
+            local.device,
+        )
+    if isinstance(value, torch.Tensor):
+        return ("tensor", type(value), value.shape, value.stride(), value.dtype, value.device, value.requires_grad)
+    try:
+        hash(value)
+    except TypeError:
+        raise NotImplementedError(
+            f"fulmen.jit of a module holding DTensors: an argument of type {type(value).__name__} is neither a "
+            "tensor nor a hashable value, so a later call could not be checked against the traced program; pass "
+            "tensors and plain values (numbers, strings, tuples)"
+        ) from None
+    return (type(value), value)
+
+
+def _module_facts(module: nn.Module) -> tuple:
+    """Each submodule's plain attributes (``training``, flags, sizes the forward may branch on) and hook counts."""
+    facts = []
+    for m in module.modules():
+        plain = tuple((k, v) for k, v in vars(m).items() if type(v) in _PLAIN_ATTRIBUTES)
+        hooks = (len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks))
+        facts.append((plain, hooks))
+    return tuple(facts)
+
+
+@dataclass
+class _Compiled:
+    """One traced program: AOTAutograd's callable and fulmen's programs for its graphs, by kind."""
+
+    call: Callable
+    graphs: dict[str, Any] = field(default_factory=dict)  # "forward" | "backward" | "inference" -> JittedFunction
+
+
+@dataclass
+class DTensorStats(CompileStats):
+    """``fulmen.compile_stats`` of a module holding DTensors: the counters of the traced programs, and the traces
+    fulmen made of the last one's graphs (the forward, or the inference graph when nothing needed gradients; the
+    backward)."""
+
+    _program: _Compiled | None = None
+
+    def _graph_traces(self, kinds: tuple[str, ...], attribute: str) -> list:
+        graphs = self._program.graphs if self._program is not None else {}
+        for kind in kinds:
+            if kind in graphs:
+                return list(getattr(graphs[kind]._stats, attribute))
+        return []
+
+    @property
+    def last_traces(self) -> list[Trace]:
+        return self._graph_traces(("forward", "inference"), "last_traces")
+
+    @property
+    def last_trace_steps(self) -> list[str]:
+        return self._graph_traces(("forward", "inference"), "last_trace_steps")
+
+    @property
+    def last_backward_traces(self) -> list[Trace]:
+        """The traces of the backward graph (AOTAutograd differentiated the DTensor program; fulmen compiled the
+        graph), empty until a backward ran."""
+        return self._graph_traces(("backward",), "last_traces")
+
+    @property
+    def last_backward_trace_steps(self) -> list[str]:
+        return self._graph_traces(("backward",), "last_trace_steps")
+
+
+class DTensorProgram:
+    """What ``fulmen.jit(module)`` calls for a module holding DTensor parameters or buffers (see the module doc)."""
+
+    def __init__(self, module: nn.Module, executors, options: dict):
+        self.module = module
+        self.executors = executors
+        self.options = options
+        self._cache: dict[Any, _Compiled] = {}
+        self._stats = DTensorStats()
+        log.info(
+            "fulmen: %s holds DTensors (%s): fulmen compiles its DTensor program traced into local tensors and "
+            "functional collectives",
+            type(module).__name__,
+            dtensor_state(module),
+        )
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        return {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
+
+    def _key(self, state: dict, args: tuple, kwargs: dict) -> tuple:
+        dtensor = _dtensor_class()
+        leaves, spec = tree_flatten((args, kwargs))
+        return (
+            spec,
+            torch.is_grad_enabled(),
+            torch.get_default_dtype(),
+            tuple(state),
+            tuple(_describe(v, dtensor) for v in (*leaves, *state.values())),
+            _module_facts(self.module),
+        )
+
+    def __call__(self, *args, **kwargs):
+        state = self._state()
+        key = self._key(state, args, kwargs)
+        stats = self._stats
+        stats.calls += 1
+        program = self._cache.get(key)
+        if program is not None:
+            stats.cache_hits += 1
+            stats._program = program
+            return program.call(list(state.values()), args, kwargs)
+        stats.cache_misses += 1
+        if self._cache:
+            stats.recompile_reasons.append(
+                "the arguments, parameters or module attributes differ from every traced program's"
+            )
+        program = self._cache[key] = self._trace(list(state))
+        stats._program = program
+        try:
+            return program.call(list(state.values()), args, kwargs)
+        except NotImplementedError as e:
+            del self._cache[key]
+            if "sharding" in str(e):  # DTensor's dispatch has no rule for an operation
+                raise _no_sharding_rule(self.module, e) from e
+            raise
+        except BaseException:
+            del self._cache[key]
+            raise
+
+    def _trace(self, names: list[str]) -> _Compiled:
+        from torch._functorch.aot_autograd import aot_function
+
+        module = self.module
+
+        def run(state: list, args: tuple, kwargs: dict):
+            return torch.func.functional_call(module, dict(zip(names, state)), args, kwargs)
+
+        program = _Compiled(call=None)
+        program.call = aot_function(
+            run,
+            self._compiler(program, "forward"),
+            self._compiler(program, "backward"),
+            inference_compiler=self._compiler(program, "inference"),
+        )
+        return program
+
+    def _compiler(self, program: _Compiled, kind: str) -> Callable:
+        from torch._functorch.aot_autograd import make_boxed_func
+
+        from fulmen.frontend.dynamo import _jitted_graph
+
+        def compile_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+            n = len(example_inputs)
+            options = {**self.options, "executors": self.executors}
+            jitted = program.graphs[kind] = _jitted_graph(gm, n, {}, list(range(n)), options)
+            jitted.__name__ = f"dtensor_{kind}"
+            return make_boxed_func(jitted)
+
+        return compile_graph
+
+
+def _no_sharding_rule(module: nn.Module, e: NotImplementedError) -> NotImplementedError:
+    """DTensor's refusal of an operation it has no sharding rule for, naming the module and what works instead."""
+    return NotImplementedError(
+        f"fulmen.jit({type(module).__name__}): DTensor has no sharding rule for an operation of the module's "
+        f"forward ({str(e).splitlines()[0]}), so its DTensor program cannot be traced. Run the module without "
+        "fulmen.jit, or compute that operation on local tensors (dtensor.to_local()) or on replicated ones."
+    )
