@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from fulmen.core.trace import Trace
+from fulmen.frontend.aten_graph import TorchCalls
 from fulmen.frontend.stats import CompileStats
 
 log = logging.getLogger("fulmen")
@@ -216,13 +217,16 @@ class DTensorProgram:
     def _compiler(self, program: _Compiled, kind: str) -> Callable:
         from torch._functorch.aot_autograd import make_boxed_func
 
-        from fulmen.frontend.dynamo import _jitted_graph
+        from fulmen.frontend.jit import JittedFunction
 
         def compile_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-            n = len(example_inputs)
-            options = {**self.options, "executors": self.executors}
-            jitted = program.graphs[kind] = _jitted_graph(gm, n, {}, list(range(n)), options)
-            jitted.__name__ = f"dtensor_{kind}"
+            def run_graph(*args):  # runs while fulmen traces: fulmen's own symbols where an aten op has a torch form
+                return TorchCalls(gm).run(*args)
+
+            run_graph.__name__ = f"dtensor_{kind}"
+            jitted = program.graphs[kind] = JittedFunction(run_graph, self.executors, **self.options)
+            jitted._guard_reads = False  # the graph reads no globals; the module's Python ran when AOTAutograd traced
+            jitted._split_points = False
             return make_boxed_func(jitted)
 
         return compile_graph
