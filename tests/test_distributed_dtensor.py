@@ -208,6 +208,32 @@ def _train_replicated(model: nn.Module, loss_fn, steps: range, params: nn.Module
     return losses
 
 
+_RESIDUAL = 1.0  # read by _ScaledBlock.forward: a global the traced program must be guarded on
+
+
+class _ScaledBlock(Block):
+    def forward(self, x):
+        return _RESIDUAL * x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def _global_read(mesh, options: dict) -> tuple[list, int]:
+    """A tensor parallel block whose forward reads a global, called before and after the global changes."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import fulmen
+
+    global _RESIDUAL
+    block = parallelize_module(_ScaledBlock(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    jitted = fulmen.jit(block, **options)
+    pairs = []
+    try:
+        for _RESIDUAL in (1.0, 3.0, 1.0):
+            pairs.append((jitted(_batch(0, 7)), block(_batch(0, 7))))
+    finally:
+        _RESIDUAL = 1.0
+    return pairs, fulmen.cache_misses(jitted)
+
+
 class _Renormed(nn.Module):
     """Reads its DTensor weight through ``renorm``, which DTensor has no sharding rule for."""
 
@@ -241,6 +267,7 @@ def _tp_under_jit(mesh, options: dict) -> dict:
         eager.eval(), jitted.eval()
         out["eval"] = [jitted(_batch(0, 9)), eager(_batch(0, 9))]
     out["eval_misses"] = fulmen.cache_misses(jitted)
+    out["global"] = _global_read(mesh, options)
     try:
         fulmen.jit(_Renormed(mesh), **options)(_batch(0, 0))
     except NotImplementedError as e:
@@ -297,6 +324,11 @@ def _check_tp_under_jit(results: list[dict]) -> None:
         assert _calls(out["forward"], "_c10d_functional.all_reduce(") == 2
         assert _calls(out["forward"], "_c10d_functional.wait_tensor(") == 2
         assert _calls(out["backward"], "_c10d_functional.all_reduce(") == 1
+        # a global the forward reads is guarded: changing it traces again, and changing it back hits that program
+        pairs, misses = out["global"]
+        for jitted, eager in pairs:
+            torch.testing.assert_close(jitted, eager, **TOL)
+        assert misses == 2
         assert "renorm" in out["no_rule"] and "_Renormed" in out["no_rule"] and "sharding" in out["no_rule"]
     for name in ("even",):
         torch.testing.assert_close(results[0][name], results[1][name], rtol=0, atol=0)

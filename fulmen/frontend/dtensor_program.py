@@ -15,15 +15,18 @@ compiled by ``fulmen.jit`` (fulmen's executors and fusion), where the collective
 
 The traced program is specialized, like any trace, on what the module's Python read; the cache key here holds what
 a later call must match: the arguments' structure, non-tensor values and tensor metadata (a DTensor's placements
-and mesh too), the parameters' and buffers', grad mode, and each submodule's plain attributes (``training``, flags,
-sizes) and hook counts.
+and mesh too), the parameters' and buffers', which of them are the same tensor, fulmen's global state (grad mode,
+autocast, default dtype and device), and each submodule's plain attributes (``training``, flags, sizes) and hook
+counts; and, as for ``fulmen.jit``'s own tracing, the globals, closure variables and attribute chains the module's
+Python code read while AOTAutograd ran it (``fulmen.frontend.global_guard``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +36,8 @@ from torch.utils._pytree import tree_flatten
 
 from fulmen.core.trace import Trace
 from fulmen.frontend.aten_graph import TorchCalls
+from fulmen.frontend.cache import global_state_key
+from fulmen.frontend.global_guard import GlobalGuard, ReadRecorder, build_guard
 from fulmen.frontend.stats import CompileStats
 
 log = logging.getLogger("fulmen")
@@ -75,6 +80,8 @@ def _describe(value: Any, dtensor: type) -> Any:
         )
     if isinstance(value, torch.Tensor):
         return ("tensor", type(value), value.shape, value.stride(), value.dtype, value.device, value.requires_grad)
+    if type(value) is float:  # 0.0 and -0.0 compare equal, but a program traced with one is not the other's
+        return (float, repr(value))
     try:
         hash(value)
     except TypeError:
@@ -102,6 +109,7 @@ class _Compiled:
 
     call: Callable
     graphs: dict[str, Any] = field(default_factory=dict)  # "forward" | "backward" | "inference" -> JittedFunction
+    guard: GlobalGuard | None = None  # the globals and attributes the module's Python read while traced
 
 
 @dataclass
@@ -145,7 +153,7 @@ class DTensorProgram:
         self.module = module
         self.executors = executors
         self.options = options
-        self._cache: dict[Any, _Compiled] = {}
+        self._cache: dict[Any, list[_Compiled]] = {}
         self._stats = DTensorStats()
         log.info(
             "fulmen: %s holds DTensors (%s): fulmen compiles its DTensor program traced into local tensors and "
@@ -160,12 +168,16 @@ class DTensorProgram:
     def _key(self, state: dict, args: tuple, kwargs: dict) -> tuple:
         dtensor = _dtensor_class()
         leaves, spec = tree_flatten((args, kwargs))
+        tensors = [*leaves, *state.values()]
+        # which arguments are the same tensor: AOTAutograd's program is specialized on that
+        first = {}
+        same = tuple(first.setdefault(id(v), i) for i, v in enumerate(tensors) if isinstance(v, torch.Tensor))
         return (
             spec,
-            torch.is_grad_enabled(),
-            torch.get_default_dtype(),
+            global_state_key(),
             tuple(state),
-            tuple(_describe(v, dtensor) for v in (*leaves, *state.values())),
+            tuple(_describe(v, dtensor) for v in tensors),
+            same,
             _module_facts(self.module),
         )
 
@@ -174,28 +186,35 @@ class DTensorProgram:
         key = self._key(state, args, kwargs)
         stats = self._stats
         stats.calls += 1
-        program = self._cache.get(key)
-        if program is not None:
-            stats.cache_hits += 1
-            stats._program = program
-            return program.call(list(state.values()), args, kwargs)
+        variants = self._cache.get(key, ())
+        for program in variants:  # programs traced with other values of the globals the module's Python read
+            if program.guard is None or program.guard.check():
+                stats.cache_hits += 1
+                stats._program = program
+                return program.call(list(state.values()), args, kwargs)
         stats.cache_misses += 1
-        if self._cache:
+        if variants:
+            stats.recompile_reasons.append(variants[-1].guard.explain())
+        elif self._cache:
             stats.recompile_reasons.append(
                 "the arguments, parameters or module attributes differ from every traced program's"
             )
-        program = self._cache[key] = self._trace(list(state))
-        stats._program = program
+        return self._trace_and_call(key, state, args, kwargs)
+
+    def _trace_and_call(self, key: tuple, state: dict, args: tuple, kwargs: dict):
+        program = self._trace(list(state))
+        self._stats._program = program
+        recorder = ReadRecorder(self.module.forward, sys._getframe())
         try:
-            return program.call(list(state.values()), args, kwargs)
+            with _recording_user_code(recorder):  # AOTAutograd runs the module's Python in this first call
+                out = program.call(list(state.values()), args, kwargs)
         except NotImplementedError as e:
-            del self._cache[key]
             if "sharding" in str(e):  # DTensor's dispatch has no rule for an operation
                 raise _no_sharding_rule(self.module, e) from e
             raise
-        except BaseException:
-            del self._cache[key]
-            raise
+        program.guard = build_guard(recorder, [])
+        self._cache.setdefault(key, []).append(program)
+        return out
 
     def _trace(self, names: list[str]) -> _Compiled:
         from torch._functorch.aot_autograd import aot_function
@@ -230,6 +249,24 @@ class DTensorProgram:
             return make_boxed_func(jitted)
 
         return compile_graph
+
+
+@contextlib.contextmanager
+def _recording_user_code(recorder: ReadRecorder) -> Iterator[None]:
+    """``recorder`` told of every Python call while the block runs (this thread), so the user code AOTAutograd ran
+    is known: its globals and attributes become the program's guard (``fulmen.frontend.global_guard``)."""
+
+    def profile(frame, event, arg):
+        if event == "call":
+            recorder()
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        yield
+    finally:
+        sys.setprofile(previous)
+        recorder.close()
 
 
 def _no_sharding_rule(module: nn.Module, e: NotImplementedError) -> NotImplementedError:
