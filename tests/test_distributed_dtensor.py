@@ -234,6 +234,13 @@ def _global_read(mesh, options: dict) -> tuple[list, int]:
     return pairs, fulmen.cache_misses(jitted)
 
 
+class _Branching(Block):
+    """Branches on a tensor's value, which a traced program cannot depend on."""
+
+    def forward(self, x):
+        return super().forward(x) if x.sum() > 0 else x
+
+
 class _Renormed(nn.Module):
     """Reads its DTensor weight through ``renorm``, which DTensor has no sharding rule for."""
 
@@ -249,7 +256,9 @@ class _Renormed(nn.Module):
 
 def _tp_under_jit(mesh, options: dict) -> dict:
     """Tensor parallelism under fulmen.jit: two blocks (the second's input needs a gradient, so the backward
-    all-reduces it), eager alongside in the same process; then eval without gradients, and a refusal."""
+    all-reduces it), eager alongside in the same process; then eval without gradients, a global, and refusals."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
     import fulmen
 
     out = {}
@@ -272,6 +281,11 @@ def _tp_under_jit(mesh, options: dict) -> dict:
         fulmen.jit(_Renormed(mesh), **options)(_batch(0, 0))
     except NotImplementedError as e:
         out["no_rule"] = str(e)
+    branching = parallelize_module(_Branching(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    try:
+        fulmen.jit(branching, **options)(_batch(0, 0))
+    except NotImplementedError as e:
+        out["branch"] = str(e)
     return out
 
 
@@ -329,6 +343,7 @@ def _check_tp_under_jit(results: list[dict]) -> None:
         for jitted, eager in pairs:
             torch.testing.assert_close(jitted, eager, **TOL)
         assert misses == 2
+        assert "_Branching" in out["branch"] and "needs a tensor's value" in out["branch"]
         assert "renorm" in out["no_rule"] and "_Renormed" in out["no_rule"] and "sharding" in out["no_rule"]
     for name in ("even",):
         torch.testing.assert_close(results[0][name], results[1][name], rtol=0, atol=0)

@@ -212,6 +212,8 @@ class DTensorProgram:
             if "sharding" in str(e):  # DTensor's dispatch has no rule for an operation
                 raise _no_sharding_rule(self.module, e) from e
             raise
+        except _DATA_DEPENDENT as e:
+            raise _reads_values(self.module, e) from e
         program.guard = build_guard(recorder, [])
         self._cache.setdefault(key, []).append(program)
         return out
@@ -267,6 +269,26 @@ def _recording_user_code(recorder: ReadRecorder) -> Iterator[None]:
     finally:
         sys.setprofile(previous)
         recorder.close()
+
+
+def _data_dependent_errors() -> tuple[type, ...]:
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    return DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode
+
+
+_DATA_DEPENDENT = _data_dependent_errors()
+
+
+def _reads_values(module: nn.Module, e: Exception) -> NotImplementedError:
+    """The module's Python needed a tensor's value (``if x.sum() > 0``, ``.item()``) while AOTAutograd traced it on
+    fake tensors, which have none."""
+    return NotImplementedError(
+        f"fulmen.jit({type(module).__name__}): the module's forward needs a tensor's value while its DTensor program "
+        f"is traced ({type(e).__name__}: {str(e).splitlines()[0]}), which a traced program cannot depend on. Use "
+        'torch.compile(model, backend="fulmen"), which breaks the graph there, or run the module without fulmen.jit.'
+    )
 
 
 def _no_sharding_rule(module: nn.Module, e: NotImplementedError) -> NotImplementedError:
