@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten
 
 from fulmen.core.trace import Trace
 from fulmen.frontend.aten_graph import TorchCalls
+from fulmen.frontend.attribute_lookup import is_user_file
 from fulmen.frontend.cache import global_state_key
 from fulmen.frontend.global_guard import GlobalGuard, ReadRecorder, build_guard
 from fulmen.frontend.stats import CompileStats
@@ -110,6 +111,7 @@ class _Compiled:
     call: Callable
     graphs: dict[str, Any] = field(default_factory=dict)  # "forward" | "backward" | "inference" -> JittedFunction
     guard: GlobalGuard | None = None  # the globals and attributes the module's Python read while traced
+    stop_recording: Callable | None = None  # ends the recording of user code (the first compilation calls it)
 
 
 @dataclass
@@ -206,7 +208,7 @@ class DTensorProgram:
         self._stats._program = program
         recorder = ReadRecorder(self.module.forward, sys._getframe())
         try:
-            with _recording_user_code(recorder):  # AOTAutograd runs the module's Python in this first call
+            with _recording_user_code(recorder, program):  # AOTAutograd runs the module's Python in this first call
                 out = program.call(list(state.values()), args, kwargs)
         except NotImplementedError as e:
             if "sharding" in str(e):  # DTensor's dispatch has no rule for an operation
@@ -241,6 +243,9 @@ class DTensorProgram:
         from fulmen.frontend.jit import JittedFunction
 
         def compile_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+            if program.stop_recording is not None:  # the module's Python has run: what follows is not the user's
+                program.stop_recording()
+
             def run_graph(*args):  # runs while fulmen traces: fulmen's own symbols where an aten op has a torch form
                 return TorchCalls(gm).run(*args)
 
@@ -253,21 +258,38 @@ class DTensorProgram:
         return compile_graph
 
 
+# code Python and torch generate (dataclass and namedtuple methods, FX graphs' code) is not the user's
+_GENERATED = ("<string>", "<eval_with_key>")
+
+
 @contextlib.contextmanager
-def _recording_user_code(recorder: ReadRecorder) -> Iterator[None]:
-    """``recorder`` told of every Python call while the block runs (this thread), so the user code AOTAutograd ran
-    is known: its globals and attributes become the program's guard (``fulmen.frontend.global_guard``)."""
+def _recording_user_code(recorder: ReadRecorder, program: _Compiled) -> Iterator[None]:
+    """``recorder`` told of every call of user code while AOTAutograd runs the module's Python (this thread), so
+    what that code read becomes the program's guard (``fulmen.frontend.global_guard``). The recording stops at the
+    first graph compilation (``program.stop_recording``): by then the module's Python has run, and what follows
+    (fulmen compiling and running the graphs) is not the user's."""
 
     def profile(frame, event, arg):
         if event == "call":
-            recorder()
+            filename = frame.f_code.co_filename
+            if is_user_file(filename) and not filename.startswith(_GENERATED):
+                recorder()
 
     previous = sys.getprofile()
+    stopped = []
+
+    def stop() -> None:
+        if not stopped:
+            stopped.append(True)
+            sys.setprofile(previous)
+
+    program.stop_recording = stop
     sys.setprofile(profile)
     try:
         yield
     finally:
-        sys.setprofile(previous)
+        stop()
+        program.stop_recording = None
         recorder.close()
 
 
