@@ -254,6 +254,31 @@ class _Renormed(nn.Module):
         return x.sum() + self.weight.renorm(2, 0, 1.0).to_local().sum()
 
 
+def _dtensor_in_and_out(mesh, options: dict) -> list[float]:
+    """A DTensor argument (row-wise parallel taking a sharded input) and a DTensor result (column-wise parallel
+    keeping its output sharded), with the gradient of a plain input through the latter: differences from eager."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import fulmen
+
+    torch.manual_seed(0)
+    row = parallelize_module(nn.Linear(16, 8), mesh, RowwiseParallel(input_layouts=Shard(-1)))
+    col = parallelize_module(nn.Linear(8, 16), mesh, ColwiseParallel(use_local_output=False))
+    sharded = distribute_tensor(torch.randn(4, 16), mesh, [Shard(1)])
+    diffs = [(fulmen.jit(row, **options)(sharded) - row(sharded)).abs().max().item()]
+    x = _batch(0, 0).requires_grad_()
+    out, expected = fulmen.jit(col, **options)(x), col(x)
+    assert type(out) is type(expected) and out.placements == expected.placements
+    (grad,) = torch.autograd.grad(out.full_tensor().tanh().sum(), x)
+    (expected_grad,) = torch.autograd.grad(expected.full_tensor().tanh().sum(), x)
+    return [
+        *diffs,
+        (out.full_tensor() - expected.full_tensor()).abs().max().item(),
+        (grad - expected_grad).abs().max().item(),
+    ]
+
+
 def _tp_under_jit(mesh, options: dict) -> dict:
     """Tensor parallelism under fulmen.jit: two blocks (the second's input needs a gradient, so the backward
     all-reduces it), eager alongside in the same process; then eval without gradients, a global, and refusals."""
@@ -277,6 +302,7 @@ def _tp_under_jit(mesh, options: dict) -> dict:
         out["eval"] = [jitted(_batch(0, 9)), eager(_batch(0, 9))]
     out["eval_misses"] = fulmen.cache_misses(jitted)
     out["global"] = _global_read(mesh, options)
+    out["in_and_out"] = _dtensor_in_and_out(mesh, options)
     try:
         fulmen.jit(_Renormed(mesh), **options)(_batch(0, 0))
     except NotImplementedError as e:
@@ -343,6 +369,7 @@ def _check_tp_under_jit(results: list[dict]) -> None:
         for jitted, eager in pairs:
             torch.testing.assert_close(jitted, eager, **TOL)
         assert misses == 2
+        assert max(out["in_and_out"]) < 1e-5  # DTensor arguments and results, as eager's
         assert "_Branching" in out["branch"] and "needs a tensor's value" in out["branch"]
         assert "renorm" in out["no_rule"] and "_Renormed" in out["no_rule"] and "sharding" in out["no_rule"]
     for name in ("even",):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -164,6 +165,11 @@ class DTensorProgram:
             dtensor_state(module),
         )
 
+    def __reduce__(self):
+        """Pickling (``copy.deepcopy``, ``torch.save`` of the jitted module) keeps the module and the options: the
+        traced programs hold compiled code of this process and trace again in the copy."""
+        return DTensorProgram, (self.module, self.executors, self.options)
+
     def _state(self) -> dict[str, torch.Tensor]:
         return {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
 
@@ -216,6 +222,10 @@ class DTensorProgram:
             raise
         except _DATA_DEPENDENT as e:
             raise _reads_values(self.module, e) from e
+        except Exception as e:
+            if _raised_by_tracing(e):
+                raise _not_traceable(self.module, e) from e
+            raise
         program.guard = build_guard(recorder, [])
         self._cache.setdefault(key, []).append(program)
         return out
@@ -310,6 +320,25 @@ def _reads_values(module: nn.Module, e: Exception) -> NotImplementedError:
         f"fulmen.jit({type(module).__name__}): the module's forward needs a tensor's value while its DTensor program "
         f"is traced ({type(e).__name__}: {str(e).splitlines()[0]}), which a traced program cannot depend on. Use "
         'torch.compile(model, backend="fulmen"), which breaks the graph there, or run the module without fulmen.jit.'
+    )
+
+
+_TRACING_PACKAGES = tuple(f"{os.sep}torch{os.sep}{p}{os.sep}" for p in ("_functorch", "fx", "_subclasses", "_guards"))
+
+
+def _raised_by_tracing(e: Exception) -> bool:
+    """Whether ``e`` comes from AOTAutograd's own machinery (a limitation of its tracing), not from the module."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and any(p in tb.tb_frame.f_code.co_filename for p in _TRACING_PACKAGES)
+
+
+def _not_traceable(module: nn.Module, e: Exception) -> NotImplementedError:
+    return NotImplementedError(
+        f"fulmen.jit({type(module).__name__}): AOTAutograd could not trace the module's DTensor program "
+        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Use torch.compile(model, "
+        'backend="fulmen"), which leaves the DTensor parts to PyTorch, or run the module without fulmen.jit.'
     )
 
 
