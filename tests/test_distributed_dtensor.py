@@ -254,6 +254,41 @@ class _Renormed(nn.Module):
         return x.sum() + self.weight.renorm(2, 0, 1.0).to_local().sum()
 
 
+class _Counting(nn.Module):
+    """Updates buffers in its forward (a call counter, batch norm's running statistics) around a sharded linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.lin = nn.BatchNorm1d(8), nn.Linear(8, 16)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(self.norm(x)) * self.calls
+
+
+def _buffer_updates(mesh, options: dict) -> list[float]:
+    """Differences from eager of the outputs, the buffers and a gradient over 3 training calls."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    import fulmen
+
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(parallelize_module(_Counting(), mesh, {"lin": ColwiseParallel()}))
+    jitted, eager = fulmen.jit(models[0], **options), models[1]
+    diffs = []
+    for step in range(3):
+        out, expected = jitted(_batch(0, step)), eager(_batch(0, step))
+        out.sum().backward()
+        expected.sum().backward()
+        diffs.append((out - expected).abs().max().item())
+    diffs += [(a - b).abs().max().item() for a, b in zip(models[0].buffers(), models[1].buffers())]
+    diffs.append((models[0].lin.weight.grad.full_tensor() - eager.lin.weight.grad.full_tensor()).abs().max().item())
+    return diffs
+
+
 def _dtensor_in_and_out(mesh, options: dict) -> list[float]:
     """A DTensor argument (row-wise parallel taking a sharded input) and a DTensor result (column-wise parallel
     keeping its output sharded), with the gradient of a plain input through the latter: differences from eager."""
@@ -303,6 +338,7 @@ def _tp_under_jit(mesh, options: dict) -> dict:
     out["eval_misses"] = fulmen.cache_misses(jitted)
     out["global"] = _global_read(mesh, options)
     out["in_and_out"] = _dtensor_in_and_out(mesh, options)
+    out["buffers"] = _buffer_updates(mesh, options)
     try:
         fulmen.jit(_Renormed(mesh), **options)(_batch(0, 0))
     except NotImplementedError as e:
@@ -370,6 +406,7 @@ def _check_tp_under_jit(results: list[dict]) -> None:
             torch.testing.assert_close(jitted, eager, **TOL)
         assert misses == 2
         assert max(out["in_and_out"]) < 1e-5  # DTensor arguments and results, as eager's
+        assert max(out["buffers"]) < 1e-5  # buffers updated in the forward, as eager updates them
         assert "_Branching" in out["branch"] and "needs a tensor's value" in out["branch"]
         assert "renorm" in out["no_rule"] and "_Renormed" in out["no_rule"] and "sharding" in out["no_rule"]
     for name in ("even",):
