@@ -108,7 +108,8 @@ def _fsdp2_both_orders(rank, world_size, checkpoint_dir, options):
     except TypeError as e:  # the model's own code is not compiled: the message points at the units
         out["where_traces"] = str(e)
     out["trace"], out["execution"] = str(traces[0]), str(traces[-1])
-    if checkpoint_dir is None:
+    if checkpoint_dir is None:  # with fusion: tensor parallelism under fulmen.jit too
+        out["tp_jit"] = _tp_under_jit(mesh, options)
         return out
     out["tp"] = _dtensor_programs(rank, world_size, mesh)
     torch.manual_seed(0)
@@ -168,26 +169,35 @@ def test_fsdp2_both_orders_dcp_round_trip_and_tensor_parallel(tmp_path):
         _assert_params_close(out["dynamo_params"], out["eager_params"])
 
 
-def test_fsdp2_both_orders_with_fusion():
+def test_fsdp2_both_orders_and_tensor_parallel_with_fusion():
     results = run_on_ranks(_fsdp2_both_orders, None, {"compile": "sync"}, timeout=300)
     _check_fsdp2_results(results)
     assert all("inductor_fusion" in out["execution"] for out in results)
+    tp = [out["tp_jit"] for out in results]
+    _check_tp_under_jit(tp)
+    for out in tp:  # the local computation fuses around the collectives, which stay outside the fused regions
+        assert "inductor_fusion" in out["forward"] and "inductor_fusion" in out["backward"]
 
 
-def _tensor_parallel(mesh) -> Block:
+def _tensor_parallel(mesh, hidden: int = 16, blocks: int = 1) -> nn.Module:
+    """``blocks`` blocks with ``up`` column-wise and ``down`` row-wise parallel."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     torch.manual_seed(0)
-    return parallelize_module(Block(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    model = nn.Sequential(*(Block() for _ in range(blocks)))
+    for block in model:
+        block.up, block.down = nn.Linear(8, hidden), nn.Linear(hidden, 8)
+        parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    return model if blocks > 1 else model[0]
 
 
-def _tp_loss(model: Block, x: torch.Tensor) -> torch.Tensor:
+def _tp_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).square().mean()
 
 
-def _train_replicated(model: Block, loss_fn, steps: range) -> list[float]:
+def _train_replicated(model: nn.Module, loss_fn, steps: range, params: nn.Module | None = None) -> list[float]:
     """SGD steps where every rank sees the same batch, as tensor parallelism expects."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD((params or model).parameters(), lr=0.1)
     losses = []
     for step in steps:
         loss = loss_fn(model, _batch(0, step))
@@ -196,6 +206,149 @@ def _train_replicated(model: Block, loss_fn, steps: range) -> list[float]:
         opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+_RESIDUAL = 1.0  # read by _ScaledBlock.forward: a global the traced program must be guarded on
+
+
+class _ScaledBlock(Block):
+    def forward(self, x):
+        return _RESIDUAL * x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def _global_read(mesh, options: dict) -> tuple[list, int]:
+    """A tensor parallel block whose forward reads a global, called before and after the global changes."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import fulmen
+
+    global _RESIDUAL
+    block = parallelize_module(_ScaledBlock(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    jitted = fulmen.jit(block, **options)
+    pairs = []
+    try:
+        for _RESIDUAL in (1.0, 3.0, 1.0):
+            pairs.append((jitted(_batch(0, 7)), block(_batch(0, 7))))
+    finally:
+        _RESIDUAL = 1.0
+    return pairs, fulmen.cache_misses(jitted)
+
+
+class _Branching(Block):
+    """Branches on a tensor's value, which a traced program cannot depend on."""
+
+    def forward(self, x):
+        return super().forward(x) if x.sum() > 0 else x
+
+
+class _Renormed(nn.Module):
+    """Reads its DTensor weight through ``renorm``, which DTensor has no sharding rule for."""
+
+    def __init__(self, mesh):
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        super().__init__()
+        self.weight = nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)]))
+
+    def forward(self, x):
+        return x.sum() + self.weight.renorm(2, 0, 1.0).to_local().sum()
+
+
+class _Counting(nn.Module):
+    """Updates buffers in its forward (a call counter, batch norm's running statistics) around a sharded linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.lin = nn.BatchNorm1d(8), nn.Linear(8, 16)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(self.norm(x)) * self.calls
+
+
+def _buffer_updates(mesh, options: dict) -> list[float]:
+    """Differences from eager of the outputs, the buffers and a gradient over 3 training calls."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    import fulmen
+
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(parallelize_module(_Counting(), mesh, {"lin": ColwiseParallel()}))
+    jitted, eager = fulmen.jit(models[0], **options), models[1]
+    diffs = []
+    for step in range(3):
+        out, expected = jitted(_batch(0, step)), eager(_batch(0, step))
+        out.sum().backward()
+        expected.sum().backward()
+        diffs.append((out - expected).abs().max().item())
+    diffs += [(a - b).abs().max().item() for a, b in zip(models[0].buffers(), models[1].buffers())]
+    diffs.append((models[0].lin.weight.grad.full_tensor() - eager.lin.weight.grad.full_tensor()).abs().max().item())
+    return diffs
+
+
+def _dtensor_in_and_out(mesh, options: dict) -> list[float]:
+    """A DTensor argument (row-wise parallel taking a sharded input) and a DTensor result (column-wise parallel
+    keeping its output sharded), with the gradient of a plain input through the latter: differences from eager."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import fulmen
+
+    torch.manual_seed(0)
+    row = parallelize_module(nn.Linear(16, 8), mesh, RowwiseParallel(input_layouts=Shard(-1)))
+    col = parallelize_module(nn.Linear(8, 16), mesh, ColwiseParallel(use_local_output=False))
+    sharded = distribute_tensor(torch.randn(4, 16), mesh, [Shard(1)])
+    diffs = [(fulmen.jit(row, **options)(sharded) - row(sharded)).abs().max().item()]
+    x = _batch(0, 0).requires_grad_()
+    out, expected = fulmen.jit(col, **options)(x), col(x)
+    assert type(out) is type(expected) and out.placements == expected.placements
+    (grad,) = torch.autograd.grad(out.full_tensor().tanh().sum(), x)
+    (expected_grad,) = torch.autograd.grad(expected.full_tensor().tanh().sum(), x)
+    return [
+        *diffs,
+        (out.full_tensor() - expected.full_tensor()).abs().max().item(),
+        (grad - expected_grad).abs().max().item(),
+    ]
+
+
+def _tp_under_jit(mesh, options: dict) -> dict:
+    """Tensor parallelism under fulmen.jit: two blocks (the second's input needs a gradient, so the backward
+    all-reduces it), eager alongside in the same process; then eval without gradients, a global, and refusals."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import fulmen
+
+    out = {}
+    for name, hidden in (("even", 16),):
+        eager, net = _tensor_parallel(mesh, hidden, blocks=2), _tensor_parallel(mesh, hidden, blocks=2)
+        jitted = fulmen.jit(net, **options)
+        out[name] = _train_replicated(jitted, _tp_loss, range(3), params=net)
+        out[name + "_eager"] = _train_replicated(eager, _tp_loss, range(3))
+        out[name + "_params"], out[name + "_eager_params"] = _full_params(net), _full_params(eager)
+        out[name + "_misses"] = fulmen.cache_misses(jitted)
+        # the parameters and the state_dict stay the user's DTensors
+        out[name + "_kinds"] = {type(net[0].up.weight).__name__, type(jitted.state_dict()["1.down.weight"]).__name__}
+    out["forward"], out["backward"] = str(fulmen.last_traces(jitted)[-1]), str(fulmen.last_backward_traces(jitted)[-1])
+    with torch.no_grad():  # eval without gradients: another program, traced once
+        eager.eval(), jitted.eval()
+        out["eval"] = [jitted(_batch(0, 9)), eager(_batch(0, 9))]
+    out["eval_misses"] = fulmen.cache_misses(jitted)
+    out["global"] = _global_read(mesh, options)
+    out["in_and_out"] = _dtensor_in_and_out(mesh, options)
+    out["buffers"] = _buffer_updates(mesh, options)
+    try:
+        fulmen.jit(_Renormed(mesh), **options)(_batch(0, 0))
+    except NotImplementedError as e:
+        out["no_rule"] = str(e)
+    branching = parallelize_module(_Branching(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    try:
+        fulmen.jit(branching, **options)(_batch(0, 0))
+    except NotImplementedError as e:
+        out["branch"] = str(e)
+    return out
 
 
 def _dtensor_programs(rank, world_size, mesh):
@@ -217,25 +370,52 @@ def _dtensor_programs(rank, world_size, mesh):
     stats = dynamo.backend_stats()
     out["stats"] = (stats.graphs, stats.compilations, stats.eager_graphs)
     out["plain_parts"] = "".join(str(fulmen.last_traces(r.jitted)[0]) for r in dynamo._records.values())
+    out["jit"] = _tp_under_jit(mesh, {"executors": ["torch"]})
 
-    # fulmen.jit refuses DTensors, naming what works, rather than failing inside the tensor parallel hooks
-    errors = []
-    try:
-        fulmen.jit(_tensor_parallel(mesh), executors=["torch"])(_batch(0, 0))
-    except NotImplementedError as e:
-        errors.append(str(e))
-    try:  # a DTensor made inside the jitted function: refused where it is made
+    try:  # a DTensor made inside a jitted function: refused where it is made
         from torch.distributed.tensor import DTensor, Shard
 
         fulmen.jit(lambda x: DTensor.from_local(x, mesh, [Shard(0)]).full_tensor(), executors=["torch"])(_batch(0, 0))
     except NotImplementedError as e:
-        errors.append(str(e))
-    out["errors"] = errors
+        out["made_inside"] = str(e)
     return out
 
 
+def _calls(trace: str, op: str) -> int:
+    """How many lines of the printed trace call ``op`` (not counting the comments that list a region's ops)."""
+    return sum(op in line for line in trace.splitlines() if not line.lstrip().startswith("#"))
+
+
+def _check_tp_under_jit(results: list[dict]) -> None:
+    for out in results:
+        for name in ("even",):
+            torch.testing.assert_close(out[name], out[name + "_eager"], **TOL)
+            _assert_params_close(out[name + "_params"], out[name + "_eager_params"])
+            assert out[name + "_misses"] == 1  # traced once, then cache hits
+            assert out[name + "_kinds"] == {"DTensor"}
+        torch.testing.assert_close(out["eval"][0], out["eval"][1], **TOL)
+        assert out["eval_misses"] == 2
+        # the collectives are traced operations: RowwiseParallel's all-reduce of its partial output in the forward
+        # (one per block), and in the backward the all-reduce of the gradient of the second block's replicated input
+        assert _calls(out["forward"], "_c10d_functional.all_reduce(") == 2
+        assert _calls(out["forward"], "_c10d_functional.wait_tensor(") == 2
+        assert _calls(out["backward"], "_c10d_functional.all_reduce(") == 1
+        # a global the forward reads is guarded: changing it traces again, and changing it back hits that program
+        pairs, misses = out["global"]
+        for jitted, eager in pairs:
+            torch.testing.assert_close(jitted, eager, **TOL)
+        assert misses == 2
+        assert max(out["in_and_out"]) < 1e-5  # DTensor arguments and results, as eager's
+        assert max(out["buffers"]) < 1e-5  # buffers updated in the forward, as eager updates them
+        assert "_Branching" in out["branch"] and "needs a tensor's value" in out["branch"]
+        assert "renorm" in out["no_rule"] and "_Renormed" in out["no_rule"] and "sharding" in out["no_rule"]
+    for name in ("even",):
+        torch.testing.assert_close(results[0][name], results[1][name], rtol=0, atol=0)
+        _assert_params_close(results[0][name + "_params"], results[1][name + "_params"])
+
+
 def _check_tensor_parallel_results(results: list[dict]) -> None:
-    """Tensor parallel under torch.compile(backend="fulmen") trains as eager; fulmen.jit refuses its DTensors."""
+    """Tensor parallel under torch.compile(backend="fulmen") and under fulmen.jit trains as eager."""
     for out in results:
         torch.testing.assert_close(out["compiled"], out["eager"], **TOL)
         _assert_params_close(out["compiled_params"], out["eager_params"])
@@ -243,7 +423,6 @@ def _check_tensor_parallel_results(results: list[dict]) -> None:
         assert graphs >= 1 and compilations == graphs and eager_graphs == 0  # the plain parts, compiled once each
         assert "ltorch.add" in out["plain_parts"] and "ltorch.mean" in out["plain_parts"]
         assert "DTensor" not in out["plain_parts"] and "redistribute" not in out["plain_parts"]
-        assert len(out["errors"]) == 2
-        assert all("DTensor" in message and "torch.compile" in message for message in out["errors"])
-        assert "before fully_shard" in out["errors"][0] and "makes a DTensor" in out["errors"][1]
+        assert "makes a DTensor" in out["made_inside"] and "fulmen.jit(model)" in out["made_inside"]
     torch.testing.assert_close(results[0]["compiled"], results[1]["compiled"], rtol=0, atol=0)
+    _check_tp_under_jit([out["jit"] for out in results])

@@ -29,7 +29,7 @@ from fulmen.core.tracer import get_tracer
 from fulmen.executors import MetaMismatch
 from fulmen.executors.base import Executor
 from fulmen.executors.inductor_compile import call_leaving_a_core
-from fulmen.frontend import fsdp2, module_guard
+from fulmen.frontend import dtensor_program, fsdp2, module_guard
 from fulmen.frontend.cache import aliases_written_input, args_key, global_state_key, state_key
 from fulmen.frontend.distributed_wrappers import refuse_traced_wrappers
 from fulmen.frontend.jit import JittedFunction
@@ -419,9 +419,12 @@ def _call_impl_without_global_hooks():
 
 def _program_for(module: nn.Module, executors, options: dict):
     """What a JittedModule's forward calls: the module's compiled program; for a module sharded by FSDP2, a call of
-    the module itself, with each innermost unit's ``forward`` compiled (``fulmen.frontend.fsdp2``)."""
+    the module itself, with each innermost unit's ``forward`` compiled (``fulmen.frontend.fsdp2``); for a module
+    holding DTensors (tensor parallelism), its DTensor program traced whole (``fulmen.frontend.dtensor_program``)."""
     units = fsdp2.innermost_units(module)
     if units is None:
+        if dtensor_program.dtensor_state(module) is not None:  # tensor parallelism: DTensor parameters
+            return dtensor_program.DTensorProgram(module, executors, options)
         return _ModuleProgram(module, executors, **options)
     for unit in units:
         # a unit that fulmen.jit compiled before (a jitted block that fully_shard wrapped, or an earlier call) stays

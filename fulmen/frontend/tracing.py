@@ -82,8 +82,9 @@ _UNSUPPORTED = {
     # traced tensors do not stand for; FSDP2 hands a block's forward plain (all-gathered) parameters
     "distributed (DTensor)": "for FSDP2, apply fulmen.jit to each block before fully_shard (model.layers[i] = "
                "fulmen.jit(model.layers[i]), then fully_shard(model.layers[i]) and fully_shard(model)); for tensor "
-               "parallelism (parallelize_module), use torch.compile(model, backend=\"fulmen\"), which runs the "
-               "DTensor parts with PyTorch",
+               "parallelism, apply fulmen.jit to the module holding the DTensor parameters (parallelize_module, "
+               "then fulmen.jit(model)), which traces its DTensor program whole, or use torch.compile(model, "
+               "backend=\"fulmen\")",
 }
 
 

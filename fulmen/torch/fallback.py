@@ -72,9 +72,10 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 def _makes_dtensor(name: str) -> NotImplementedError:
     # a traced tensor cannot stand for a DTensor: the operations after this one would be traced as plain-tensor ones
     return NotImplementedError(
-        f"{name} makes a DTensor, which fulmen.jit does not trace (DTensor operations run through DTensor's own "
-        f"dispatch and collectives).\n  at {_user_location()}\nUse torch.compile(model, backend=\"fulmen\"), which "
-        "leaves the DTensor parts to PyTorch and compiles the rest, or make the DTensor outside the jitted function.")
+        f"{name} makes a DTensor inside a traced function, which fulmen.jit does not trace (DTensor operations run "
+        f"through DTensor's own dispatch and collectives).\n  at {_user_location()}\nMake the DTensors outside: "
+        "fulmen.jit(model) of a module holding DTensor parameters (parallelize_module first) traces its DTensor "
+        "program whole, collectives included; or use torch.compile(model, backend=\"fulmen\").")
 
 
 def _as_proxy(x):
