@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["MLP", "GPT", "GPTConfig", "Llama", "LlamaConfig", "MLPConfig", "CONFIGS", "build", "model_names",
-           "size_overrides", "checkpoint_blocks"]
+           "size_overrides", "checkpoint_blocks", "meta_model"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -403,12 +403,7 @@ def build(name: str, device: str | torch.device = "cpu", dtype: torch.dtype = to
     device = torch.device(device)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if isinstance(config, GPTConfig):
-            model = GPT(config)
-        elif isinstance(config, LlamaConfig):
-            model = Llama(config)
-        else:
-            model = MLP(config.in_features, config.hidden, config.out_features, config.depth)
+        model = _make_model(config)
     model = model.to(device=device, dtype=dtype)
 
     def make_inputs(batch_size: int = 2, targets: bool = False) -> tuple:
@@ -428,6 +423,22 @@ def build(name: str, device: str | torch.device = "cpu", dtype: torch.dtype = to
         return (idx, torch.randint(0, config.vocab_size, shape, generator=gen).to(device))
 
     return model, make_inputs
+
+
+def _make_model(config: GPTConfig | LlamaConfig | MLPConfig) -> nn.Module:
+    if isinstance(config, GPTConfig):
+        return GPT(config)
+    if isinstance(config, LlamaConfig):
+        return Llama(config)
+    return MLP(config.in_features, config.hidden, config.out_features, config.depth)
+
+
+def meta_model(name: str, **overrides) -> nn.Module:
+    """The model called ``name`` on the meta device: its shapes and parameter count without memory or init time."""
+    if name not in CONFIGS:
+        raise ValueError(f"unknown model {name!r}; available models are {', '.join(CONFIGS)}")
+    with torch.device("meta"):
+        return _make_model(replace(CONFIGS[name], **overrides))
 
 
 def build_any(name: str, device="cpu", dtype=torch.float32, seed: int = 0, **overrides):
