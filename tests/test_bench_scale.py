@@ -15,7 +15,7 @@ import torch
 import fulmen
 from fulmen.bench import cli, flops, scale
 from fulmen.bench.models import CONFIGS, build, checkpoint_blocks, meta_model, size_overrides
-from fulmen.bench.runner import BenchConfig, run_benchmark, run_child
+from fulmen.bench.runner import BenchConfig, BenchRow, combine_repeats, run_benchmark, run_child
 
 TOY = {"n_layer": 1, "width": 64, "seq_len": 16}
 
@@ -138,6 +138,26 @@ def test_runner_reports_throughput_and_precision():
     assert row.max_diff is not None and row.max_diff < 0.05  # bf16 rounding of a loss near log(32000)
     with pytest.raises(ValueError, match="float32 master weights"):
         BenchConfig(model="llama-1b", dtype="bfloat16", autocast=True).validate()
+
+
+def test_repeated_rows_take_throughput_and_mfu_from_the_median_step():
+    def row(ms):
+        return BenchRow(
+            model="llama-1b",
+            mode="train",
+            backend="fulmen",
+            device="cuda",
+            dtype="float32",
+            batch_size=1,
+            steps=1,
+            median_ms=ms,
+            tokens_per_s=1000.0 / ms,
+            mfu=0.1 / ms,
+        )
+
+    combined = combine_repeats([row(10.0), row(30.0), row(20.0)])
+    assert combined.median_ms == 20.0
+    assert combined.tokens_per_s == pytest.approx(50.0) and combined.mfu == pytest.approx(0.005)
 
 
 def test_cli_bench_scale_options(capsys):

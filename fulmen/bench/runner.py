@@ -486,13 +486,17 @@ def combine_repeats(rows: Sequence[BenchRow]) -> BenchRow:
         return statistics.median(values) if values else None
 
     diffs = [r.max_diff for r in rows if r.max_diff is not None]
+    step_ms = median("median_ms")
+    # throughput and MFU are inversely proportional to the step time: taken from the combined median
+    per_step = first.median_ms / step_ms if first.median_ms and step_ms else None
     return dataclasses.replace(
-        first, median_ms=median("median_ms"), min_ms=min((r.min_ms for r in rows if r.min_ms is not None),
-                                                         default=None),
+        first, median_ms=step_ms, min_ms=min((r.min_ms for r in rows if r.min_ms is not None), default=None),
         eager_median_ms=median("eager_median_ms"), first_result_s=median("first_result_s"),
         compiled_s=median("compiled_s"), peak_mb=median("peak_mb"), state_mb=median("state_mb"),
         max_diff=max(diffs) if diffs else None, repeats=len(rows),
-        first_result_runs=[r.first_result_s for r in rows if r.first_result_s is not None])
+        first_result_runs=[r.first_result_s for r in rows if r.first_result_s is not None],
+        tokens_per_s=first.tokens_per_s * per_step if first.tokens_per_s and per_step else None,
+        mfu=first.mfu * per_step if first.mfu and per_step else None)
 
 
 # ---- isolation: one fresh subprocess per measurement ----
