@@ -143,13 +143,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per backend, interleaved")
     args = parser.parse_args()
     sizes = size_overrides("llama-1b", args.n_layer, args.width, args.seq_len)
-    print(f"llama-1b code at {sizes}, batch {args.batch_size}, {args.precision}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} CPU threads")
+    print(
+        f"llama-1b code at {sizes}, batch {args.batch_size}, {args.precision}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} CPU threads"
+    )
     found = measure(args, sizes)
     for backend, row in found.items():
-        print(f"{backend:14s} step {row['step_ms']:8.1f} ms; Inductor kernels generated {row['kernels']:4d}; "
-              f"fused-region calls per step {row['region_calls']:3d}; forward leaves "
-              f"{row['forward_net_bytes'] / 2**20:7.2f} MiB alive")
+        print(
+            f"{backend:14s} step {row['step_ms']:8.1f} ms; Inductor kernels generated {row['kernels']:4d}; "
+            f"fused-region calls per step {row['region_calls']:3d}; forward leaves "
+            f"{row['forward_net_bytes'] / 2**20:7.2f} MiB alive"
+        )
         for part in ("forward_calls", "backward_calls"):
             if part in row:
                 print(f"{'':14s} {part.replace('_', ' ')} by executor: {row[part]}")
