@@ -7,12 +7,15 @@ step (zero_grad, forward under the chosen precision, backward, fused AdamW) of `
 
 - calls per step: fulmen's fused regions and the other calls of its forward and backward programs (by executor),
   against torch.compile's two compiled graphs; and the Inductor kernels each generated (``generated_kernel_count``);
-- host cost per region call: the median time of one ``FusedRegion.__call__`` at ``--tiny`` size (1 layer, width
-  64, 8 tokens, batch 1), where kernels do almost no work, so a call's time is the Python and dispatch around it;
-  the same size's step time for each backend says what a host-bound (GPU) step pays in all;
+- host cost: at tiny size (1 layer, width 64, 8 tokens, batch 1, a 256-token vocabulary), where kernels do
+  almost no work, the CPU time of one ``FusedRegion.__call__`` and of a whole step for each backend: what a
+  host-bound (GPU) step pays in Python and dispatch;
 - bytes the forward leaves alive for the backward (saved tensors plus the logits and loss every backend returns),
   from the CPU allocator's events (``torch.profiler``, ``profile_memory``): the net bytes allocated by the forward;
 - the median step time of each, steps interleaved.
+
+Times are the calling thread's CPU time (``time.thread_time``) with one PyTorch thread (``--threads``), so that
+kernels run in that thread and a loaded machine's waits for a core do not count; wall times are printed beside.
 
     python benchmarks/bench_scale_gaps.py                              # 2 layers, width 128, 64 tokens, fp32
     python benchmarks/bench_scale_gaps.py --precision bf16-autocast --steps 10
@@ -41,7 +44,8 @@ def _calls_by_executor(trace) -> collections.Counter:
 
 
 class RegionTimer:
-    """Counts and times ``FusedRegion.__call__`` while installed (a context manager)."""
+    """Counts ``FusedRegion.__call__`` and records each call's thread CPU time while installed (a context
+    manager)."""
 
     def __init__(self):
         self.times: list[float] = []
@@ -51,9 +55,9 @@ class RegionTimer:
         original, times = self._original, self.times
 
         def timed(region, *args):
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             out = original(region, *args)
-            times.append(time.perf_counter() - t0)
+            times.append(time.thread_time() - t0)
             return out
 
         inductor.FusedRegion.__call__ = timed
@@ -90,6 +94,20 @@ def _setup(args, sizes: dict, backend: str):
     return run, inputs, _make_step(run, "train", inputs, optimizer, autocast), autocast
 
 
+def _step_times(steps: dict, count: int) -> dict[str, tuple[float, float]]:
+    """Per backend, the median (thread CPU ms, wall ms) of ``count`` steps, backends in turns."""
+    times: dict[str, list[tuple[float, float]]] = {b: [] for b in steps}
+    for _ in range(count):
+        for backend, step in steps.items():
+            c0, t0 = time.thread_time(), time.perf_counter()
+            step()
+            times[backend].append((time.thread_time() - c0, time.perf_counter() - t0))
+    return {
+        b: (statistics.median(c for c, _ in v) * 1e3, statistics.median(w for _, w in v) * 1e3)
+        for b, v in times.items()
+    }
+
+
 def measure(args, sizes: dict) -> dict:
     """Per backend: kernels generated, calls per step, forward's net bytes, step times (interleaved)."""
     from torch._inductor import metrics
@@ -110,27 +128,24 @@ def measure(args, sizes: dict) -> dict:
             row["backward_calls"] = dict(_calls_by_executor(fulmen.last_backward_traces(run)[-1]))
         row["forward_net_bytes"] = _forward_net_bytes(run, inputs, autocast)
         steps[backend] = step
-    times: dict[str, list[float]] = {b: [] for b in steps}
-    for _ in range(args.steps):
-        for backend, step in steps.items():
-            t0 = time.perf_counter()
-            step()
-            times[backend].append(time.perf_counter() - t0)
-    for backend in steps:
-        found[backend]["step_ms"] = statistics.median(times[backend]) * 1e3
+    for backend, (cpu_ms, wall_ms) in _step_times(steps, args.steps).items():
+        found[backend]["step_cpu_ms"], found[backend]["step_ms"] = cpu_ms, wall_ms
     return found
 
 
-def region_call_cost(args) -> float:
-    """Median seconds of one fused-region call at tiny size, where its kernels do almost no work."""
+def host_costs(args) -> tuple[float, dict]:
+    """At tiny size, where kernels do almost no work: the median CPU seconds of one fused-region call, and each
+    backend's step (thread CPU ms, wall ms)."""
     tiny = argparse.Namespace(**{**vars(args), "batch_size": 1})
-    _, _, step, _ = _setup(tiny, size_overrides("llama-1b", n_layer=1, width=64, seq_len=8), "fulmen")
-    for _ in range(3):
-        step()
+    sizes = {**size_overrides("llama-1b", n_layer=1, width=64, seq_len=8), "vocab_size": 256}
+    steps = {b: _setup(tiny, sizes, b)[2] for b in ("eager", "torch.compile", "fulmen")}
+    for step in steps.values():
+        for _ in range(3):
+            step()
     with RegionTimer() as timer:
         for _ in range(args.steps):
-            step()
-    return statistics.median(timer.times)
+            steps["fulmen"]()
+    return statistics.median(timer.times), _step_times(steps, args.steps)
 
 
 def main() -> None:
@@ -141,7 +156,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--precision", choices=("fp32", "bf16-autocast"), default="fp32")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per backend, interleaved")
+    parser.add_argument("--threads", type=int, default=1, help="PyTorch CPU threads (default 1)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     sizes = size_overrides("llama-1b", args.n_layer, args.width, args.seq_len)
     print(
         f"llama-1b code at {sizes}, batch {args.batch_size}, {args.precision}, torch {torch.__version__}, "
@@ -150,14 +167,20 @@ def main() -> None:
     found = measure(args, sizes)
     for backend, row in found.items():
         print(
-            f"{backend:14s} step {row['step_ms']:8.1f} ms; Inductor kernels generated {row['kernels']:4d}; "
+            f"{backend:14s} step {row['step_cpu_ms']:8.1f} ms CPU ({row['step_ms']:.1f} wall); Inductor kernels "
+            f"generated {row['kernels']:4d}; "
             f"fused-region calls per step {row['region_calls']:3d}; forward leaves "
             f"{row['forward_net_bytes'] / 2**20:7.2f} MiB alive"
         )
         for part in ("forward_calls", "backward_calls"):
             if part in row:
                 print(f"{'':14s} {part.replace('_', ' ')} by executor: {row[part]}")
-    print(f"one fused-region call at tiny size (host cost): {region_call_cost(args) * 1e6:.1f} us (median)")
+    region_s, tiny = host_costs(args)
+    print(
+        f"tiny size (1 layer, width 64, 8 tokens, batch 1, vocabulary 256): one fused-region call "
+        f"{region_s * 1e6:.0f} us CPU; "
+        "steps " + ", ".join(f"{b} {c:.2f} ms CPU ({w:.2f} wall)" for b, (c, w) in tiny.items())
+    )
 
 
 if __name__ == "__main__":
