@@ -4,6 +4,7 @@ benchmarks/gpu_check.sh's ``scale`` step runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -15,7 +16,16 @@ import torch
 import fulmen
 from fulmen.bench import cli, flops, scale
 from fulmen.bench.models import CONFIGS, build, checkpoint_blocks, meta_model, size_overrides
-from fulmen.bench.runner import BenchConfig, BenchRow, combine_repeats, run_benchmark, run_child
+from fulmen.bench.runner import (
+    _ROW_MARKER,
+    _TIMED_MARKER,
+    BenchConfig,
+    BenchRow,
+    combine_repeats,
+    row_from_output,
+    run_benchmark,
+    run_child,
+)
 
 TOY = {"n_layer": 1, "width": 64, "seq_len": 16}
 
@@ -233,6 +243,25 @@ def test_a_child_past_its_time_limit_is_stopped_with_what_it_started(tmp_path):
     assert time.perf_counter() - start < 50
     _, _, timed_out = run_child([sys.executable, "-c", "pass"], {}, str(tmp_path / "out.txt"), lambda *a: None, 30.0)
     assert not timed_out
+
+
+def test_a_measurement_stopped_after_its_timed_steps_keeps_them():
+    config = BenchConfig(
+        model="llama-1b", mode="train", backend="eager", steps=1, warmup=0, isolate=True, timeout_s=60.0, **TOY
+    )
+    timed = []
+    row = run_benchmark(dataclasses.replace(config, isolate=False), timed=lambda r: timed.append(r.to_dict()))
+    assert timed and timed[0]["median_ms"] == row.median_ms and timed[0]["peak_mb"] is None  # before memory
+    lines = ["noise\n", _TIMED_MARKER + json.dumps(timed[0]) + "\n"]
+    kept = row_from_output(config, lines, -9, ["while measuring memory"], timed_out=True)
+    assert kept.median_ms == row.median_ms and kept.tokens_per_s == row.tokens_per_s and kept.isolated
+    assert kept.error == (
+        "timed out after 60 s (while measuring memory); step times kept, results not checked against eager's"
+    )
+    lost = row_from_output(config, lines[:1], -9, ["while compiling"], timed_out=True)
+    assert lost.median_ms is None and lost.error == "timed out after 60 s (while compiling)"
+    done = row_from_output(config, [_ROW_MARKER + json.dumps(row.to_dict()) + "\n"], 0, [], timed_out=True)
+    assert done.error is None and done.peak_mb == row.peak_mb  # finished as the timer fired: the whole row
 
 
 def test_scale_plan_runs_max_autotune_last_and_keeps_to_the_budget(tmp_path, capsys):

@@ -330,11 +330,12 @@ def _throughput(config: BenchConfig, row: BenchRow, device: torch.device, model,
     row.mfu = flops.mfu(row.model_flops, step_s, row.peak_flops)
 
 
-def _measure(config: BenchConfig, row: BenchRow, progress: Progress) -> None:
+def _measure(config: BenchConfig, row: BenchRow, progress: Progress, timed: Callable[[BenchRow], None]) -> None:
     device, model, inputs, optimizer = _setup(config)
     wrapped, step, first, second = _until_compiled(config, row, progress, device, model, inputs, optimizer)
     expected, expected_second = _time_against_eager(config, row, progress, step, device)
     _throughput(config, row, device, model, inputs)
+    timed(row)
     _measure_memory(row, progress, step, device, model, optimizer, inputs)
     del wrapped, step, optimizer
 
@@ -445,14 +446,16 @@ def _new_row(config: BenchConfig, **figures) -> BenchRow:
                     checkpoint=config.checkpoint, **figures)
 
 
-def run_benchmark(config: BenchConfig, progress: Progress = _no_progress, *, verbose: bool = False) -> BenchRow:
-    """Measure one (model, mode, backend); failures are recorded in ``row.error``, never raised."""
+def run_benchmark(config: BenchConfig, progress: Progress = _no_progress, *, verbose: bool = False,
+                  timed: Callable[[BenchRow], None] = lambda row: None) -> BenchRow:
+    """Measure one (model, mode, backend); failures are recorded in ``row.error``, never raised. ``timed`` is
+    given the row once its step times are in, before peak memory and the comparison with eager's results."""
     config.validate()
     if config.isolate:
         return _run_isolated(config, progress)
     row = _new_row(config)
     try:
-        _measure(config, row, progress)
+        _measure(config, row, progress, timed)
     except KeyboardInterrupt:
         raise
     except Exception as e:  # a failing backend must not stop the other measurements
@@ -502,6 +505,7 @@ def combine_repeats(rows: Sequence[BenchRow]) -> BenchRow:
 # ---- isolation: one fresh subprocess per measurement ----
 
 _ROW_MARKER = "FULMEN_BENCH_ROW "
+_TIMED_MARKER = "FULMEN_BENCH_TIMED "
 
 
 def _run_isolated(config: BenchConfig, progress: Progress) -> BenchRow:
@@ -522,9 +526,20 @@ def _run_isolated(config: BenchConfig, progress: Progress) -> BenchRow:
         command = [sys.executable, "-m", "fulmen.bench.runner", json.dumps(dataclasses.asdict(child))]
         code, tail, timed_out = run_child(command, env, out_path, progress, config.timeout_s)
         with open(out_path) as f:
-            row_json = next((line[len(_ROW_MARKER):] for line in f if line.startswith(_ROW_MARKER)), None)
-    if timed_out:
-        return _new_row(config, isolated=True, error=f"timed out after {config.timeout_s:.0f} s ({tail[-1]})")
+            return row_from_output(config, f.readlines(), code, tail, timed_out)
+
+
+def row_from_output(config: BenchConfig, lines: list[str], code: int, tail: list[str], timed_out: bool) -> BenchRow:
+    """The row a measuring process printed (``_child_main``), or one saying why there is none."""
+    row_json = next((line[len(_ROW_MARKER):] for line in lines if line.startswith(_ROW_MARKER)), None)
+    if timed_out and row_json is None:
+        error = f"timed out after {config.timeout_s:.0f} s ({tail[-1]})"
+        timed_json = next((line[len(_TIMED_MARKER):] for line in lines if line.startswith(_TIMED_MARKER)), None)
+        if timed_json is None:
+            return _new_row(config, isolated=True, error=error)
+        # the step times were in: kept, with the error saying what is missing (peak memory, the check against eager)
+        return dataclasses.replace(BenchRow(**json.loads(timed_json)), isolated=True,
+                                   error=error + "; step times kept, results not checked against eager's")
     if row_json is None:
         detail = next((t for t in reversed(tail) if t.strip()), "")
         return _new_row(config, isolated=True, error=f"benchmark subprocess exited with code {code}: {detail}"[:200])
@@ -585,7 +600,8 @@ def _child_main(argv: list[str]) -> int:
         print(f"@{phase}\t{'' if done is None else done}\t{'' if total is None else total}", file=sys.stderr,
               flush=True)
 
-    row = run_benchmark(config, report, verbose=True)
+    row = run_benchmark(config, report, verbose=True,
+                        timed=lambda timed: print(_TIMED_MARKER + json.dumps(timed.to_dict()), flush=True))
     print(_ROW_MARKER + json.dumps(row.to_dict()), flush=True)
     return 0
 
