@@ -11,6 +11,7 @@ models exercise::
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -401,7 +402,10 @@ def build(name: str, device: str | torch.device = "cpu", dtype: torch.dtype = to
         raise ValueError(f"unknown model {name!r}; available models are {', '.join(CONFIGS)}")
     config = replace(CONFIGS[name], **overrides) if overrides else CONFIGS[name]
     device = torch.device(device)
-    with torch.random.fork_rng(devices=[]):
+    # On a GPU the weights are drawn there (the same ones on every call, other ones than on the CPU): drawing a
+    # billion of them on the host would take longer than the measurement.
+    on_gpu = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if on_gpu else []), device if on_gpu else contextlib.nullcontext():
         torch.manual_seed(seed)
         model = _make_model(config)
     model = model.to(device=device, dtype=dtype)
