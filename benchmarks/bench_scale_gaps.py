@@ -49,15 +49,17 @@ class RegionTimer:
 
     def __init__(self):
         self.times: list[float] = []
+        self.calls: list[tuple] = []  # (region, args) of each call
         self._original = inductor.FusedRegion.__call__
 
     def __enter__(self):
-        original, times = self._original, self.times
+        original, times, calls = self._original, self.times, self.calls
 
         def timed(region, *args):
             t0 = time.thread_time()
             out = original(region, *args)
             times.append(time.thread_time() - t0)
+            calls.append((region, args))
             return out
 
         inductor.FusedRegion.__call__ = timed
@@ -133,9 +135,28 @@ def measure(args, sizes: dict) -> dict:
     return found
 
 
-def host_costs(args) -> tuple[float, dict]:
-    """At tiny size, where kernels do almost no work: the median CPU seconds of one fused-region call, and each
-    backend's step (thread CPU ms, wall ms)."""
+def dispatch_cost(calls: list[tuple], repeats: int = 200) -> tuple[float, float]:
+    """Median thread CPU seconds of calling each region through ``FusedRegion.__call__`` and of calling its compiled
+    Inductor callable directly, in turns: the difference is fulmen's own dispatch per region call."""
+    whole, direct = [], []
+    for region, args in calls:
+        key = tuple((a.shape, a.stride()) for a in args)
+        compiled = region.variants.get(key)
+        if compiled is None:
+            continue
+        for _ in range(repeats // len(calls) + 1):
+            t0 = time.thread_time()
+            region(*args)
+            t1 = time.thread_time()
+            compiled(list(args))
+            whole.append(t1 - t0)
+            direct.append(time.thread_time() - t1)
+    return statistics.median(whole), statistics.median(direct)
+
+
+def host_costs(args) -> tuple[float, dict, tuple[float, float]]:
+    """At tiny size, where kernels do almost no work: the median CPU seconds of one fused-region call, each
+    backend's step (thread CPU ms, wall ms), and ``dispatch_cost`` of the regions."""
     tiny = argparse.Namespace(**{**vars(args), "batch_size": 1})
     sizes = {**size_overrides("llama-1b", n_layer=1, width=64, seq_len=8), "vocab_size": 256}
     steps = {b: _setup(tiny, sizes, b)[2] for b in ("eager", "torch.compile", "fulmen")}
@@ -145,7 +166,7 @@ def host_costs(args) -> tuple[float, dict]:
     with RegionTimer() as timer:
         for _ in range(args.steps):
             steps["fulmen"]()
-    return statistics.median(timer.times), _step_times(steps, args.steps)
+    return statistics.median(timer.times), _step_times(steps, args.steps), dispatch_cost(timer.calls)
 
 
 def main() -> None:
@@ -175,11 +196,15 @@ def main() -> None:
         for part in ("forward_calls", "backward_calls"):
             if part in row:
                 print(f"{'':14s} {part.replace('_', ' ')} by executor: {row[part]}")
-    region_s, tiny = host_costs(args)
+    region_s, tiny, (whole, direct) = host_costs(args)
     print(
         f"tiny size (1 layer, width 64, 8 tokens, batch 1, vocabulary 256): one fused-region call "
         f"{region_s * 1e6:.0f} us CPU; "
         "steps " + ", ".join(f"{b} {c:.2f} ms CPU ({w:.2f} wall)" for b, (c, w) in tiny.items())
+    )
+    print(
+        f"fulmen's dispatch per region call: {(whole - direct) * 1e6:.1f} us CPU ({whole * 1e6:.0f} us through "
+        f"FusedRegion.__call__, {direct * 1e6:.0f} us calling the compiled Inductor callable directly)"
     )
 
 
