@@ -139,6 +139,12 @@ def dispatch_cost(calls: list[tuple], repeats: int = 200) -> tuple[float, float]
     """Median thread CPU seconds of calling each region through ``FusedRegion.__call__`` and of calling its compiled
     Inductor callable directly, in turns: the difference is fulmen's own dispatch per region call."""
     whole, direct = [], []
+    with torch.no_grad():  # as inside fulmen's autograd.Function, where regions run
+        _call_in_turns(calls, repeats, whole, direct)
+    return statistics.median(whole), statistics.median(direct)
+
+
+def _call_in_turns(calls: list[tuple], repeats: int, whole: list[float], direct: list[float]) -> None:
     for region, args in calls:
         key = tuple((a.shape, a.stride()) for a in args)
         compiled = region.variants.get(key)
@@ -151,7 +157,6 @@ def dispatch_cost(calls: list[tuple], repeats: int = 200) -> tuple[float, float]
             compiled(list(args))
             whole.append(t1 - t0)
             direct.append(time.thread_time() - t1)
-    return statistics.median(whole), statistics.median(direct)
 
 
 def host_costs(args) -> tuple[float, dict, tuple[float, float]]:
@@ -178,6 +183,7 @@ def main() -> None:
     parser.add_argument("--precision", choices=("fp32", "bf16-autocast"), default="fp32")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per backend, interleaved")
     parser.add_argument("--threads", type=int, default=1, help="PyTorch CPU threads (default 1)")
+    parser.add_argument("--host-only", action="store_true", help="only the tiny-size host costs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sizes = size_overrides("llama-1b", args.n_layer, args.width, args.seq_len)
@@ -185,7 +191,7 @@ def main() -> None:
         f"llama-1b code at {sizes}, batch {args.batch_size}, {args.precision}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} CPU threads"
     )
-    found = measure(args, sizes)
+    found = {} if args.host_only else measure(args, sizes)
     for backend, row in found.items():
         print(
             f"{backend:14s} step {row['step_cpu_ms']:8.1f} ms CPU ({row['step_ms']:.1f} wall); Inductor kernels "
