@@ -23,6 +23,11 @@ What each number means:
   a backend that compiles in the background implements ``Backend.pending`` and the runner keeps stepping
   (those steps count as warm-up) until it reports zero, so steady-state timing starts fully compiled.
 - ``peak_mb``: see ``fulmen.bench.memory`` (CUDA: max allocated; CPU: profiler-based, method in the row).
+- ``tokens_per_s``, ``model_flops``, ``mfu``: tokens of a step over its median time, and its model FLOPs and MFU
+  (``fulmen.bench.flops``; MFU on CUDA cards with a known peak only).
+- ``interleave=False`` (``fulmen.bench.scale``): eager runs only the two steps ``max_diff`` needs, and the speed-up
+  comes from the eager row of the same model; ``timeout_s`` (isolated only) stops a measurement's process, keeping
+  the step times if they were in.
 - ``max_diff``: max abs difference between this backend's first two results (logits, or the loss in train mode)
   and eager PyTorch's on a fresh copy of the model; it catches a fast but wrong backend. Two, because fulmen runs
   a training step's first call on PyTorch autograd and its own compiled program from the second call
