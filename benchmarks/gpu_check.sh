@@ -46,5 +46,5 @@ fi
 if [[ $what == scale ]]; then
   toy=(); [[ ${SCALE_TOY:-0} == 1 ]] && toy=(--toy)
   # shellcheck disable=SC2086  # SCALE_ARGS is a list of options
-  $py -m fulmen.bench.scale --out "$out" "${toy[@]}" ${SCALE_ARGS:-} 2>&1 | tee "$out/scale.txt"
+  $py -m fulmen.bench.scale --out "$out" ${toy[@]+"${toy[@]}"} ${SCALE_ARGS:-} 2>&1 | tee "$out/scale.txt"
 fi

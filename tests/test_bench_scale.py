@@ -318,3 +318,39 @@ def test_scale_toy_dry_run(tmp_path):
     table = (out / "scale.md").read_text()
     assert "| llama-1b | fulmen |" in table and "6N + 12LHQT" in table
     assert CONFIGS["llama-1b"].n_layer == 16  # the toy run changed no built-in config
+
+
+# ---- on a GPU (skipped without CUDA) ----
+
+
+@pytest.mark.gpu
+def test_gpu_builds_draw_the_same_weights_on_the_device():
+    a, _ = build("llama-tiny", device="cuda", seed=3)
+    b, _ = build("llama-tiny", device="cuda", seed=3)
+    state = torch.cuda.get_rng_state()
+    c, _ = build("llama-tiny", device="cuda", seed=4)
+    assert torch.equal(torch.cuda.get_rng_state(), state)  # the caller's generator is left as it was
+    for (name, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert p.is_cuda and torch.equal(p, q), name
+    assert not torch.equal(a.output.weight, c.output.weight)
+
+
+@pytest.mark.gpu
+def test_gpu_row_has_mfu_against_the_cards_peak():
+    row = run_benchmark(
+        BenchConfig(
+            model="llama-1b",
+            mode="train",
+            backend="eager",
+            device="cuda",
+            steps=2,
+            warmup=1,
+            autocast=True,
+            interleave=False,
+            **TOY,
+        )
+    )
+    assert row.error is None, row.error
+    assert row.device_name == torch.cuda.get_device_name()
+    if row.peak_flops is not None:
+        assert row.mfu == pytest.approx(row.model_flops / (row.median_ms / 1e3 * row.peak_flops))
