@@ -12,6 +12,8 @@ Two parts, each in this process (run the script once per model):
 
     python benchmarks/profile_gpu.py --model gpt-small                    # both parts, CUDA
     python benchmarks/profile_gpu.py --model gpt-tiny --device cpu --part step
+    python benchmarks/profile_gpu.py --model llama-1b --precision bf16-autocast --batch-size 4 --part step
+    python benchmarks/profile_gpu.py --model llama-1b --n-layer 2 --width 128 --seq-len 64 --device cpu --part step
 """
 
 from __future__ import annotations
@@ -27,13 +29,13 @@ import torch
 
 import fulmen
 import fulmen.executors.inductor_compile as inductor_compile
-from fulmen.bench.models import build_any
+from fulmen.bench.models import build_any, size_overrides
 from fulmen.bench.runner import OPTIMIZERS, _make_step, _sync, _timed  # fulmen bench's own step and timing
 
 _LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 
 
-def timeline(model, inputs, optimizer, device: torch.device) -> None:
+def timeline(model, inputs, optimizer, device: torch.device, autocast: torch.device | None) -> None:
     start = time.perf_counter()
     lower = inductor_compile._lower
 
@@ -47,7 +49,7 @@ def timeline(model, inputs, optimizer, device: torch.device) -> None:
 
     inductor_compile._lower = timed_lower
     try:
-        step, steps = _make_step(fulmen.jit(model), "train", inputs, optimizer), 0
+        step, steps = _make_step(fulmen.jit(model), "train", inputs, optimizer, autocast), 0
         while steps < 3 or inductor_compile.pending_compilations():
             step()
             _sync(device)
@@ -60,12 +62,12 @@ def timeline(model, inputs, optimizer, device: torch.device) -> None:
           f"{inductor_compile.kernel_stats()}")
 
 
-def step_profile(model, inputs, optimizer, device: torch.device, top: int) -> None:
+def step_profile(model, inputs, optimizer, device: torch.device, top: int, autocast: torch.device | None) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     for label, run in (("eager", model), ("fulmen", fulmen.jit(model, compile="sync"))):
-        step = _make_step(run, "train", inputs, optimizer)
+        step = _make_step(run, "train", inputs, optimizer, autocast)
         for _ in range(5):
             step()
         times = [_timed(step, device) for _ in range(30)]
@@ -96,16 +98,24 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--part", choices=("timeline", "step", "both"), default="both")
     parser.add_argument("--top", type=int, default=25, help="cProfile rows to print (default 25)")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "bf16-autocast"), default="fp32")
+    parser.add_argument("--n-layer", type=int)
+    parser.add_argument("--width", type=int)
+    parser.add_argument("--seq-len", type=int)
     args = parser.parse_args()
     device = torch.device(args.device)
-    model, make_inputs = build_any(args.model, device=device, seed=0)
+    sized = (args.n_layer, args.width, args.seq_len) != (None, None, None)
+    overrides = size_overrides(args.model, args.n_layer, args.width, args.seq_len) if sized else {}
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    model, make_inputs = build_any(args.model, device=device, dtype=dtype, seed=0, **overrides)
+    autocast = device if args.precision == "bf16-autocast" else None
     inputs = make_inputs(args.batch_size, targets=True)
     optimizer = OPTIMIZERS["adamw-fused"](model.parameters())
-    print(f"{args.model} on {device}, torch {torch.__version__}")
+    print(f"{args.model} on {device}, {args.precision}, torch {torch.__version__}")
     if args.part in ("timeline", "both"):
-        timeline(model, inputs, optimizer, device)
+        timeline(model, inputs, optimizer, device, autocast)
     if args.part in ("step", "both"):
-        step_profile(model, inputs, optimizer, device, args.top)
+        step_profile(model, inputs, optimizer, device, args.top, autocast)
 
 
 if __name__ == "__main__":

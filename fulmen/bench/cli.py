@@ -32,7 +32,7 @@ from fulmen.bench.generate import (
     generate_model_names,
     run_generate,
 )
-from fulmen.bench.models import CONFIGS, build_any, model_names
+from fulmen.bench.models import CONFIGS, GPTConfig, LlamaConfig, build_any, model_names, size_overrides
 from fulmen.bench.runner import (
     BACKENDS,
     DTYPES,
@@ -114,13 +114,18 @@ BENCH_SPEEDUP_NOTE = ("speedup = eager time / the row's time, eager's steps inte
 def format_table(rows: Sequence[BenchRow]) -> str:
     """An aligned text table of benchmark rows (numbers right-aligned; errors in the last column)."""
     headers = ["model", "mode", "backend", "median ms", "speedup", "first result s", "compiled s", "peak MB",
-               "max diff", "error"]
-    numeric = {3, 4, 5, 6, 7, 8}
+               "max diff", "tokens/s", "MFU %", "error"]
+    numeric = {3, 4, 5, 6, 7, 8, 9, 10}
     body = []
     for r in rows:
         body.append([r.model, r.mode, r.backend, _fmt(r.median_ms, ".2f"), _fmt(r.speedup, ".2f"),
                      _fmt(r.first_result_s, ".3f"), _fmt(r.compiled_s, ".3f"), _fmt_mb(r.peak_mb),
-                     _fmt(r.max_diff, ".1e"), r.error or ""])
+                     _fmt(r.max_diff, ".1e"), _fmt(r.tokens_per_s, ".0f"),
+                     _fmt(r.mfu * 100 if r.mfu is not None else None, ".1f"), r.error or ""])
+    # columns no row has a figure in (tokens/s of the MLP, MFU on a CPU) are left out
+    keep = [i for i in range(len(headers)) if i not in (9, 10) or any(b[i] != "-" for b in body)]
+    headers, body = [headers[i] for i in keep], [[b[i] for i in keep] for b in body]
+    numeric = {keep.index(i) for i in numeric if i in keep}
     if not any(r.error for r in rows):
         headers, body = headers[:-1], [b[:-1] for b in body]
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(headers)]
@@ -226,6 +231,7 @@ def _add_bench(sub, models: list[str]) -> argparse.ArgumentParser:
                        "checked against eager's too)")
     bench.add_argument("--batch-size", type=_positive, default=2, help="batch size (default 2)")
     _add_device_args(bench)
+    _add_scale_args(bench)
     bench.add_argument("--json", metavar="PATH|-", help="also write results as JSON to PATH ('-': stdout, and the "
                                                         "table goes to stderr)")
     bench.add_argument("--isolate", action="store_true",
@@ -240,6 +246,50 @@ def _add_bench(sub, models: list[str]) -> argparse.ArgumentParser:
     bench.add_argument("--quiet", action="store_true", help="no progress display")
     bench.add_argument("--verbose", action="store_true", help="print tracebacks of failing measurements")
     return bench
+
+
+#: --precision: (weights' dtype, bfloat16 autocast of the forward)
+PRECISIONS = {"fp32": ("float32", False), "bf16": ("bfloat16", False), "bf16-autocast": ("float32", True)}
+
+
+def _add_scale_args(bench: argparse.ArgumentParser) -> None:
+    """The options of LLM-scale runs (``fulmen.bench.scale``): the same model code at any size and precision."""
+    bench.add_argument("--n-layer", type=_positive, help="transformer blocks of a built-in GPT or LLaMA")
+    bench.add_argument("--width", type=_positive,
+                       help="model width of a built-in GPT or LLaMA (a multiple of its head size; heads and LLaMA's "
+                            "SwiGLU size follow)")
+    bench.add_argument("--seq-len", type=_positive, help="tokens per sequence of a built-in GPT or LLaMA")
+    bench.add_argument("--precision", choices=list(PRECISIONS),
+                       help="fp32 (the default), bf16 (bfloat16 weights, as --dtype bfloat16) or bf16-autocast "
+                            "(float32 master weights, forward under torch.autocast(bfloat16))")
+    bench.add_argument("--checkpoint", action="store_true",
+                       help="recompute each transformer block in the backward (torch.utils.checkpoint)")
+    bench.add_argument("--timeout", type=_positive, metavar="S",
+                       help="with --isolate, stop a measurement after S seconds and record it as timed out")
+
+
+def _scale_config(args: argparse.Namespace) -> dict:
+    """BenchConfig fields from the LLM-scale options."""
+    return {"n_layer": args.n_layer, "width": args.width, "seq_len": args.seq_len, "checkpoint": args.checkpoint,
+            "autocast": args.precision == "bf16-autocast", "timeout_s": args.timeout}
+
+
+def _check_scale_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    scaled = args.n_layer or args.width or args.seq_len or args.precision or args.checkpoint
+    if scaled and args.mode in ("generate", "distributed"):
+        raise _UsageError(parser, f"--n-layer, --width, --seq-len, --precision and --checkpoint do not apply to "
+                                  f"--mode {args.mode}")
+    if args.precision:
+        if args.dtype != "float32":
+            raise _UsageError(parser, "give --precision or --dtype, not both")
+        args.dtype = PRECISIONS[args.precision][0]
+    for model in args.model if args.n_layer or args.width or args.seq_len else ():
+        try:
+            size_overrides(model, args.n_layer, args.width, args.seq_len)
+        except ValueError as e:
+            raise _UsageError(parser, str(e)) from None
+    if args.checkpoint and not all(isinstance(CONFIGS.get(m), (GPTConfig, LlamaConfig)) for m in args.model):
+        raise _UsageError(parser, "--checkpoint applies to the built-in GPT and LLaMA models")
 
 
 def _add_examine(sub, models: list[str]) -> argparse.ArgumentParser:
@@ -373,7 +423,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     config = BenchConfig(model=model, mode=mode, backend=backend, steps=args.steps,
                                          warmup=args.warmup, batch_size=args.batch_size, device=args.device,
                                          dtype=args.dtype, isolate=args.isolate, warm_cache=args.warm_cache,
-                                         threads=args.threads, optimizer=args.optimizer)
+                                         threads=args.threads, optimizer=args.optimizer, **_scale_config(args))
                     row = run_benchmark(config, progress.run(label), verbose=args.verbose)
                     progress.finish(label, row)
                     runs[backend].append(row)
@@ -703,6 +753,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.repeat > 1 and not args.isolate:
                 raise _UsageError(sub, "--repeat only applies with --isolate (in one process, every call after the "
                                        "first finds warm caches)")
+            if args.timeout and not args.isolate:
+                raise _UsageError(sub, "--timeout only applies with --isolate (a measurement in this process cannot "
+                                       "be stopped)")
+            _check_scale_args(sub, args)
             return cmd_bench(args)
         if args.command == "examine":
             return cmd_examine(args, sub)

@@ -11,6 +11,7 @@ models exercise::
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -19,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MLP", "GPT", "GPTConfig", "Llama", "LlamaConfig", "MLPConfig", "CONFIGS", "build", "model_names"]
+__all__ = ["MLP", "GPT", "GPTConfig", "Llama", "LlamaConfig", "MLPConfig", "CONFIGS", "build", "model_names",
+           "size_overrides", "checkpoint_blocks", "meta_model"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -171,15 +173,22 @@ class Checkpointed(nn.Module):
         self.block = block
         self.use_reentrant = use_reentrant
 
-    def forward(self, x):
+    def forward(self, *args):
         from torch.utils.checkpoint import checkpoint
 
-        return checkpoint(self.block, x, use_reentrant=self.use_reentrant)
+        return checkpoint(self.block, *args, use_reentrant=self.use_reentrant)
 
 
-def checkpoint_blocks(model: GPT, use_reentrant: bool = False) -> GPT:
-    """``model`` with each transformer block wrapped in ``Checkpointed`` (in place; returned for chaining)."""
-    model.transformer.h = nn.ModuleList(Checkpointed(b, use_reentrant) for b in model.transformer.h)
+def checkpoint_blocks(model: nn.Module, use_reentrant: bool = False) -> nn.Module:
+    """``model`` (a ``GPT`` or a ``Llama``) with each transformer block wrapped in ``Checkpointed`` (in place;
+    returned for chaining)."""
+    if isinstance(model, GPT):
+        model.transformer.h = nn.ModuleList(Checkpointed(b, use_reentrant) for b in model.transformer.h)
+    elif isinstance(model, Llama):
+        model.layers = nn.ModuleList(Checkpointed(b, use_reentrant) for b in model.layers)
+    else:
+        raise TypeError(f"checkpoint_blocks: {type(model).__name__} has no transformer blocks to checkpoint; "
+                        "give a GPT or a Llama")
     return model
 
 
@@ -329,7 +338,52 @@ CONFIGS: dict[str, GPTConfig | LlamaConfig | MLPConfig] = {
                                vocab_size=4096, block_size=128),
     "mlp-tiny": MLPConfig(in_features=16, hidden=32, out_features=8, depth=3),
     "mlp": MLPConfig(in_features=256, hidden=1024, out_features=256, depth=4),
+    # The models users train (docs/performance.md, "LLM scale"). llama-1b is shaped as Llama 3.2 1B (16 layers,
+    # width 2048, 32 query and 8 key/value heads, SwiGLU intermediate 8192 = 4 x width) with LLaMA 2's 32k
+    # vocabulary and untied embeddings as in LLaMA 2 and TinyLlama: 1.10 B parameters. TinyLlama's intermediate
+    # size 5632 would make it 0.85 B at 16 layers. gpt2-124m is GPT-2 small with its real 50,257-token vocabulary
+    # (nanoGPT pads it to 50,304 for faster kernels) and tied embeddings.
+    "llama-1b": LlamaConfig(n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, intermediate_size=8192,
+                            vocab_size=32000, block_size=2048),
+    "gpt2-124m": GPTConfig(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024),
 }
+
+
+def size_overrides(name: str, n_layer: int | None = None, width: int | None = None,
+                   seq_len: int | None = None) -> dict:
+    """Config-field overrides that make the model ``name`` ``n_layer`` deep, ``width`` wide and ``seq_len`` long,
+    with the same code: a CPU run of ``llama-1b`` at toy size runs the layers a GPU run does.
+
+    A new width keeps the head size, so that attention runs the kernels of the full model, and the number of
+    query heads per key/value head as far as the heads allow; LLaMA's SwiGLU keeps its ratio to the width.
+    """
+    if name not in CONFIGS:
+        raise ValueError(f"unknown model {name!r}; available models are {', '.join(CONFIGS)}")
+    config = CONFIGS[name]
+    if isinstance(config, MLPConfig):
+        if (n_layer, width, seq_len) != (None, None, None):
+            raise ValueError(f"{name} is an MLP: --n-layer, --width and --seq-len apply to the GPT and LLaMA models")
+        return {}
+    overrides: dict = {}
+    if n_layer is not None:
+        overrides["n_layer"] = n_layer
+    if seq_len is not None:
+        overrides["block_size"] = seq_len
+    if width is not None:
+        head_dim = config.n_embd // config.n_head
+        if width % head_dim:
+            raise ValueError(f"{name}: --width {width} must be a multiple of the head size {head_dim}")
+        overrides["n_embd"], overrides["n_head"] = width, width // head_dim
+        if isinstance(config, LlamaConfig):
+            groups = config.n_head // config.n_kv_head
+            overrides["n_kv_head"] = max(1, overrides["n_head"] // groups)
+            while overrides["n_head"] % overrides["n_kv_head"]:
+                overrides["n_kv_head"] -= 1
+            overrides["intermediate_size"] = config.intermediate_size * width // config.n_embd
+    for key, value in overrides.items():
+        if value < 1:
+            raise ValueError(f"{name}: {key} must be positive, got {value}")
+    return overrides
 
 
 InputsFn = Callable[..., tuple]
@@ -348,14 +402,12 @@ def build(name: str, device: str | torch.device = "cpu", dtype: torch.dtype = to
         raise ValueError(f"unknown model {name!r}; available models are {', '.join(CONFIGS)}")
     config = replace(CONFIGS[name], **overrides) if overrides else CONFIGS[name]
     device = torch.device(device)
-    with torch.random.fork_rng(devices=[]):
+    # On a GPU the weights are drawn there (the same ones on every call, other ones than on the CPU): drawing a
+    # billion of them on the host would take longer than the measurement.
+    on_gpu = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if on_gpu else []), device if on_gpu else contextlib.nullcontext():
         torch.manual_seed(seed)
-        if isinstance(config, GPTConfig):
-            model = GPT(config)
-        elif isinstance(config, LlamaConfig):
-            model = Llama(config)
-        else:
-            model = MLP(config.in_features, config.hidden, config.out_features, config.depth)
+        model = _make_model(config)
     model = model.to(device=device, dtype=dtype)
 
     def make_inputs(batch_size: int = 2, targets: bool = False) -> tuple:
@@ -375,6 +427,22 @@ def build(name: str, device: str | torch.device = "cpu", dtype: torch.dtype = to
         return (idx, torch.randint(0, config.vocab_size, shape, generator=gen).to(device))
 
     return model, make_inputs
+
+
+def _make_model(config: GPTConfig | LlamaConfig | MLPConfig) -> nn.Module:
+    if isinstance(config, GPTConfig):
+        return GPT(config)
+    if isinstance(config, LlamaConfig):
+        return Llama(config)
+    return MLP(config.in_features, config.hidden, config.out_features, config.depth)
+
+
+def meta_model(name: str, **overrides) -> nn.Module:
+    """The model called ``name`` on the meta device: its shapes and parameter count without memory or init time."""
+    if name not in CONFIGS:
+        raise ValueError(f"unknown model {name!r}; available models are {', '.join(CONFIGS)}")
+    with torch.device("meta"):
+        return _make_model(replace(CONFIGS[name], **overrides))
 
 
 def build_any(name: str, device="cpu", dtype=torch.float32, seed: int = 0, **overrides):

@@ -23,6 +23,11 @@ What each number means:
   a backend that compiles in the background implements ``Backend.pending`` and the runner keeps stepping
   (those steps count as warm-up) until it reports zero, so steady-state timing starts fully compiled.
 - ``peak_mb``: see ``fulmen.bench.memory`` (CUDA: max allocated; CPU: profiler-based, method in the row).
+- ``tokens_per_s``, ``model_flops``, ``mfu``: tokens of a step over its median time, and its model FLOPs and MFU
+  (``fulmen.bench.flops``; MFU on CUDA cards with a known peak only).
+- ``interleave=False`` (``fulmen.bench.scale``): eager runs only the two steps ``max_diff`` needs, and the speed-up
+  comes from the eager row of the same model; ``timeout_s`` (isolated only) stops a measurement's process, keeping
+  the step times if they were in.
 - ``max_diff``: max abs difference between this backend's first two results (logits, or the loss in train mode)
   and eager PyTorch's on a fresh copy of the model; it catches a fast but wrong backend. Two, because fulmen runs
   a training step's first call on PyTorch autograd and its own compiled program from the second call
@@ -35,10 +40,12 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -46,8 +53,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fulmen.bench import memory
-from fulmen.bench.models import build_any, model_names
+from fulmen.bench import flops, memory
+from fulmen.bench.models import CONFIGS, build_any, checkpoint_blocks, model_names, size_overrides
 
 MODES = ("inference", "train")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -89,10 +96,23 @@ class BenchConfig:
     warm_cache: bool = False
     threads: int | None = None  # torch.set_num_threads for the measurement (None: leave as is)
     optimizer: str = "adamw-fused"  # a key of OPTIMIZERS; train mode only
+    n_layer: int | None = None  # size overrides of a built-in GPT or LLaMA (``models.size_overrides``)
+    width: int | None = None
+    seq_len: int | None = None
+    autocast: bool = False  # forward under torch.autocast(bfloat16), weights in ``dtype`` (float32 master weights)
+    checkpoint: bool = False  # each transformer block under torch.utils.checkpoint (``models.checkpoint_blocks``)
+    interleave: bool = True  # time eager's steps between the backend's (False: eager only checks the results)
+    timeout_s: float | None = None  # with isolate: stop the measurement's process after this long
 
     def validate(self) -> None:
         if self.model not in model_names():
             raise ValueError(f"unknown model {self.model!r}; available: {', '.join(model_names())}")
+        if self.sized and self.model not in CONFIGS:
+            raise ValueError(f"--n-layer, --width and --seq-len apply to the built-in models, not {self.model!r}")
+        if self.sized:
+            size_overrides(self.model, self.n_layer, self.width, self.seq_len)  # raises naming a bad size
+        if self.autocast and self.dtype != "float32":
+            raise ValueError(f"bf16-autocast keeps float32 master weights; got dtype {self.dtype!r}")
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; use one of {', '.join(MODES)}")
         if self.backend not in BACKENDS:
@@ -104,6 +124,14 @@ class BenchConfig:
         if self.steps < 1 or self.warmup < 0 or self.batch_size < 1:
             raise ValueError(f"steps and batch size must be positive and warmup non-negative, got steps={self.steps}, "
                              f"warmup={self.warmup}, batch_size={self.batch_size}")
+
+    @property
+    def sized(self) -> bool:
+        return (self.n_layer, self.width, self.seq_len) != (None, None, None)
+
+    @property
+    def precision(self) -> str:
+        return "bf16-autocast" if self.autocast else {"float32": "fp32", "bfloat16": "bf16"}.get(self.dtype, self.dtype)
 
 
 @dataclass
@@ -129,6 +157,15 @@ class BenchRow:
     isolated: bool = False
     repeats: int = 1  # fresh processes whose figures this row's are the medians of (``combine_repeats``)
     first_result_runs: list[float] | None = None  # each process's first-result time, when repeated
+    precision: str | None = None  # fp32, bf16 (weights), bf16-autocast (float32 master weights)
+    checkpoint: bool = False
+    seq_len: int | None = None  # tokens per sequence (token models)
+    parameters: int | None = None  # every parameter, each once
+    tokens_per_s: float | None = None  # batch x seq_len / median step time
+    model_flops: float | None = None  # per step (``fulmen.bench.flops``: 6 N + 12 L H Q T per token in training)
+    device_name: str | None = None
+    peak_flops: float | None = None  # the card's dense bfloat16 peak, FLOP/s (None on CPU)
+    mfu: float | None = None  # model_flops / (median step time x peak_flops)
     error: str | None = None
 
     def to_dict(self) -> dict:
@@ -205,6 +242,9 @@ class FulmenBackend(Backend):
 BACKENDS: dict[str, Backend] = {
     "eager": Backend(),
     "torch.compile": TorchCompileBackend(),
+    # Inductor benchmarks GEMM and kernel choices while compiling; no CUDA graphs
+    "torch.compile-max-autotune": TorchCompileBackend(name="torch.compile-max-autotune",
+                                                      mode="max-autotune-no-cudagraphs"),
     "fulmen": FulmenBackend(),
     "fulmen-sync": FulmenBackend(name="fulmen-sync", compile="sync"),
     "fulmen-torch": FulmenBackend(executors=["torch"], name="fulmen-torch"),
@@ -229,15 +269,24 @@ def _timed(step: Callable, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def _make_step(fn: Callable, mode: str, inputs: tuple, optimizer) -> Callable[[], torch.Tensor]:
+def _make_step(fn: Callable, mode: str, inputs: tuple, optimizer,
+               autocast: torch.device | None = None) -> Callable[[], torch.Tensor]:
+    """One step; with ``autocast`` (a device), the forward runs under bfloat16 autocast there and the backward
+    outside it, as PyTorch's mixed-precision recipe does."""
+    def forward():
+        if autocast is None:
+            return fn(*inputs)
+        with torch.autocast(autocast.type, dtype=torch.bfloat16):
+            return fn(*inputs)
+
     if mode == "inference":
         def step():
             with torch.no_grad():
-                return fn(*inputs)
+                return forward()
     else:
         def step():
             optimizer.zero_grad(set_to_none=True)
-            _, loss = fn(*inputs)
+            _, loss = forward()
             loss.backward()
             optimizer.step()
             return loss.detach()
@@ -248,7 +297,11 @@ def _setup(config: BenchConfig):
     if config.threads:
         torch.set_num_threads(config.threads)
     device = torch.device(config.device)
-    model, make_inputs = build_any(config.model, device=device, dtype=DTYPES[config.dtype], seed=config.seed)
+    overrides = size_overrides(config.model, config.n_layer, config.width, config.seq_len) if config.sized else {}
+    model, make_inputs = build_any(config.model, device=device, dtype=DTYPES[config.dtype], seed=config.seed,
+                                   **overrides)
+    if config.checkpoint:
+        checkpoint_blocks(model)
     train = config.mode == "train"
     model.train(train)
     inputs = make_inputs(config.batch_size, targets=train)
@@ -263,10 +316,31 @@ def _short_error(e: BaseException) -> str:
     return msg if len(msg) <= 160 else msg[:157] + "..."
 
 
-def _measure(config: BenchConfig, row: BenchRow, progress: Progress) -> None:
+def _autocast_device(config: BenchConfig, device: torch.device) -> torch.device | None:
+    return device if config.autocast else None
+
+
+def _throughput(config: BenchConfig, row: BenchRow, device: torch.device, model, inputs) -> None:
+    """Parameters, tokens/s, model FLOPs and MFU of a token model's step (``fulmen.bench.flops``)."""
+    row.parameters = sum(p.numel() for p in model.parameters())
+    row.device_name = flops.device_name(device)
+    row.peak_flops = flops.peak_flops(row.device_name) if device.type == "cuda" else None
+    idx = inputs[0]
+    if idx.dtype != torch.long or idx.ndim != 2 or not row.median_ms:
+        return  # not token ids (the MLP)
+    batch, row.seq_len = idx.shape
+    step_s = row.median_ms / 1e3
+    row.tokens_per_s = batch * row.seq_len / step_s
+    row.model_flops = flops.flops_per_token(model, row.seq_len, train=config.mode == "train") * batch * row.seq_len
+    row.mfu = flops.mfu(row.model_flops, step_s, row.peak_flops)
+
+
+def _measure(config: BenchConfig, row: BenchRow, progress: Progress, timed: Callable[[BenchRow], None]) -> None:
     device, model, inputs, optimizer = _setup(config)
     wrapped, step, first, second = _until_compiled(config, row, progress, device, model, inputs, optimizer)
     expected, expected_second = _time_against_eager(config, row, progress, step, device)
+    _throughput(config, row, device, model, inputs)
+    timed(row)
     _measure_memory(row, progress, step, device, model, optimizer, inputs)
     del wrapped, step, optimizer
 
@@ -292,7 +366,7 @@ def _until_compiled(config: BenchConfig, row: BenchRow, progress: Progress, devi
     start = time.perf_counter()
     backend.prepare()
     wrapped = backend.wrap(model)
-    step = _make_step(wrapped, config.mode, inputs, optimizer)
+    step = _make_step(wrapped, config.mode, inputs, optimizer, _autocast_device(config, device))
     first = step()
     _sync(device)
     now = time.perf_counter()
@@ -331,10 +405,10 @@ def _time_against_eager(config: BenchConfig, row: BenchRow, progress: Progress, 
     # machine's speed drifts between processes and over minutes; the medians of interleaved steps do not).
     progress("checking against eager", None, None)
     _, ref_model, ref_inputs, ref_optimizer = _setup(config)
-    ref_step = _make_step(ref_model, config.mode, ref_inputs, ref_optimizer)
+    ref_step = _make_step(ref_model, config.mode, ref_inputs, ref_optimizer, _autocast_device(config, device))
     expected = ref_step().detach().float()
     expected_second = ref_step().detach().float()
-    pair = config.backend != "eager"
+    pair = config.backend != "eager" and config.interleave
     for _ in range(config.warmup - 1 if pair else 0):
         ref_step()
 
@@ -346,7 +420,9 @@ def _time_against_eager(config: BenchConfig, row: BenchRow, progress: Progress, 
             eager_times.append(_timed(ref_step, device))
     row.median_ms = statistics.median(times) * 1e3
     row.min_ms = min(times) * 1e3
-    row.eager_median_ms = statistics.median(eager_times) * 1e3 if pair else row.median_ms
+    row.eager_median_ms = statistics.median(eager_times) * 1e3 if pair else None
+    if config.backend == "eager":
+        row.eager_median_ms = row.median_ms
     del ref_model, ref_inputs, ref_optimizer, ref_step
     return expected, expected_second
 
@@ -371,17 +447,20 @@ def _new_row(config: BenchConfig, **figures) -> BenchRow:
     """A row saying what ``config`` measures, with no figures yet but ``figures``."""
     return BenchRow(model=config.model, mode=config.mode, backend=config.backend, device=config.device,
                     dtype=config.dtype, batch_size=config.batch_size, steps=config.steps,
-                    optimizer=config.optimizer if config.mode == "train" else None, **figures)
+                    optimizer=config.optimizer if config.mode == "train" else None, precision=config.precision,
+                    checkpoint=config.checkpoint, **figures)
 
 
-def run_benchmark(config: BenchConfig, progress: Progress = _no_progress, *, verbose: bool = False) -> BenchRow:
-    """Measure one (model, mode, backend); failures are recorded in ``row.error``, never raised."""
+def run_benchmark(config: BenchConfig, progress: Progress = _no_progress, *, verbose: bool = False,
+                  timed: Callable[[BenchRow], None] = lambda row: None) -> BenchRow:
+    """Measure one (model, mode, backend); failures are recorded in ``row.error``, never raised. ``timed`` is
+    given the row once its step times are in, before peak memory and the comparison with eager's results."""
     config.validate()
     if config.isolate:
         return _run_isolated(config, progress)
     row = _new_row(config)
     try:
-        _measure(config, row, progress)
+        _measure(config, row, progress, timed)
     except KeyboardInterrupt:
         raise
     except Exception as e:  # a failing backend must not stop the other measurements
@@ -415,18 +494,23 @@ def combine_repeats(rows: Sequence[BenchRow]) -> BenchRow:
         return statistics.median(values) if values else None
 
     diffs = [r.max_diff for r in rows if r.max_diff is not None]
+    step_ms = median("median_ms")
+    # throughput and MFU are inversely proportional to the step time: taken from the combined median
+    per_step = first.median_ms / step_ms if first.median_ms and step_ms else None
     return dataclasses.replace(
-        first, median_ms=median("median_ms"), min_ms=min((r.min_ms for r in rows if r.min_ms is not None),
-                                                         default=None),
+        first, median_ms=step_ms, min_ms=min((r.min_ms for r in rows if r.min_ms is not None), default=None),
         eager_median_ms=median("eager_median_ms"), first_result_s=median("first_result_s"),
         compiled_s=median("compiled_s"), peak_mb=median("peak_mb"), state_mb=median("state_mb"),
         max_diff=max(diffs) if diffs else None, repeats=len(rows),
-        first_result_runs=[r.first_result_s for r in rows if r.first_result_s is not None])
+        first_result_runs=[r.first_result_s for r in rows if r.first_result_s is not None],
+        tokens_per_s=first.tokens_per_s * per_step if first.tokens_per_s and per_step else None,
+        mfu=first.mfu * per_step if first.mfu and per_step else None)
 
 
 # ---- isolation: one fresh subprocess per measurement ----
 
 _ROW_MARKER = "FULMEN_BENCH_ROW "
+_TIMED_MARKER = "FULMEN_BENCH_TIMED "
 
 
 def _run_isolated(config: BenchConfig, progress: Progress) -> BenchRow:
@@ -444,27 +528,74 @@ def _run_isolated(config: BenchConfig, progress: Progress) -> BenchRow:
             os.makedirs(env["TMPDIR"])
         progress("starting a fresh process", None, None)
         out_path = os.path.join(cache_dir, "row.txt")
-        with open(out_path, "w") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "fulmen.bench.runner",
-                                     json.dumps(dataclasses.asdict(child))],
-                                    stdout=out, stderr=subprocess.PIPE, text=True, env=env)
-            tail: list[str] = []
-            assert proc.stderr is not None
-            for line in proc.stderr:  # the child reports progress as "@phase<TAB>done<TAB>total" lines
-                parts = line.rstrip("\n").split("\t")
-                if len(parts) == 3 and parts[0].startswith("@"):
-                    progress(parts[0][1:], int(parts[1]) if parts[1] else None, int(parts[2]) if parts[2] else None)
-                elif line.strip():
-                    tail = (tail + [line.rstrip()])[-20:]
-            code = proc.wait()
+        command = [sys.executable, "-m", "fulmen.bench.runner", json.dumps(dataclasses.asdict(child))]
+        code, tail, timed_out = run_child(command, env, out_path, progress, config.timeout_s)
         with open(out_path) as f:
-            row_json = next((line[len(_ROW_MARKER):] for line in f if line.startswith(_ROW_MARKER)), None)
+            return row_from_output(config, f.readlines(), code, tail, timed_out)
+
+
+def row_from_output(config: BenchConfig, lines: list[str], code: int, tail: list[str], timed_out: bool) -> BenchRow:
+    """The row a measuring process printed (``_child_main``), or one saying why there is none."""
+    row_json = next((line[len(_ROW_MARKER):] for line in lines if line.startswith(_ROW_MARKER)), None)
+    if timed_out and row_json is None:
+        error = f"timed out after {config.timeout_s:.0f} s ({tail[-1]})"
+        timed_json = next((line[len(_TIMED_MARKER):] for line in lines if line.startswith(_TIMED_MARKER)), None)
+        if timed_json is None:
+            return _new_row(config, isolated=True, error=error)
+        # the step times were in: kept, with the error saying what is missing (peak memory, the check against eager)
+        return dataclasses.replace(BenchRow(**json.loads(timed_json)), isolated=True,
+                                   error=error + "; step times kept, results not checked against eager's")
     if row_json is None:
         detail = next((t for t in reversed(tail) if t.strip()), "")
         return _new_row(config, isolated=True, error=f"benchmark subprocess exited with code {code}: {detail}"[:200])
     row = BenchRow(**json.loads(row_json))
     row.isolated = True
     return row
+
+
+def run_child(command: list[str], env: dict, out_path: str, progress: Progress,
+              timeout_s: float | None = None) -> tuple[int, list[str], bool]:
+    """Run ``command`` with stdout to ``out_path``, relaying its "@phase<TAB>done<TAB>total" stderr lines to
+    ``progress``; returns (exit code, the last lines of other stderr output and the last phase, whether it was
+    stopped after ``timeout_s``). The child leads its own process group, so that stopping it also stops what it
+    started (Inductor's compile workers), which would otherwise hold its stderr open."""
+    tail: list[str] = []
+    phase = "starting"
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)
+        expired = threading.Event()
+
+        def stop() -> None:
+            expired.set()
+            _kill_group(proc)
+
+        timer = threading.Timer(timeout_s, stop) if timeout_s else None
+        if timer is not None:
+            timer.start()
+        try:
+            assert proc.stderr is not None
+            for line in proc.stderr:
+                parts = line.rstrip("\n").split("\t")
+                if len(parts) == 3 and parts[0].startswith("@"):
+                    phase = parts[0][1:]
+                    progress(phase, int(parts[1]) if parts[1] else None, int(parts[2]) if parts[2] else None)
+                elif line.strip():
+                    tail = (tail + [line.rstrip()])[-20:]
+            code = proc.wait()
+        finally:
+            if timer is not None:
+                timer.cancel()
+            _kill_group(proc)  # leftovers of a finished child
+    timed_out = expired.is_set()
+    return code, tail + ([f"while {phase}"] if timed_out else []), timed_out
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _child_main(argv: list[str]) -> int:
@@ -474,7 +605,8 @@ def _child_main(argv: list[str]) -> int:
         print(f"@{phase}\t{'' if done is None else done}\t{'' if total is None else total}", file=sys.stderr,
               flush=True)
 
-    row = run_benchmark(config, report, verbose=True)
+    row = run_benchmark(config, report, verbose=True,
+                        timed=lambda timed: print(_TIMED_MARKER + json.dumps(timed.to_dict()), flush=True))
     print(_ROW_MARKER + json.dumps(row.to_dict()), flush=True)
     return 0
 
