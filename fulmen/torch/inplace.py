@@ -160,6 +160,8 @@ def _refresh_views(old: TensorProxy, new: TensorProxy, written: TensorProxy | No
     for view in views:
         if view is written or latest(view) is new:
             continue
+        if view.view_of is None or view.view_of[0].views is not old.views:
+            continue  # no longer a view of this tensor (an unview's result, made current in its base's place)
         base_view, remake = view.view_of
         with torch.enable_grad() if keep_history else contextlib.nullcontext():
             refreshed = remake(new)
