@@ -33,3 +33,25 @@ def test_view_of_a_view_written_before_sees_a_later_write_to_its_base():
     (want,) = torch.autograd.grad(expected[0], x, cotangent)
     (have,) = torch.autograd.grad(got[0], x, cotangent)
     torch.testing.assert_close(have, want, rtol=0, atol=0)
+
+
+def test_attention_gradient_with_a_fully_masked_row_is_eager_s():
+    # Hugging Face GPT-2 with left padding (a padded query sees no key through the boolean causal + padding mask)
+    # trained with NaN gradients in every parameter: the safe softmax zeroed the row's weights after a softmax whose
+    # backward still multiplied by that row's NaN weights; eager's gradient there is zero
+    import torch.nn.functional as F
+
+    def attention(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mask = torch.ones(4, 4, dtype=torch.bool).tril()
+    mask[:, 0] = False  # query 0 sees no key
+    expected, got = attention(q, k, v, mask), _jit(attention)(q, k, v, mask)
+    torch.testing.assert_close(got, expected)
+    cotangent = torch.randn(expected.shape, generator=gen, dtype=torch.float64)
+    want = torch.autograd.grad(expected, (q, k, v), cotangent)
+    have = torch.autograd.grad(got, (q, k, v), cotangent)
+    torch.testing.assert_close(have, want)
+    assert torch.all(have[0][..., 0, :] == 0)
