@@ -55,3 +55,58 @@ def test_attention_gradient_with_a_fully_masked_row_is_eager_s():
     have = torch.autograd.grad(got, (q, k, v), cotangent)
     torch.testing.assert_close(have, want)
     assert torch.all(have[0][..., 0, :] == 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the fuzzer's extended modes: a fixed slice of each must match eager (seeds not used elsewhere)
+
+
+def _mismatches(seeds, **kwargs) -> list[str]:
+    from fulmen.fuzz import check, generate
+
+    extended = kwargs.pop("extended", False)
+    found = []
+    for seed in seeds:
+        m = check(generate(seed, 6, extended=extended), "torch", **kwargs)
+        if m is not None:
+            found.append(f"seed {seed}: {m}\n{m.program.script()}")
+    return found
+
+
+def test_fuzz_slice_extended_programs():
+    # expanded and channels_last inputs, nn ops (dropout drawn under a seed), in-place writes through views
+    assert not (found := _mismatches(range(400000, 400030), extended=True)), "\n\n".join(found)
+
+
+def test_fuzz_slice_changing_sizes():
+    # each program called at its sizes, at two other sizes (dimensions turn dynamic), then at the first two again
+    assert not (found := _mismatches(range(400000, 400015), dynamic=True)), "\n\n".join(found)
+
+
+def test_fuzz_slice_under_autocast():
+    assert not (found := _mismatches(range(400000, 400030), extended=True, autocast=True)), "\n\n".join(found)
+
+
+def test_extended_generator_makes_what_it_promises():
+    from fulmen.fuzz import generate
+
+    programs = [generate(seed, 8, extended=True) for seed in range(400000, 400060)]
+    layouts = {i.layout for p in programs for i in p.inputs}
+    assert {"expanded", "channels_last"} <= layouts
+    assert any(s.category == "nn" and "dropout" in s.expr for p in programs for s in p.stmts)
+    assert any(s.category == "inplace" and ")." in s.expr.split("_(")[0] for p in programs for s in p.stmts)
+    assert generate(400001, 8).script() == generate(400001, 8).script()  # deterministic by seed
+
+
+def test_changing_sizes_reach_a_dynamic_program():
+    # the dynamic mode's later calls are cache hits of a program compiled with symbolic sizes, as a user's are
+    import fulmen
+    from fulmen.fuzz.compare import _RESIZES
+    from fulmen.fuzz.program import Input, Program, Stmt, make_inputs, resized
+
+    program = Program(0, [Input("a", (2, 3), torch.float32)], [Stmt("v1", "a.sin() * 2", ("a",), "unary")], ["v1"])
+    jitted = fulmen.jit(lambda a: a.sin() * 2, executors=["torch"])
+    for variant in [program, *(resized(program, r) for r in _RESIZES), program]:
+        a = make_inputs(variant)["a"]
+        torch.testing.assert_close(jitted(a), a.sin() * 2)
+    assert fulmen.cache_misses(jitted) == 2 and fulmen.cache_hits(jitted) == 2
