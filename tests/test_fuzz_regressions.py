@@ -3,6 +3,7 @@ gradients, Hugging Face models with non-default configs): each test failed befor
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import fulmen
@@ -55,6 +56,27 @@ def test_attention_gradient_with_a_fully_masked_row_is_eager_s():
     have = torch.autograd.grad(got, (q, k, v), cotangent)
     torch.testing.assert_close(have, want)
     assert torch.all(have[0][..., 0, :] == 0)
+
+
+@pytest.mark.parametrize("executors", [["torch"], None], ids=["torch", "default"])
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["inference", "training"])
+def test_an_unused_random_draw_still_advances_the_generator(executors, requires_grad):
+    # fuzz seed 360178 (extended, 14 ops): dead-code elimination dropped a dropout whose result was unused, so every
+    # later draw of the seeded program (the next dropout's mask, torch.rand) differed from eager's
+    def program(x):
+        unused = torch.nn.functional.dropout(x, 0.3)  # noqa: F841
+        unused_too = torch.rand(8)  # noqa: F841
+        return torch.nn.functional.dropout(x, 0.3) + torch.rand(8)
+
+    x = torch.linspace(1, 2, 8, requires_grad=requires_grad)
+    jitted = fulmen.jit(program, executors=executors) if executors else fulmen.jit(program)
+    for _ in range(2):  # the compiling call and a cache hit
+        torch.manual_seed(0)
+        expected, eager_next = program(x), torch.rand(4)
+        torch.manual_seed(0)
+        got, fulmen_next = jitted(x), torch.rand(4)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        assert torch.equal(fulmen_next, eager_next)  # the generator is left where eager leaves it
 
 
 # ---------------------------------------------------------------------------------------------------------------
