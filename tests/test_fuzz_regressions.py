@@ -79,6 +79,33 @@ def test_an_unused_random_draw_still_advances_the_generator(executors, requires_
         assert torch.equal(fulmen_next, eager_next)  # the generator is left where eager leaves it
 
 
+@pytest.mark.parametrize("layout", ["transposed", "channels_last"])
+@pytest.mark.parametrize("form", ["training", "inplace"])
+def test_dropout_of_a_non_contiguous_tensor_draws_eager_s_mask(layout, form):
+    # fuzz seed 360319 (extended, 14 ops): eager fills a dropout mask made by empty_like(input), laid out as the
+    # input, in memory order; fulmen's decomposition (the training rule, in-place dropout) drew it contiguous, so a
+    # seeded run of a transposed or channels_last input zeroed other elements than eager
+    def program(x):
+        y = x * 1  # keeps x's layout, as eager's elementwise ops do
+        if form == "inplace":
+            return torch.nn.functional.dropout(y, 0.4, inplace=True)
+        return torch.nn.functional.dropout(y, 0.4)
+
+    base = torch.linspace(1, 2, 120).reshape(2, 3, 4, 5)
+    x = base.transpose(1, 3) if layout == "transposed" else base.contiguous(memory_format=torch.channels_last)
+    x = x.detach().requires_grad_(form == "training")
+    torch.manual_seed(0)
+    expected = program(x)
+    torch.manual_seed(0)
+    got = _jit(program)(x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    if form == "training":
+        cotangent = torch.linspace(-1, 1, 120).reshape(expected.shape)
+        torch.testing.assert_close(
+            torch.autograd.grad(got, x, cotangent), torch.autograd.grad(expected, x, cotangent), rtol=0, atol=0
+        )
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the fuzzer's extended modes: a fixed slice of each must match eager (seeds not used elsewhere)
 

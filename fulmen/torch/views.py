@@ -46,6 +46,25 @@ def layout_of(p: TensorProxy) -> tuple[int, ...] | None:
     return strides_of(p)
 
 
+def memory_order(p: TensorProxy) -> list[int] | None:
+    """The dims of ``p``, outermost first, in the order its elements lie in memory, when ``p`` is dense and
+    non-overlapping but not contiguous: ``empty_like(p)`` keeps that layout, so eager fills a tensor made like
+    ``p`` (a dropout mask) in that order. None when the order is the contiguous one, or not known."""
+    strides = layout_of(p)
+    if strides is None or any(type(n) is not int for n in (*strides, *p.shape)):
+        return None
+    inner_first = sorted((d for d in range(p.ndim) if p.shape[d] != 1), key=lambda d: strides[d])
+    expected = 1
+    for d in inner_first:
+        if strides[d] != expected:
+            return None  # overlapping or with gaps: empty_like makes it contiguous
+        expected *= p.shape[d]
+    outer_first = inner_first[::-1]
+    if outer_first == sorted(outer_first):
+        return None
+    return outer_first + [d for d in range(p.ndim) if p.shape[d] == 1]
+
+
 def _set_strides(p: TensorProxy, strides: tuple[int, ...]) -> None:
     if p.view_of is not None:
         _view_strides[p.view_of[1]] = tuple(strides)
