@@ -106,6 +106,25 @@ def test_dropout_of_a_non_contiguous_tensor_draws_eager_s_mask(layout, form):
         )
 
 
+def test_stride_and_is_contiguous_inside_a_trace_are_eager_s():
+    # fuzz seed 340191 (extended, changing sizes): a traced tensor answered stride() and is_contiguous() from its
+    # contiguous wrapper, so as_strided with a transposed input's own strides read other elements than eager, and
+    # an advanced index of a transposed tensor (laid out as its input by eager) refused a view eager allows
+    def program(a):
+        picked = a[torch.tensor([0, 2])]  # eager keeps a's layout in the dims not indexed
+        return (
+            torch.as_strided(a, (2, 2), a.stride()[1:]) * 1,
+            a.is_contiguous(),
+            a.stride(-1),
+            picked.stride(),
+            picked.mT.view(-1) * 1,
+        )
+
+    a = torch.arange(24.0).reshape(3, 2, 4).transpose(1, 2)
+    expected, got = program(a), _jit(program)(a)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the fuzzer's extended modes: a fixed slice of each must match eager (seeds not used elsewhere)
 

@@ -16,8 +16,8 @@ import torch
 
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Symbol
-from fulmen.core.utils import contiguous_strides
-from fulmen.torch.registry import link_views, set_lazy_bits, torchsymbol, with_lazy_bits
+from fulmen.core.utils import canonicalize_dim, contiguous_strides
+from fulmen.torch.registry import link_views, register_function, set_lazy_bits, torchsymbol, with_lazy_bits
 
 #: id(proxy) -> (weak reference to it, the strides eager gives it); proxies not listed are contiguous.
 _strides: dict[int, tuple[weakref.ref, tuple[int, ...]]] = {}
@@ -44,6 +44,24 @@ def layout_of(p: TensorProxy) -> tuple[int, ...] | None:
     if p.view_of is None and id(p) not in _strides:
         return None
     return strides_of(p)
+
+
+def stride(a: TensorProxy, dim: int | None = None):
+    """``Tensor.stride()``: the strides eager gives the tensor ``a`` stands for (``strides_of``), not the traced
+    wrapper's own, which are contiguous (offsets computed from those, as for ``as_strided``, pick other elements)."""
+    strides = strides_of(a)
+    return strides if dim is None else strides[canonicalize_dim(a.ndim, dim)]
+
+
+def is_contiguous(a: TensorProxy, memory_format: torch.memory_format = torch.contiguous_format) -> bool:
+    """``Tensor.is_contiguous()`` of the tensor ``a`` stands for, decided by torch from its sizes and strides."""
+    with torch._C.DisableTorchFunction():
+        return torch.empty_strided(tuple(a.shape), strides_of(a), device="meta").is_contiguous(
+            memory_format=memory_format)
+
+
+register_function((torch.Tensor.stride,), stride, method_names=("stride",))
+register_function((torch.Tensor.is_contiguous,), is_contiguous, method_names=("is_contiguous",))
 
 
 def memory_order(p: TensorProxy) -> list[int] | None:
