@@ -125,6 +125,21 @@ def test_stride_and_is_contiguous_inside_a_trace_are_eager_s():
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+def test_index_assignment_from_the_base_of_the_view_written_raises_as_eager():
+    # fuzz seed 360210 (extended, 14 ops): ``view[:1] = base`` where the view is an expand of the base: eager refuses
+    # the overlap; the check ran only when the value was itself a view, so fulmen wrote it
+    def program(d):
+        v = d.expand(2, 1, 5)
+        v[:1] = d
+        return v * 1
+
+    d = torch.randn(5, 1).t()
+    with pytest.raises(RuntimeError, match="refer to a single memory location"):
+        program(d.clone())
+    with pytest.raises(RuntimeError, match="refer to a single memory location"):
+        _jit(program)(d.clone())
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the fuzzer's extended modes: a fixed slice of each must match eager (seeds not used elsewhere)
 

@@ -178,7 +178,8 @@ def setitem(a: TensorProxy, key, value) -> None:
 
     getitem = langctx.method("__getitem__")
     current = latest(a)
-    if isinstance(value, TensorProxy) and value.view_of is not None:  # eager refuses a value overlapping the target
+    if isinstance(value, TensorProxy) and (value.view_of is not None or current.view_of is not None):
+        # eager refuses a value overlapping the part written: a view of the target, or the base the target views
         target = getitem(current, key)  # recorded only to be compared; dead code elimination drops it
         check_no_partial_overlap("", target if target.view_of is not None else a, value)
     if current.view_of is not None and _shares_elements(current):
