@@ -48,7 +48,7 @@ from fulmen.torch.elementwise import (
 from fulmen.torch.inplace import mutate
 from fulmen.torch.reductions import vector_norm
 from fulmen.torch.registry import register_function, torchsymbol
-from fulmen.torch.views import memory_order
+from fulmen.torch.views import bernoulli_like
 
 __all__ = [
     # activations
@@ -718,30 +718,18 @@ def _check_p(p):
     check(0.0 <= p <= 1.0, lambda: f"dropout probability has to be between 0 and 1, but got {p}", ValueError)
 
 
-def dropout_noise(input, p: float, noise_shape=None):
-    """A bernoulli(1 - p) mask of ``noise_shape`` (default: the input's), drawn like ATen's ``_dropout_impl``: a mask
-    of the input's shape is ``empty_like(input)``, laid out as a dense input is (transposed, channels_last), and
-    filled in memory order, so a seeded run draws eager's mask."""
-    shape = tuple(input.shape) if noise_shape is None else tuple(noise_shape)
-    order = memory_order(input) if shape == tuple(input.shape) else None
-    if order is None:
-        return prims.bernoulli(shape, 1 - p, device=input.device, dtype=input.dtype)
-    noise = prims.bernoulli(tuple(shape[d] for d in order), 1 - p, device=input.device, dtype=input.dtype)
-    return clang.permute(noise, [order.index(d) for d in range(len(shape))])
-
-
 def _dropout_with_noise(input, p, noise_shape):
     """input * bernoulli(1 - p) / (1 - p), drawing the mask like ATen's ``_dropout_impl`` (so seeds match eager)."""
     if p == 1:
         return mul(input, clang.full((), 0, device=input.device, dtype=input.dtype))
-    return mul(input, true_divide(dropout_noise(input, p, noise_shape), 1 - p))
+    return mul(input, true_divide(bernoulli_like(input, 1 - p, noise_shape), 1 - p))
 
 
 @torchsymbol(F.dropout, tags=(OpTags.RANDOM_OP,))
 def dropout(input, p: float = 0.5, training: bool = True):
     """Zero each element with probability p and scale the rest by 1 / (1 - p); identity when not training.
 
-    The mask is ``prims.bernoulli`` of the input's shape, drawn in the input's memory order (``dropout_noise``): the
+    The mask is ``prims.bernoulli`` of the input's shape, drawn in the input's memory order (``bernoulli_like``): the
     same generator calls as eager, so seeded runs match bit for bit.
     """
     _check_p(p)

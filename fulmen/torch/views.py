@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from fulmen import clang, prims
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Symbol
 from fulmen.core.utils import canonicalize_dim, contiguous_strides
@@ -81,6 +82,18 @@ def memory_order(p: TensorProxy) -> list[int] | None:
     if outer_first == sorted(outer_first):
         return None
     return outer_first + [d for d in range(p.ndim) if p.shape[d] == 1]
+
+
+def bernoulli_like(a: TensorProxy, p: float, shape=None) -> TensorProxy:
+    """A bernoulli(p) tensor of ``shape`` (default: ``a``'s) in ``a``'s dtype, drawn as eager draws into
+    ``empty_like(a)``: laid out as a dense ``a`` is (transposed, channels_last) and filled in memory order, so a
+    seeded run draws eager's numbers (ATen's dropout mask)."""
+    shape = tuple(a.shape) if shape is None else tuple(shape)
+    order = memory_order(a) if shape == tuple(a.shape) else None
+    if order is None:
+        return prims.bernoulli(shape, p, device=a.device, dtype=a.dtype)
+    noise = prims.bernoulli(tuple(shape[d] for d in order), p, device=a.device, dtype=a.dtype)
+    return clang.permute(noise, [order.index(d) for d in range(len(shape))])
 
 
 def _set_strides(p: TensorProxy, strides: tuple[int, ...]) -> None:
