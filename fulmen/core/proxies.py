@@ -331,6 +331,8 @@ class TensorProxy(Proxy, torch.Tensor):
         is a view of the same base and has the same views as ``links_of`` (default: this value)."""
         self._latest = new
         links_of = self if links_of is None else links_of
+        if links_of._views is None:  # one list for every value of the tensor: a view made of `new` is one of ours
+            links_of._views = []
         new._view_of, new._views = links_of._view_of, links_of._views
 
     def restore_views(self, views: list[TensorProxy]) -> None:

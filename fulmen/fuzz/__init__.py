@@ -15,6 +15,12 @@ Float tolerances depend on the dtype; where fulmen is further from eager than th
 is no further from a float64 run of the same program than eager is (an ill-conditioned program amplifies
 rounding differences that neither side can avoid).
 
+Modes beyond the default: ``generate(seed, extended=True)`` adds expanded (stride 0) and channels_last inputs,
+nn ops (seeded dropout, normalizations, cross-entropy with ignored targets) and in-place writes through views;
+``check(program, dynamic=True)`` calls the program again on inputs of other sizes (so that sizes turn dynamic and
+later calls hit the cache), ``autocast=True`` runs every call under CPU autocast, and ``executors="backend"``
+compiles with ``torch.compile(backend="fulmen")``.
+
 ``fulmen fuzz --seconds N`` runs it from the command line (``run_fuzz``) and prints a minimized reproducer
 (``minimize``, a delta-debugging of the statement list) for the first mismatch of each kind.
 

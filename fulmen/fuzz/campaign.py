@@ -97,7 +97,7 @@ class Summary:
     mismatches: list[Mismatch] = field(default_factory=list)
 
     def format(self, seconds: float, executors: str) -> str:
-        ops = ", ".join(f"{c} {self.ops[c]}" for c in CATEGORIES)
+        ops = ", ".join(f"{c} {self.ops[c]}" for c in [*CATEGORIES, *sorted(set(self.ops) - set(CATEGORIES))])
         kinds = collections.Counter(m.kind for m in self.mismatches)
         lines = [f"fulmen fuzz: {self.programs} programs in {seconds:.0f} s with executors={executors}",
                  f"  ops: {sum(self.ops.values())} ({ops})",

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import traceback
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from fulmen.fuzz.program import _FLOATS, Program, make_inputs
+from fulmen.fuzz.program import _FLOATS, Program, make_inputs, resized
 
 # (rtol, atol) by dtype: a few units in the last place, as two orders of float rounding give
 _TOLERANCES = {torch.float64: (1e-7, 1e-7), torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
@@ -63,14 +64,17 @@ def _cotangent(out: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def run_program(program: Program, fn_wrap: Callable[[Callable], Callable] | None = None,
-                upcast: bool = False, calls: int = 1) -> list[Outcome]:
+                upcast: bool = False, calls: int = 1, variants: list[Program] | None = None,
+                autocast: bool = False) -> list[Outcome]:
     """Run the program ``calls`` times on fresh inputs, through ``fn_wrap`` (e.g. ``fulmen.jit``) applied once: the
     second call of a compiled program is a cache hit. The module form keeps its module and copies each call's
-    parameter values into it."""
+    parameter values into it. ``variants``: the program each call makes its inputs from (the same statements on
+    inputs of other sizes); ``autocast``: calls run under CPU autocast to bfloat16. Each call seeds torch's
+    generator first, so random ops draw the same numbers in every run."""
     results = []
     call = module = None
-    for _ in range(calls):
-        inputs = make_inputs(program, upcast)
+    for k in range(len(variants) if variants else calls):
+        inputs = make_inputs(variants[k] if variants else program, upcast)
         fn, args, leaves = _build(program, inputs)
         if call is None:
             module = fn if program.module else None
@@ -82,29 +86,39 @@ def run_program(program: Program, fn_wrap: Callable[[Callable], Callable] | None
             n_params = sum(p.requires_grad for p in program.params())
             leaves = leaves[:len(leaves) - n_params] + [getattr(module, p.name) for p in program.params()
                                                         if p.requires_grad]
-        outcome = Outcome()
-        try:
-            with torch.set_grad_enabled(program.grad), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                outcome.stage = "forward"
-                outs = list(call(*args))
-                outcome.outputs = outs
-                if fn_wrap is not None and not results:
-                    outcome.traced = _traced_outputs(call)
-                outcome.stage = "backward"
-                diff = [(o, k) for k, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
-                if diff and leaves and program.grad:
-                    grads = torch.autograd.grad([o for o, _ in diff], leaves,
-                                                grad_outputs=[_cotangent(o, k) for o, k in diff], allow_unused=True)
-                    outcome.grads = list(grads)
-                outcome.stage = ""
-        except Exception as e:  # compared with what eager did
-            outcome.error = e
+        torch.manual_seed(program.seed + k)
+        outcome = _run_call(program, call, args, leaves, autocast, trace_of=call if fn_wrap and not results else None)
         outcome.inputs = [inputs[i.name] for i in program.args()]
         if module is not None:  # parameters may be written in place (``p.add_``): compared too
             outcome.inputs += [getattr(module, p.name) for p in program.params()]
         results.append(outcome)
     return results
+
+
+def _run_call(program: Program, call: Callable, args: list, leaves: list, autocast: bool,
+              trace_of: Callable | None) -> Outcome:
+    """One call and its backward (random cotangents), or the error either raised."""
+    outcome = Outcome()
+    cast = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    try:
+        with torch.set_grad_enabled(program.grad), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            outcome.stage = "forward"
+            with cast:
+                outs = list(call(*args))
+            outcome.outputs = outs
+            if trace_of is not None:
+                outcome.traced = _traced_outputs(trace_of)
+            outcome.stage = "backward"
+            diff = [(o, k) for k, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
+            if diff and leaves and program.grad:
+                grads = torch.autograd.grad([o for o, _ in diff], leaves,
+                                            grad_outputs=[_cotangent(o, k) for o, k in diff], allow_unused=True)
+                outcome.grads = list(grads)
+            outcome.stage = ""
+    except Exception as e:  # compared with what eager did
+        outcome.error = e
+    return outcome
 
 
 def _traced_outputs(jitted: Any) -> list[tuple] | None:
@@ -219,12 +233,12 @@ def _rms_explains(g: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, atol: flo
 
 
 def _compare(program: Program, got: Outcome, want: Outcome, ref: Outcome | None, executors: str,
-             call: int) -> Mismatch | None:
+             call: int, floor: torch.dtype | None = None) -> Mismatch | None:
     """The first way fulmen's call differs from eager's (errors, outputs, inputs written, gradients), or None."""
     if want.error is not None or got.error is not None:
         found = _error_difference(got, want)
     else:
-        floor = _floor_dtype(program)
+        floor = floor or _floor_dtype(program)
         ok_ref = ref if ref is not None and ref.error is None else None
         found = (_output_difference(program, got, want, ok_ref, floor)
                  or _input_difference(program, got, want, ok_ref, floor) or _grad_difference(got, want, ok_ref, floor))
@@ -308,23 +322,40 @@ def _jit(executors: str) -> Callable[[Callable], Callable]:
 
     if executors == "torch":
         return lambda fn: fulmen.jit(fn, executors=["torch"])
+    if executors == "backend":
+        torch._dynamo.reset()
+        return lambda fn: torch.compile(fn, backend="fulmen", dynamic=False)
     return lambda fn: fulmen.jit(fn, compile="sync")
 
 
-def check(program: Program, executors: str = "torch", calls: int = 2) -> Mismatch | None:
-    """Run ``program`` eagerly and with fulmen (``executors``: "torch" or "default"); the first difference."""
-    want = run_program(program, calls=calls)
-    ref = None
+# how a dynamic-shape check renames sizes (1 stays 1, so that broadcasting is unchanged)
+_RESIZES = ({2: 3, 3: 5, 4: 2, 5: 4}, {2: 5, 3: 2, 4: 3, 5: 6})
+
+
+def check(program: Program, executors: str = "torch", calls: int = 2, dynamic: bool = False,
+          autocast: bool = False) -> Mismatch | None:
+    """Run ``program`` eagerly and with fulmen (``executors``: "torch", "default" or "backend", the last
+    ``torch.compile(backend="fulmen")``); the first difference. ``dynamic``: the calls see the inputs at their sizes,
+    then at two other sizes, then at the first two again (where eager rejects a size, fulmen must too);
+    ``autocast``: every call runs under CPU autocast to bfloat16."""
+    if dynamic and program.module:  # a module's parameters keep their sizes: resize the function form
+        program = replace(program, module=False, inputs=[replace(i, param=False) for i in program.inputs])
+    variants = [program, *(resized(program, r) for r in _RESIZES), program, resized(program, _RESIZES[0])] \
+        if dynamic else None
+    want = run_program(program, calls=calls, variants=variants, autocast=autocast)
+    refs: list[Outcome | None] = []
+    for variant in variants or [program]:
+        try:
+            refs.append(run_program(variant, upcast=True)[0])
+        except Exception:
+            refs.append(None)
     try:
-        ref = run_program(program, upcast=True)[0]
-    except Exception:
-        ref = None
-    try:
-        got = run_program(program, _jit(executors), calls=calls)
+        got = run_program(program, _jit(executors), calls=calls, variants=variants, autocast=autocast)
     except Exception as e:  # outside the call itself (never expected): a mismatch, with its traceback
         return Mismatch("crash", "".join(traceback.format_exception(e))[-2000:], program, executors)
     for k, (g, w) in enumerate(zip(got, want)):
-        m = _compare(program, g, w, ref, executors, k + 1)
+        ref = refs[k % len(refs)] if not dynamic else refs[[0, 1, 2, 0, 1][k]]
+        m = _compare(program, g, w, ref, executors, k + 1, torch.bfloat16 if autocast else None)
         if m is not None:
             return m
     return None

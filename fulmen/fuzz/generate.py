@@ -41,8 +41,9 @@ _SCALARS = ["2", "(-1)", "0.5", "True", "3.0", "(-2.5)"]  # parenthesized: a tem
 
 
 class _Generator:
-    def __init__(self, seed: int, max_ops: int):
+    def __init__(self, seed: int, max_ops: int, extended: bool = False):
         self.seed = seed
+        self.extended = extended  # more layouts, nn ops, in-place writes through views
         self.rng = random.Random(seed)
         self.max_ops = max_ops
         self.inputs: list[Input] = []
@@ -72,8 +73,11 @@ class _Generator:
         layout = "contiguous"
         if shape and rng.random() < 0.3:
             layout = rng.choice(["transposed", "strided"]) if len(shape) >= 2 else "strided"
+            if self.extended and rng.random() < 0.5:
+                layout = "channels_last" if len(shape) == 4 and rng.random() < 0.5 else "expanded"
         requires_grad = dtype in _FLOATS and not high and self.grad and rng.random() < 0.7
-        param = self.module and requires_grad and rng.random() < 0.6
+        # a parameter is refilled in place between calls, which an expanded tensor refuses
+        param = self.module and requires_grad and rng.random() < 0.6 and layout != "expanded"
         name = "abcdefghijklmnopqrstuvwxyz"[len(self.inputs)] if len(self.inputs) < 26 else f"in{len(self.inputs)}"
         inp = Input(name, shape, dtype, layout, requires_grad, param, high)
         self.inputs.append(inp)
@@ -108,8 +112,30 @@ class _Generator:
         return self.new_input(new, self.env[a].dtype if self.rng.random() < 0.7 else None)
 
     def statement(self) -> Stmt | None:
-        category = self.rng.choices(CATEGORIES, weights=[4, 5, 3, 4, 2.5, 2.5, 1.5])[0]
+        if self.extended:
+            category = self.rng.choices(CATEGORIES + ("nn",), weights=[4, 5, 3, 4, 3.5, 2.5, 1.5, 2.5])[0]
+        else:
+            category = self.rng.choices(CATEGORIES, weights=[4, 5, 3, 4, 2.5, 2.5, 1.5])[0]
         return getattr(self, "_" + category)()
+
+    def _nn(self):
+        rng = self.rng
+        a = self.pick(lambda t: t.dtype in _FLOATS and t.ndim >= 1)
+        if a is None:
+            return None
+        t = self.env[a]
+        last = t.shape[-1]
+        forms = [f"torch.nn.functional.dropout({a}, 0.3)", f"torch.nn.functional.layer_norm({a}, ({last},))",
+                 f"torch.nn.functional.normalize({a}, dim=-1)", f"torch.softmax({a}, -1, dtype=torch.float32)",
+                 f"torch.nn.functional.rms_norm({a}, ({last},))", f"{a}.masked_fill({a} > 0.5, -1.0)",
+                 f"torch.where({a} > 0, {a}, 0.0)", f"torch.nn.functional.leaky_relu({a}, 0.2)",
+                 f"torch.nn.functional.hardtanh({a})", f"torch.nn.functional.elu({a})",
+                 f"torch.clamp({a}, min=0.1)", f"torch.addcmul({a}, {a}, {a}, value=0.5)"]
+        if t.ndim >= 2 and t.numel():
+            forms += [f"torch.nn.functional.cross_entropy({a}.flatten(0, -2), "
+                      f"torch.tensor({[rng.choice([-100, *range(last)]) for _ in range(t.numel() // last)]}))",
+                      f"torch.nn.functional.log_softmax({a}, -1).mean(0)"]
+        return self.stmt(rng.choice(forms), (a,), "nn")
 
     def _unary(self):
         a = self.pick()
@@ -208,6 +234,11 @@ class _Generator:
         if t.dtype in _FLOATS:
             forms += [f"{a}.clamp_(min=-0.5)", f"{a}.relu_()", f"{a}.sigmoid_()", f"{a}.div_(3)"]
         forms += [f"{a}.zero_()", f"{a}.fill_(2)"]
+        if self.extended and t.ndim:  # through a view of the target
+            forms += [f"{a}.transpose(0, -1).mul_(2)", f"{a}.unsqueeze(0).sub_(0.5)", f"{a}[..., 1:].mul_({src})",
+                      f"{a}.view(-1)[::2].fill_(3)", f"{a}.flatten()[:2].add_(1)"]
+            if t.ndim >= 2:
+                forms += [f"{a}.diagonal().add_(1)", f"{a}.mT[0].zero_()", f"{a}.narrow(-1, 0, 1).mul_(-1)"]
         form = rng.choice(forms)
         if "=" in form.split("(")[0]:  # an assignment to an element or slice: a bare statement
             return self.stmt(form, uses, "inplace", target=None)
@@ -367,6 +398,8 @@ def _perm(n: int, rng: random.Random) -> str:
     return ", ".join(map(str, p))
 
 
-def generate(seed: int, max_ops: int = 6) -> Program:
-    """The random program of ``seed`` (at most ``max_ops`` statements)."""
-    return _Generator(seed, max_ops).program()
+def generate(seed: int, max_ops: int = 6, extended: bool = False) -> Program:
+    """The random program of ``seed`` (at most ``max_ops`` statements). ``extended`` adds inputs that are expanded
+    (stride 0) or channels_last, nn ops (dropout, normalizations, cross-entropy with ignored targets) and in-place
+    writes through views; without it a seed makes the program it always made."""
+    return _Generator(seed, max_ops, extended).program()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -19,7 +19,9 @@ class Input:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    layout: str = "contiguous"  # or "transposed" (last two dims swapped) or "strided" (every other element)
+    # or "transposed" (last two dims swapped), "strided" (every other element), "expanded" (the first dim of size
+    # above 1 broadcast from size 1: stride 0) or "channels_last" (a 4-d tensor in that memory format)
+    layout: str = "contiguous"
     requires_grad: bool = False
     param: bool = False  # a parameter of the module form
     high: int = 0  # for an index tensor: values in [0, high)
@@ -30,6 +32,9 @@ class Input:
             shape[-1], shape[-2] = shape[-2], shape[-1]
         elif self.layout == "strided" and shape:
             shape[-1] *= 2
+        broadcast = next((d for d, n in enumerate(shape) if n > 1), None) if self.layout == "expanded" else None
+        if broadcast is not None:
+            shape[broadcast] = 1
         size = repr(tuple(shape))
         if self.high:
             text = f"torch.randint(0, {self.high}, {size})"
@@ -43,6 +48,10 @@ class Input:
             text = f"({text}).transpose(-1, -2)"
         elif self.layout == "strided" and shape:
             text = f"({text})[..., ::2]"
+        elif broadcast is not None:
+            text = f"({text}).expand{tuple(self.shape)}"
+        elif self.layout == "channels_last" and len(shape) == 4:
+            text = f"({text}).contiguous(memory_format=torch.channels_last)"
         if self.requires_grad:
             text = f"({text}).requires_grad_()"
         return text
@@ -140,6 +149,14 @@ class _seeded:
     def __exit__(self, *exc):
         torch.random.set_rng_state(self.saved)
 
+
+
+def resized(program: Program, sizes: dict[int, int]) -> Program:
+    """``program`` with its inputs' sizes renamed by ``sizes`` (sizes not in it kept; index bounds follow the size
+    they index): the same statements on inputs of other sizes, as a dynamic-shape call sees them."""
+    inputs = [replace(i, shape=tuple(sizes.get(n, n) for n in i.shape), high=sizes.get(i.high, i.high))
+              for i in program.inputs]
+    return replace(program, inputs=inputs)
 
 
 def make_inputs(program: Program, upcast: bool = False) -> dict[str, torch.Tensor]:

@@ -113,8 +113,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
         scores = add(scores, _additive(attn_mask, scores.dtype))
     # torch's softmax (not its decomposition): under autodiff it keeps its own rule, aten's _softmax and its
     # backward kernel, so the weights, and what dropout multiplies, are eager's to the bit
-    attn = softmax(scores, -1)
-    attn = where(eq(_amax(scores, -1, keepdim=True), -math.inf), 0.0, attn)  # fully masked rows: zeros (_safe_softmax)
+    # fully masked rows give zeros (_safe_softmax); their scores are replaced before the softmax too, so that its
+    # backward multiplies by those zeros rather than by the NaN weights of an all -inf row (eager's gradient is 0)
+    masked = eq(_amax(scores, -1, keepdim=True), -math.inf)
+    attn = where(masked, 0.0, softmax(where(masked, 0.0, scores), -1))
     if dropout_p > 0:
         attn = _dropout_with_noise(attn, dropout_p, attn.shape)
     out = prims.matmul(attn, v)

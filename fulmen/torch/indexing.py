@@ -28,7 +28,7 @@ from fulmen.core.utils import canonicalize_dim, check, prod
 from fulmen.torch.inplace import mutate
 from fulmen.torch.inplace import setitem as _functional_setitem
 from fulmen.torch.registry import register_function, tensor_methods, torchsymbol
-from fulmen.torch.shape import _view_hook, fresh
+from fulmen.torch.shape import _view_hook, follow_input_layout, fresh
 
 __all__ = [
     "getitem", "gather", "scatter", "scatter_add", "index_select", "index_add", "take_along_dim", "index_put",
@@ -301,6 +301,8 @@ def _getitem(a: TensorProxy, key) -> TensorProxy:
 def _getitem_hook(bsym: BoundSymbol) -> None:
     if is_basic_key(bsym.args[1]):
         _view_hook(bsym)
+    else:  # a new tensor, which eager lays out as the indexed one in the dims not indexed
+        follow_input_layout(bsym)
 
 
 @torchsymbol(torch.Tensor.__getitem__, method_name="__getitem__")

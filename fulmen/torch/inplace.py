@@ -160,6 +160,8 @@ def _refresh_views(old: TensorProxy, new: TensorProxy, written: TensorProxy | No
     for view in views:
         if view is written or latest(view) is new:
             continue
+        if view.view_of is None or view.view_of[0].views is not old.views:
+            continue  # no longer a view of this tensor (an unview's result, made current in its base's place)
         base_view, remake = view.view_of
         with torch.enable_grad() if keep_history else contextlib.nullcontext():
             refreshed = remake(new)
@@ -176,7 +178,8 @@ def setitem(a: TensorProxy, key, value) -> None:
 
     getitem = langctx.method("__getitem__")
     current = latest(a)
-    if isinstance(value, TensorProxy) and value.view_of is not None:  # eager refuses a value overlapping the target
+    if isinstance(value, TensorProxy) and (value.view_of is not None or current.view_of is not None):
+        # eager refuses a value overlapping the part written: a view of the target, or the base the target views
         target = getitem(current, key)  # recorded only to be compared; dead code elimination drops it
         check_no_partial_overlap("", target if target.view_of is not None else a, value)
     if current.view_of is not None and _shares_elements(current):

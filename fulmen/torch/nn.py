@@ -48,6 +48,7 @@ from fulmen.torch.elementwise import (
 from fulmen.torch.inplace import mutate
 from fulmen.torch.reductions import vector_norm
 from fulmen.torch.registry import register_function, torchsymbol
+from fulmen.torch.views import bernoulli_like
 
 __all__ = [
     # activations
@@ -721,16 +722,15 @@ def _dropout_with_noise(input, p, noise_shape):
     """input * bernoulli(1 - p) / (1 - p), drawing the mask like ATen's ``_dropout_impl`` (so seeds match eager)."""
     if p == 1:
         return mul(input, clang.full((), 0, device=input.device, dtype=input.dtype))
-    noise = prims.bernoulli(tuple(noise_shape), 1 - p, device=input.device, dtype=input.dtype)
-    return mul(input, true_divide(noise, 1 - p))
+    return mul(input, true_divide(bernoulli_like(input, 1 - p, noise_shape), 1 - p))
 
 
 @torchsymbol(F.dropout, tags=(OpTags.RANDOM_OP,))
 def dropout(input, p: float = 0.5, training: bool = True):
     """Zero each element with probability p and scale the rest by 1 / (1 - p); identity when not training.
 
-    The mask is ``prims.bernoulli`` on a contiguous tensor of the input's shape: the same generator calls as
-    eager, so seeded runs match bit for bit for contiguous inputs (eager draws in the input's memory order).
+    The mask is ``prims.bernoulli`` of the input's shape, drawn in the input's memory order (``bernoulli_like``): the
+    same generator calls as eager, so seeded runs match bit for bit.
     """
     _check_p(p)
     if not training or p == 0 or input.numel() == 0:

@@ -14,10 +14,11 @@ from collections.abc import Sequence
 
 import torch
 
+from fulmen import clang, prims
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, Symbol
-from fulmen.core.utils import contiguous_strides
-from fulmen.torch.registry import link_views, set_lazy_bits, torchsymbol, with_lazy_bits
+from fulmen.core.utils import canonicalize_dim, contiguous_strides
+from fulmen.torch.registry import link_views, register_function, set_lazy_bits, torchsymbol, with_lazy_bits
 
 #: id(proxy) -> (weak reference to it, the strides eager gives it); proxies not listed are contiguous.
 _strides: dict[int, tuple[weakref.ref, tuple[int, ...]]] = {}
@@ -44,6 +45,55 @@ def layout_of(p: TensorProxy) -> tuple[int, ...] | None:
     if p.view_of is None and id(p) not in _strides:
         return None
     return strides_of(p)
+
+
+def stride(a: TensorProxy, dim: int | None = None):
+    """``Tensor.stride()``: the strides eager gives the tensor ``a`` stands for (``strides_of``), not the traced
+    wrapper's own, which are contiguous (offsets computed from those, as for ``as_strided``, pick other elements)."""
+    strides = strides_of(a)
+    return strides if dim is None else strides[canonicalize_dim(a.ndim, dim)]
+
+
+def is_contiguous(a: TensorProxy, memory_format: torch.memory_format = torch.contiguous_format) -> bool:
+    """``Tensor.is_contiguous()`` of the tensor ``a`` stands for, decided by torch from its sizes and strides."""
+    with torch._C.DisableTorchFunction():
+        return torch.empty_strided(tuple(a.shape), strides_of(a), device="meta").is_contiguous(
+            memory_format=memory_format)
+
+
+register_function((torch.Tensor.stride,), stride, method_names=("stride",))
+register_function((torch.Tensor.is_contiguous,), is_contiguous, method_names=("is_contiguous",))
+
+
+def memory_order(p: TensorProxy) -> list[int] | None:
+    """The dims of ``p``, outermost first, in the order its elements lie in memory, when ``p`` is dense and
+    non-overlapping but not contiguous: ``empty_like(p)`` keeps that layout, so eager fills a tensor made like
+    ``p`` (a dropout mask) in that order. None when the order is the contiguous one, or not known."""
+    strides = layout_of(p)
+    if strides is None or any(type(n) is not int for n in (*strides, *p.shape)):
+        return None
+    inner_first = sorted((d for d in range(p.ndim) if p.shape[d] != 1), key=lambda d: strides[d])
+    expected = 1
+    for d in inner_first:
+        if strides[d] != expected:
+            return None  # overlapping or with gaps: empty_like makes it contiguous
+        expected *= p.shape[d]
+    outer_first = inner_first[::-1]
+    if outer_first == sorted(outer_first):
+        return None
+    return outer_first + [d for d in range(p.ndim) if p.shape[d] == 1]
+
+
+def bernoulli_like(a: TensorProxy, p: float, shape=None) -> TensorProxy:
+    """A bernoulli(p) tensor of ``shape`` (default: ``a``'s) in ``a``'s dtype, drawn as eager draws into
+    ``empty_like(a)``: laid out as a dense ``a`` is (transposed, channels_last) and filled in memory order, so a
+    seeded run draws eager's numbers (ATen's dropout mask)."""
+    shape = tuple(a.shape) if shape is None else tuple(shape)
+    order = memory_order(a) if shape == tuple(a.shape) else None
+    if order is None:
+        return prims.bernoulli(shape, p, device=a.device, dtype=a.dtype)
+    noise = prims.bernoulli(tuple(shape[d] for d in order), p, device=a.device, dtype=a.dtype)
+    return clang.permute(noise, [order.index(d) for d in range(len(shape))])
 
 
 def _set_strides(p: TensorProxy, strides: tuple[int, ...]) -> None:

@@ -22,6 +22,7 @@ from fulmen.core.devices import to_device
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import Symbol
 from fulmen.core.utils import canonicalize_dim
+from fulmen.torch.views import bernoulli_like
 from fulmen.transforms.grad_ops import (  # noqa: F401  (is_random_op: re-exported for frontend.tracing)
     _REDUCTIONS,
     _stats_shape,
@@ -415,8 +416,7 @@ def _dropout_rule(p: RuleArgs):
     a, prob, training = p[0], p.get("p", 0.5), p.get("training", True)
     if not training or prob == 0 or prob >= 1 or a.numel() == 0 or not dtypes.is_float_dtype(a.dtype):
         return NotImplemented
-    noise = prims.bernoulli(tuple(a.shape), 1 - prob, device=a.device, dtype=a.dtype)
-    scaled = ltorch.true_divide(noise, 1 - prob)
+    scaled = ltorch.true_divide(bernoulli_like(a, 1 - prob), 1 - prob)
     out = ltorch.mul(a, scaled)
     put_grad(a, ltorch.mul(get_grad(out), scaled))
     return out

@@ -16,6 +16,15 @@ def _keeps(bsym: BoundSymbol) -> bool:
     return OpTags.SIDE_EFFECT in tags or OpTags.DONT_DCE in tags
 
 
+def _draws(bsym: BoundSymbol) -> bool:
+    """Whether ``bsym`` draws from torch's generator: a random op itself, or a composite (dropout, attention) whose
+    decomposition holds one. An unused draw still advances the generator, so later draws match eager's only if it
+    stays."""
+    if OpTags.RANDOM_OP not in bsym.sym.tags:
+        return False
+    return not bsym.subsymbols or any(_draws(s) for s in bsym.subsymbols)
+
+
 def use_counts(trace: Trace) -> dict[str, int]:
     """How many times each value is read: as an argument of a bound symbol, or by being returned."""
     counts: dict[str, int] = {}
@@ -28,12 +37,12 @@ def use_counts(trace: Trace) -> dict[str, int]:
 
 
 def dce(trace: Trace, *, provenance: str = "Dead Code Elimination") -> Trace:
-    """Drop bound symbols none of whose outputs are needed (side effects are always kept)."""
+    """Drop bound symbols none of whose outputs are needed (side effects and random draws are always kept)."""
     needed = {p.name for p in outputs_of(trace.output)}
     kept: list[BoundSymbol] = []
     for bsym in reversed(trace.bound_symbols):
         outs = bsym.flat_proxy_outs
-        if _keeps(bsym) or any(p.name in needed for p in outs) or (not outs and bsym.sym is not DEL):
+        if _keeps(bsym) or _draws(bsym) or any(p.name in needed for p in outs) or (not outs and bsym.sym is not DEL):
             kept.append(bsym)
             needed.update(p.name for p in bsym.flat_args)
     kept.reverse()
