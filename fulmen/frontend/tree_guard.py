@@ -1,0 +1,190 @@
+"""Whether a module tree is still as it was when a program was keyed on it, checked on every call without
+patching torch.
+
+Every structural change to a module goes through one of its dictionaries: ``__dict__`` (plain attributes,
+``training``), ``_parameters``, ``_buffers``, ``_modules`` and the four hook dictionaries; the global module hooks
+live in dictionaries of ``torch.nn.modules.module``. CPython gives each dict a version tag that changes on every
+write (PEP 509; what Dynamo's ``DICT_VERSION`` guard reads), so a tree whose dictionaries all kept their versions
+has not changed, whoever wrote and however (``setattr``, ``register_*``, a container edit, ``handle.remove()``,
+a direct ``module._parameters[k] = p``, another thread). ``build`` records the versions, and the type of every
+module (``module.__class__ = X`` writes no dict), in one PyTorch C++ guard tree, so a call pays one C++ check
+of about 10 leaf guards per module; until ``torch._dynamo`` is loaded (Inductor and ``torch.compile`` load it)
+a small tree is checked with a Python loop over the same versions instead, to spare a plain jitted call the
+import.
+
+Dictionaries fulmen itself writes on every call (``owned``: a module attribute a program assigns, a buffer it
+rebinds) cannot be checked by version. They are compared by content: the same keys, each value the same object,
+where fulmen's own writes (``write_owned``) update what every guard expects. A write by anyone else, before or
+after fulmen's, leaves the dict holding something no guard expects.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import operator
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import nn
+from torch.nn.modules import module as _torch_module
+
+try:
+    from torch._C._dynamo import guards as _guards
+
+    _dict_version = _guards.dict_version
+except (ImportError, AttributeError):  # a torch without Dynamo's guards: every call walks the tree
+    _guards = _dict_version = None
+
+log = logging.getLogger("fulmen")
+
+#: The dictionaries of a module through which its structure changes.
+MODULE_DICTS = (
+    "_parameters",
+    "_buffers",
+    "_modules",
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
+_GLOBAL_DICTS = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+)
+#: Trees with at most this many dictionaries are checked in Python while ``torch._dynamo`` is not loaded.
+_PYTHON_CHECK_LIMIT = 64
+
+
+def never() -> bool:
+    """The check of a tree that must be looked at again."""
+    return False
+
+
+# ---- dictionaries fulmen writes on every call ----
+
+_owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> names of its dicts fulmen writes
+_expectations: dict[int, list[weakref.ref]] = {}  # id(dict) -> the _Expected of live guards over it
+_lock = threading.Lock()
+
+
+def mark_owned(mod: nn.Module, dict_name: str) -> None:
+    """Compiled programs write ``mod``'s ``dict_name`` (``"__dict__"`` or ``"_buffers"``) on every call."""
+    with _lock:
+        _owned.setdefault(mod, set()).add(dict_name)
+
+
+class _Expected:
+    """What a guard expects an owned dictionary to hold: its keys in order and each value by identity."""
+
+    __slots__ = ("d", "keys", "values", "index", "__weakref__")
+
+    def __init__(self, d: dict):
+        items = tuple(d.items())  # one read under the GIL
+        self.d = d
+        self.keys = tuple(k for k, _ in items)
+        self.values = [v for _, v in items]
+        self.index = {k: i for i, k in enumerate(self.keys)}
+
+    def holds(self) -> bool:
+        d = self.d
+        return tuple(d) == self.keys and all(map(operator.is_, d.values(), self.values))
+
+
+def _expect(d: dict) -> _Expected:
+    expected = _Expected(d)
+    with _lock:
+        refs = [r for r in _expectations.get(id(d), ()) if r() is not None]
+        refs.append(weakref.ref(expected))
+        _expectations[id(d)] = refs
+    return expected
+
+
+def write_owned(d: dict, key: str, value: Any) -> None:
+    """``d[key] = value`` by fulmen on a call, told to the guards that compare ``d`` by content. Stored first: a
+    write by another thread after it makes ``d`` differ from what they expect, and one before it is overwritten,
+    as the eager call would overwrite it."""
+    d[key] = value
+    refs = _expectations.get(id(d))
+    if refs:
+        with _lock:
+            for ref in refs:
+                expected = ref()
+                if expected is not None and expected.d is d:
+                    i = expected.index.get(key)
+                    if i is not None:
+                        expected.values[i] = value
+
+
+# ---- the check ----
+
+
+def _module_dicts(mod: nn.Module) -> list[tuple[str, Any]]:
+    attrs = mod.__dict__
+    return [("__dict__", attrs)] + [(name, attrs.get(name)) for name in MODULE_DICTS]
+
+
+def build(modules: Sequence[nn.Module]) -> Callable[[], bool]:
+    """A function saying whether ``modules`` (a tree's, each once) and the global module hooks are as they are now:
+    the same types, and every dictionary unchanged. Call it before reading the tree, so a change made meanwhile
+    fails it."""
+    if _guards is None:
+        return never
+    groups: list[tuple] = []  # (module, its version-checked dicts...)
+    owned_dicts: list[dict] = []
+    for mod in modules:
+        owned = _owned.get(mod, ())
+        dicts = []
+        for name, d in _module_dicts(mod):
+            if not isinstance(d, dict):  # a ScriptModule's wrappers: no version to check
+                return never
+            (owned_dicts if name in owned else dicts).append(d)
+        groups.append((mod, *dicts))
+    globals_group = (vars(_torch_module), *(getattr(_torch_module, name) for name in _GLOBAL_DICTS))
+    check = _compiled_check(globals_group, groups)
+    if not owned_dicts:
+        return check
+    expected = [_expect(d) for d in owned_dicts]
+
+    def check_with_owned() -> bool:
+        return check() and all(e.holds() for e in expected)
+
+    return check_with_owned
+
+
+def _compiled_check(globals_group: tuple, groups: list[tuple]) -> Callable[[], bool]:
+    n_dicts = len(globals_group) + sum(len(g) - 1 for g in groups)
+    if "torch._dynamo.guards" not in sys.modules and n_dicts <= _PYTHON_CHECK_LIMIT:
+        dicts = tuple(d for g in [globals_group, *(g[1:] for g in groups)] for d in g)
+        types = tuple(type(g[0]) for g in groups)
+        mods = tuple(g[0] for g in groups)
+        versions = tuple(map(_dict_version, dicts))
+
+        def python_check() -> bool:
+            return tuple(map(_dict_version, dicts)) == versions and tuple(map(type, mods)) == types
+
+        return python_check
+    return functools.partial(_guard_tree(globals_group, groups).check, (globals_group, *groups))
+
+
+def _guard_tree(globals_group: tuple, groups: list[tuple]):
+    """A C++ ``RootGuardManager`` over ``(globals_group, *groups)``: a version guard on every dict, a type guard on
+    every module (a tuple per group, so no manager has many children to search when the tree is built)."""
+    from torch._dynamo.guards import GuardManagerType  # loads torch._dynamo (its guard managers need it)
+
+    kind = GuardManagerType.GUARD_MANAGER
+    root = _guards.RootGuardManager()
+    for i, group in enumerate((globals_group, *groups)):
+        manager = root.tuple_getitem_manager(i, f"[{i}]", group, kind)
+        for j, value in enumerate(group):
+            leaf = manager.tuple_getitem_manager(j, f"[{i}][{j}]", value, kind)
+            if isinstance(value, dict):
+                leaf.add_dict_version_guard(value, ["a module dictionary changed"], None)
+            else:
+                leaf.add_type_match_guard(id(type(value)), ["a module's class changed"], None)
+    return root
