@@ -162,11 +162,14 @@ class _ModuleState:
                 self.invalidate()
         return out
 
-    def keep_version(self) -> None:
-        """A program's tracing marked attributes as program outputs (``module_writes``), which snapshots leave out:
-        the snapshot without them names the same structure, so it keeps the version."""
+    def keep_version(self, written: frozenset) -> None:
+        """After a trace: where the tree differs from the snapshot the program was keyed on only in attributes the
+        traced code wrote itself (``written``: program outputs, which snapshots leave out; a lazy GraphModule's
+        generated code; a value left as set, with a warning), the new snapshot names the same structure, so it
+        keeps the version. A change made meanwhile by another thread does not."""
         snapshot = module_guard.snapshot(self.root)
-        if snapshot != self.snapshot and self.snapshot is not None:
+        if snapshot != self.snapshot and self.snapshot is not None and module_guard.differs_only_in(
+                self.snapshot, snapshot, written):
             self._versions[snapshot] = self.version
             self.snapshot = snapshot
 
@@ -328,8 +331,7 @@ class _ModuleProgram(JittedFunction):
                 tree_guard.mark_owned(state.slots[i][0], "_buffers")
             entry.plan.rebind = lambda out: state.rebind(rebinds, out)
             self._set_program(entry, entry.program)
-        if entry.spec.attributes:
-            state.keep_version()
+        state.keep_version(entry.spec.written)
         state.invalidate()  # tracing swapped the tensors in and out, and may have made dicts fulmen's to write
         return entry
 

@@ -189,6 +189,22 @@ def snapshot(root: nn.Module) -> tuple:
     return (tuple(entries), global_hooks)
 
 
+def differs_only_in(old: tuple, new: tuple, written: frozenset) -> bool:
+    """Whether two snapshots of a tree differ only in plain attributes listed in ``written`` (pairs of a module's
+    ``identity`` and an attribute name)."""
+    if old[1] != new[1] or len(old[0]) != len(new[0]):
+        return False
+    for before, after in zip(old[0], new[0]):
+        if before[:4] != after[:4] or before[5] != after[5]:
+            return False
+        if before[4] != after[4]:
+            old_attrs, new_attrs = dict(before[4]), dict(after[4])
+            for key in old_attrs.keys() | new_attrs.keys():
+                if old_attrs.get(key) != new_attrs.get(key) and (after[1], key) not in written:
+                    return False
+    return True
+
+
 def describe_change(old: tuple | None, new: tuple) -> str:
     """Which part of a module tree differs between two snapshots, in words (for the recompile reason)."""
     if old is None:

@@ -174,6 +174,7 @@ class ModuleWrites:
         self._thread = threading.get_ident()
         self._before: dict[tuple[int, str], tuple[nn.Module, str, str, Any, str]] = {}
         self._new: dict[int, nn.Module] = {}  # held until the trace ends, so their ids are not reused
+        self._derived: dict[tuple[int, str], nn.Module] = {}  # written by _DERIVED_STATE_WRITERS
         self._scope = None
 
     def __call__(self, mod: nn.Module, name: str) -> None:
@@ -181,6 +182,7 @@ class ModuleWrites:
             return
         writer = sys._getframe(2)  # 1: nn.Module.__setattr__ (the wrapper above)
         if writer.f_code in _DERIVED_STATE_WRITERS:
+            self._derived[(id(mod), name)] = mod
             return
         if _initializing(writer, mod):
             self._new[id(mod)] = mod
@@ -196,6 +198,13 @@ class ModuleWrites:
         self._scope.__exit__(None, None, None)
         if exc_type is not None:  # the call failed: leave every module as it was before it
             self.undo()
+
+    def written(self) -> frozenset[tuple[Any, str]]:
+        """(``module_guard.identity`` of the module, name) of every module attribute the trace wrote: the program's
+        own doing, which a snapshot taken after the trace may differ from the one before it in."""
+        writes = [(mod, name) for mod, name, *_ in self._before.values()]
+        writes += [(mod, name) for (_, name), mod in self._derived.items()]
+        return frozenset((module_guard.identity(mod), name) for mod, name in writes)
 
     def undo(self) -> None:
         for mod, name, where, old, _ in self._before.values():

@@ -53,6 +53,8 @@ class InputSpec:
     attributes: tuple[tuple[torch.nn.Module, str], ...] = ()
     # objects the program updates or returns (fulmen.frontend.objects): it returns (result, their tensors)
     objects: ObjectResults | None = None
+    # (module identity, name) of the module attributes the traced code wrote (fulmen.frontend.module_writes)
+    written: frozenset = frozenset()
     # the tensor values the traced Python read, in order, and where (fulmen.frontend.split_points): the branch
     values: tuple = ()
     value_lines: tuple[str, ...] = ()
@@ -479,6 +481,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
             attributes = writes.settle(frozenset(map(id, own)), tracer.captured.by_id,
                                        recorder.codes if recorder is not None else (), real_state)
             check_no_proxies_left(own)
+            spec.written = writes.written()
             if attributes:  # the program also returns them; every call assigns them (module_writes.assigning)
                 spec.attributes = tuple((mod, name) for mod, name, _ in attributes)
                 result = (result, [value for *_, value in attributes])
