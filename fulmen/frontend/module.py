@@ -331,7 +331,8 @@ class _ModuleProgram(JittedFunction):
                 tree_guard.mark_owned(state.slots[i][0], "_buffers")
             entry.plan.rebind = lambda out: state.rebind(rebinds, out)
             self._set_program(entry, entry.program)
-        state.keep_version(entry.spec.written)
+        if entry.spec.written:
+            state.keep_version(entry.spec.written)
         state.invalidate()  # tracing swapped the tensors in and out, and may have made dicts fulmen's to write
         return entry
 
