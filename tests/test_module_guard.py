@@ -1,6 +1,7 @@
 """Every kind of change to a jitted module's tree is seen by the next call, however it was made (issue 45 goal 5:
 the check reads the tree's dictionaries, not wrappers around torch's methods)."""
 
+import importlib
 import threading
 
 import pytest
@@ -9,6 +10,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 
 import fulmen
+from fulmen.frontend import tree_guard
 
 
 class _Net(nn.Module):
@@ -61,8 +63,18 @@ _CHANGES = {
 }
 
 
+def _uses_guard_tree(jm) -> bool:
+    check = jm._fulmen_jitted.state.check
+    cells = dict(zip(check.__code__.co_freevars, check.__closure__ or ()))
+    return "fast" in cells and cells["fast"].cell_contents is not None
+
+
+# a tree unchanged for this many calls is checked by PyTorch's C++ guard tree, before that by a Python loop
+@pytest.mark.parametrize("calls", [2, tree_guard._STABLE_CALLS + 2])
 @pytest.mark.parametrize("change", list(_CHANGES))
-def test_the_next_call_sees_the_change(change):
+def test_the_next_call_sees_the_change(change, calls):
+    if calls > tree_guard._STABLE_CALLS:  # a small tree is checked in Python while Dynamo is not loaded
+        importlib.import_module("torch._dynamo.guards")
     torch.manual_seed(0)
     m = _Net().double()
     jm, x = fulmen.jit(m, executors=["torch"]), torch.randn(3, 4, dtype=torch.float64)
@@ -70,7 +82,9 @@ def test_the_next_call_sees_the_change(change):
     try:
         with torch.no_grad():
             torch.testing.assert_close(jm(x), m(x))
-            jm(x)
+            for _ in range(calls - 1):
+                jm(x)
+            assert _uses_guard_tree(jm) == (calls > tree_guard._STABLE_CALLS)
             handle = _CHANGES[change](m)
             torch.testing.assert_close(jm(x), m(x))
             assert fulmen.cache_misses(jm) == 2, "the change should have made the call compile again"
@@ -136,9 +150,10 @@ def test_changes_to_dicts_fulmen_writes_on_every_call_are_seen(change):
     m = _Recorder().double()
     ref = _Recorder().double()
     ref.load_state_dict(m.state_dict())
+    importlib.import_module("torch._dynamo.guards")  # the C++ guard tree checks the dicts fulmen does not write
     jm, x = fulmen.jit(m, executors=["torch"]), torch.randn(3, 4, dtype=torch.float64)
     with torch.no_grad():
-        for _ in range(3):
+        for _ in range(tree_guard._STABLE_CALLS + 2):
             torch.testing.assert_close(jm(x), ref(x))
         assert fulmen.cache_hits(jm) >= 1, "calls that only write the program's outputs should hit the cache"
         misses = fulmen.cache_misses(jm)

@@ -59,6 +59,8 @@ _GLOBAL_DICTS = (
 )
 #: Trees with at most this many dictionaries are checked in Python while ``torch._dynamo`` is not loaded.
 _PYTHON_CHECK_LIMIT = 64
+#: Calls a tree must stay unchanged for before its C++ guard tree is built.
+_STABLE_CALLS = 16
 
 
 def never() -> bool:
@@ -158,18 +160,38 @@ def build(modules: Sequence[nn.Module]) -> Callable[[], bool]:
 
 
 def _compiled_check(globals_group: tuple, groups: list[tuple]) -> Callable[[], bool]:
-    n_dicts = len(globals_group) + sum(len(g) - 1 for g in groups)
-    if "torch._dynamo.guards" not in sys.modules and n_dicts <= _PYTHON_CHECK_LIMIT:
-        dicts = tuple(d for g in [globals_group, *(g[1:] for g in groups)] for d in g)
-        types = tuple(type(g[0]) for g in groups)
-        mods = tuple(g[0] for g in groups)
-        versions = tuple(map(_dict_version, dicts))
+    """The check: a Python loop over the versions and types, replaced by the C++ guard tree once the tree stayed
+    unchanged for ``_STABLE_CALLS`` calls (building that tree costs several times a snapshot, so a tree that
+    changes on every call, or for a few calls after a change, is not worth it), where the tree is large or
+    ``torch._dynamo`` is loaded anyway."""
+    dicts = tuple(d for g in [globals_group, *(g[1:] for g in groups)] for d in g)
+    mods = tuple(g[0] for g in groups)
+    types = tuple(map(type, mods))
+    versions = tuple(map(_dict_version, dicts))
 
-        def python_check() -> bool:
-            return tuple(map(_dict_version, dicts)) == versions and tuple(map(type, mods)) == types
+    def python_check() -> bool:
+        return tuple(map(_dict_version, dicts)) == versions and tuple(map(type, mods)) == types
 
+    if "torch._dynamo.guards" not in sys.modules and len(dicts) <= _PYTHON_CHECK_LIMIT:
         return python_check
-    return functools.partial(_guard_tree(globals_group, groups).check, (globals_group, *groups))
+    passed = 0
+    fast = None
+
+    def staged_check() -> bool:
+        nonlocal passed, fast
+        if fast is not None:
+            return fast()
+        if not python_check():
+            return False
+        passed += 1
+        if passed == _STABLE_CALLS:
+            tree = functools.partial(_guard_tree(globals_group, groups).check, (globals_group, *groups))
+            if not python_check():  # changed while the tree was built: it may hold a later version
+                return False
+            fast = tree
+        return True
+
+    return staged_check
 
 
 def _guard_tree(globals_group: tuple, groups: list[tuple]):
