@@ -4,7 +4,8 @@ A compiled module program depends on more than its parameters' shapes: which sub
 attributes its ``forward`` reads (``self.scale = 3.0``), hooks, tensors held as plain attributes. Walking the
 module tree to compare them costs about 2 us per module, too much for every call. So a call first runs the check
 ``watch`` returned with the last snapshot (``fulmen.frontend.tree_guard``: the versions of every dictionary of
-the tree and the global module hooks, and every module's class, in one C++ guard check); only when that fails does
+the tree and of the global module hooks, and every module's class; one C++ guard check once the tree stayed
+unchanged for a few calls); only when that fails does
 it take a :func:`snapshot` of the tree again and, when the snapshot differs, re-key (``fulmen.frontend.module``).
 Nothing in torch is patched for it: ``import fulmen`` and a live jitted module leave torch's objects as they are.
 (While fulmen traces, ``nn.Module.__setattr__``/``__delattr__`` are wrapped to record module writes:

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from fulmen.core.proxies import Proxy, TensorProxy, has_proxy
+from fulmen.core.shared_patch import SharedPatch
 from fulmen.frontend import module_guard
 from fulmen.frontend.global_guard import string_constants
 
@@ -51,8 +52,6 @@ _DICTS = ("_parameters", "_buffers", "_modules")
 #: While fulmen traces, by tracing thread's id: called with (module, name) before every attribute write or delete
 #: that thread makes on any module. Empty when no thread traces.
 write_recorders: dict[int, Any] = {}
-_recording = 0  # how many traces record writes right now, in all threads
-_lock = threading.Lock()
 
 
 def _on_setattr(method):
@@ -102,29 +101,24 @@ def _uninstall() -> None:
             setattr(nn.Module, name, original)
 
 
+_WRAPPED = SharedPatch(_install, _uninstall)
+
+
 @contextlib.contextmanager
 def recording_writes(recorder) -> Any:
     """Report this thread's writes to module attributes to ``recorder`` for the block (the ``__setattr__`` and
     ``__delattr__`` wrappers are in place while any thread is inside such a block)."""
-    global _recording
     thread = threading.get_ident()
-    with _lock:
-        if _recording == 0:
-            _install()
-        _recording += 1
-    saved = write_recorders.get(thread)
-    write_recorders[thread] = recorder
-    try:
-        yield
-    finally:
-        if saved is None:
-            del write_recorders[thread]
-        else:
-            write_recorders[thread] = saved
-        with _lock:
-            _recording -= 1
-            if _recording == 0:
-                _uninstall()
+    with _WRAPPED:
+        saved = write_recorders.get(thread)
+        write_recorders[thread] = recorder
+        try:
+            yield
+        finally:
+            if saved is None:
+                del write_recorders[thread]
+            else:
+                write_recorders[thread] = saved
 
 
 def _locate(mod: nn.Module, name: str) -> tuple[str, Any]:

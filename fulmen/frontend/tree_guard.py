@@ -7,10 +7,11 @@ live in dictionaries of ``torch.nn.modules.module``. CPython gives each dict a v
 write (PEP 509; what Dynamo's ``DICT_VERSION`` guard reads), so a tree whose dictionaries all kept their versions
 has not changed, whoever wrote and however (``setattr``, ``register_*``, a container edit, ``handle.remove()``,
 a direct ``module._parameters[k] = p``, another thread). ``build`` records the versions, and the type of every
-module (``module.__class__ = X`` writes no dict), in one PyTorch C++ guard tree, so a call pays one C++ check
-of about 10 leaf guards per module; until ``torch._dynamo`` is loaded (Inductor and ``torch.compile`` load it)
-a small tree is checked with a Python loop over the same versions instead, to spare a plain jitted call the
-import.
+module (``module.__class__ = X`` writes no dict). A call compares them with a Python loop; once the tree stayed
+unchanged for ``_STABLE_CALLS`` calls, with one PyTorch C++ guard tree (a version guard per dict, a type guard per
+module), whose build costs several snapshots and so is not paid by a tree that changes on every call. A small
+tree stays with the loop while ``torch._dynamo`` is not loaded (the guard trees need it; Inductor and
+``torch.compile`` load it), sparing a plain jitted call the import.
 
 Dictionaries fulmen itself writes on every call (``owned``: a module attribute a program assigns, a buffer it
 rebinds) cannot be checked by version. They are compared by content: the same keys, each value the same object,
