@@ -64,9 +64,7 @@ _CHANGES = {
 
 
 def _uses_guard_tree(jm) -> bool:
-    check = jm._fulmen_jitted.state.check
-    cells = dict(zip(check.__code__.co_freevars, check.__closure__ or ()))
-    return "fast" in cells and cells["fast"].cell_contents is not None
+    return getattr(jm._fulmen_jitted.state.check, "tree", None) is not None
 
 
 # a tree unchanged for this many calls is checked by PyTorch's C++ guard tree, before that by a Python loop
@@ -169,3 +167,32 @@ def test_changes_to_dicts_fulmen_writes_on_every_call_are_seen(change):
         torch.testing.assert_close(m.count, ref.count)
         if change == "attribute":
             assert fulmen.cache_misses(jm) == misses + 1
+
+
+def test_a_dict_that_keeps_changing_leaves_the_guard_tree_in_place():
+    """An attribute toggled between calls is checked by version in Python while the rest of the tree stays in the
+    C++ guard tree, which keeps seeing changes elsewhere."""
+    importlib.import_module("torch._dynamo.guards")
+    torch.manual_seed(0)
+    m = _Net().double()
+    jm, x = fulmen.jit(m, executors=["torch"]), torch.randn(3, 4, dtype=torch.float64)
+    with torch.no_grad():
+        for scale in (3.0, 2.0):  # both structures compiled
+            m.scale = scale
+            torch.testing.assert_close(jm(x), m(x))
+        period = tree_guard._STABLE_CALLS + 2  # long enough for the tree to be built between two toggles
+        trees = []
+        for k in range(4 * period):
+            if k % period == 0:
+                m.scale = 5.0 - m.scale
+            torch.testing.assert_close(jm(x), m(x))
+            trees.append(jm._fulmen_jitted.state.check.tree)
+        last_two_periods = trees[-2 * period :]
+        assert None not in last_two_periods and len({id(t) for t in last_two_periods}) == 1, "the tree is kept"
+        assert fulmen.cache_misses(jm) == 2
+        handle = m.body[0].register_forward_hook(_tanh_hook)
+        try:
+            torch.testing.assert_close(jm(x), m(x))
+        finally:
+            handle.remove()
+        assert fulmen.cache_misses(jm) == 3

@@ -168,7 +168,7 @@ class _ModuleWatch:
         self.state, self.check = self._state()
 
     def _state(self) -> tuple[tuple, Callable[[], bool]]:
-        snapshot, check = module_guard.watch(self.module)
+        snapshot, check = module_guard.watch(self.module, getattr(self, "check", None))
         tensors = [t for m in self.module.modules() for d in (m._parameters, m._buffers) for t in d.values()]
         return (snapshot, tuple(id(t) for t in tensors)), check
 

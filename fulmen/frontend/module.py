@@ -73,7 +73,7 @@ class _ModuleState:
 
     def revalidate(self) -> None:
         """The check failed: take the snapshot again; a different one re-keys and refreshes the slots."""
-        snapshot, check = module_guard.watch(self.root)
+        snapshot, check = module_guard.watch(self.root, self.check)
         if snapshot != self.snapshot:
             self.snapshot = snapshot
             version = self._versions.get(snapshot)
@@ -85,7 +85,7 @@ class _ModuleState:
         self.check = check
 
     def invalidate(self) -> None:
-        """The next call takes the snapshot again."""
+        """The next call takes the snapshot again (the check is built anew: what it kept may no longer hold)."""
         self.check = tree_guard.never
 
     def refresh(self) -> None:

@@ -165,12 +165,12 @@ def tree_modules(root: nn.Module) -> list[nn.Module]:
     return list(seen.values())
 
 
-def watch(root: nn.Module) -> tuple[tuple, Callable[[], bool]]:
+def watch(root: nn.Module, previous: Callable[[], bool] | None = None) -> tuple[tuple, Callable[[], bool]]:
     """``root``'s snapshot, and a check that is true on a later call while the tree is still the one the snapshot
-    describes (``fulmen.frontend.tree_guard``). The check records the tree as it is before the snapshot reads it:
-    a change made while the snapshot is taken fails it."""
+    describes (``fulmen.frontend.tree_guard``; ``previous``: the check it replaces). The check records the tree as
+    it is before the snapshot reads it: a change made while the snapshot is taken fails it."""
     modules = tree_modules(root)
-    check = tree_guard.build(modules)
+    check = tree_guard.build(modules, previous)
     taken = snapshot(root)
     if [id(m) for m in tree_modules(root)] != [id(m) for m in modules]:  # changed before the check recorded it
         check = tree_guard.never

@@ -21,7 +21,6 @@ after fulmen's, leaves the dict holding something no guard expects.
 
 from __future__ import annotations
 
-import functools
 import logging
 import operator
 import sys
@@ -132,79 +131,95 @@ def _module_dicts(mod: nn.Module) -> list[tuple[str, Any]]:
     return [("__dict__", attrs)] + [(name, attrs.get(name)) for name in MODULE_DICTS]
 
 
-def build(modules: Sequence[nn.Module]) -> Callable[[], bool]:
+def build(modules: Sequence[nn.Module], previous: Callable[[], bool] | None = None) -> Callable[[], bool]:
     """A function saying whether ``modules`` (a tree's, each once) and the global module hooks are as they are now:
     the same types, and every dictionary unchanged. Call it before reading the tree, so a change made meanwhile
-    fails it."""
+    fails it. ``previous``: the check it replaces, whose C++ guard tree it keeps where that still holds."""
     if _guards is None:
         return never
-    groups: list[tuple] = []  # (module, its version-checked dicts...)
+    dicts = [vars(_torch_module), *(getattr(_torch_module, name) for name in _GLOBAL_DICTS)]
     owned_dicts: list[dict] = []
     for mod in modules:
         owned = _owned.get(mod, ())
-        dicts = []
         for name, d in _module_dicts(mod):
             if not isinstance(d, dict):  # a ScriptModule's wrappers: no version to check
                 return never
             (owned_dicts if name in owned else dicts).append(d)
-        groups.append((mod, *dicts))
-    globals_group = (vars(_torch_module), *(getattr(_torch_module, name) for name in _GLOBAL_DICTS))
-    check = _compiled_check(globals_group, groups)
-    if not owned_dicts:
-        return check
-    expected = [_expect(d) for d in owned_dicts]
-
-    def check_with_owned() -> bool:
-        return check() and all(e.holds() for e in expected)
-
-    return check_with_owned
+    return TreeCheck(tuple(modules), tuple(dicts), owned_dicts, previous if isinstance(previous, TreeCheck) else None)
 
 
-def _compiled_check(globals_group: tuple, groups: list[tuple]) -> Callable[[], bool]:
-    """The check: a Python loop over the versions and types, replaced by the C++ guard tree once the tree stayed
-    unchanged for ``_STABLE_CALLS`` calls (building that tree costs several times a snapshot, so a tree that
-    changes on every call, or for a few calls after a change, is not worth it), where the tree is large or
-    ``torch._dynamo`` is loaded anyway."""
-    dicts = tuple(d for g in [globals_group, *(g[1:] for g in groups)] for d in g)
-    mods = tuple(g[0] for g in groups)
-    types = tuple(map(type, mods))
-    versions = tuple(map(_dict_version, dicts))
+class TreeCheck:
+    """The check ``build`` returns. The versions of ``dicts`` are compared in a Python loop until the tree stayed
+    unchanged for ``_STABLE_CALLS`` calls; then those that did not change at the last rebuild go into one C++ guard
+    tree (with the modules' types), the others stay in the loop. A rebuild keeps the previous C++ tree when none
+    of its dicts changed: a dict that changes often (a ``forward`` that ``generate`` routes, parameters FSDP2
+    swaps in) costs a version read per call, not a new tree per change. The tree is built only where the tree is
+    large or ``torch._dynamo`` is loaded anyway (its guard managers need it)."""
 
-    def python_check() -> bool:
-        return tuple(map(_dict_version, dicts)) == versions and tuple(map(type, mods)) == types
+    def __init__(self, modules: tuple, dicts: tuple, owned_dicts: list, previous: TreeCheck | None):
+        self.modules, self.dicts = modules, dicts
+        self.types = tuple(map(type, modules))
+        self.versions = tuple(map(_dict_version, dicts))
+        self.expected = [_expect(d) for d in owned_dicts]
+        self.passed = 0
+        self.promote = "torch._dynamo.guards" in sys.modules or len(dicts) > _PYTHON_CHECK_LIMIT
+        self.changed: frozenset[int] = frozenset()  # dicts written since the previous check was built
+        self.tree = self.tree_inputs = None
+        self.tree_indices: frozenset[int] = frozenset()
+        if previous is not None and previous.types == self.types and _same_objects(previous.dicts, dicts):
+            self.changed = frozenset(i for i, (a, b) in enumerate(zip(previous.versions, self.versions)) if a != b)
+            if previous.tree is not None and not (self.changed & previous.tree_indices):
+                self.tree, self.tree_inputs = previous.tree, previous.tree_inputs
+                self.tree_indices = previous.tree_indices
+        self._loosen()
 
-    if "torch._dynamo.guards" not in sys.modules and len(dicts) <= _PYTHON_CHECK_LIMIT:
-        return python_check
-    passed = 0
-    fast = None
+    def _loosen(self) -> None:
+        loose = [i for i in range(len(self.dicts)) if i not in self.tree_indices]
+        self.loose_dicts = tuple(self.dicts[i] for i in loose)
+        self.loose_versions = tuple(self.versions[i] for i in loose)
 
-    def staged_check() -> bool:
-        nonlocal passed, fast
-        if fast is not None:
-            return fast()
-        if not python_check():
-            return False
-        passed += 1
-        if passed == _STABLE_CALLS:
-            tree = functools.partial(_guard_tree(globals_group, groups).check, (globals_group, *groups))
-            if not python_check():  # changed while the tree was built: it may hold a later version
+    def __call__(self) -> bool:
+        if self.tree is not None:
+            if not self.tree.check(self.tree_inputs):
                 return False
-            fast = tree
+        elif tuple(map(type, self.modules)) != self.types:
+            return False
+        if tuple(map(_dict_version, self.loose_dicts)) != self.loose_versions:
+            return False
+        if self.expected and not all(e.holds() for e in self.expected):
+            return False
+        if self.tree is None and self.promote:
+            self.passed += 1
+            if self.passed == _STABLE_CALLS:
+                return self._build_tree()
         return True
 
-    return staged_check
+    def _build_tree(self) -> bool:
+        indices = frozenset(range(len(self.dicts))) - self.changed
+        values = [*self.modules, *(self.dicts[i] for i in sorted(indices))]
+        inputs = tuple(tuple(values[i : i + 32]) for i in range(0, len(values), 32))
+        tree = _guard_tree(inputs)
+        if tuple(map(_dict_version, self.dicts)) != self.versions or tuple(map(type, self.modules)) != self.types:
+            return False  # changed while the tree was built: it may hold a later version
+        self.tree, self.tree_inputs, self.tree_indices = tree, inputs, indices
+        self._loosen()
+        return True
 
 
-def _guard_tree(globals_group: tuple, groups: list[tuple]):
-    """A C++ ``RootGuardManager`` over ``(globals_group, *groups)``: a version guard on every dict, a type guard on
-    every module (a tuple per group, so no manager has many children to search when the tree is built)."""
+def _same_objects(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+def _guard_tree(inputs: tuple):
+    """A C++ ``RootGuardManager`` over ``inputs`` (tuples of at most 32 values, so that no manager has many
+    children to search while it is built): a version guard on every dict, a type guard on every module."""
     from torch._dynamo.guards import GuardManagerType  # loads torch._dynamo (its guard managers need it)
 
     kind = GuardManagerType.GUARD_MANAGER
     root = _guards.RootGuardManager()
-    for i, group in enumerate((globals_group, *groups)):
-        manager = root.tuple_getitem_manager(i, f"[{i}]", group, kind)
-        for j, value in enumerate(group):
+    for i, chunk in enumerate(inputs):
+        manager = root.tuple_getitem_manager(i, f"[{i}]", chunk, kind)
+        for j, value in enumerate(chunk):
             leaf = manager.tuple_getitem_manager(j, f"[{i}][{j}]", value, kind)
             if isinstance(value, dict):
                 leaf.add_dict_version_guard(value, ["a module dictionary changed"], None)
