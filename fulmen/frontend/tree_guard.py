@@ -175,8 +175,8 @@ class TreeCheck:
 
     def _loosen(self) -> None:
         loose = [i for i in range(len(self.dicts)) if i not in self.tree_indices]
-        self.loose_dicts = tuple(self.dicts[i] for i in loose)
-        self.loose_versions = tuple(self.versions[i] for i in loose)
+        # one attribute, so that a call in another thread never pairs the dicts of one with the versions of another
+        self.loose = (tuple(self.dicts[i] for i in loose), tuple(self.versions[i] for i in loose))
 
     def __call__(self) -> bool:
         if self.tree is not None:
@@ -184,7 +184,8 @@ class TreeCheck:
                 return False
         elif tuple(map(type, self.modules)) != self.types:
             return False
-        if tuple(map(_dict_version, self.loose_dicts)) != self.loose_versions:
+        loose_dicts, loose_versions = self.loose
+        if tuple(map(_dict_version, loose_dicts)) != loose_versions:
             return False
         if self.expected and not all(e.holds() for e in self.expected):
             return False
@@ -201,7 +202,8 @@ class TreeCheck:
         tree = _guard_tree(inputs)
         if tuple(map(_dict_version, self.dicts)) != self.versions or tuple(map(type, self.modules)) != self.types:
             return False  # changed while the tree was built: it may hold a later version
-        self.tree, self.tree_inputs, self.tree_indices = tree, inputs, indices
+        self.tree_inputs, self.tree_indices = inputs, indices
+        self.tree = tree  # last: a call in another thread that sees it finds its inputs
         self._loosen()
         return True
 
