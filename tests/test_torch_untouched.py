@@ -165,3 +165,35 @@ report["after"] = changed(before, snapshot())
     )
     assert report["inside"][owner], f"{owner} should be fulmen's inside the block (the test would prove nothing)"
     assert report["import"] == [] and report["after"] == []
+
+
+def test_a_live_jitted_module_leaves_torch_as_it_was():
+    """While a jitted module lives (and after its structure changed and it compiled again), torch's nn.Module,
+    containers, RemovableHandle and global hook registrations are torch's own: fulmen checks the module tree's
+    dictionaries instead of wrapping the methods that change them."""
+    report = _run(r"""
+import torch
+from torch import nn
+from torch.nn.modules import module as torch_module
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+x = torch.randn(5, 8)
+jm = fulmen.jit(model, executors=["torch"])
+with torch.no_grad():
+    torch.testing.assert_close(jm(x), model(x))
+    handle = model[0].register_forward_hook(lambda mod, args, out: out * 2)
+    torch.testing.assert_close(jm(x), model(x))
+    handle.remove()
+    glob = torch_module.register_module_forward_hook(lambda mod, args, out: out + 1)
+    torch.testing.assert_close(jm(x), model(x))
+    glob.remove()
+    model.insert(1, nn.Tanh())
+    model.eval()
+    torch.testing.assert_close(jm(x), model(x))
+report["misses"] = fulmen.cache_misses(jm)
+# RemovableHandle.next_id counts the handles torch made for the hooks above
+report["while the module lives"] = [k for k in changed(before, snapshot()) if k != "RemovableHandle.next_id"]
+""")
+    assert report.pop("misses") == 4  # the structures without the hooks are the first one again
+    assert report == {"import": [], "while the module lives": []}

@@ -19,7 +19,7 @@ found in torch, a library module or a library class ends the chain. The user fun
 and chains reach are followed in turn,
 with no depth limit (each code object once per ``self``). Plain attributes and submodules of the jitted module's
 tree, and of modules reached through a global, are left to their structure snapshot (``module_guard``), which
-sees their changes at one integer compare per call. What is compared:
+sees their changes with one C++ check of the tree's dictionaries per call. What is compared:
 
 - numbers, strings, ``None``, dtypes, devices, enums, and tuples, lists and dicts of those (up to 64 items):
   by type and value (so ``SIZES.append(3)`` is seen); flat tuples and lists of numbers and strings of up to
@@ -161,23 +161,24 @@ def _tensor_meta(t: torch.Tensor) -> tuple:
 class _ModuleWatch:
     """A module that the traced code reached through a global or closure: the program captured its parameters and
     buffers as they were, so a changed tree (a replaced parameter, a new submodule, ``eval()``) must recompile.
-    Checked in full only after ``module_guard``'s epoch moved, as for jitted modules."""
+    Compared in full only when the tree's check (``module_guard.watch``) fails, as for jitted modules."""
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
-        self.state = self._state()
-        self.epoch = module_guard.epoch
+        self.state, self.check = self._state()
 
-    def _state(self) -> tuple:
+    def _state(self) -> tuple[tuple, Callable[[], bool]]:
+        snapshot, check = module_guard.watch(self.module, getattr(self, "check", None))
         tensors = [t for m in self.module.modules() for d in (m._parameters, m._buffers) for t in d.values()]
-        return module_guard.snapshot(self.module), tuple(id(t) for t in tensors)
+        return (snapshot, tuple(id(t) for t in tensors)), check
 
     def __call__(self) -> bool:
-        if module_guard.epoch == self.epoch:
+        if self.check():
             return True
-        if self._state() != self.state:
+        state, check = self._state()
+        if state != self.state:
             return False
-        self.epoch = module_guard.epoch
+        self.check = check
         return True
 
 
@@ -526,7 +527,7 @@ class GlobalGuard:
 
 
 def _module_change(watch: _ModuleWatch) -> str:
-    snapshot = watch._state()[0]
+    snapshot = watch._state()[0][0]
     if snapshot != watch.state[0]:
         return module_guard.describe_change(watch.state[0], snapshot)
     return "a parameter or buffer was replaced by another tensor"

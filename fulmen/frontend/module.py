@@ -29,7 +29,7 @@ from fulmen.core.tracer import get_tracer
 from fulmen.executors import MetaMismatch
 from fulmen.executors.base import Executor
 from fulmen.executors.inductor_compile import call_leaving_a_core
-from fulmen.frontend import dtensor_program, fsdp2, module_guard
+from fulmen.frontend import dtensor_program, fsdp2, module_guard, tree_guard
 from fulmen.frontend.cache import aliases_written_input, args_key, global_state_key, state_key
 from fulmen.frontend.distributed_wrappers import refuse_traced_wrappers
 from fulmen.frontend.jit import JittedFunction
@@ -58,12 +58,12 @@ class _ModuleState:
 
     ``version`` names the module tree's structure (``module_guard.snapshot``): a small int, part of the cache
     key, the same for the same structure (toggling between two structures reuses both compilations). It is
-    checked again only when ``module_guard.epoch`` moved since ``epoch``.
+    looked at again only when ``check`` (``module_guard.watch``) says the tree may have changed.
     """
 
     def __init__(self, root: nn.Module):
         self.root = root
-        self.epoch = -1  # the first call takes the snapshot
+        self.check = tree_guard.never  # the first call takes the snapshot
         self.snapshot: tuple | None = None
         self.version = -1
         self.lazy = False  # a parameter or buffer is not initialized yet (a lazy module before its first call)
@@ -72,9 +72,8 @@ class _ModuleState:
         self.refresh()
 
     def revalidate(self) -> None:
-        """The epoch moved: take the snapshot again; a different one re-keys and refreshes the slots."""
-        epoch = module_guard.epoch  # read first: a change made while the tree is walked moves it again
-        snapshot = module_guard.snapshot(self.root)
+        """The check failed: take the snapshot again; a different one re-keys and refreshes the slots."""
+        snapshot, check = module_guard.watch(self.root, self.check)
         if snapshot != self.snapshot:
             self.snapshot = snapshot
             version = self._versions.get(snapshot)
@@ -83,7 +82,11 @@ class _ModuleState:
                 self.snapshots.append(snapshot)
             self.version = version
             self.refresh()
-        self.epoch = epoch
+        self.check = check
+
+    def invalidate(self) -> None:
+        """The next call takes the snapshot again (the check is built anew: what it kept may no longer hold)."""
+        self.check = tree_guard.never
 
     def refresh(self) -> None:
         slots, unique, first_slot, names = [], [], {}, []
@@ -154,16 +157,19 @@ class _ModuleState:
         out, values = result
         for (i, tied), t in zip(rebinds, values):
             mod, dict_name, key, _ = self.slots[i]
-            getattr(mod, dict_name)[key] = t
+            tree_guard.write_owned(getattr(mod, dict_name), key, t)
             if tied:  # the slot no longer shares its tensor with the other slots it shared it with
-                self.epoch = -1
+                self.invalidate()
         return out
 
-    def keep_version(self) -> None:
-        """A program's tracing marked attributes as program outputs (``module_writes``), which snapshots leave out:
-        the snapshot without them names the same structure, so it keeps the version."""
+    def keep_version(self, written: frozenset) -> None:
+        """After a trace: where the tree differs from the snapshot the program was keyed on only in attributes the
+        traced code wrote itself (``written``: program outputs, which snapshots leave out; a lazy GraphModule's
+        generated code; a value left as set, with a warning), the new snapshot names the same structure, so it
+        keeps the version. A change made meanwhile by another thread does not."""
         snapshot = module_guard.snapshot(self.root)
-        if snapshot != self.snapshot and self.snapshot is not None:
+        if snapshot != self.snapshot and self.snapshot is not None and module_guard.differs_only_in(
+                self.snapshot, snapshot, written):
             self._versions[snapshot] = self.version
             self.snapshot = snapshot
 
@@ -187,7 +193,7 @@ class _ModuleProgram(JittedFunction):
     def __call__(self, *args, **kwargs):
         state = self.state
         seq = _Swaps.seq
-        if _Swaps.active or state.epoch != module_guard.epoch:
+        if _Swaps.active or not state.check():
             tensors = self._tensors_serialized()
             if _Swaps.active and tensors is not None and has_proxy(tensors):  # inside a trace that swapped them in
                 return self._run_module(*args, **kwargs)
@@ -233,7 +239,7 @@ class _ModuleProgram(JittedFunction):
         changed; None for a lazy module's first call."""
         state = self.state
         with _Swaps.lock:
-            if state.epoch != module_guard.epoch:  # something changed some watched module: is this tree different?
+            if not state.check():  # something in the tree may have changed: is it different?
                 with self._lock:
                     state.revalidate()
                 if state.lazy:
@@ -248,7 +254,7 @@ class _ModuleProgram(JittedFunction):
         try:
             return self._run_module(*args, **kwargs)
         finally:
-            self.state.epoch = -1  # initializing replaced parameters and changed classes: take a new snapshot
+            self.state.invalidate()  # initializing replaced parameters and changed classes: take a new snapshot
 
     def _n_state(self) -> int:
         return len(self.state.unique_slots)
@@ -319,12 +325,15 @@ class _ModuleProgram(JittedFunction):
     def _build_entry(self, key, args, kwargs, symbolic):
         entry = super()._build_entry(key, args, kwargs, symbolic)  # assigns the module attributes on every call
         rebinds = self._traced_rebinds
+        state = self.state
         if rebinds:  # the program returns (result, new buffer values): every call assigns them, as eager did
-            state = self.state
+            for i, _ in rebinds:
+                tree_guard.mark_owned(state.slots[i][0], "_buffers")
             entry.plan.rebind = lambda out: state.rebind(rebinds, out)
             self._set_program(entry, entry.program)
-        if entry.spec.attributes:
-            self.state.keep_version()
+        if entry.spec.written:
+            state.keep_version(entry.spec.written)
+        state.invalidate()  # tracing swapped the tensors in and out, and may have made dicts fulmen's to write
         return entry
 
 

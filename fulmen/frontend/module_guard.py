@@ -1,20 +1,15 @@
-"""Seeing changes to a jitted module's structure at the cost of one integer compare per call.
+"""What a jitted module's compiled program depends on beyond its tensors, and how a call sees that it changed.
 
 A compiled module program depends on more than its parameters' shapes: which submodules there are, plain
 attributes its ``forward`` reads (``self.scale = 3.0``), hooks, tensors held as plain attributes. Walking the
-module tree to check them costs ~2 µs per module per call (135 µs for a 56-module GPT), far above the
-per-call budget. Instead, the methods through which such changes are made (``nn.Module.__setattr__``,
-``__delattr__``, ``register_parameter``, ``register_buffer``, ``add_module``, the hook registrations,
-``RemovableHandle.remove``, the containers' in-place edits) are wrapped to bump a process-wide ``epoch`` after
-a change to a module some jitted program watches. A call compares the epoch it last saw with the current one;
-only when it moved does it take a :func:`snapshot` of the tree again and, when that differs, re-key
-(``fulmen.frontend.module``).
-
-The wrappers are in place only while they are needed: from the first snapshot of a module (which watches it)
-until the last watched module is collected, and while some thread's trace records module writes
-(``recording_writes``). ``import fulmen`` changes nothing in torch, and a process whose jitted modules are gone
-has torch's methods back. No public PyTorch API reports a plain attribute write (``self.scale = 3.0``,
-``eval()``), and checking every module's dictionaries on each call costs time in proportion to the tree.
+module tree to compare them costs about 2 us per module, too much for every call. So a call first runs the check
+``watch`` returned with the last snapshot (``fulmen.frontend.tree_guard``: the versions of every dictionary of
+the tree and of the global module hooks, and every module's class; one C++ guard check once the tree stayed
+unchanged for a few calls); only when that fails does
+it take a :func:`snapshot` of the tree again and, when the snapshot differs, re-key (``fulmen.frontend.module``).
+Nothing in torch is patched for it: ``import fulmen`` and a live jitted module leave torch's objects as they are.
+(While fulmen traces, ``nn.Module.__setattr__``/``__delattr__`` are wrapped to record module writes:
+``fulmen.frontend.module_writes``.)
 
 What a snapshot holds, for every module in the tree: its identity and class, the keys of its parameters and
 buffers (which slots hold the same tensor, not the tensors themselves: a replaced parameter of the same
@@ -22,199 +17,26 @@ shape reuses the program), its plain attributes of simple types (bool, int, floa
 ``torch.dtype``/``torch.device``, classes, tuples of these; tensors, functions and modules by identity),
 ``training``, and the ids of its forward and backward hooks; plus the global module hooks. Attributes that
 compiled programs assign on every call are outputs, not structure (``mark_program_output``). Not seen: a
-list, dict or other object changed in place (``self.sizes.append(3)``, ``self.config.dropout = 0.2``),
-globals a ``forward`` reads, and writes straight into ``module._parameters`` / ``_buffers`` / ``_modules``
-that bypass the methods above (a new tensor there is still read, as it is read on every call).
-
-While fulmen traces, the ``__setattr__``/``__delattr__`` wrappers also report each write to ``write_recorders``
-(``fulmen.frontend.module_writes``, through ``recording_writes``).
+list, dict or other object changed in place (``self.sizes.append(3)``, ``self.config.dropout = 0.2``), and
+globals a ``forward`` reads (``fulmen.frontend.global_guard`` guards those).
 """
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import functools
-import threading
 import types
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.modules import module as _torch_module
-from torch.utils.hooks import RemovableHandle
 
-#: Bumped after every change that can matter to a watched module (and after any hook removal).
-epoch = 0
-# ids of the modules some jitted program's last snapshot saw; a change to another module is not a change of
-# any watched tree, except through a watched module (attaching it), which bumps
-# (weakly: an id leaves the set when its module dies, so a new object at that address is not taken for it)
-_watched: dict[int, weakref.ref] = {}
-_installed = False
-_lock = threading.RLock()
-#: While fulmen traces, by tracing thread's id: called with (module, name) before every attribute write or delete
-#: that thread makes on any module (``fulmen.frontend.module_writes``). Empty when no thread traces.
-write_recorders: dict[int, Any] = {}
-#: Thread id -> how many fulmen traces that thread is inside (``fulmen.frontend.tracing`` sets torch.compiler's
-#: is_compiling flag for them).
-tracing_threads: dict[int, int] = {}
+from fulmen.frontend import tree_guard
 
-
-def _bump() -> None:
-    global epoch
-    epoch += 1
-
-
-def _traced_elsewhere() -> bool:
-    """Whether torch.compiler's is_compiling flag, which is one for the process, may be on only because fulmen
-    traces in another thread: this thread is not tracing, and must record its changes."""
-    return bool(tracing_threads) and threading.get_ident() not in tracing_threads
-
-
-def _on_module(method):
-    """``method`` (of ``nn.Module`` or a container), bumping the epoch after it changed a watched module."""
-
-    @functools.wraps(method)
-    def changing(self, *args, **kwargs):
-        result = method(self, *args, **kwargs)
-        if (not torch.compiler.is_compiling() or _traced_elsewhere()) and id(self) in _watched:
-            _bump()
-        return result
-
-    changing.__fulmen_wrapped__ = method
-    return changing
-
-
-def _on_setattr(method):
-    # A code object of its own: Dynamo refuses to inline nn.Module methods whose code it does not know, except
-    # __setattr__ and __delattr__, which it recognizes by identity -- and it compares code objects. Under Dynamo
-    # the bump is skipped (is_compiling() is a constant there), so it inlines just the original. While fulmen
-    # traces (which sets the same flag), only the tracing thread skips it.
-    @functools.wraps(method)
-    def __setattr__(self, name, value):
-        if write_recorders:
-            recorder = write_recorders.get(threading.get_ident())
-            if recorder is not None:
-                recorder(self, name)
-        method(self, name, value)
-        if (not torch.compiler.is_compiling() or _traced_elsewhere()) and id(self) in _watched:
-            _bump()
-
-    __setattr__.__fulmen_wrapped__ = method
-    return __setattr__
-
-
-def _on_delattr(method):
-    @functools.wraps(method)
-    def __delattr__(self, name):
-        if write_recorders:
-            recorder = write_recorders.get(threading.get_ident())
-            if recorder is not None:
-                recorder(self, name)
-        method(self, name)
-        if (not torch.compiler.is_compiling() or _traced_elsewhere()) and id(self) in _watched:
-            _bump()
-
-    __delattr__.__fulmen_wrapped__ = method
-    return __delattr__
-
-
-def _always(fn):
-    """``fn`` (a global hook registration, a handle's ``remove``), bumping the epoch after it ran."""
-
-    @functools.wraps(fn)
-    def changing(*args, **kwargs):
-        result = fn(*args, **kwargs)
-        _bump()
-        return result
-
-    changing.__fulmen_wrapped__ = fn
-    return changing
-
-
-_MODULE_METHODS = (
-    (nn.Module, ("__setattr__", "__delattr__", "register_parameter", "register_buffer", "add_module",
-                 "register_module", "register_forward_hook", "register_forward_pre_hook",
-                 "register_full_backward_hook", "register_full_backward_pre_hook", "register_backward_hook")),
-    # edits that write the containers' _modules dictionary directly
-    (nn.Sequential, ("insert",)),
-    (nn.ModuleList, ("insert",)),
-    (nn.ModuleDict, ("__delitem__", "clear")),
-)
-_GLOBAL_HOOK_REGISTRATIONS = ("register_module_forward_pre_hook", "register_module_forward_hook",
-                              "register_module_backward_hook", "register_module_full_backward_pre_hook",
-                              "register_module_full_backward_hook")
-
-
-def _install() -> None:
-    """Wrap the methods that change a module's structure (idempotent)."""
-    global _installed
-    if _installed:
-        return
-    _installed = True
-    for owner, name, wrap in _targets():
-        original = owner.__dict__.get(name)
-        if original is not None and not hasattr(original, "__fulmen_wrapped__"):
-            setattr(owner, name, wrap(original))
-
-
-def _uninstall() -> None:
-    """Put torch's methods back where the wrappers are still the ones in place (one wrapped again by someone
-    else stays, and keeps working: it calls the original)."""
-    global _installed
-    if not _installed:
-        return
-    _installed = False
-    for owner, name, _ in _targets():
-        current = owner.__dict__.get(name)
-        original = getattr(current, "__fulmen_wrapped__", None)
-        if original is not None:
-            setattr(owner, name, original)
-
-
-def _targets():
-    for cls, names in _MODULE_METHODS:
-        for name in names:
-            yield cls, name, {"__setattr__": _on_setattr, "__delattr__": _on_delattr}.get(name, _on_module)
-    for name in _GLOBAL_HOOK_REGISTRATIONS:
-        yield _torch_module, name, _always
-    yield RemovableHandle, "remove", _always
-
-
-def _release_if_unused() -> None:
-    if not _watched and not _recording:
-        _uninstall()
-
-
-#: How many fulmen traces record module writes right now (``recording_writes``).
-_recording = 0
-
-
-@contextlib.contextmanager
-def recording_writes(recorder) -> Any:
-    """Report this thread's writes to module attributes to ``recorder`` for the block (the ``__setattr__`` and
-    ``__delattr__`` wrappers are in place while any thread is inside such a block)."""
-    global _recording
-    thread = threading.get_ident()
-    with _lock:
-        _recording += 1
-        _install()
-    saved = write_recorders.get(thread)
-    write_recorders[thread] = recorder
-    try:
-        yield
-    finally:
-        if saved is None:
-            del write_recorders[thread]
-        else:
-            write_recorders[thread] = saved
-        with _lock:
-            _recording -= 1
-            _release_if_unused()
-
-
-# ---- snapshots (taken only when the epoch moved) ----
+# ---- snapshots (taken only when the check failed) ----
 
 _serials: dict[int, tuple[weakref.ref, int]] = {}
 _next_serial = 0
@@ -309,6 +131,7 @@ def mark_program_output(mod: nn.Module, name: str, read: bool) -> None:
     last = outputs.get(name, _MISSING)
     if last is _MISSING or (read and last is _UNREAD):
         outputs[name] = _UNASSIGNED if read else _UNREAD
+    tree_guard.mark_owned(mod, "__dict__")
 
 
 def program_outputs(mod: nn.Module) -> dict:
@@ -318,47 +141,69 @@ def program_outputs(mod: nn.Module) -> dict:
 
 def assign_program_output(mod: nn.Module, outputs: dict, name: str, value: Any) -> None:
     """Set ``mod.name`` to what a compiled program returned for it (straight into ``__dict__``: no structure
-    change); where code may read it and it held something else before (None, nothing, the user's tensor), the
-    module's snapshot changes, so the epoch moves and the next call looks."""
+    change). Where code may read it and it held something else before (None, nothing, the user's tensor), the
+    module's snapshot changes: the write is left for the next call's check to see, and it looks."""
     attrs = mod.__dict__
     last = outputs.get(name, _UNREAD)
+    seen = last is _UNREAD or attrs.get(name, _MISSING) is last
     if last is not _UNREAD:
-        if attrs.get(name, _MISSING) is not last and id(mod) in _watched:
-            _bump()
         outputs[name] = value
-    attrs[name] = value
+    if seen:
+        tree_guard.write_owned(attrs, name, value)
+    else:
+        attrs[name] = value
 
 
-def _watch(mod: nn.Module) -> None:
-    key = id(mod)
-    if key not in _watched:
-        with _lock:
-            _watched[key] = weakref.ref(mod, lambda _, key=key: _unwatch(key))
-            _install()
+def tree_modules(root: nn.Module) -> list[nn.Module]:
+    """The modules of ``root``'s tree, each once, with the original inside each fulmen.jit wrapper in it."""
+    seen: dict[int, nn.Module] = {}
+    for mod in root.modules():
+        seen[id(mod)] = mod
+        inner = mod.__dict__.get("_fulmen_module")
+        if isinstance(inner, nn.Module):
+            seen.setdefault(id(inner), inner)
+    return list(seen.values())
 
 
-def _unwatch(key: int) -> None:
-    """A watched module died (a weakref callback; the lock is reentrant, for a collection that starts while this
-    thread holds it: every holder makes ``_watched`` or ``_recording`` non-empty before it installs)."""
-    with _lock:
-        _watched.pop(key, None)
-        _release_if_unused()
+def watch(root: nn.Module, previous: Callable[[], bool] | None = None) -> tuple[tuple, Callable[[], bool]]:
+    """``root``'s snapshot, and a check that is true on a later call while the tree is still the one the snapshot
+    describes (``fulmen.frontend.tree_guard``; ``previous``: the check it replaces). The check records the tree as
+    it is before the snapshot reads it: a change made while the snapshot is taken fails it."""
+    modules = tree_modules(root)
+    check = tree_guard.build(modules, previous)
+    taken = snapshot(root)
+    if [id(m) for m in tree_modules(root)] != [id(m) for m in modules]:  # changed before the check recorded it
+        check = tree_guard.never
+    return taken, check
 
 
 def snapshot(root: nn.Module) -> tuple:
-    """Everything about ``root``'s tree a compiled program may depend on, beyond the tensors' own metadata;
-    marks the tree's modules watched."""
+    """Everything about ``root``'s tree a compiled program may depend on, beyond the tensors' own metadata."""
     tensor_index: dict[int, int] = {}
     entries = []
     for name, mod in root.named_modules(remove_duplicate=False):
-        _watch(mod)
         entries.append(_module_entry(name, mod, tensor_index))
         inner = mod.__dict__.get("_fulmen_module")  # a fulmen.jit wrapper inside: its original's hooks count
         if isinstance(inner, nn.Module):
-            _watch(inner)
             entries.append(_module_entry(name + ".<original>", inner, tensor_index))
     global_hooks = tuple(tuple(getattr(_torch_module, f"_global_{h[1:]}", ())) for h in _HOOK_DICTS)
     return (tuple(entries), global_hooks)
+
+
+def differs_only_in(old: tuple, new: tuple, written: frozenset) -> bool:
+    """Whether two snapshots of a tree differ only in plain attributes listed in ``written`` (pairs of a module's
+    ``identity`` and an attribute name)."""
+    if old[1] != new[1] or len(old[0]) != len(new[0]):
+        return False
+    for before, after in zip(old[0], new[0]):
+        if before[:4] != after[:4] or before[5] != after[5]:
+            return False
+        if before[4] != after[4]:
+            old_attrs, new_attrs = dict(before[4]), dict(after[4])
+            for key in old_attrs.keys() | new_attrs.keys():
+                if old_attrs.get(key) != new_attrs.get(key) and (after[1], key) not in written:
+                    return False
+    return True
 
 
 def describe_change(old: tuple | None, new: tuple) -> str:

@@ -1,10 +1,11 @@
 """What traced code writes to ``nn.Module`` attributes, and what the compiled program does about it.
 
 Any module can be written to while fulmen traces: the jitted module's own submodules, and modules a plain jitted
-function reaches (a global model, a module passed as an argument). ``nn.Module.__setattr__`` and ``__delattr__``
-(wrapped by ``module_guard``) report each write to the ``ModuleWrites`` recorder of the tracing thread, which keeps
-the first value each (module, name) held. After the traced function returned, ``settle`` puts every module back as
-it was and decides, name by name:
+function reaches (a global model, a module passed as an argument). While some thread traces (``recording_writes``),
+``nn.Module.__setattr__`` and ``__delattr__`` are wrapped to report each write to the ``ModuleWrites`` recorder of
+the tracing thread, which keeps the first value each (module, name) held; the wrappers call torch's methods
+unchanged for every other thread, and torch's own methods are back once the last trace ended. After the traced
+function returned, ``settle`` puts every module back as it was and decides, name by name:
 
 - a traced tensor assigned to a plain attribute (``self.attn_map = weights``) is a program output: the program
   returns it and every call assigns it (``assigner``), as eager does. The snapshot of the module's structure
@@ -22,6 +23,7 @@ When tracing fails, every write is undone: the user's modules are left as they w
 
 from __future__ import annotations
 
+import contextlib
 import dis
 import functools
 import logging
@@ -36,12 +38,87 @@ import torch
 from torch import nn
 
 from fulmen.core.proxies import Proxy, TensorProxy, has_proxy
+from fulmen.core.shared_patch import SharedPatch
 from fulmen.frontend import module_guard
 from fulmen.frontend.global_guard import string_constants
 
 log = logging.getLogger("fulmen")
 _MISSING = object()
 _DICTS = ("_parameters", "_buffers", "_modules")
+
+
+# ---- recording the writes of the tracing threads ----
+
+#: While fulmen traces, by tracing thread's id: called with (module, name) before every attribute write or delete
+#: that thread makes on any module. Empty when no thread traces.
+write_recorders: dict[int, Any] = {}
+
+
+def _on_setattr(method):
+    # A code object of its own named __setattr__: Dynamo inlines nn.Module's __setattr__ and __delattr__, which it
+    # recognizes by identity and by their code, and refuses other nn.Module methods whose code it does not know.
+    @functools.wraps(method)
+    def __setattr__(self, name, value):
+        if write_recorders:
+            recorder = write_recorders.get(threading.get_ident())
+            if recorder is not None:
+                recorder(self, name)
+        method(self, name, value)
+
+    __setattr__.__fulmen_wrapped__ = method
+    return __setattr__
+
+
+def _on_delattr(method):
+    @functools.wraps(method)
+    def __delattr__(self, name):
+        if write_recorders:
+            recorder = write_recorders.get(threading.get_ident())
+            if recorder is not None:
+                recorder(self, name)
+        method(self, name)
+
+    __delattr__.__fulmen_wrapped__ = method
+    return __delattr__
+
+
+_WRAPPERS = (("__setattr__", _on_setattr), ("__delattr__", _on_delattr))
+
+
+def _install() -> None:
+    for name, wrap in _WRAPPERS:
+        original = nn.Module.__dict__[name]
+        if not hasattr(original, "__fulmen_wrapped__"):
+            setattr(nn.Module, name, wrap(original))
+
+
+def _uninstall() -> None:
+    """Put torch's methods back where the wrappers are still the ones in place (one wrapped again by someone else
+    stays, and keeps working: it calls the original)."""
+    for name, _ in _WRAPPERS:
+        original = getattr(nn.Module.__dict__[name], "__fulmen_wrapped__", None)
+        if original is not None:
+            setattr(nn.Module, name, original)
+
+
+_WRAPPED = SharedPatch(_install, _uninstall)
+
+
+@contextlib.contextmanager
+def recording_writes(recorder) -> Any:
+    """Report this thread's writes to module attributes to ``recorder`` for the block (the ``__setattr__`` and
+    ``__delattr__`` wrappers are in place while any thread is inside such a block)."""
+    thread = threading.get_ident()
+    with _WRAPPED:
+        saved = write_recorders.get(thread)
+        write_recorders[thread] = recorder
+        try:
+            yield
+        finally:
+            if saved is None:
+                del write_recorders[thread]
+            else:
+                write_recorders[thread] = saved
 
 
 def _locate(mod: nn.Module, name: str) -> tuple[str, Any]:
@@ -91,13 +168,15 @@ class ModuleWrites:
         self._thread = threading.get_ident()
         self._before: dict[tuple[int, str], tuple[nn.Module, str, str, Any, str]] = {}
         self._new: dict[int, nn.Module] = {}  # held until the trace ends, so their ids are not reused
+        self._derived: dict[tuple[int, str], nn.Module] = {}  # written by _DERIVED_STATE_WRITERS
         self._scope = None
 
     def __call__(self, mod: nn.Module, name: str) -> None:
         if threading.get_ident() != self._thread or (id(mod), name) in self._before or id(mod) in self._new:
             return
-        writer = sys._getframe(2)  # 1: nn.Module.__setattr__ (module_guard's wrapper)
+        writer = sys._getframe(2)  # 1: nn.Module.__setattr__ (the wrapper above)
         if writer.f_code in _DERIVED_STATE_WRITERS:
+            self._derived[(id(mod), name)] = mod
             return
         if _initializing(writer, mod):
             self._new[id(mod)] = mod
@@ -105,7 +184,7 @@ class ModuleWrites:
         self._before[(id(mod), name)] = (mod, name, *_locate(mod, name), writer.f_code.co_qualname)
 
     def __enter__(self) -> ModuleWrites:
-        self._scope = module_guard.recording_writes(self)
+        self._scope = recording_writes(self)
         self._scope.__enter__()
         return self
 
@@ -113,6 +192,13 @@ class ModuleWrites:
         self._scope.__exit__(None, None, None)
         if exc_type is not None:  # the call failed: leave every module as it was before it
             self.undo()
+
+    def written(self) -> frozenset[tuple[Any, str]]:
+        """(``module_guard.identity`` of the module, name) of every module attribute the trace wrote: the program's
+        own doing, which a snapshot taken after the trace may differ from the one before it in."""
+        writes = [(mod, name) for mod, name, *_ in self._before.values()]
+        writes += [(mod, name) for (_, name), mod in self._derived.items()]
+        return frozenset((module_guard.identity(mod), name) for mod, name in writes)
 
     def undo(self) -> None:
         for mod, name, where, old, _ in self._before.values():

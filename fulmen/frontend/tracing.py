@@ -25,7 +25,7 @@ from fulmen.core.symbol import Symbol
 from fulmen.core.trace import Trace, get_tracectx
 from fulmen.core.tracer import Tracer, record, resolve_latest, tracing
 from fulmen.core.unbacked import GuardOnDataDependentSymNode, data_dependent_guard
-from fulmen.frontend import checkpointing, module_guard
+from fulmen.frontend import checkpointing
 from fulmen.frontend.cache import is_holder
 from fulmen.frontend.global_guard import GlobalGuard, ReadRecorder, build_guard
 from fulmen.frontend.higher_order import routing_higher_order_ops
@@ -53,6 +53,8 @@ class InputSpec:
     attributes: tuple[tuple[torch.nn.Module, str], ...] = ()
     # objects the program updates or returns (fulmen.frontend.objects): it returns (result, their tensors)
     objects: ObjectResults | None = None
+    # (module identity, name) of the module attributes the traced code wrote (fulmen.frontend.module_writes)
+    written: frozenset = frozenset()
     # the tensor values the traced Python read, in order, and where (fulmen.frontend.split_points): the branch
     values: tuple = ()
     value_lines: tuple[str, ...] = ()
@@ -282,22 +284,16 @@ def _compiling():
     if not hasattr(torch.compiler, "_is_compiling_flag"):  # a private flag; torch releases without it trace as-is
         yield
         return
-    thread, threads = threading.get_ident(), module_guard.tracing_threads
     with _flag_lock:
         if _flag_users == 0:
             _flag_saved = torch.compiler._is_compiling_flag
         _flag_users += 1
-        threads[thread] = threads.get(thread, 0) + 1
         torch.compiler._is_compiling_flag = True
     try:
         yield
     finally:
         with _flag_lock:
             _flag_users -= 1
-            if threads[thread] == 1:
-                del threads[thread]
-            else:
-                threads[thread] -= 1
             if _flag_users == 0:
                 torch.compiler._is_compiling_flag = _flag_saved
 
@@ -486,6 +482,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
             attributes = writes.settle(frozenset(map(id, own)), tracer.captured.by_id,
                                        recorder.codes if recorder is not None else (), real_state)
             check_no_proxies_left(own)
+            spec.written = writes.written()
             if attributes:  # the program also returns them; every call assigns them (module_writes.assigning)
                 spec.attributes = tuple((mod, name) for mod, name, _ in attributes)
                 result = (result, [value for *_, value in attributes])

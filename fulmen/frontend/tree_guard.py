@@ -1,0 +1,230 @@
+"""Whether a module tree is still as it was when a program was keyed on it, checked on every call without
+patching torch.
+
+Every structural change to a module goes through one of its dictionaries: ``__dict__`` (plain attributes,
+``training``), ``_parameters``, ``_buffers``, ``_modules`` and the four hook dictionaries; the global module hooks
+live in dictionaries of ``torch.nn.modules.module``. CPython gives each dict a version tag that changes on every
+write (PEP 509; what Dynamo's ``DICT_VERSION`` guard reads), so a tree whose dictionaries all kept their versions
+has not changed, whoever wrote and however (``setattr``, ``register_*``, a container edit, ``handle.remove()``,
+a direct ``module._parameters[k] = p``, another thread). ``build`` records the versions, and the type of every
+module (``module.__class__ = X`` writes no dict). A call compares them with a Python loop; once the tree stayed
+unchanged for ``_STABLE_CALLS`` calls, with one PyTorch C++ guard tree (a version guard per dict, a type guard per
+module), whose build costs several snapshots and so is not paid by a tree that changes on every call. A small
+tree stays with the loop while ``torch._dynamo`` is not loaded (the guard trees need it; Inductor and
+``torch.compile`` load it), sparing a plain jitted call the import.
+
+Dictionaries fulmen itself writes on every call (``owned``: a module attribute a program assigns, a buffer it
+rebinds) cannot be checked by version. They are compared by content: the same keys, each value the same object,
+where fulmen's own writes (``write_owned``) update what every guard expects. A write by anyone else, before or
+after fulmen's, leaves the dict holding something no guard expects.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import nn
+from torch.nn.modules import module as _torch_module
+
+try:
+    from torch._C._dynamo import guards as _guards
+
+    _dict_version = _guards.dict_version
+except (ImportError, AttributeError):  # a torch without Dynamo's guards: every call walks the tree
+    _guards = _dict_version = None
+
+log = logging.getLogger("fulmen")
+
+#: The dictionaries of a module through which its structure changes.
+MODULE_DICTS = (
+    "_parameters",
+    "_buffers",
+    "_modules",
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
+_GLOBAL_DICTS = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+)
+#: Trees with at most this many dictionaries are checked in Python while ``torch._dynamo`` is not loaded.
+_PYTHON_CHECK_LIMIT = 64
+#: Calls a tree must stay unchanged for before its C++ guard tree is built.
+_STABLE_CALLS = 16
+
+
+def never() -> bool:
+    """The check of a tree that must be looked at again."""
+    return False
+
+
+# ---- dictionaries fulmen writes on every call ----
+
+_owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> names of its dicts fulmen writes
+_expectations: dict[int, list[weakref.ref]] = {}  # id(dict) -> the _Expected of live guards over it
+_lock = threading.Lock()
+
+
+def mark_owned(mod: nn.Module, dict_name: str) -> None:
+    """Compiled programs write ``mod``'s ``dict_name`` (``"__dict__"`` or ``"_buffers"``) on every call."""
+    with _lock:
+        _owned.setdefault(mod, set()).add(dict_name)
+
+
+class _Expected:
+    """What a guard expects an owned dictionary to hold: its keys in order and each value by identity."""
+
+    __slots__ = ("d", "keys", "values", "index", "__weakref__")
+
+    def __init__(self, d: dict):
+        items = tuple(d.items())  # one read under the GIL
+        self.d = d
+        self.keys = tuple(k for k, _ in items)
+        self.values = [v for _, v in items]
+        self.index = {k: i for i, k in enumerate(self.keys)}
+
+    def holds(self) -> bool:
+        d = self.d
+        return tuple(d) == self.keys and all(map(operator.is_, d.values(), self.values))
+
+
+def _expect(d: dict) -> _Expected:
+    expected = _Expected(d)
+    with _lock:
+        refs = [r for r in _expectations.get(id(d), ()) if r() is not None]
+        refs.append(weakref.ref(expected))
+        _expectations[id(d)] = refs
+    return expected
+
+
+def write_owned(d: dict, key: str, value: Any) -> None:
+    """``d[key] = value`` by fulmen on a call, told to the guards that compare ``d`` by content. Stored first: a
+    write by another thread after it makes ``d`` differ from what they expect, and one before it is overwritten,
+    as the eager call would overwrite it."""
+    d[key] = value
+    refs = _expectations.get(id(d))
+    if refs:
+        with _lock:
+            for ref in refs:
+                expected = ref()
+                if expected is not None and expected.d is d:
+                    i = expected.index.get(key)
+                    if i is not None:
+                        expected.values[i] = value
+
+
+# ---- the check ----
+
+
+def _module_dicts(mod: nn.Module) -> list[tuple[str, Any]]:
+    attrs = mod.__dict__
+    return [("__dict__", attrs)] + [(name, attrs.get(name)) for name in MODULE_DICTS]
+
+
+def build(modules: Sequence[nn.Module], previous: Callable[[], bool] | None = None) -> Callable[[], bool]:
+    """A function saying whether ``modules`` (a tree's, each once) and the global module hooks are as they are now:
+    the same types, and every dictionary unchanged. Call it before reading the tree, so a change made meanwhile
+    fails it. ``previous``: the check it replaces, whose C++ guard tree it keeps where that still holds."""
+    if _guards is None:
+        return never
+    dicts = [vars(_torch_module), *(getattr(_torch_module, name) for name in _GLOBAL_DICTS)]
+    owned_dicts: list[dict] = []
+    for mod in modules:
+        owned = _owned.get(mod, ())
+        for name, d in _module_dicts(mod):
+            if not isinstance(d, dict):  # a ScriptModule's wrappers: no version to check
+                return never
+            (owned_dicts if name in owned else dicts).append(d)
+    return TreeCheck(tuple(modules), tuple(dicts), owned_dicts, previous if isinstance(previous, TreeCheck) else None)
+
+
+class TreeCheck:
+    """The check ``build`` returns. The versions of ``dicts`` are compared in a Python loop until the tree stayed
+    unchanged for ``_STABLE_CALLS`` calls; then those that did not change at the last rebuild go into one C++ guard
+    tree (with the modules' types), the others stay in the loop. A rebuild keeps the previous C++ tree when none
+    of its dicts changed: a dict that changes often (a ``forward`` that ``generate`` routes, parameters FSDP2
+    swaps in) costs a version read per call, not a new tree per change. The tree is built only where the tree is
+    large or ``torch._dynamo`` is loaded anyway (its guard managers need it)."""
+
+    def __init__(self, modules: tuple, dicts: tuple, owned_dicts: list, previous: TreeCheck | None):
+        self.modules, self.dicts = modules, dicts
+        self.types = tuple(map(type, modules))
+        self.versions = tuple(map(_dict_version, dicts))
+        self.expected = [_expect(d) for d in owned_dicts]
+        self.passed = 0
+        self.promote = "torch._dynamo.guards" in sys.modules or len(dicts) > _PYTHON_CHECK_LIMIT
+        self.changed: frozenset[int] = frozenset()  # dicts written since the previous check was built
+        self.tree = self.tree_inputs = None
+        self.tree_indices: frozenset[int] = frozenset()
+        if previous is not None and previous.types == self.types and _same_objects(previous.dicts, dicts):
+            self.changed = frozenset(i for i, (a, b) in enumerate(zip(previous.versions, self.versions)) if a != b)
+            if previous.tree is not None and not (self.changed & previous.tree_indices):
+                self.tree, self.tree_inputs = previous.tree, previous.tree_inputs
+                self.tree_indices = previous.tree_indices
+        self._loosen()
+
+    def _loosen(self) -> None:
+        loose = [i for i in range(len(self.dicts)) if i not in self.tree_indices]
+        # one attribute, so that a call in another thread never pairs the dicts of one with the versions of another
+        self.loose = (tuple(self.dicts[i] for i in loose), tuple(self.versions[i] for i in loose))
+
+    def __call__(self) -> bool:
+        if self.tree is not None:
+            if not self.tree.check(self.tree_inputs):
+                return False
+        elif tuple(map(type, self.modules)) != self.types:
+            return False
+        loose_dicts, loose_versions = self.loose
+        if tuple(map(_dict_version, loose_dicts)) != loose_versions:
+            return False
+        if self.expected and not all(e.holds() for e in self.expected):
+            return False
+        if self.tree is None and self.promote:
+            self.passed += 1
+            if self.passed == _STABLE_CALLS:
+                return self._build_tree()
+        return True
+
+    def _build_tree(self) -> bool:
+        indices = frozenset(range(len(self.dicts))) - self.changed
+        values = [*self.modules, *(self.dicts[i] for i in sorted(indices))]
+        inputs = tuple(tuple(values[i : i + 32]) for i in range(0, len(values), 32))
+        tree = _guard_tree(inputs)
+        if tuple(map(_dict_version, self.dicts)) != self.versions or tuple(map(type, self.modules)) != self.types:
+            return False  # changed while the tree was built: it may hold a later version
+        self.tree_inputs, self.tree_indices = inputs, indices
+        self.tree = tree  # last: a call in another thread that sees it finds its inputs
+        self._loosen()
+        return True
+
+
+def _same_objects(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+def _guard_tree(inputs: tuple):
+    """A C++ ``RootGuardManager`` over ``inputs`` (tuples of at most 32 values, so that no manager has many
+    children to search while it is built): a version guard on every dict, a type guard on every module."""
+    from torch._dynamo.guards import GuardManagerType  # loads torch._dynamo (its guard managers need it)
+
+    kind = GuardManagerType.GUARD_MANAGER
+    root = _guards.RootGuardManager()
+    for i, chunk in enumerate(inputs):
+        manager = root.tuple_getitem_manager(i, f"[{i}]", chunk, kind)
+        for j, value in enumerate(chunk):
+            leaf = manager.tuple_getitem_manager(j, f"[{i}][{j}]", value, kind)
+            if isinstance(value, dict):
+                leaf.add_dict_version_guard(value, ["a module dictionary changed"], None)
+            else:
+                leaf.add_type_match_guard(id(type(value)), ["a module's class changed"], None)
+    return root
