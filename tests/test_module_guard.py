@@ -196,3 +196,12 @@ def test_a_dict_that_keeps_changing_leaves_the_guard_tree_in_place():
         finally:
             handle.remove()
         assert fulmen.cache_misses(jm) == 3
+
+
+def test_dict_versions_on_this_python_change_on_every_write_or_no_check_is_trusted():
+    from fulmen.frontend import tree_guard
+
+    if tree_guard._guards is None:  # versions untrusted: every check fails, so every call walks the tree
+        assert tree_guard.build([torch.nn.Linear(2, 2)])() is False
+    else:
+        assert tree_guard._versions_track_writes()

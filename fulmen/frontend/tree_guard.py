@@ -39,6 +39,21 @@ try:
 except (ImportError, AttributeError):  # a torch without Dynamo's guards: every call walks the tree
     _guards = _dict_version = None
 
+
+def _versions_track_writes() -> bool:
+    """Whether this Python's dict versions change on every write (PEP 509's tag, which later Pythons may drop):
+    where they do not, no check is trusted and every call walks the tree."""
+    d: dict = {}
+    seen = [_dict_version(d)]
+    for write in (lambda: d.__setitem__("a", 1), lambda: d.__setitem__("a", 2), lambda: d.pop("a")):
+        write()
+        seen.append(_dict_version(d))
+    return len(set(seen)) == len(seen)
+
+
+if _guards is not None and not _versions_track_writes():
+    _guards = _dict_version = None
+
 log = logging.getLogger("fulmen")
 
 #: The dictionaries of a module through which its structure changes.
