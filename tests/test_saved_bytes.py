@@ -139,3 +139,25 @@ def test_a_returned_value_is_saved_rather_than_a_same_sized_one_computed_from_it
     torch.testing.assert_close(torch.autograd.grad(s, (x, w)), torch.autograd.grad(e_s, (x, w)))
     y, s = jitted(x, w)
     assert _extra_storages(_saved(s), [x, w, y, s]) == {}, str(fulmen.last_traces(jitted)[-1])
+
+
+def test_a_saved_returned_value_modified_in_place_raises_rather_than_a_wrong_gradient():
+    """The returned logits the cross-entropy backward reads are saved through ``ctx.save_for_backward``: writing into
+    them before ``backward()`` raises PyTorch's version-counter error (as under torch.compile), never a gradient
+    computed from the new values."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 6, (8,), generator=gen)
+
+    def f(x, w):
+        logits = x @ w
+        return logits, F.cross_entropy(logits, target)
+
+    jitted = fulmen.jit(f, executors=["torch"])
+    jitted(x, w)  # the first call runs eagerly while fulmen compiles
+    logits, loss = jitted(x, w)
+    with torch.no_grad():
+        logits.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
