@@ -54,7 +54,6 @@ from fulmen.transforms.grad_ops import (  # noqa: F401  (is_random_op: re-export
 from fulmen.transforms.linearize import (
     RuleArgs,
     builtin_rule,
-    compute_in_forward,
     get_grad,
     needs_grad,
     put_grad,
@@ -270,7 +269,7 @@ builtin_rule("torch.log_softmax", "torch.nn.functional.log_softmax", "torch.Tens
 @builtin_rule("torch.nn.functional.cross_entropy")
 def _cross_entropy_rule(p: RuleArgs):
     """log_softmax + nll_loss, saving the log-probabilities once (as eager does), with their aten backwards; on
-    CPU, unweighted (N, C) float32/float64 logits save their gradient instead (``_cross_entropy_unit_gradient``)."""
+    CPU, unweighted (N, C) float32/float64 logits take a one-pass backward (``_cross_entropy_unit_gradient``)."""
     a, target, weight = p[0], p[1], p.get("weight")
     reduction = p.get("reduction", "mean")
     if (p.get("size_average") is not None or p.get("reduce") is not None or p.get("label_smoothing", 0.0)
@@ -289,33 +288,31 @@ def _cross_entropy_rule(p: RuleArgs):
 
 
 def _cross_entropy_unit_gradient(a: TensorProxy, target: TensorProxy, reduction: str, ignore: int):
-    """Cross-entropy of (N, C) float32/float64 logits whose forward also computes ``softmax - onehot`` on the
-    rows not ignored (zeros on the others) and saves it in place of the log-probabilities (the same size). The
-    backward is then one multiply, by the cotangent (over the kept-row count for ``mean``), instead of a pass
-    that rebuilds the softmax from the log-probabilities.
+    """Cross-entropy of (N, C) float32/float64 logits whose backward is ``softmax - onehot`` on the rows not
+    ignored (zeros on the others) times the cotangent (over the kept-row count for ``mean``): one fusible pass,
+    instead of a pass that rebuilds the softmax from saved log-probabilities.
 
-    All of it is fusible operations. Nothing in the saved tensor waits for a reduction over all rows, so
-    Inductor writes each of its rows in the loop that reduces that row, while the row is in cache. The
-    arithmetic is eager's: the log-probabilities are ``(x - max) - log(sum(exp(x - max)))`` as ATen's kernel
-    computes them, the loss is the negated picked log-probability summed, or averaged over the kept rows, and
-    the gradient is ATen's ``(exp(logp) - onehot) * (g / count)`` up to rounding.
+    The forward keeps no (N, C) tensor of its own: the backward recomputes the log-probabilities from the logits
+    and the per-row maximum and log-sum (N values each), all fusible operations, so rematerialization saves the
+    logits -- which the caller usually holds anyway (a model returns them; a returned value costs nothing to
+    save) -- and the row statistics, as torch.compile does, rather than a second (N, C) tensor. The arithmetic
+    is eager's: the log-probabilities are ``(x - max) - log(sum(exp(x - max)))`` as ATen's kernel computes them,
+    the loss is the negated picked log-probability summed, or averaged over the kept rows, and the gradient is
+    ATen's ``(exp(logp) - onehot) * (g / count)`` up to rounding.
 
     CPU only, where it is the faster of the two; on CUDA the log-softmax path with fulmen's one-pass backward
     decomposition (``inductor_decomps``) is faster and stays (figures: docs/performance.md, "What individual
     changes bought")."""
     n, c = a.shape
     shifted = ltorch.sub(a, ltorch.amax(a, 1, keepdim=True))
-    total = ltorch.sum(ltorch.exp(shifted), 1, keepdim=True)
-    logp = ltorch.sub(shifted, ltorch.log(total))
+    logp = ltorch.sub(shifted, ltorch.log(ltorch.sum(ltorch.exp(shifted), 1, keepdim=True)))
     kept = ltorch.ne(target, ignore)
     safe = ltorch.where(kept, target, 0)
     picked = clang.reshape(ltorch.gather(logp, 1, clang.reshape(safe, (n, 1))), (n,))
     rows = ltorch.where(kept, ltorch.neg(picked), 0.0)
     classes = clang.reshape(ltorch.arange(c, device=a.device, dtype=target.dtype), (1, c))
     onehot = _convert(ltorch.eq(classes, clang.reshape(safe, (n, 1))), a.dtype)
-    unit = ltorch.sub(ltorch.true_divide(ltorch.exp(shifted), total), onehot)
-    unit = ltorch.where(clang.reshape(kept, (n, 1)), unit, 0.0)
-    compute_in_forward(unit)
+    unit = ltorch.where(clang.reshape(kept, (n, 1)), ltorch.sub(ltorch.exp(logp), onehot), 0.0)
     if reduction == "none":
         put_grad(a, ltorch.mul(unit, clang.reshape(get_grad(rows), (n, 1))))
         return rows
@@ -324,7 +321,7 @@ def _cross_entropy_unit_gradient(a: TensorProxy, target: TensorProxy, reduction:
         count = ltorch.sum(kept, dtype=a.dtype)
         loss = ltorch.true_divide(loss, count)
     g = get_grad(loss)
-    if reduction == "mean":  # no kept rows: the saved tensor is all zeros, and so is eager's gradient (not 0 * inf)
+    if reduction == "mean":  # no kept rows: unit is all zeros, and so is eager's gradient (not 0 * inf)
         g = ltorch.true_divide(g, ltorch.where(ltorch.gt(count, 0), count, 1.0))
     put_grad(a, ltorch.mul(unit, g))
     return loss

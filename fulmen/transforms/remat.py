@@ -206,8 +206,8 @@ class _FlowGraph:
 
 def choose_saved(leaves: Sequence[BoundSymbol], inputs: Iterable[Proxy], needed: Iterable[str], *,
                  recompute: bool = True, overwritten: Iterable[str] = (), exact: Iterable[str] = (),
-                 checkpointed: Iterable[str] = (),
-                 kept: Iterable[str] = ()) -> tuple[list[Proxy], dict[str, BoundSymbol]]:
+                 checkpointed: Iterable[str] = (), kept: Iterable[str] = (),
+                 returned: Iterable[str] = ()) -> tuple[list[Proxy], dict[str, BoundSymbol]]:
     """(values to save, ``{name: producer}`` of the values to recompute) so that the backward can read ``needed``.
 
     ``leaves`` are the forward's finest-grained bound symbols in order; ``inputs`` the forward's inputs, of which
@@ -215,11 +215,12 @@ def choose_saved(leaves: Sequence[BoundSymbol], inputs: Iterable[Proxy], needed:
     the forward computed for ``exact`` (``bit_exact_reads``): those are recomputed only by operations that
     reproduce bits. ``checkpointed`` values (``checkpoint_regions.checkpoint_choices``) are recomputed whatever
     their operations cost, unless those are never recomputed (random draws, side effects, in-place updates);
-    ``kept`` values are never recomputed.
+    ``kept`` values are never recomputed. ``returned`` values are the forward's outputs: the caller holds them
+    (a model's logits), so saving one costs nothing, as for an input.
     """
     proxies: dict[str, Proxy] = {p.name: p for p in inputs}
-    free_inputs = set(proxies) - set(overwritten)
     input_names = set(proxies)
+    free = (input_names - set(overwritten)) | set(returned)
     producer: dict[str, BoundSymbol] = {}
     for b in leaves:
         for o in b.defined_outs:
@@ -261,16 +262,16 @@ def choose_saved(leaves: Sequence[BoundSymbol], inputs: Iterable[Proxy], needed:
                     proxies.setdefault(p.name, p)  # values from outside the leaves count as inputs
                     stack.append(p.name)
 
-    side = _source_side(relevant, needed, proxies, producer, cheap, forced, free_inputs, input_names)
+    side = _source_side(relevant, needed, proxies, producer, cheap, forced, free, input_names)
     return _read_cut(needed, side, proxies, producer)
 
 
 def _source_side(relevant: list[str], needed: list[str], proxies: dict[str, Proxy], producer: dict[str, BoundSymbol],
-                 cheap, forced, free_inputs: set[str], input_names: set[str]) -> set:
+                 cheap, forced, free: set[str], input_names: set[str]) -> set:
     """The source side of a minimum cut of the graph whose cut edges are the values to save: each value is an
-    edge of its size from its ``in`` to its ``out`` node (free for inputs the forward does not overwrite; never
-    cut when ``forced``: a checkpointed value), fed by the source when it cannot be recomputed, else by its
-    producer's inputs."""
+    edge of its size from its ``in`` to its ``out`` node (free for inputs the forward does not overwrite and for
+    returned values; never cut when ``forced``: a checkpointed value), fed by the source when it cannot be
+    recomputed, else by its producer's inputs."""
     # Capacities are bytes, scaled so that among values of equal size the later one is cheaper to save: a tie
     # between saving a value and recomputing it from an earlier one of the same size goes to saving.
     position = {name: i for i, name in enumerate(proxies)}
@@ -291,11 +292,10 @@ def _source_side(relevant: list[str], needed: list[str], proxies: dict[str, Prox
             for u in producer[n].flat_args:
                 if isinstance(u, TensorProxy):
                     g.add((u.name, "out"), (n, "in"), _INF)
-            weight = _INF if forced(n) else cost(n, p)
+            weight = _INF if forced(n) else 0 if n in free else cost(n, p)
         else:
             g.add(source, (n, "in"), _INF)
-            free = n in free_inputs or (n not in producer and n not in input_names)
-            weight = 0 if free else cost(n, p)
+            weight = 0 if n in free or (n not in producer and n not in input_names) else cost(n, p)
         g.add((n, "in"), (n, "out"), weight)
     for n in needed:
         g.add((n, "out"), sink, _INF)

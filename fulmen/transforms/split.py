@@ -329,6 +329,14 @@ def _snapshot(trc: Trace, inputs: Sequence[TensorProxy]) -> tuple[dict[str, Tens
     return copies, scope
 
 
+def _returned_free(fb: ForwardBackward, leaves: Sequence[BoundSymbol], written: Sequence[str]) -> list[str]:
+    """The outputs the caller holds that saving costs nothing: not a dirty output (that is an input) and not one
+    that may share memory with an input the forward overwrites (saving it takes a snapshot copy)."""
+    dirty = {k for _, k in fb.dirty}
+    stale = _alias_roots(leaves, written) if written else {}
+    return [o.name for i, o in enumerate(fb.outputs) if i not in dirty and o.name not in stale]
+
+
 def split_forward_backward(trace: Trace, executors: Sequence, *, recompute: bool = True) -> ForwardBackward | None:
     """Differentiate ``trace`` with respect to its inputs that require grad; ``None`` when no output depends on
     them and no input that requires grad is updated in place (then the program needs no backward)."""
@@ -358,7 +366,8 @@ def split_forward_backward(trace: Trace, executors: Sequence, *, recompute: bool
     exact = remat.bit_exact_reads(body)
     remat_leaves = [replays.get(id(b), b) for b in _leaves(joint.nodes)] if replays else leaves
     fb.saved, producers = remat.choose_saved(remat_leaves, trace.args, needed, recompute=recompute,
-                                             overwritten=written, exact=exact, checkpointed=checkpointed, kept=kept)
+                                             overwritten=written, exact=exact, checkpointed=checkpointed, kept=kept,
+                                             returned=_returned_free(fb, leaves, written))
     fb.producers = remat.coarsen(joint.nodes, [p.name for p in fb.saved], producers, exact)
     fb.views = _view_outputs(fb, leaves)
     bsyms = emit_forward(joint.nodes, {p.name for p in fb.saved})
