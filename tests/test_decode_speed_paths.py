@@ -38,10 +38,27 @@ def _odd_size1_stride() -> torch.Tensor:
 def _tensors() -> list[torch.Tensor]:
     x = torch.randn(2, 3)
     z = torch.randn(2, 3, dtype=torch.complex64)
-    return [x, torch.randn(1, 3), _odd_size1_stride(), torch.randn(2, 3).t().contiguous().t(), x.t(),
-            torch.randn(4, 6)[::2, ::2], torch.randn(3).expand(2, 3), torch._neg_view(x), z, z.conj(),
-            torch._neg_view(z), x.double(), x.detach().requires_grad_(), torch.nn.Parameter(x.clone()),
-            x.as_subclass(_Sub), torch.randn(0, 3), torch.randn(0, 3).t(), torch.tensor(1.0), torch.randn(3, 2)]
+    return [
+        x,
+        torch.randn(1, 3),
+        _odd_size1_stride(),
+        torch.randn(2, 3).t().contiguous().t(),
+        x.t(),
+        torch.randn(4, 6)[::2, ::2],
+        torch.randn(3).expand(2, 3),
+        torch._neg_view(x),
+        z,
+        z.conj(),
+        torch._neg_view(z),
+        x.double(),
+        x.detach().requires_grad_(),
+        torch.nn.Parameter(x.clone()),
+        x.as_subclass(_Sub),
+        torch.randn(0, 3),
+        torch.randn(0, 3).t(),
+        torch.tensor(1.0),
+        torch.randn(3, 2),
+    ]
 
 
 def _calls() -> list[tuple[tuple, dict]]:
@@ -209,11 +226,19 @@ def _model(name: str):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     if name == "gpt2":
-        config = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                                         bos_token_id=1, eos_token_id=2)
+        config = transformers.GPT2Config(
+            vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=2
+        )
         return transformers.GPT2LMHeadModel(config).eval()
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return transformers.LlamaForCausalLM(config).eval()
 
 
