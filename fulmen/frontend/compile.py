@@ -25,6 +25,7 @@ from fulmen.core.options import JitOptions
 from fulmen.core.steps import Step
 from fulmen.core.trace import Trace, check_trace
 from fulmen.executors.base import Executor, FusionExecutor, claim_symbols, fuse_regions
+from fulmen.frontend.containers import rebuilder
 from fulmen.frontend.cudagraphs import graphed
 from fulmen.transforms.accumulate import accumulate_embedding_grads
 from fulmen.transforms.overlap import has_work, overlapping, schedule_communication
@@ -151,11 +152,9 @@ def compile_inference(trace: Trace, run: PipelineRun, *, cuda_graphs: str | None
     graphs = graphed(fn, [trace, run.traces[-1]], cuda_graphs, None) if cuda_graphs else None
     if _has_custom_containers(trace.output):
         # Generated code returns plain tuples/dicts; give the caller back e.g. a Hugging Face ModelOutput.
-        from torch.utils._pytree import tree_flatten, tree_unflatten
-
-        spec = tree_flatten(trace.output)[1]
+        rebuild = rebuilder(trace.output)
         call = (lambda flat: graphs.run(flat)[0]) if graphs is not None else (lambda flat: fn(*flat))
-        program.run = lambda flat: tree_unflatten(tree_flatten(call(flat))[0], spec)
+        program.run = lambda flat: rebuild(call(flat))
     elif graphs is not None:
         program.run = lambda flat: graphs.run(flat)[0]
     else:

@@ -502,7 +502,7 @@ class JittedFunction:
             history = self._histories.get(erase_sizes(key, None)) if self.dynamic is not False else None
             if history is not None and history.names is None:
                 history.names = [p.name for p in entry.computation_trace.args]
-        self._set_prologue(entry, key, args, kwargs)
+        self._set_prologue(entry, key, args, kwargs, flat)
         self._remember(key, entry)
         self._last_key = key
         return entry
@@ -516,14 +516,18 @@ class JittedFunction:
         """The names of a module's parameters and buffers, in the order of the flat inputs."""
         return []
 
-    def _set_prologue(self, entry: CacheEntry, key, args, kwargs) -> None:
-        """Generate the entry's prologue: the check, printed by ``last_prologue_traces``, that a call must pass."""
+    def _set_prologue(self, entry: CacheEntry, key, args, kwargs, flat: list[torch.Tensor] | None = None) -> None:
+        """Generate the entry's prologue: the check, printed by ``last_prologue_traces``, that a call must pass.
+        ``flat``: the tensors ``key`` was computed from, which its one C++ check of the tensors compares with (a
+        prologue generated again keeps the first one's)."""
         names = _arg_names(self.fn, args, kwargs)
         entry.key = key
+        fast = entry.prologue.fast if entry.prologue is not None else None
         entry.prologue = build_prologue(key, names, module=self._prologue_of_module, param_names=self._state_names(),
                                         symbolic=entry.symbolic, guard=entry.globals_guard,
                                         captured=entry.spec.captured,
-                                        holders=entry.spec.objects.holders if entry.spec.objects is not None else ())
+                                        holders=entry.spec.objects.holders if entry.spec.objects is not None else (),
+                                        examples=flat, fast=fast)
         entry.check = entry.prologue.check
         entry.n_guards = len(entry.symbolic.env.guards) if entry.symbolic is not None else 0
         if entry is self._stats_entry:

@@ -11,6 +11,14 @@ tensor inputs, or None when a check fails. The cache's dictionary lookup by key 
 
 Values reach the source through a constants table (``c0``, ``c1``, ...), never as text: only ints, bools and
 None are written literally; comments show values shortened to one line.
+
+The tensors' checks come last, after the structure that reaches them: when the tensors the program was compiled
+for are given (``examples``), one call of PyTorch's C++ ``TensorGuards`` (Dynamo's tensor check) first compares
+every tensor's exact type, dispatch keys (device, lazy conjugate and negative bits), dtype, device index,
+``requires_grad``, sizes and strides with theirs, the dynamic sizes left out. It accepts a subset of what the
+per-tensor checks accept (its sizes and strides are the key's; every other fact it takes from an example tensor
+that was verified to have the key's), so the per-tensor checks run, and decide, only when it finds a difference
+(a tensor subclass, another stride of a size-1 dimension): the printed checks are still what a call must pass.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from fulmen.frontend.cache import (
 )
 
 _LITERAL = (int, bool, type(None))
+_Parameter = torch.nn.Parameter
 _counter = itertools.count()
 _HEADER = ("# Constructed by prologue: what a call must match to reuse the compiled program.\n"
            "# This source is the check that runs: it is compiled once and called on every call that reuses the\n"
@@ -71,6 +80,7 @@ class Prologue:
         linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
         exec(compile(source, filename, "exec"), env)
         self.check: Callable = env["prologue"]
+        self.fast: Any = None  # the one C++ check of the tensors (build_prologue), or None
         weakref.finalize(self, linecache.cache.pop, filename, None)
 
     def __str__(self) -> str:
@@ -89,7 +99,9 @@ class _Writer:
         self._in_object = 0  # how many objects the walk is inside: their lists and dicts are holders too
         self.lines: list[str] = []
         self.flat: list[str] = []  # the expressions of the tensor inputs, in order
-        self.names: set[str] = set(self.env) | {"args", "kwargs", "params", "version", "prologue"}
+        # per tensor input, in order: (its check's condition, its comment, its key, dynamic dims, module state)
+        self.tensor_checks: list[tuple[str, str, tuple, frozenset, bool]] = []
+        self.names: set[str] = set(self.env) | {"args", "kwargs", "params", "version", "prologue", "device"}
         self._consts: dict[Any, str] = {}
         self._keep: list[Any] = []
         self._n_unnamed = 0
@@ -118,11 +130,11 @@ class _Writer:
             self._keep.append(value)  # ids stay unique while the table is built
         return name
 
-    def check(self, condition: str, comment: str | None = None) -> None:
+    def check(self, condition: str, comment: str | None = None, indent: str = "") -> None:
         if comment:
-            self.lines += [f"# {line}" for line in comment.split("\n")]
-        self.lines.append(f"if not ({condition}):")
-        self.lines.append("    return None")
+            self.lines += [f"{indent}# {line}" for line in comment.split("\n")]
+        self.lines.append(f"{indent}if not ({condition}):")
+        self.lines.append(f"{indent}    return None")
 
     # ---- one fact of a key, read from the expression ``expr`` ----
     def value(self, key: Any, expr: str, label: str) -> None:
@@ -153,7 +165,16 @@ class _Writer:
             if issubclass(t, dict) and type(inner) is tuple:
                 self.mapping(t, inner, expr, label)
                 return
-        # a float 0.0, -0.0 or NaN, an atom (dtype, device), an object keyed by its contents or identity
+        # an atom is its own key (``value_key``), and only an atom's key is one: a dtype is a singleton, a device is
+        # compared by value
+        if type(key) is torch.dtype:
+            self.check(f"{expr} is {self.const(key, str(key).removeprefix('torch.'))}", f"{label}: {key}")
+            return
+        if type(key) is torch.device:
+            self.env["device"] = torch.device
+            self.check(f"type({expr}) is device and {expr} == {self.const(key)}", f"{label}: {key}")
+            return
+        # a float 0.0, -0.0 or NaN, another atom (memory format, layout), an object keyed by its contents or identity
         if type(key) is tuple and len(key) == 3 and key[0] is float:
             shown = f"float {key[1]} (compared by sign and NaN-ness)"
         elif type(key) is tuple and len(key) == 2 and isinstance(key[0], type):
@@ -229,8 +250,31 @@ class _Writer:
             terms += [f"not {expr}.is_neg()"] + ([f"not {expr}.is_conj()"] if dtype.is_complex else [])
         grad = ", requires_grad" if requires_grad else ""
         layout = f", strides {tuple(strides[0])}" if strides else ", contiguous"
-        self.check(" and ".join(terms), f"{label}: {device} {str(dtype).removeprefix('torch.')}[{shown}]{grad}{layout}"
+        comment = (f"{label}: {device} {str(dtype).removeprefix('torch.')}[{shown}]{grad}{layout}"
                    + (f", a lazy {'conjugate' if lazy == 'conj' else 'negative'} view" if lazy else ""))
+        self.tensor_checks.append((" and ".join(terms), comment, key, frozenset(dynamic or ()), state))
+
+    def tensors(self, examples: list[torch.Tensor] | None, fast: Any) -> Any:
+        """The checks of the tensor inputs, behind one ``TensorGuards`` check of them all when ``fast`` (or one
+        built from ``examples``, the tensors the key was computed from) is given; returns that check."""
+        checks = self.tensor_checks
+        if fast is None and examples is not None:
+            fast = tensor_guards([c[2] for c in checks], [c[3] for c in checks], [c[4] for c in checks], examples)
+        if fast is None or not checks:
+            for condition, comment, *_ in checks:
+                self.check(condition, comment)
+            return fast
+        name = self.const(fast, "tensor_guards")
+        exprs = ", ".join(self.flat[: len(checks)])
+        contiguous = "".join(f" or not {e}.is_contiguous()" for e, (_, _, k, d, _) in zip(self.flat, checks)
+                             if d and len(k) == 4)
+        self.lines += [f"# the {len(checks)} tensors: type, device, dtype, lazy bits, requires_grad, sizes and strides "
+                       "as compiled for, in one C++ check",
+                       "# (torch's TensorGuards); the checks below decide when it finds any difference",
+                       f"if not {name}.check({exprs}){contiguous}:"]
+        for condition, comment, *_ in checks:
+            self.check(condition, comment, indent="    ")
+        return fast
 
     def call(self, args_key: tuple, arg_names: list[str]) -> None:
         """The arguments of the call: ``args`` and ``kwargs``."""
@@ -274,15 +318,80 @@ class _Writer:
         self.check(" and ".join(terms), "global state: grad mode, default dtype, autocast, default device")
 
 
+def _example_strides(t: torch.Tensor, key: tuple, dims: frozenset) -> list[int | None] | None:
+    """The strides the C++ check compares for the tensor input ``t`` of ``key``: exactly the key's when it has them;
+    for a contiguous one, the contiguous strides of its static shape, none at a dimension of size 1 (which
+    ``is_contiguous`` ignores) and none at all when a size is dynamic (``is_contiguous()`` is then checked in
+    Python) or zero; None when ``t`` does not have its key's layout."""
+    shape = key[0]
+    if len(key) == 5:
+        return list(key[4]) if not dims and tuple(t.stride()) == tuple(key[4]) else None
+    if not t.is_contiguous():
+        return None
+    if dims or 0 in shape:  # a tensor of no elements is contiguous whatever its strides
+        return [None] * len(shape)
+    strides, expected = [], 1
+    for size in reversed(shape):
+        strides.append(None if size == 1 else expected)
+        expected *= int(size)
+    return strides[::-1]
+
+
+def _has_key_facts(t: torch.Tensor, key: tuple, dims: frozenset, state: bool) -> bool:
+    """Whether the tensor ``t`` has every fact its key states (the sizes at ``dims`` aside)."""
+    shape, dtype, device, requires_grad, *_ = key
+    lazy = None
+    if type(dtype) is tuple:
+        dtype, lazy = dtype
+    if type(t) is not torch.Tensor and type(t) is not _Parameter:
+        return False
+    if t.dim() != len(shape) or any(t.shape[d] != s for d, s in enumerate(shape) if d not in dims):
+        return False
+    if t.dtype is not dtype or t.device != device or t.requires_grad is not requires_grad:
+        return False
+    if state:  # a module's state: the key has no lazy bits, and the C++ check compares the example's
+        return True
+    neg, conj = t.is_neg(), dtype.is_complex and t.is_conj()
+    return conj if lazy == "conj" else (neg and not conj) if lazy == "neg" else not (neg or conj)
+
+
+def tensor_guards(keys: list[tuple], dims: list[frozenset], states: list[bool], examples: list[torch.Tensor]) -> Any:
+    """One ``TensorGuards`` comparing tensors with ``examples``, whose keys are ``keys`` (``dims``: the dynamic
+    dims of each; ``states``: which are a module's parameters and buffers): sizes and strides from the keys, the
+    other facts from the examples, each verified to have its key's. None when one does not, or when torch has no
+    such check: the per-tensor checks then run alone."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+    except ImportError:
+        return None
+    if len(examples) != len(keys):
+        return None
+    sizes, strides = [], []
+    for t, k, d, state in zip(examples, keys, dims, states):
+        if not _has_key_facts(t, k, d, state):
+            return None
+        stride = _example_strides(t, k, d)
+        if stride is None:
+            return None
+        sizes.append([None if i in d else int(s) for i, s in enumerate(k[0])])
+        strides.append(stride)
+    try:
+        fast = TensorGuards(*examples, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides)
+        return fast if fast.check(*examples) else None
+    except Exception:  # a tensor TensorGuards does not take (it compares dense tensors)
+        return None
+
+
 def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, param_names: list[str] = (),
-                   symbolic=None, guard=None, captured: list[torch.Tensor] = (), holders: tuple[int, ...] = ()
-                   ) -> Prologue:
+                   symbolic=None, guard=None, captured: list[torch.Tensor] = (), holders: tuple[int, ...] = (),
+                   examples: list[torch.Tensor] | None = None, fast: Any = None) -> Prologue:
     """The prologue of the entry compiled for ``key``. A function's is ``prologue(args, kwargs)``; a module's
     (``module=True``, key ``((version, parameter keys, call key), global state)``) is
     ``prologue(version, params, args, kwargs)``, ``param_names`` naming the parameters and buffers. ``symbolic``
     (dynamic sizes) replaces the exact dynamic sizes by its guards; ``guard`` checks the globals the code read;
     ``captured`` tensors are appended to the inputs, then the ``holders`` (their indices in the order the key's walk
-    met them) that the program updates or returns (``fulmen.frontend.objects``)."""
+    met them) that the program updates or returns (``fulmen.frontend.objects``). ``examples``: the tensors the key
+    was computed from, for the one C++ check of all tensors (``Prologue.fast`` keeps it; ``fast`` reuses one)."""
     w = _Writer(symbolic.dims if symbolic is not None else {})
     call_key, state = key
     preamble = ""
@@ -309,6 +418,7 @@ def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, para
         for k, name in zip(param_keys, names):
             w.tensor(k, name, name, bits=False, state=True)
     w.call(call_key, arg_names)
+    fast = w.tensors(examples, fast)
     w.global_state(state)
     flat = list(w.flat)
     if symbolic is not None:  # the relations tracing assumed between the dynamic sizes
@@ -326,4 +436,6 @@ def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, para
     # an exception while checking (a size guard dividing by zero, an object that cannot be read) is a miss
     source = (f"{_HEADER}{preamble}def prologue({signature}):\n    try:\n{body}\n    except Exception:\n"
               "        return None\n")
-    return Prologue(source, w.env)
+    prologue = Prologue(source, w.env)
+    prologue.fast = fast
+    return prologue
