@@ -440,6 +440,13 @@ def _recording_autograd_functions():
             _tracing.depth -= 1
 
 
+def _guard_what_was_read(trace: Trace, spec: InputSpec, recorder: ReadRecorder, own, bound_arguments, swaps) -> None:
+    """``spec.guard``: a check of what the user's code read while traced (``fulmen.frontend.global_guard``)."""
+    names = [p.name for p in trace.args[len(trace.args) - len(spec.captured):]]
+    spec.guard = build_guard(recorder, list(zip(names, spec.captured)), own, bound_arguments,
+                             [h.obj for h in swaps.holders])
+
+
 def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[str] | None = None,
                   fn_name: str = "computation",
                   state: list[tuple[str, torch.Tensor]] | None = None,
@@ -494,9 +501,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
         if recorder is not None:
             recorder.close()
     if recorder is not None:
-        names = [p.name for p in trace.args[len(trace.args) - len(spec.captured):]]
-        spec.guard = build_guard(recorder, list(zip(names, spec.captured)), own,
-                                 _bound_arguments(guard_reads, args, kwargs), [h.obj for h in swaps.holders])
+        _guard_what_was_read(trace, spec, recorder, own, _bound_arguments(guard_reads, args, kwargs), swaps)
     spec.values, spec.value_lines = tuple(reader.values), tuple(reader.where)
     trace.output = result
     trace.provenance = None
