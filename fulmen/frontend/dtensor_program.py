@@ -105,6 +105,14 @@ def _module_facts(module: nn.Module) -> tuple:
     return tuple(facts)
 
 
+def _tensor_attributes(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each submodule's tensor attributes that are neither parameters nor buffers, named by their path."""
+    for prefix, m in module.named_modules():
+        for name, value in vars(m).items():
+            if isinstance(value, torch.Tensor):
+                yield (f"{prefix}.{name}" if prefix else name), value
+
+
 @dataclass
 class _Compiled:
     """One traced program: AOTAutograd's callable and fulmen's programs for its graphs, by kind."""
@@ -171,7 +179,14 @@ class DTensorProgram:
         return DTensorProgram, (self.module, self.executors, self.options)
 
     def _state(self) -> dict[str, torch.Tensor]:
-        return {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
+        """The tensors the program takes besides the arguments: the parameters, the buffers and the submodules'
+        tensor attributes that are neither (a mask or a table set as ``self.mask = torch...``): passed as inputs like
+        the parameters, so a later call sees their current values instead of the ones traced."""
+        return {
+            **dict(self.module.named_parameters()),
+            **dict(self.module.named_buffers()),
+            **dict(_tensor_attributes(self.module)),
+        }
 
     def _key(self, state: dict, args: tuple, kwargs: dict) -> tuple:
         dtensor = _dtensor_class()
@@ -236,7 +251,14 @@ class DTensorProgram:
         module = self.module
 
         def run(state: list, args: tuple, kwargs: dict):
-            return torch.func.functional_call(module, dict(zip(names, state)), args, kwargs)
+            bound = dict(zip(names, state))
+            out = torch.func.functional_call(module, bound, args, kwargs)
+            # functional_call restores the module's tensors after the call and leaves in ``bound`` what the forward
+            # assigned to them: the traced program cannot carry such an assignment to the user's module
+            rebound = [name for name, t in zip(names, state) if bound[name] is not t]
+            if rebound:
+                raise _assigns_state(module, rebound)
+            return out
 
         program = _Compiled(call=None)
         program.call = aot_function(
@@ -339,6 +361,16 @@ def _not_traceable(module: nn.Module, e: Exception) -> NotImplementedError:
         f"fulmen.jit({type(module).__name__}): AOTAutograd could not trace the module's DTensor program "
         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Use torch.compile(model, "
         'backend="fulmen"), which leaves the DTensor parts to PyTorch, or run the module without fulmen.jit.'
+    )
+
+
+def _assigns_state(module: nn.Module, names: list[str]) -> NotImplementedError:
+    """The forward assigned a new tensor to a parameter, buffer or tensor attribute (``self.cache = torch.cat(...)``):
+    AOTAutograd's program returns its outputs but cannot rebind the user's module attribute."""
+    return NotImplementedError(
+        f"fulmen.jit({type(module).__name__}): the module's forward assigns a new tensor to {', '.join(names)}, "
+        "which the DTensor program cannot carry out on the module. Update the tensor in place instead "
+        "(self.x.copy_(...), self.x += 1), or run the module without fulmen.jit."
     )
 
 
