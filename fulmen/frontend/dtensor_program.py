@@ -95,13 +95,34 @@ def _describe(value: Any, dtensor: type) -> Any:
     return (type(value), value)
 
 
+class _Same:
+    """Compares and hashes by identity (a hook or a ``forward`` set on the instance), holding the object so that its
+    id is not reused while a traced program's key holds it."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
 def _module_facts(module: nn.Module) -> tuple:
-    """Each submodule's plain attributes (``training``, flags, sizes the forward may branch on) and hook counts."""
+    """Each submodule's class, plain attributes (``training``, flags, sizes the forward may branch on), ``forward``
+    set on the instance, and hooks: torch's code (``nn.Sequential``, ``Module.__call__``) calls submodules and hooks
+    without the user's code reading them, so the recorded reads do not cover a swapped submodule or hook."""
     facts = []
     for m in module.modules():
         plain = tuple((k, v) for k, v in vars(m).items() if type(v) in _PLAIN_ATTRIBUTES)
-        hooks = (len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks))
-        facts.append((plain, hooks))
+        hooks = tuple(
+            tuple(_Same(h) for h in d.values())
+            for d in (m._forward_pre_hooks, m._forward_hooks, m._backward_hooks, m._backward_pre_hooks)
+        )
+        facts.append((type(m), plain, _Same(vars(m).get("forward")), hooks))
     return tuple(facts)
 
 
