@@ -83,13 +83,19 @@ def _changes(model: nn.Module, module: nn.Module) -> list:
 
 
 def _sequential_changes(model: nn.Module, module: nn.Sequential) -> list:
-    """A root ``nn.Sequential``: no user code reads its layers or hooks, torch's code calls them."""
+    """A root ``nn.Sequential``: no user code reads its layers or hooks (its own or global ones), torch's code calls
+    them."""
     outs = [model(_x(0))]
     module[1] = nn.Sigmoid()
     outs.append(model(_x(0)))
     for factor in (2.0, 3.0):
         handle = module[0].register_forward_hook(lambda m, i, o, factor=factor: o * factor)
         outs.append(model(_x(1)))
+        handle.remove()
+    for factor in (2.0, 3.0):  # a global forward hook, replaced by another
+        hook = lambda m, i, o, factor=factor: o * factor if isinstance(m, nn.Sigmoid) else o  # noqa: E731
+        handle = nn.modules.module.register_module_forward_hook(hook)
+        outs.append(model(_x(2)))
         handle.remove()
     return [t.detach() for t in outs]
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as nn_module
 from torch.utils._pytree import tree_flatten
 
 from fulmen.core.trace import Trace
@@ -113,17 +114,29 @@ class _Same:
 
 def _module_facts(module: nn.Module) -> tuple:
     """Each submodule's class, plain attributes (``training``, flags, sizes the forward may branch on), ``forward``
-    set on the instance, and hooks: torch's code (``nn.Sequential``, ``Module.__call__``) calls submodules and hooks
-    without the user's code reading them, so the recorded reads do not cover a swapped submodule or hook."""
+    set on the instance, and hooks (the global ones too): torch's code (``nn.Sequential``, ``Module.__call__``) calls
+    submodules and hooks without the user's code reading them, so the recorded reads do not cover a swapped
+    submodule or hook."""
     facts = []
     for m in module.modules():
         plain = tuple((k, v) for k, v in vars(m).items() if type(v) in _PLAIN_ATTRIBUTES)
         hooks = tuple(
             tuple(_Same(h) for h in d.values())
-            for d in (m._forward_pre_hooks, m._forward_hooks, m._backward_hooks, m._backward_pre_hooks)
+            for d in (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks)
         )
         facts.append((type(m), plain, _Same(vars(m).get("forward")), hooks))
-    return tuple(facts)
+    return (*facts, _global_hooks())
+
+
+def _global_hooks() -> tuple:
+    """The hooks ``nn.modules.module.register_module_forward_hook`` and its siblings set on every module."""
+    kinds = (
+        "_global_forward_pre_hooks",
+        "_global_forward_hooks",
+        "_global_backward_pre_hooks",
+        "_global_backward_hooks",
+    )
+    return tuple(tuple(_Same(h) for h in getattr(nn_module, kind, {}).values()) for kind in kinds)
 
 
 def _tensor_attributes(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
