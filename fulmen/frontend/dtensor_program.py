@@ -112,20 +112,28 @@ class _Same:
         return id(self.obj)
 
 
-def _module_facts(module: nn.Module) -> tuple:
-    """Each submodule's class, plain attributes (``training``, flags, sizes the forward may branch on), ``forward``
-    set on the instance, and hooks (the global ones too): torch's code (``nn.Sequential``, ``Module.__call__``) calls
-    submodules and hooks without the user's code reading them, so the recorded reads do not cover a swapped
-    submodule or hook."""
-    facts = []
+def _module_scan(module: nn.Module) -> tuple[dict[str, torch.Tensor], tuple]:
+    """One pass over the submodules: their tensor attributes that are neither parameters nor buffers (named by their
+    path: inputs of the program like the parameters), and the facts a later call must match: each submodule's class,
+    plain attributes (``training``, flags, sizes the forward may branch on), ``forward`` set on the instance, and
+    hooks (the global ones too). torch's code (``nn.Sequential``, ``Module.__call__``) calls submodules and hooks
+    without the user's code reading them, so the recorded reads do not cover a swapped submodule or hook."""
+    attributes, facts, prefixes = {}, [], None
     for m in module.modules():
-        plain = tuple((k, v) for k, v in vars(m).items() if type(v) in _PLAIN_ATTRIBUTES)
-        hooks = tuple(
-            tuple(_Same(h) for h in d.values())
-            for d in (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks)
-        )
-        facts.append((type(m), plain, _Same(vars(m).get("forward")), hooks))
-    return (*facts, _global_hooks())
+        plain = []
+        for name, value in m.__dict__.items():
+            if type(value) in _PLAIN_ATTRIBUTES:
+                plain.append((name, value))
+            elif isinstance(value, torch.Tensor):  # rare: the submodules' paths are looked up only then
+                prefixes = prefixes or {id(sub): path for path, sub in module.named_modules()}
+                attributes[f"{prefixes[id(m)]}.{name}" if prefixes[id(m)] else name] = value
+        hooks = ()
+        if m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks:
+            kinds = (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks)
+            hooks = tuple(tuple(map(_Same, d.values())) for d in kinds)
+        forward = m.__dict__.get("forward")
+        facts.append((type(m), tuple(plain), forward if forward is None else _Same(forward), hooks))
+    return attributes, (*facts, _global_hooks())
 
 
 def _global_hooks() -> tuple:
@@ -137,14 +145,6 @@ def _global_hooks() -> tuple:
         "_global_backward_hooks",
     )
     return tuple(tuple(_Same(h) for h in getattr(nn_module, kind, {}).values()) for kind in kinds)
-
-
-def _tensor_attributes(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each submodule's tensor attributes that are neither parameters nor buffers, named by their path."""
-    for prefix, m in module.named_modules():
-        for name, value in vars(m).items():
-            if isinstance(value, torch.Tensor):
-                yield (f"{prefix}.{name}" if prefix else name), value
 
 
 @dataclass
@@ -212,35 +212,27 @@ class DTensorProgram:
         traced programs hold compiled code of this process and trace again in the copy."""
         return DTensorProgram, (self.module, self.executors, self.options)
 
-    def _state(self) -> dict[str, torch.Tensor]:
+    def _state(self) -> tuple[dict[str, torch.Tensor], tuple]:
         """The tensors the program takes besides the arguments: the parameters, the buffers and the submodules'
         tensor attributes that are neither (a mask or a table set as ``self.mask = torch...``): passed as inputs like
-        the parameters, so a later call sees their current values instead of the ones traced."""
-        return {
-            **dict(self.module.named_parameters()),
-            **dict(self.module.named_buffers()),
-            **dict(_tensor_attributes(self.module)),
-        }
+        the parameters, so a later call sees their current values instead of the ones traced; and the submodules'
+        facts (``_module_scan``)."""
+        attributes, facts = _module_scan(self.module)
+        state = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers()), **attributes}
+        return state, facts
 
-    def _key(self, state: dict, args: tuple, kwargs: dict) -> tuple:
+    def _key(self, state: dict, facts: tuple, args: tuple, kwargs: dict) -> tuple:
         dtensor = _dtensor_class()
         leaves, spec = tree_flatten((args, kwargs))
         tensors = [*leaves, *state.values()]
         # which arguments are the same tensor: AOTAutograd's program is specialized on that
         first = {}
         same = tuple(first.setdefault(id(v), i) for i, v in enumerate(tensors) if isinstance(v, torch.Tensor))
-        return (
-            spec,
-            global_state_key(),
-            tuple(state),
-            tuple(_describe(v, dtensor) for v in tensors),
-            same,
-            _module_facts(self.module),
-        )
+        return (spec, global_state_key(), tuple(state), tuple(_describe(v, dtensor) for v in tensors), same, facts)
 
     def __call__(self, *args, **kwargs):
-        state = self._state()
-        key = self._key(state, args, kwargs)
+        state, facts = self._state()
+        key = self._key(state, facts, args, kwargs)
         stats = self._stats
         stats.calls += 1
         variants = self._cache.get(key, ())
