@@ -15,9 +15,10 @@ compiled by ``fulmen.jit`` (fulmen's executors and fusion), where the collective
 
 The traced program is specialized, like any trace, on what the module's Python read; the cache key here holds what
 a later call must match: the arguments' structure, non-tensor values and tensor metadata (a DTensor's placements
-and mesh too), the parameters' and buffers', which of them are the same tensor, fulmen's global state (grad mode,
-autocast, default dtype and device), and each submodule's plain attributes (``training``, flags, sizes) and hook
-counts; and, as for ``fulmen.jit``'s own tracing, the globals, closure variables and attribute chains the module's
+and mesh too), the parameters', buffers' and tensor attributes' (inputs of the program too), which of them are the
+same tensor, fulmen's global state (grad mode, autocast, default dtype and device), each submodule's class, plain
+attributes (``training``, flags, sizes), ``forward`` set on the instance and hooks, and the global module hooks;
+and, as for ``fulmen.jit``'s own tracing, the globals, closure variables and attribute chains the module's
 Python code read while AOTAutograd ran it (``fulmen.frontend.global_guard``).
 """
 
