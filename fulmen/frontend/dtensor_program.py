@@ -15,9 +15,10 @@ compiled by ``fulmen.jit`` (fulmen's executors and fusion), where the collective
 
 The traced program is specialized, like any trace, on what the module's Python read; the cache key here holds what
 a later call must match: the arguments' structure, non-tensor values and tensor metadata (a DTensor's placements
-and mesh too), the parameters' and buffers', which of them are the same tensor, fulmen's global state (grad mode,
-autocast, default dtype and device), and each submodule's plain attributes (``training``, flags, sizes) and hook
-counts; and, as for ``fulmen.jit``'s own tracing, the globals, closure variables and attribute chains the module's
+and mesh too), the parameters', buffers' and tensor attributes' (inputs of the program too), which of them are the
+same tensor, fulmen's global state (grad mode, autocast, default dtype and device), each submodule's class, plain
+attributes (``training``, flags, sizes), ``forward`` set on the instance and hooks, and the global module hooks;
+and, as for ``fulmen.jit``'s own tracing, the globals, closure variables and attribute chains the module's
 Python code read while AOTAutograd ran it (``fulmen.frontend.global_guard``).
 """
 
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as nn_module
 from torch.utils._pytree import tree_flatten
 
 from fulmen.core.trace import Trace
@@ -95,14 +97,55 @@ def _describe(value: Any, dtensor: type) -> Any:
     return (type(value), value)
 
 
-def _module_facts(module: nn.Module) -> tuple:
-    """Each submodule's plain attributes (``training``, flags, sizes the forward may branch on) and hook counts."""
-    facts = []
+class _Same:
+    """Compares and hashes by identity (a hook or a ``forward`` set on the instance), holding the object so that its
+    id is not reused while a traced program's key holds it."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+def _module_scan(module: nn.Module) -> tuple[dict[str, torch.Tensor], tuple]:
+    """One pass over the submodules: their tensor attributes that are neither parameters nor buffers (named by their
+    path: inputs of the program like the parameters), and the facts a later call must match: each submodule's class,
+    plain attributes (``training``, flags, sizes the forward may branch on), ``forward`` set on the instance, and
+    hooks (the global ones too). torch's code (``nn.Sequential``, ``Module.__call__``) calls submodules and hooks
+    without the user's code reading them, so the recorded reads do not cover a swapped submodule or hook."""
+    attributes, facts, prefixes = {}, [], None
     for m in module.modules():
-        plain = tuple((k, v) for k, v in vars(m).items() if type(v) in _PLAIN_ATTRIBUTES)
-        hooks = (len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks))
-        facts.append((plain, hooks))
-    return tuple(facts)
+        plain = []
+        for name, value in m.__dict__.items():
+            if type(value) in _PLAIN_ATTRIBUTES:
+                plain.append((name, value))
+            elif isinstance(value, torch.Tensor):  # rare: the submodules' paths are looked up only then
+                prefixes = prefixes or {id(sub): path for path, sub in module.named_modules()}
+                attributes[f"{prefixes[id(m)]}.{name}" if prefixes[id(m)] else name] = value
+        hooks = ()
+        if m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks:
+            kinds = (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks)
+            hooks = tuple(tuple(map(_Same, d.values())) for d in kinds)
+        forward = m.__dict__.get("forward")
+        facts.append((type(m), tuple(plain), forward if forward is None else _Same(forward), hooks))
+    return attributes, (*facts, _global_hooks())
+
+
+def _global_hooks() -> tuple:
+    """The hooks ``nn.modules.module.register_module_forward_hook`` and its siblings set on every module."""
+    kinds = (
+        "_global_forward_pre_hooks",
+        "_global_forward_hooks",
+        "_global_backward_pre_hooks",
+        "_global_backward_hooks",
+    )
+    return tuple(tuple(_Same(h) for h in getattr(nn_module, kind, {}).values()) for kind in kinds)
 
 
 @dataclass
@@ -170,28 +213,27 @@ class DTensorProgram:
         traced programs hold compiled code of this process and trace again in the copy."""
         return DTensorProgram, (self.module, self.executors, self.options)
 
-    def _state(self) -> dict[str, torch.Tensor]:
-        return {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
+    def _state(self) -> tuple[dict[str, torch.Tensor], tuple]:
+        """The tensors the program takes besides the arguments: the parameters, the buffers and the submodules'
+        tensor attributes that are neither (a mask or a table set as ``self.mask = torch...``): passed as inputs like
+        the parameters, so a later call sees their current values instead of the ones traced; and the submodules'
+        facts (``_module_scan``)."""
+        attributes, facts = _module_scan(self.module)
+        state = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers()), **attributes}
+        return state, facts
 
-    def _key(self, state: dict, args: tuple, kwargs: dict) -> tuple:
+    def _key(self, state: dict, facts: tuple, args: tuple, kwargs: dict) -> tuple:
         dtensor = _dtensor_class()
         leaves, spec = tree_flatten((args, kwargs))
         tensors = [*leaves, *state.values()]
         # which arguments are the same tensor: AOTAutograd's program is specialized on that
         first = {}
         same = tuple(first.setdefault(id(v), i) for i, v in enumerate(tensors) if isinstance(v, torch.Tensor))
-        return (
-            spec,
-            global_state_key(),
-            tuple(state),
-            tuple(_describe(v, dtensor) for v in tensors),
-            same,
-            _module_facts(self.module),
-        )
+        return (spec, global_state_key(), tuple(state), tuple(_describe(v, dtensor) for v in tensors), same, facts)
 
     def __call__(self, *args, **kwargs):
-        state = self._state()
-        key = self._key(state, args, kwargs)
+        state, facts = self._state()
+        key = self._key(state, facts, args, kwargs)
         stats = self._stats
         stats.calls += 1
         variants = self._cache.get(key, ())
@@ -236,7 +278,14 @@ class DTensorProgram:
         module = self.module
 
         def run(state: list, args: tuple, kwargs: dict):
-            return torch.func.functional_call(module, dict(zip(names, state)), args, kwargs)
+            bound = dict(zip(names, state))
+            out = torch.func.functional_call(module, bound, args, kwargs)
+            # functional_call restores the module's tensors after the call and leaves in ``bound`` what the forward
+            # assigned to them: the traced program cannot carry such an assignment to the user's module
+            rebound = [name for name, t in zip(names, state) if bound[name] is not t]
+            if rebound:
+                raise _assigns_state(module, rebound)
+            return out
 
         program = _Compiled(call=None)
         program.call = aot_function(
@@ -339,6 +388,16 @@ def _not_traceable(module: nn.Module, e: Exception) -> NotImplementedError:
         f"fulmen.jit({type(module).__name__}): AOTAutograd could not trace the module's DTensor program "
         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Use torch.compile(model, "
         'backend="fulmen"), which leaves the DTensor parts to PyTorch, or run the module without fulmen.jit.'
+    )
+
+
+def _assigns_state(module: nn.Module, names: list[str]) -> NotImplementedError:
+    """The forward assigned a new tensor to a parameter, buffer or tensor attribute (``self.cache = torch.cat(...)``):
+    AOTAutograd's program returns its outputs but cannot rebind the user's module attribute."""
+    return NotImplementedError(
+        f"fulmen.jit({type(module).__name__}): the module's forward assigns a new tensor to {', '.join(names)}, "
+        "which the DTensor program cannot carry out on the module. Update the tensor in place instead "
+        "(self.x.copy_(...), self.x += 1), or run the module without fulmen.jit."
     )
 
 
