@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import fulmen
+from fulmen.bench.memory import saved_tensors
 from fulmen.bench.models import CONFIGS, GPT, checkpoint_blocks
 
 
@@ -48,16 +49,7 @@ def eager_saved(model: nn.Module, idx, targets) -> tuple[int, torch.Tensor]:
 
 
 def fulmen_saved(loss: torch.Tensor, skip: set[int]) -> int:
-    found, stack, seen = [], [loss.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if hasattr(node, "fulmen_saved"):
-            found += [t for t in (*node.saved_tensors, *(node.fulmen_saved or ())) if isinstance(t, torch.Tensor)]
-        stack += [n for n, _ in node.next_functions]
-    return _storages(found, skip)
+    return _storages(saved_tensors(loss), skip)
 
 
 def measure(name: str, mode: str, batch: int, seq: int, executors, dropout: float) -> dict:

@@ -15,20 +15,7 @@ from torch.utils.checkpoint import (
 )
 
 import fulmen
-
-
-def saved_tensors(out: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors fulmen's autograd nodes on ``out``'s history keep for the backward."""
-    found, stack, seen = [], [out.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if hasattr(node, "fulmen_saved"):
-            found += [t for t in (*node.saved_tensors, *(node.fulmen_saved or ())) if isinstance(t, torch.Tensor)]
-        stack += [n for n, _ in node.next_functions]
-    return found
+from fulmen.bench.memory import saved_tensors
 
 
 def saved_bytes(out: torch.Tensor, exclude=()) -> int:

@@ -11,20 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import fulmen
-
-
-def _saved(out: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors fulmen's autograd nodes on ``out``'s history keep for the backward."""
-    found, stack, seen = [], [out.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if hasattr(node, "fulmen_saved"):
-            found += [t for t in (*node.saved_tensors, *(node.fulmen_saved or ())) if isinstance(t, torch.Tensor)]
-        stack += [n for n, _ in node.next_functions]
-    return found
+from fulmen.bench.memory import saved_tensors
 
 
 def _extra_storages(saved: list[torch.Tensor], alive: list[torch.Tensor]) -> dict[int, int]:
@@ -90,7 +77,7 @@ def test_lm_head_returning_logits_saves_no_second_n_by_c_tensor(dtype, reduction
         torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-5)
 
     logits, loss = jitted(h, target)
-    extra = _extra_storages(_saved(loss), [h, target, logits, loss, *model.parameters()])
+    extra = _extra_storages(saved_tensors(loss), [h, target, logits, loss, *model.parameters()])
     big = [b for b in extra.values() if b > n * dtype.itemsize]
     # the tanh activation the head's matmul reads (N, width) is the one larger tensor the forward must save
     assert big == [n * width * dtype.itemsize], (sorted(extra.values()), str(fulmen.last_traces(jitted)[-1]))
@@ -117,7 +104,7 @@ def test_lm_head_saves_no_more_than_eager():
     loss = jitted(h, target)
     torch.testing.assert_close(loss, e_loss)
     alive = [h, target, *params]
-    ours, eagers = _extra_storages(_saved(loss), alive), _extra_storages(eager_saved, alive)
+    ours, eagers = _extra_storages(saved_tensors(loss), alive), _extra_storages(eager_saved, alive)
     assert sum(ours.values()) <= sum(eagers.values()), (sorted(ours.values()), sorted(eagers.values()))
 
 
@@ -138,7 +125,7 @@ def test_a_returned_value_is_saved_rather_than_a_same_sized_one_computed_from_it
     torch.testing.assert_close(s, e_s)
     torch.testing.assert_close(torch.autograd.grad(s, (x, w)), torch.autograd.grad(e_s, (x, w)))
     y, s = jitted(x, w)
-    assert _extra_storages(_saved(s), [x, w, y, s]) == {}, str(fulmen.last_traces(jitted)[-1])
+    assert _extra_storages(saved_tensors(s), [x, w, y, s]) == {}, str(fulmen.last_traces(jitted)[-1])
 
 
 def test_a_saved_returned_value_modified_in_place_raises_rather_than_a_wrong_gradient():

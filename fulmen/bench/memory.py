@@ -41,6 +41,20 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
+
+def saved_tensors(out: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors fulmen's autograd nodes on ``out``'s history keep for the backward."""
+    found, stack, seen = [], [out.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if hasattr(node, "fulmen_saved"):
+            found += [t for t in (*node.saved_tensors, *(node.fulmen_saved or ())) if isinstance(t, torch.Tensor)]
+        stack += [n for n, _ in node.next_functions]
+    return found
+
 def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, inputs: tuple) -> list:
     tensors: list[torch.Tensor] = [*model.parameters(), *model.buffers()]
     tensors += [p.grad for p in model.parameters() if p.grad is not None]
