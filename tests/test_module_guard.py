@@ -205,3 +205,45 @@ def test_dict_versions_on_this_python_change_on_every_write_or_no_check_is_trust
         assert tree_guard.build([torch.nn.Linear(2, 2)])() is False
     else:
         assert tree_guard._versions_track_writes()
+
+
+def _scale_block_output(mod, args, out):
+    return (out[0] * 0.5, *out[1:]) if isinstance(out, tuple) else out * 0.5
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["block replaced in the ModuleList", "forward hook on a block", "layer-norm eps", "eval to train, no dropout"],
+)
+def test_a_hugging_face_model_checked_by_the_guard_tree_sees_each_change(change):
+    """The C++ guard tree (built after the tree stayed unchanged) lets a later call reuse the program only where the
+    slow path (a fresh snapshot) would: on Hugging Face's GPT-2, which nobody here wrote, each change is seen and
+    the outputs stay eager's."""
+    pytest.importorskip("transformers")
+    from fulmen.bench.hf import hf_model
+
+    importlib.import_module("torch._dynamo.guards")
+    model = hf_model("gpt2", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0).eval()
+    jm, ids = fulmen.jit(model, executors=["torch"]), torch.randint(0, 64, (2, 8))
+    handle = None
+    try:
+        with torch.no_grad():
+            for _ in range(tree_guard._STABLE_CALLS + 2):
+                out = jm(input_ids=ids, use_cache=False).logits
+            assert _uses_guard_tree(jm)
+            torch.testing.assert_close(out, model(input_ids=ids, use_cache=False).logits)
+            if change == "block replaced in the ModuleList":
+                model.transformer.h[1] = model.transformer.h[0]
+            elif change == "forward hook on a block":
+                handle = model.transformer.h[0].register_forward_hook(_scale_block_output)
+            elif change == "layer-norm eps":
+                model.transformer.ln_f.eps = 0.5
+            else:
+                model.train()
+            for _ in range(2):
+                torch.testing.assert_close(jm(input_ids=ids, use_cache=False).logits,
+                                           model(input_ids=ids, use_cache=False).logits)
+            assert fulmen.cache_misses(jm) == 2, "the change should have made the call compile again"
+    finally:
+        if handle is not None:
+            handle.remove()
