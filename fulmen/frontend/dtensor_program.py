@@ -38,6 +38,7 @@ from torch.nn.modules import module as nn_module
 from torch.utils._pytree import tree_flatten
 
 from fulmen.core.trace import Trace
+from fulmen.frontend import tree_guard
 from fulmen.frontend.aten_graph import TorchCalls
 from fulmen.frontend.attribute_lookup import is_user_file
 from fulmen.frontend.cache import global_state_key
@@ -200,6 +201,9 @@ class DTensorProgram:
         self.executors = executors
         self.options = options
         self._cache: dict[Any, list[_Compiled]] = {}
+        # the last _module_scan, reused while the tree's dictionaries and classes are unchanged (tree_guard)
+        self._scan: tuple[dict[str, torch.Tensor], tuple] | None = None
+        self._scan_holds: Callable[[], bool] = tree_guard.never
         self._stats = DTensorStats()
         log.info(
             "fulmen: %s holds DTensors (%s): fulmen compiles its DTensor program traced into local tensors and "
@@ -217,8 +221,12 @@ class DTensorProgram:
         """The tensors the program takes besides the arguments: the parameters, the buffers and the submodules'
         tensor attributes that are neither (a mask or a table set as ``self.mask = torch...``): passed as inputs like
         the parameters, so a later call sees their current values instead of the ones traced; and the submodules'
-        facts (``_module_scan``)."""
-        attributes, facts = _module_scan(self.module)
+        facts (``_module_scan``). The scan reads only what the tree's dictionaries and classes hold, so it is taken
+        again only when ``tree_guard``'s check of them fails (the check is built before the scan reads the tree)."""
+        if not self._scan_holds():
+            holds = tree_guard.build(list(self.module.modules()), self._scan_holds)
+            self._scan, self._scan_holds = _module_scan(self.module), holds
+        attributes, facts = self._scan
         state = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers()), **attributes}
         return state, facts
 
