@@ -8,7 +8,7 @@ calls is kept as its ``subsymbols``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
 
@@ -80,6 +80,10 @@ class Symbol:
     #: a view op whose outputs alias its input even where the meta tensors' do not say so
     always_alias: bool = False
     doc: str = ""  # one line: what the operation computes
+    #: the symbol generated code calls for this one, by the executor that made it (``execution_symbol``): kept on
+    #: the symbol, so it dies with it (symbols made per call come and go, and a map keyed by ``id`` would hand a
+    #: new one at a reused address a dead one's implementation)
+    execution_symbols: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         if self.id is None:

@@ -211,7 +211,6 @@ class OpMapExecutor(OperatorExecutor):
     def __init__(self, name: str, op_map: Mapping[Any, tuple[str, Callable | None, Callable]]):
         super().__init__(name, version="op_map")
         self._ops: dict[Any, tuple[str, Callable]] = {}
-        self._exec_symbols: dict[int, Symbol] = {}
         for sym_id, entry in op_map.items():
             if isinstance(sym_id, Symbol):
                 sym_id = sym_id.id
@@ -238,14 +237,14 @@ class OpMapExecutor(OperatorExecutor):
 
     def execution_symbol(self, bsym: BoundSymbol) -> Symbol:
         sym = bsym.sym
-        cached = self._exec_symbols.get(id(sym))
+        cached = sym.execution_symbols.get(self)
         if cached is None:
             impl_name, fn = self._ops[sym.id]
             impl = checked_implementation(fn, executor=self.name, symbol=impl_name, meta=sym.meta,
                                           corrects=sym.name if _own_meta(sym) else None)
             cached = Symbol(name=impl_name, id=f"{self.name}:{impl_name}", meta=sym.meta, is_prim=True, impl=impl,
                             executor=self, tags=sym.tags)
-            self._exec_symbols[id(sym)] = cached
+            sym.execution_symbols[self] = cached
         return cached
 
 

@@ -22,7 +22,6 @@ register_namespace("torchex", torchex_namespace)
 class TorchExecutor(OperatorExecutor):
     def __init__(self):
         super().__init__("torch", version="builtin")
-        self._exec_symbols: dict[int, Symbol] = {}
 
     def can_execute(self, bsym: BoundSymbol) -> bool:
         sym = bsym.sym
@@ -38,9 +37,9 @@ class TorchExecutor(OperatorExecutor):
             return super().execution_symbol(bsym)
         if sym.executor is self:
             return sym
-        cached = self._exec_symbols.get(id(sym))
+        cached = sym.execution_symbols.get(self)
         if cached is None:
-            cached = self._exec_symbols[id(sym)] = self._make_exec_symbol(sym)
+            cached = sym.execution_symbols[self] = self._make_exec_symbol(sym)
         return cached
 
     def _make_exec_symbol(self, sym: Symbol) -> Symbol:
