@@ -66,6 +66,13 @@ def data_dependent_error(what: str, proxy: TensorProxy) -> DataDependentError:
     )
 
 
+def _memory_unknown(what: str, proxy: TensorProxy) -> NotImplementedError:
+    return NotImplementedError(
+        f"{what} of {proxy.name} ({proxy.type_string()}) is read inside a function fulmen traces.\n"
+        f"  at {_user_location()}\nA traced tensor has no memory while fulmen traces the program, and it stands for "
+        "every later call's tensor, each in its own memory. Read it outside the compiled function.")
+
+
 class Proxy:
     """Base class of everything that stands for a value in a trace; it has a unique ``name``.
 
@@ -128,9 +135,8 @@ class TensorProxy(Proxy, torch.Tensor):
     takes the branch it takes in eager. Every torch function, ``Tensor`` method and property that this class does
     not define itself reaches ``__torch_function__``, which routes it to the torch language; nothing reaches an
     aten kernel (``__torch_dispatch__`` raises). The metadata fulmen reads constantly is held in slots that shadow
-    ``torch.Tensor``'s, so reading it never leaves Python. ``device`` is fulmen's ``Device``: a ``str`` with
-    ``.type`` and ``.index`` that compares equal to the ``torch.device`` it names and that every torch factory and
-    ``torch.device(...)`` accept (``torch.device`` cannot be subclassed).
+    ``torch.Tensor``'s, so reading it never leaves Python. ``device`` is the canonical ``torch.device``
+    (``fulmen.core.devices.to_device``), the object eager's ``Tensor.device`` would be.
     """
 
     __slots__ = ("name", "shape", "dtype", "device", "requires_grad", "_latest", "_view_of", "_views", "_origin",
@@ -143,7 +149,7 @@ class TensorProxy(Proxy, torch.Tensor):
         like: TensorProxy | torch.Tensor | None = None,
         shape: tuple[int, ...] | torch.Size | None = None,
         dtype: torch.dtype | None = None,
-        device: Device | str | torch.device | None = None,
+        device: str | torch.device | None = None,
         requires_grad: bool | None = None,
         prefix: str = "t",
     ):
@@ -157,7 +163,7 @@ class TensorProxy(Proxy, torch.Tensor):
         shape = shape if type(shape) is torch.Size else torch.Size(shape)
         dtype = dtypes.to_torch_dtype(dtype)
         device = to_device(device)
-        self = _make_wrapper(cls, shape, dtype=dtype, device=device._torch)
+        self = _make_wrapper(cls, shape, dtype=dtype, device=device)
         self.name = _new_name(self, name, prefix)
         self.shape = shape
         self.dtype = dtype
@@ -260,7 +266,12 @@ class TensorProxy(Proxy, torch.Tensor):
 
     @property
     def grad_fn(self):
-        return None
+        # eager: None for a leaf, an autograd node otherwise (user code branches on `t.grad_fn is None`)
+        return None if self.is_leaf else TracedGradFn(self)
+
+    @property
+    def retains_grad(self) -> bool:
+        return False  # Tensor.retain_grad() is refused while tracing (fulmen.torch.hooks)
 
     @property
     def _is_param(self) -> bool:  # read by nn.Parameter's isinstance check (and its path for tensor subclasses)
@@ -277,8 +288,9 @@ class TensorProxy(Proxy, torch.Tensor):
 
     @property
     def is_leaf(self) -> bool:
-        # as autograd: a tensor that does not require grad, or one that requires it and was given as a leaf
-        return not self.requires_grad or self._origin == "input-leaf"
+        # as autograd: a tensor that does not require grad, one that requires it and was given as a leaf, or a view
+        # made under no_grad (which keeps its base's requires_grad)
+        return not self.requires_grad or self._origin in ("input-leaf", "no-grad-view")
 
     # ---- aliasing and in-place state: read by the torch language and the frontend, changed only through these ----
     # (read-only properties whose getter is C code: reading one costs no Python frame, and tracing reads them often)
@@ -294,8 +306,9 @@ class TensorProxy(Proxy, torch.Tensor):
     )
     origin = property(
         attrgetter("_origin"),
-        doc='"input-leaf" (an input autograd sees as a leaf), "multi-output-view" (an output of split, chunk, '
-        "unbind made under grad mode) or None.",
+        doc='"input-leaf" (an input autograd sees as a leaf), "input" (another input), "multi-output-view" (an '
+        'output of split, chunk, unbind made under grad mode), "no-grad-view" (a view made under no_grad of a '
+        "tensor that requires grad) or None.",
     )
     lazy_bits = property(
         attrgetter("_lazy_bits"),
@@ -305,9 +318,16 @@ class TensorProxy(Proxy, torch.Tensor):
     def mark_input(self, *, leaf: bool, param: bool) -> None:
         """This proxy is an input of the program: ``leaf`` an autograd leaf that requires grad, ``param`` an
         ``nn.Parameter`` (so ``isinstance(p, nn.Parameter)`` holds, as in eager)."""
-        if leaf:
-            self._origin = "input-leaf"
+        self._origin = "input-leaf" if leaf else "input"
         self._param = param
+
+    def mark_no_grad_result(self) -> None:
+        """This value was made under no_grad: eager gives it ``requires_grad=False``, except a view, which keeps its
+        base's and is a leaf."""
+        if self._view_of is None:
+            self.requires_grad = False
+        elif self.requires_grad and self._origin is None:
+            self._origin = "no-grad-view"
 
     def mark_multi_output_view(self) -> None:
         """This value is a view returned by an op returning several (autograd refuses in-place writes to it)."""
@@ -358,6 +378,17 @@ class TensorProxy(Proxy, torch.Tensor):
 
     def numpy(self, *args, **kwargs):
         _data_dependent("Tensor.numpy()", self)
+
+    def data_ptr(self):
+        raise _memory_unknown("Tensor.data_ptr()", self)
+
+    def untyped_storage(self):
+        raise _memory_unknown("Tensor.untyped_storage()", self)
+
+    def storage(self):
+        raise _memory_unknown("Tensor.storage()", self)
+
+    _typed_storage = storage
 
     def __array__(self, *args, **kwargs):
         _data_dependent("converting a tensor to a NumPy array (np.asarray(tensor))", self)
@@ -585,6 +616,30 @@ def _unsupported(name: str):
     return call
 
 
+class TracedGradFn:
+    """``t.grad_fn`` of a traced tensor that is not a leaf: not None, as in eager, but the autograd node itself
+    does not exist while tracing, so reading anything from it raises an error naming the user's line."""
+
+    __slots__ = ("_proxy",)
+
+    def __init__(self, proxy: TensorProxy):
+        self._proxy = proxy
+
+    def __getattr__(self, name: str):
+        p = self._proxy
+        raise NotImplementedError(
+            f"Tensor.grad_fn.{name} of {p.name} ({p.type_string()}) is read inside a function fulmen traces.\n"
+            f"  at {_user_location()}\nThe autograd graph of a traced tensor is built when the compiled program "
+            "runs, not while fulmen traces it; only `t.grad_fn is None` (whether the tensor has a history) is known. "
+            "Read the autograd node outside the compiled function, from a returned tensor.")
+
+    def __call__(self, *args, **kwargs):
+        return self.__getattr__("__call__")
+
+    def __repr__(self) -> str:
+        return f"<traced grad_fn of {self._proxy.name}>"
+
+
 def is_proxy(x: Any) -> bool:
     return isinstance(x, Proxy)
 
@@ -645,6 +700,35 @@ def call_with_out(fn, func, args: tuple, kwargs: dict) -> Any:
         return type(result)(outs)
     if hasattr(result, "_fields"):
         return type(result)(*outs)
+    return out
+
+
+def call_with_device_views(fn, args: tuple, kwargs: dict) -> Any:
+    """``fn(*args, **kwargs)`` (an executor's checker) with the ``device`` of each proxy in the arguments shown as
+    fulmen's ``Device``, the form Thunder's executor API reads (``a.device.devicetype == DeviceType.CPU``); it
+    compares equal to the ``torch.device`` the proxy holds, which user code and the rest of fulmen see."""
+    held = _tensor_proxies_in((args, kwargs), [])
+    if not held:
+        return fn(*args, **kwargs)
+    devs = [p.device for p in held]
+    try:
+        for p, d in zip(held, devs):
+            p.device = Device(d)
+        return fn(*args, **kwargs)
+    finally:
+        for p, d in zip(held, devs):
+            p.device = d
+
+
+def _tensor_proxies_in(x: Any, out: list) -> list:
+    if isinstance(x, TensorProxy):
+        out.append(x)
+    elif isinstance(x, (tuple, list)):
+        for v in x:
+            _tensor_proxies_in(v, out)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _tensor_proxies_in(v, out)
     return out
 
 

@@ -80,7 +80,21 @@ def record(trace: Trace, sym: Symbol, args: tuple, kwargs: dict) -> BoundSymbol:
     scopes[-1].append(bsym)
     if sym.post_hook is not None:
         sym.post_hook(bsym)
+    if bsym.no_grad and len(scopes) == 1:  # a call the user's code made (its views are linked by now)
+        _mark_no_grad_results(bsym)
     return bsym
+
+
+def _mark_no_grad_results(bsym: BoundSymbol) -> None:
+    """The values an op made under no_grad require grad as eager's do (``TensorProxy.mark_no_grad_result``); an
+    output that is one of its arguments (``x.contiguous()`` returning ``x``, an in-place op) keeps its own."""
+    outs = bsym.flat_proxy_outs
+    if not outs:
+        return
+    args = bsym.flat_args
+    for o in outs:
+        if isinstance(o, TensorProxy) and o.requires_grad and not any(o is a for a in args):
+            o.mark_no_grad_result()
 
 
 def resolve_latest(x: Any) -> Any:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fulmen.core.proxies import Proxy, TensorProxy
+from fulmen.core.proxies import Proxy, TensorProxy, call_with_device_views
 from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 from fulmen.core.trace import Trace, tracectx
 from fulmen.transforms import grad_table
@@ -135,7 +135,7 @@ class OperatorExecutor(Executor):
         if info.checker is None:
             return True
         try:
-            return bool(info.checker(*bsym.args, **bsym.kwargs))
+            return bool(call_with_device_views(info.checker, bsym.args, bsym.kwargs))
         except Exception as e:
             raise ExecutorError(f"the checker of executor {self.name!r} for {bsym.sym.qualified_name} raised "
                                 f"{type(e).__name__}: {e}\n  while checking: {bsym.python_lines()[0]}") from e

@@ -169,7 +169,7 @@ def _code_key(fn: Callable, source: str, names: set[str]) -> tuple:
     return ("\n".join(lines), objects)
 
 
-_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)  # fulmen's Device is a str
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
 class _Symbolic(Exception):

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from fulmen.core.devices import Device
 from fulmen.core.proxies import Proxy, TensorProxy
 from fulmen.frontend.cache import OBJECT, _slots, is_holder, is_tensor_key, member_names, member_values, value_key
 
@@ -273,8 +272,6 @@ class _Templates:
         if i is not None:
             self.holders_used.add(i)
             return ("holder", i)
-        if isinstance(v, Device):  # a traced tensor's device: eager leaves the torch.device a tensor's .device is
-            return ("constant", torch.device(str(v)))
         if isinstance(v, Proxy):
             raise NotImplementedError(f"fulmen.jit: the function left a traced {type(v).__name__} in an object; "
                                       "fulmen can keep traced tensors in objects, not other traced values")

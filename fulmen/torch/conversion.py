@@ -7,6 +7,7 @@ the result updates the input); ``copy=True`` always gives a new tensor.
 from __future__ import annotations
 
 import builtins
+import functools
 
 import torch
 
@@ -103,16 +104,16 @@ def cuda(a, device=None, non_blocking: builtins.bool = False, memory_format=torc
     return _convert(a, None, target, False, memory_format)
 
 
-_LEGACY_NAMES = {
-    torch.float32: "FloatTensor", torch.float64: "DoubleTensor", torch.float16: "HalfTensor",
-    torch.bfloat16: "BFloat16Tensor", torch.int64: "LongTensor", torch.int32: "IntTensor", torch.int16: "ShortTensor",
-    torch.int8: "CharTensor", torch.uint8: "ByteTensor", torch.bool: "BoolTensor",
-}
+_LEGACY_NAMES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+                 torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
 
 
+@functools.cache
 def _legacy_type_name(dtype: torch.dtype, device_type: str) -> str:
-    prefix = "torch.cuda." if device_type == "cuda" else "torch."
-    return prefix + _LEGACY_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+    """``Tensor.type()``: torch's own name for the dtype (``torch.ComplexFloatTensor``), ``torch.cuda.`` on CUDA."""
+    with torch._C.DisableTorchFunction():  # a real CPU tensor of no elements, made outside the tracer
+        name = torch.empty(0, dtype=dtype).type()
+    return name.replace("torch.", "torch.cuda.", 1) if device_type == "cuda" else name
 
 
 def _type(a, dtype=None, non_blocking: builtins.bool = False, **kwargs):

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from fulmen import clang, prims
-from fulmen.core.proxies import TensorProxy
+from fulmen.core.proxies import TensorProxy, _user_location
 from fulmen.core.symbol import BoundSymbol, Symbol
 from fulmen.core.utils import canonicalize_dim, contiguous_strides
 from fulmen.torch.registry import link_views, register_function, set_lazy_bits, torchsymbol, with_lazy_bits
@@ -61,8 +61,31 @@ def is_contiguous(a: TensorProxy, memory_format: torch.memory_format = torch.con
             memory_format=memory_format)
 
 
+def dim_order(a: TensorProxy, *, ambiguity_check: bool | list = False) -> tuple[int, ...]:
+    """``Tensor.dim_order()`` of the tensor ``a`` stands for, decided by torch from its sizes and strides."""
+    with torch._C.DisableTorchFunction():
+        return torch.empty_strided(tuple(a.shape), strides_of(a), device="meta").dim_order(
+            ambiguity_check=ambiguity_check)
+
+
+def storage_offset(a: TensorProxy) -> int:
+    """``Tensor.storage_offset()``: 0 for a tensor the program computes; for an input (whose offset a later call's
+    tensor need not share: the cache does not key on it) or a view (whose offset fulmen does not track), an error
+    naming the user's line rather than a made-up offset."""
+    if a.view_of is None and a.origin not in ("input", "input-leaf"):
+        return 0
+    what = "a program input" if a.view_of is None else "a view"
+    raise NotImplementedError(
+        f"Tensor.storage_offset() of {a.name} ({a.type_string()}), {what}, is read inside a function fulmen "
+        f"traces.\n  at {_user_location()}\nfulmen does not know where a traced input or view starts in its "
+        "storage. Pass the offset in as an argument (x.storage_offset() read outside the compiled function), or "
+        "index the tensor instead of using offsets into its storage.")
+
+
 register_function((torch.Tensor.stride,), stride, method_names=("stride",))
 register_function((torch.Tensor.is_contiguous,), is_contiguous, method_names=("is_contiguous",))
+register_function((torch.Tensor.dim_order,), dim_order, method_names=("dim_order",))
+register_function((torch.Tensor.storage_offset,), storage_offset, method_names=("storage_offset",))
 
 
 def memory_order(p: TensorProxy) -> list[int] | None:

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten
 from fulmen import clang
 from fulmen.core import dtypes
 from fulmen.core.codeutils import outputs_of
-from fulmen.core.proxies import Proxy, TensorProxy
+from fulmen.core.proxies import Proxy, TensorProxy, call_with_device_views
 from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 from fulmen.core.trace import get_tracectx
 from fulmen.core.utils import check
@@ -307,8 +307,8 @@ class _Linearizer:
                   lambda: f"{bsym.sym.id!r} has a registered augmented forward or backward but not both; register "
                   "both with register_augmented_forward and register_backward", RuntimeError)
         elif entry.checker is not None:
-            accepted = entry.checker(RuleArgs(bsym)) if conv is Convention.RULE_ARGS else entry.checker(
-                *bsym.args, **bsym.kwargs)
+            accepted = entry.checker(RuleArgs(bsym)) if conv is Convention.RULE_ARGS else call_with_device_views(
+                entry.checker, bsym.args, bsym.kwargs)
             if not accepted:
                 return None
         return self._by_transform(bsym, entry)
