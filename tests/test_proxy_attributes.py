@@ -317,3 +317,22 @@ def test_executor_checker_sees_devicetype_and_user_code_a_torch_device():
     x = torch.ones(2)
     torch.testing.assert_close(fulmen.jit(f, executors=[ex, "torch"])(x), f(x))
     assert seen and all(seen)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("spec", ["cuda", "cuda:0", 0], ids=["cuda", "cuda:0", "ordinal"])
+def test_cuda_devices_match_eager(spec):
+    def f(x, seen):
+        seen.append(_device_facts(x.device))
+        y = torch.zeros(2, device=spec) + x
+        seen.append(_device_facts(y.device))
+        seen.append((x.get_device(), x.is_cuda, x.type()))
+        return y
+
+    x = torch.ones(2, device="cuda")
+    eager: list = []
+    traced: list = []
+    expected = f(x, eager)
+    got = _jit(lambda t: f(t, traced))(x)
+    assert traced == eager
+    torch.testing.assert_close(got, expected)

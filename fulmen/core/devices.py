@@ -110,4 +110,15 @@ class Device(str):
     __hash__ = str.__hash__
 
 
+_views: dict = {}
+
+
+def device_view(d: torch.device) -> Device:
+    """The ``Device`` naming the canonical device ``d`` (one shared object per device)."""
+    view = _views.get(d)
+    if view is None:
+        view = _views[d] = Device(d)
+    return view
+
+
 cpu = to_device("cpu")

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from fulmen.core import dtypes, langctx
-from fulmen.core.devices import Device, to_device
+from fulmen.core.devices import device_view, to_device
 from fulmen.core.tracectx import current
 
 
@@ -713,7 +713,7 @@ def call_with_device_views(fn, args: tuple, kwargs: dict) -> Any:
     devs = [p.device for p in held]
     try:
         for p, d in zip(held, devs):
-            p.device = Device(d)
+            p.device = device_view(d)
         return fn(*args, **kwargs)
     finally:
         for p, d in zip(held, devs):

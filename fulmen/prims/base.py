@@ -7,7 +7,6 @@ from enum import Enum, auto
 
 import torch
 
-from fulmen.core.devices import Device
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import OpTags, Symbol
 from fulmen.core.symbolic import INT_TYPES, NUMBER_TYPES
@@ -112,7 +111,7 @@ def tensor_args(*args) -> list[TensorProxy]:
     return [a for a in args if isinstance(a, TensorProxy)]
 
 
-def same_shape_device(op: str, *args) -> tuple[torch.Size, Device]:
+def same_shape_device(op: str, *args) -> tuple[torch.Size, torch.device]:
     """Elementwise prims take tensors of one shape on one device (clang broadcasts before calling them)."""
     tensors = tensor_args(*args)
     check(tensors, lambda: f"prims.{op} expects at least one tensor", TypeError)

@@ -7,7 +7,7 @@ from numbers import Number
 import torch
 
 from fulmen.core import dtypes
-from fulmen.core.devices import Device, to_device, to_torch_device
+from fulmen.core.devices import to_device, to_torch_device
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import OpTags
 from fulmen.core.symbolic import INT_TYPES
@@ -56,7 +56,7 @@ def _creation_meta(op):
     return meta
 
 
-def _torch_full(shape, fill_value, *, device: Device, dtype):
+def _torch_full(shape, fill_value, *, device: torch.device, dtype):
     return torch.full(tuple(shape), fill_value, device=to_torch_device(device), dtype=dtype)
 
 

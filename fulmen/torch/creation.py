@@ -30,7 +30,7 @@ import torch
 from fulmen import clang, prims
 from fulmen.clang import TypePromotion, maybe_convert_to_dtype
 from fulmen.core import dtypes
-from fulmen.core.devices import Device, to_device
+from fulmen.core.devices import to_device
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import OpTags
 from fulmen.core.symbolic import INT_TYPES, SYMBOLIC_NUMBERS
@@ -55,7 +55,7 @@ _RANDOM = (OpTags.CREATION, OpTags.RANDOM_OP)
 # shared argument handling
 
 
-def _device(device, like: TensorProxy | None = None) -> Device:
+def _device(device, like: TensorProxy | None = None) -> torch.device:
     if device is None:
         if like is not None:
             return like.device
