@@ -336,3 +336,36 @@ def test_cuda_devices_match_eager(spec):
     got = _jit(lambda t: f(t, traced))(x)
     assert traced == eager
     torch.testing.assert_close(got, expected)
+
+
+VIEWS_CHANGING_NOTHING = {
+    "view": lambda x: x.view(x.shape),
+    "reshape": lambda x: x.reshape(x.shape),
+    "squeeze": lambda x: x.squeeze(),
+    "expand": lambda x: x.expand(x.shape),
+    "permute": lambda x: x.permute(0, 1),
+    "transpose": lambda x: x.transpose(0, 0),
+    "narrow": lambda x: x.narrow(0, 0, x.shape[0]),
+    "chunk": lambda x: x.chunk(1)[0],
+    "flatten": lambda x: x.flatten(1, 1),  # eager returns the input itself here
+}
+
+
+@pytest.mark.parametrize("view", VIEWS_CHANGING_NOTHING.values(), ids=VIEWS_CHANGING_NOTHING.keys())
+def test_view_changing_nothing_is_a_new_tensor_as_in_eager(view):
+    def f(x, seen):
+        seen.append(view(x) is x)
+        with torch.no_grad():
+            v = view(x)  # eager: a new tensor, a leaf through which no gradient reaches x (unless it is x)
+        return (v * 7 * x).sum()
+
+    x = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
+    eager: list = []
+    traced: list = []
+    expected = f(x, eager)
+    (g_eager,) = torch.autograd.grad(expected, x)
+    got = _jit(lambda t: f(t, traced))(x)
+    (g_fulmen,) = torch.autograd.grad(got, x)
+    assert traced == eager
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(g_fulmen, g_eager)

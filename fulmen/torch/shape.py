@@ -113,7 +113,8 @@ def reshape_as(a, other):
     return clang.reshape(a, clang.infer_shape(other.shape, a.numel()))
 
 
-@view_symbol(torch.Tensor.flatten, torch.flatten, id="torch.flatten", method_name="flatten", tags=_SHAPE)
+@view_symbol(torch.Tensor.flatten, torch.flatten, id="torch.flatten", method_name="flatten", tags=_SHAPE,
+             may_return_input=True)
 def flatten(a, start_dim: int = 0, end_dim: int = -1):
     _check_tensor(a, "flatten")
     if a.ndim == 0:

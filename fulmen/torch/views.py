@@ -9,6 +9,7 @@ elementwise results take their inputs' layout (``follow_input_layout``).
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Sequence
 
@@ -212,15 +213,37 @@ def check_viewable(fn, a: TensorProxy, *args, **kwargs) -> None:
         _on_meta(fn, (a, *args), kwargs)
 
 
-def view_symbol(*torch_fns, meta_fn=None, always_alias: bool = False, unview=None, **kwargs):
+def _new_tensor(fn):
+    """``fn`` whose result is never its input itself: eager's view ops return a new tensor even when nothing
+    changes (``x.view(x.shape) is x`` is False), which under no_grad is a leaf that stops gradients to ``x``."""
+
+    @functools.wraps(fn)
+    def meta(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        a = args[0] if args else None
+        if not isinstance(a, TensorProxy):
+            return out
+        if out is a:
+            return prims.reshape(a, tuple(a.shape))
+        if isinstance(out, (tuple, list)) and any(o is a for o in out):
+            return type(out)(prims.reshape(a, tuple(a.shape)) if o is a else o for o in out)
+        return out
+
+    return meta
+
+
+def view_symbol(*torch_fns, meta_fn=None, always_alias: bool = False, unview=None, may_return_input: bool = False,
+                **kwargs):
     """``torchsymbol(..., is_view=True)`` whose outputs alias the input exactly when eager's do.
 
     ``unview(new value of the view)`` gives the new value of the whole input, for views that a write cannot be
-    scattered through element by element (a view with another dtype, as ``view_as_real``'s).
+    scattered through element by element (a view with another dtype, as ``view_as_real``'s). The result is a new
+    tensor, never the input itself, unless ``may_return_input`` (eager's ``flatten`` returns its input when there is
+    nothing to flatten).
     """
 
     def decorator(fn) -> Symbol:
-        sym = torchsymbol(*torch_fns, is_view=True, **kwargs)(fn)
+        sym = torchsymbol(*torch_fns, is_view=True, **kwargs)(fn if may_return_input else _new_tensor(fn))
         sym.post_hook = _view_hook if unview is None else lambda bsym: _view_hook(bsym, unview)
         sym.view_meta_fn, sym.always_alias = meta_fn, always_alias
         return sym
