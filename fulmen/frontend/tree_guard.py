@@ -90,6 +90,9 @@ _expectations: dict[int, list[weakref.ref]] = {}  # id(dict) -> the _Expected of
 _lock = threading.Lock()
 
 
+MISSING_KEY = object()  # swap_owned's "no such key"
+
+
 def mark_owned(mod: nn.Module, dict_name: str) -> None:
     """Compiled programs write ``mod``'s ``dict_name`` (``"__dict__"`` or ``"_buffers"``) on every call."""
     with _lock:
@@ -97,20 +100,38 @@ def mark_owned(mod: nn.Module, dict_name: str) -> None:
 
 
 class _Expected:
-    """What a guard expects an owned dictionary to hold: its keys in order and each value by identity."""
+    """What a guard expects an owned dictionary to hold: its keys in order and each value by identity. ``state``
+    is one attribute, replaced whole when fulmen adds or removes a key (``swap_owned``), so a check in another
+    thread never pairs the keys of one state with the values of another."""
 
-    __slots__ = ("d", "keys", "values", "index", "__weakref__")
+    __slots__ = ("d", "state", "__weakref__")
 
     def __init__(self, d: dict):
         items = tuple(d.items())  # one read under the GIL
         self.d = d
-        self.keys = tuple(k for k, _ in items)
-        self.values = [v for _, v in items]
-        self.index = {k: i for i, k in enumerate(self.keys)}
+        keys = tuple(k for k, _ in items)
+        self.state = (keys, [v for _, v in items], {k: i for i, k in enumerate(keys)})
 
     def holds(self) -> bool:
+        keys, values, _ = self.state
         d = self.d
-        return tuple(d) == self.keys and all(map(operator.is_, d.values(), self.values))
+        return tuple(d) == keys and all(map(operator.is_, d.values(), values))
+
+    def wrote(self, key: str, value: Any) -> None:
+        """``d[key] = value`` happened, as a dict does it: an existing key keeps its place, a new one goes last."""
+        keys, values, index = self.state
+        i = index.get(key)
+        if i is not None:
+            values[i] = value
+        else:
+            self.state = (keys + (key,), [*values, value], {**index, key: len(keys)})
+
+    def removed(self, key: str) -> None:
+        keys, values, index = self.state
+        i = index.get(key)
+        if i is not None:
+            keys = keys[:i] + keys[i + 1 :]
+            self.state = (keys, values[:i] + values[i + 1 :], {k: j for j, k in enumerate(keys)})
 
 
 def _expect(d: dict) -> _Expected:
@@ -122,20 +143,46 @@ def _expect(d: dict) -> _Expected:
     return expected
 
 
+def _expecting(d: dict) -> list[_Expected]:
+    """The live guards' expectations of ``d`` (call with ``_lock`` held)."""
+    found = []
+    for ref in _expectations.get(id(d), ()):
+        expected = ref()
+        if expected is not None and expected.d is d:
+            found.append(expected)
+    return found
+
+
 def write_owned(d: dict, key: str, value: Any) -> None:
     """``d[key] = value`` by fulmen on a call, told to the guards that compare ``d`` by content. Stored first: a
     write by another thread after it makes ``d`` differ from what they expect, and one before it is overwritten,
-    as the eager call would overwrite it."""
+    as the eager call would overwrite it. Only keys the guards already expect: a new key fails them."""
     d[key] = value
-    refs = _expectations.get(id(d))
-    if refs:
+    if _expectations.get(id(d)):
         with _lock:
-            for ref in refs:
-                expected = ref()
-                if expected is not None and expected.d is d:
-                    i = expected.index.get(key)
-                    if i is not None:
-                        expected.values[i] = value
+            for expected in _expecting(d):
+                if key in expected.state[2]:
+                    expected.wrote(key, value)
+
+
+def swap_owned(d: dict, key: str, value: Any) -> Any:
+    """Put ``value`` in ``d[key]`` for a while (``MISSING_KEY``: remove the key), fulmen's write that its guards
+    expect, and return what ``d`` held there (``MISSING_KEY`` for nothing), to be put back the same way. Unlike
+    ``write_owned``, the value replaced is not fulmen's own: a guard that did not expect ``d`` as it was (a user
+    wrote it since the guard was built) is not told, so it still fails and the change is looked at."""
+    with _lock:
+        holding = [e for e in _expecting(d) if e.holds()]
+        before = d.get(key, MISSING_KEY)
+        if value is MISSING_KEY:
+            d.pop(key, None)
+        else:
+            d[key] = value
+        for expected in holding:
+            if value is MISSING_KEY:
+                expected.removed(key)
+            else:
+                expected.wrote(key, value)
+    return before
 
 
 # ---- the check ----
