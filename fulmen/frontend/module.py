@@ -354,7 +354,7 @@ class _Router(module_guard.StandIn):
         self.depth = 0  # routed method calls in progress (in any thread)
         self.saved = tree_guard.MISSING_KEY  # what the module's __dict__ held as "forward" before
         self.__signature__ = inspect.signature(self.target())
-        tree_guard.mark_owned(program.module, "__dict__")  # checks built from now on compare it by content
+        tree_guard.mark_swapped(program.module, "__dict__")  # checks built from now on learn each swap's version
 
     def stands_for(self) -> Any:
         return self.saved
