@@ -11,6 +11,7 @@ Tiny random configs, float32, the torch executor. Gradients: the same tolerances
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ pytest.importorskip("transformers")
 import transformers  # noqa: E402
 
 import fulmen  # noqa: E402
+from fulmen.frontend import module_guard  # noqa: E402
 
 NEW_TOKENS = 8
 # the prompt; one program, with the cache length symbolic, for every decode step
@@ -160,3 +162,56 @@ def test_a_cache_passed_back_in_is_updated_in_place_and_gradients_flow_through_b
     torch.testing.assert_close(got_2.loss, want_2.loss, rtol=1e-5, atol=1e-5)
     for (name, p), q in zip(reference.named_parameters(), model.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-5 * p.grad.abs().max().item(), msg=name)
+
+
+def _negated_logits(model):
+    """A forward set on the instance, as users patch models: the class's, with the logits negated (so that greedy
+    decoding picks other tokens)."""
+    forward = type(model).forward.__get__(model)
+
+    @functools.wraps(forward)  # generate() reads the signature
+    def negated(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        out.logits = -out.logits
+        return out
+
+    return negated
+
+
+def test_generate_walks_the_module_tree_only_on_its_first_call(monkeypatch):
+    """Routing the model's forward to the program for generate() is a write the module guard owns: later generate()
+    calls find the tree unchanged and take no new snapshot."""
+    model = _llama().eval()
+    jitted = fulmen.jit(model, executors=["torch"])
+    walks = []
+    watch = module_guard.watch
+    monkeypatch.setattr(module_guard, "watch", lambda *a: walks.append(1) or watch(*a))
+    for i in range(3):
+        want, got = _generate(model, jitted, do_sample=False)
+        assert torch.equal(got, want), (got, want)
+        if i == 0:
+            assert walks, "the first generate() sees the tree"
+            walks.clear()
+    assert walks == [], "later generate() calls walked the module tree"
+    assert "forward" not in vars(model)
+    assert fulmen.cache_misses(jitted) == COMPILATIONS
+
+
+@pytest.mark.parametrize("when", ["before the first generate", "between generates"])
+def test_a_forward_set_on_the_model_is_what_jitted_generate_runs(when):
+    """Eager generate() calls the instance's own forward where there is one; so does the routed program, wherever
+    the write happens, and after ``del model.forward`` the class's again."""
+    model = _llama().eval()
+    reference = copy.deepcopy(model)
+    jitted = fulmen.jit(model, executors=["torch"])
+    plain = None
+    if when == "between generates":
+        plain, got = _generate(reference, jitted, do_sample=False)
+        assert torch.equal(got, plain)
+    model.forward, reference.forward = _negated_logits(model), _negated_logits(reference)
+    want, got = _generate(reference, jitted, do_sample=False)
+    assert torch.equal(got, want), (got, want)
+    del model.forward, reference.forward
+    again, got = _generate(reference, jitted, do_sample=False)
+    assert torch.equal(got, again), (got, again)
+    assert not torch.equal(want, again), "the user's forward should change the tokens (else this test cannot fail)"

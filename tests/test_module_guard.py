@@ -247,3 +247,27 @@ def test_a_hugging_face_model_checked_by_the_guard_tree_sees_each_change(change)
     finally:
         if handle is not None:
             handle.remove()
+
+
+@pytest.mark.parametrize("calls", [2, tree_guard._STABLE_CALLS + 2])
+def test_fulmens_swaps_of_a_key_pass_the_check_and_a_users_write_does_not(calls):
+    """``swap_owned`` (generate's router putting ``forward`` in a model's ``__dict__`` and removing it) leaves the
+    checks that held passing; a user's write before, between or after fulmen's swaps still fails them."""
+    importlib.import_module("torch._dynamo.guards")  # the C++ guard tree is built after _STABLE_CALLS
+    m = _Net()
+    tree_guard.mark_swapped(m, "__dict__")
+    for user_write in (None, "before", "between"):
+        check = tree_guard.build(list(m.modules()))
+        for _ in range(calls):
+            assert check()
+        if user_write == "before":
+            m.scale = 7.0
+        saved = tree_guard.swap_owned(vars(m), "forward", _tanh_hook)
+        assert saved is tree_guard.MISSING_KEY and vars(m)["forward"] is _tanh_hook
+        if user_write == "between":
+            m.scale = 8.0
+        assert check() is (user_write is None)
+        tree_guard.swap_owned(vars(m), "forward", saved)
+        assert "forward" not in vars(m)
+        assert check() is (user_write is None)
+    assert check.tree is None or all(d is not vars(m) for i, d in enumerate(check.dicts) if i in check.tree_indices)

@@ -11,7 +11,8 @@ it compiles one kernel with those sizes symbolic and runs every layout that kern
 (``inductor_dynamic``). Regions with the same code share their kernels.
 
 Random operations stay outside regions (so results draw from torch's generator exactly as in eager), and
-so do side effects and opaque ops.
+so do side effects and opaque ops; a composite that can draw (attention with dropout) is fused where its call
+draws nothing.
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ from fulmen.executors.inductor_dynamic import varying_dims
 from fulmen.executors.partition import fusion_groups, split_repeats, sums_after_other_readers
 from fulmen.transforms import overlap
 from fulmen.transforms.grad_ops import unfold_backward
-from fulmen.transforms.passes import del_last_used
+from fulmen.transforms.passes import del_last_used, draws
 
-_NOT_FUSED = (OpTags.RANDOM_OP, OpTags.SIDE_EFFECT, OpTags.FALLBACK, OpTags.COMMUNICATION)
+_NOT_FUSED = (OpTags.SIDE_EFFECT, OpTags.FALLBACK, OpTags.COMMUNICATION)
 #: Compiled variants one region keeps (one per input layout it has seen); beyond that it runs unfused.
 MAX_VARIANTS = 8
 #: Layouts remembered as fitting the region's kernel with symbolic sizes (each new one is checked once).
@@ -238,6 +239,10 @@ class InductorExecutor(FusionExecutor):
     def can_fuse(self, bsym: BoundSymbol) -> bool:
         sym = bsym.sym
         if any(t in sym.tags for t in _NOT_FUSED) or sym.id in _NOT_FUSED_IDS:
+            return False
+        # a random op stays outside (its draws keep eager's order); a composite that merely can draw is fused when
+        # this call's decomposition draws nothing (attention without dropout: Inductor calls the attention kernel)
+        if OpTags.RANDOM_OP in sym.tags and draws(bsym):
             return False
         if OpTags.DEVICE_OP in sym.tags and not _same_device_conversion(bsym):
             return False

@@ -15,7 +15,7 @@ import logging
 import threading
 import types
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -38,7 +38,6 @@ from fulmen.frontend.split_points import ValueChanged
 from fulmen.frontend.tracing import _arg_names, check_supported_tensors, trace_program
 
 log = logging.getLogger("fulmen")
-_MISSING = object()
 
 
 class _Swaps:
@@ -337,32 +336,45 @@ class _ModuleProgram(JittedFunction):
         return entry
 
 
-class _Router:
+class _Router(module_guard.StandIn):
     """Stands in the original module's ``__dict__`` as its ``forward`` while one of its methods runs through the
     wrapper (``fulmen.jit(model).generate(...)``): a call runs the compiled program. Inside a trace (the program
-    traces the original forward), or when forward hooks are registered (``nn.Module.__call__`` ran them already,
-    and the program would run them again), it is the original forward. Its signature is the original's (Hugging
-    Face's ``generate`` inspects it to choose the arguments it passes)."""
+    traces the module's call), or when forward hooks are registered (``nn.Module.__call__`` ran them already, and
+    the program would run them again), it is the forward eager would call: the user's own ``forward`` on the
+    instance where there is one, else the class's. Its signature is that forward's (Hugging Face's ``generate``
+    inspects it to choose the arguments it passes).
+
+    The write of ``forward`` and its removal are the module guard's own (``tree_guard.swap_owned``), and snapshots
+    record the forward it stands for, so routing changes nothing a check looks at; a user's write of ``forward``
+    (before, between or during routed calls) is still seen."""
 
     def __init__(self, program: _ModuleProgram):
         self.program = program
-        self.original = program.fn
-        self.__signature__ = inspect.signature(self.original)
         self.lock = threading.Lock()
         self.depth = 0  # routed method calls in progress (in any thread)
-        self.saved = _MISSING  # what the module's __dict__ held as "forward" before
+        self.saved = tree_guard.MISSING_KEY  # what the module's __dict__ held as "forward" before
+        self.__signature__ = inspect.signature(self.target())
+        tree_guard.mark_swapped(program.module, "__dict__")  # checks built from now on learn each swap's version
+
+    def stands_for(self) -> Any:
+        return self.saved
+
+    def target(self) -> Callable:
+        """The forward an eager call of the module would run."""
+        saved, module = self.saved, self.program.module
+        return type(module).forward.__get__(module) if saved is tree_guard.MISSING_KEY else saved
 
     def __call__(self, *args, **kwargs):
         module = self.program.module
         if get_tracectx() is not None:
-            return self.original(*args, **kwargs)
+            return self.target()(*args, **kwargs)
         if _has_forward_hooks(module):
             if not getattr(self, "_warned_hooks", False):
                 self._warned_hooks = True
                 log.warning("fulmen: %s has forward hooks: the forward calls its own methods make (generate) run "
                             "eagerly, since the compiled program would run the hooks a second time. Call the jitted "
                             "module itself to run compiled.", type(module).__name__)
-            return self.original(*args, **kwargs)
+            return self.target()(*args, **kwargs)
         return self.program(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -370,8 +382,8 @@ class _Router:
         attrs = self.program.module.__dict__
         with self.lock:
             if self.depth == 0:
-                self.saved = attrs.get("forward", _MISSING)
-                attrs["forward"] = self
+                self.saved = tree_guard.swap_owned(attrs, "forward", self)
+                self.__signature__ = inspect.signature(self.target())
             self.depth += 1
         try:
             yield
@@ -379,10 +391,8 @@ class _Router:
             with self.lock:
                 self.depth -= 1
                 if self.depth == 0:
-                    if self.saved is _MISSING:
-                        attrs.pop("forward", None)
-                    else:
-                        attrs["forward"] = self.saved
+                    tree_guard.swap_owned(attrs, "forward", self.saved)
+                    self.saved = tree_guard.MISSING_KEY
 
 
 def _has_forward_hooks(module: nn.Module) -> bool:

@@ -88,6 +88,18 @@ def attribute_value(v: Any) -> Any:
     return _MISSING
 
 
+class StandIn:
+    """A value fulmen puts in a module's ``__dict__`` for a while in place of what eager code reads there (the
+    router that ``fulmen.jit(model).generate`` installs as ``forward``): a snapshot records what it stands for,
+    so the tree's structure is the same with it in place or not, and a user's own value under it is seen."""
+
+    __slots__ = ()
+
+    def stands_for(self) -> Any:
+        """The value it replaced, or ``tree_guard.MISSING_KEY`` where the key was absent."""
+        raise NotImplementedError
+
+
 def snapshot_records(v: Any) -> bool:
     """Whether a module's snapshot records a plain attribute holding ``v`` (so a change to it is seen)."""
     return attribute_value(v) is not _MISSING
@@ -111,6 +123,10 @@ def _module_entry(name: str, mod: nn.Module, tensor_index: dict[int, int]) -> tu
             if last is v:
                 attrs.append((key, "program output"))
             continue
+        if isinstance(v, StandIn):
+            v = v.stands_for()
+            if v is tree_guard.MISSING_KEY:
+                continue
         recorded = attribute_value(v)
         if recorded is not _MISSING:
             attrs.append((key, recorded))

@@ -17,6 +17,11 @@ Dictionaries fulmen itself writes on every call (``owned``: a module attribute a
 rebinds) cannot be checked by version. They are compared by content: the same keys, each value the same object,
 where fulmen's own writes (``write_owned``) update what every guard expects. A write by anyone else, before or
 after fulmen's, leaves the dict holding something no guard expects.
+
+A dict fulmen writes only for a while (``swap_owned``: ``generate``'s router puts ``forward`` in a model's
+``__dict__`` and removes it after) keeps being checked by version, in Python: the swap tells each check that held
+the dict's version before it the version it leaves. A check that did not (someone wrote the dict since) is not
+told, and fails.
 """
 
 from __future__ import annotations
@@ -87,7 +92,12 @@ def never() -> bool:
 
 _owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> names of its dicts fulmen writes
 _expectations: dict[int, list[weakref.ref]] = {}  # id(dict) -> the _Expected of live guards over it
+_swapped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> names of its dicts swap_owned writes
+_version_watchers: dict[int, list[weakref.ref]] = {}  # id(dict) -> live TreeChecks comparing its version
 _lock = threading.Lock()
+
+
+MISSING_KEY = object()  # swap_owned's "no such key"
 
 
 def mark_owned(mod: nn.Module, dict_name: str) -> None:
@@ -96,21 +106,47 @@ def mark_owned(mod: nn.Module, dict_name: str) -> None:
         _owned.setdefault(mod, set()).add(dict_name)
 
 
-class _Expected:
-    """What a guard expects an owned dictionary to hold: its keys in order and each value by identity."""
+def mark_swapped(mod: nn.Module, dict_name: str) -> None:
+    """fulmen puts values in ``mod``'s ``dict_name`` for a while with ``swap_owned`` (the router of ``generate``):
+    checks built from now on keep comparing its version in Python (never in the C++ tree), so that the swap can
+    tell them the version it leaves."""
+    with _lock:
+        _swapped.setdefault(mod, set()).add(dict_name)
 
-    __slots__ = ("d", "keys", "values", "index", "__weakref__")
+
+class _Expected:
+    """What a guard expects an owned dictionary to hold: its keys in order and each value by identity. ``state``
+    is one attribute, replaced whole when fulmen adds or removes a key (``swap_owned``), so a check in another
+    thread never pairs the keys of one state with the values of another."""
+
+    __slots__ = ("d", "state", "__weakref__")
 
     def __init__(self, d: dict):
         items = tuple(d.items())  # one read under the GIL
         self.d = d
-        self.keys = tuple(k for k, _ in items)
-        self.values = [v for _, v in items]
-        self.index = {k: i for i, k in enumerate(self.keys)}
+        keys = tuple(k for k, _ in items)
+        self.state = (keys, [v for _, v in items], {k: i for i, k in enumerate(keys)})
 
     def holds(self) -> bool:
+        keys, values, _ = self.state
         d = self.d
-        return tuple(d) == self.keys and all(map(operator.is_, d.values(), self.values))
+        return tuple(d) == keys and all(map(operator.is_, d.values(), values))
+
+    def wrote(self, key: str, value: Any) -> None:
+        """``d[key] = value`` happened, as a dict does it: an existing key keeps its place, a new one goes last."""
+        keys, values, index = self.state
+        i = index.get(key)
+        if i is not None:
+            values[i] = value
+        else:
+            self.state = (keys + (key,), [*values, value], {**index, key: len(keys)})
+
+    def removed(self, key: str) -> None:
+        keys, values, index = self.state
+        i = index.get(key)
+        if i is not None:
+            keys = keys[:i] + keys[i + 1 :]
+            self.state = (keys, values[:i] + values[i + 1 :], {k: j for j, k in enumerate(keys)})
 
 
 def _expect(d: dict) -> _Expected:
@@ -122,20 +158,54 @@ def _expect(d: dict) -> _Expected:
     return expected
 
 
+def _expecting(d: dict) -> list[_Expected]:
+    """The live guards' expectations of ``d`` (call with ``_lock`` held)."""
+    found = []
+    for ref in _expectations.get(id(d), ()):
+        expected = ref()
+        if expected is not None and expected.d is d:
+            found.append(expected)
+    return found
+
+
 def write_owned(d: dict, key: str, value: Any) -> None:
     """``d[key] = value`` by fulmen on a call, told to the guards that compare ``d`` by content. Stored first: a
     write by another thread after it makes ``d`` differ from what they expect, and one before it is overwritten,
-    as the eager call would overwrite it."""
+    as the eager call would overwrite it. Only keys the guards already expect: a new key fails them."""
     d[key] = value
-    refs = _expectations.get(id(d))
-    if refs:
+    if _expectations.get(id(d)):
         with _lock:
-            for ref in refs:
-                expected = ref()
-                if expected is not None and expected.d is d:
-                    i = expected.index.get(key)
-                    if i is not None:
-                        expected.values[i] = value
+            for expected in _expecting(d):
+                if key in expected.state[2]:
+                    expected.wrote(key, value)
+
+
+def swap_owned(d: dict, key: str, value: Any) -> Any:
+    """Put ``value`` in ``d[key]`` for a while (``MISSING_KEY``: remove the key), fulmen's write that its guards
+    expect, and return what ``d`` held there (``MISSING_KEY`` for nothing), to be put back the same way. Guards
+    comparing ``d`` by content learn the new content, those comparing its version (``mark_swapped``) the new
+    version. Unlike ``write_owned``, the value replaced is not fulmen's own: a guard that did not expect ``d`` as
+    it was (a user wrote it since the guard was built) is not told, so it still fails and the change is looked
+    at."""
+    with _lock:
+        holding = [e for e in _expecting(d) if e.holds()]
+        version = _dict_version(d) if _guards is not None else None
+        checks = [c for r in _version_watchers.get(id(d), ()) if (c := r()) is not None and c.expects(d, version)]
+        before = d.get(key, MISSING_KEY)
+        if value is MISSING_KEY:
+            d.pop(key, None)
+        else:
+            d[key] = value
+        for expected in holding:
+            if value is MISSING_KEY:
+                expected.removed(key)
+            else:
+                expected.wrote(key, value)
+        if checks:
+            version = _dict_version(d)
+            for check in checks:
+                check.expect_version(d, version)
+    return before
 
 
 # ---- the check ----
@@ -154,13 +224,20 @@ def build(modules: Sequence[nn.Module], previous: Callable[[], bool] | None = No
         return never
     dicts = [vars(_torch_module), *(getattr(_torch_module, name) for name in _GLOBAL_DICTS)]
     owned_dicts: list[dict] = []
+    swapped: list[int] = []
     for mod in modules:
-        owned = _owned.get(mod, ())
+        owned, swaps = _owned.get(mod, ()), _swapped.get(mod, ())
         for name, d in _module_dicts(mod):
             if not isinstance(d, dict):  # a ScriptModule's wrappers: no version to check
                 return never
-            (owned_dicts if name in owned else dicts).append(d)
-    return TreeCheck(tuple(modules), tuple(dicts), owned_dicts, previous if isinstance(previous, TreeCheck) else None)
+            if name in owned:
+                owned_dicts.append(d)
+            else:
+                if name in swaps:
+                    swapped.append(len(dicts))
+                dicts.append(d)
+    previous = previous if isinstance(previous, TreeCheck) else None
+    return TreeCheck(tuple(modules), tuple(dicts), owned_dicts, previous, frozenset(swapped))
 
 
 class TreeCheck:
@@ -171,11 +248,15 @@ class TreeCheck:
     swaps in) costs a version read per call, not a new tree per change. The tree is built only where the tree is
     large or ``torch._dynamo`` is loaded anyway (its guard managers need it)."""
 
-    def __init__(self, modules: tuple, dicts: tuple, owned_dicts: list, previous: TreeCheck | None):
+    def __init__(self, modules: tuple, dicts: tuple, owned_dicts: list, previous: TreeCheck | None,
+                 swapped: frozenset[int] = frozenset()):
         self.modules, self.dicts = modules, dicts
         self.types = tuple(map(type, modules))
         self.versions = tuple(map(_dict_version, dicts))
         self.expected = [_expect(d) for d in owned_dicts]
+        self.swapped = swapped  # dicts swap_owned writes: compared in Python, told each version it leaves
+        if swapped:
+            _watch_versions(self, [dicts[i] for i in swapped])
         self.passed = 0
         self.promote = "torch._dynamo.guards" in sys.modules or len(dicts) > _PYTHON_CHECK_LIMIT
         self.changed: frozenset[int] = frozenset()  # dicts written since the previous check was built
@@ -210,8 +291,19 @@ class TreeCheck:
                 return self._build_tree()
         return True
 
+    def expects(self, d: dict, version: int) -> bool:
+        """Whether this check compares ``d``'s version in Python and holds it at ``version``."""
+        dicts, versions = self.loose
+        return any(x is d and v == version for x, v in zip(dicts, versions))
+
+    def expect_version(self, d: dict, version: int) -> None:
+        """fulmen's own write (``swap_owned``) left ``d`` at ``version``: expect that from now on."""
+        dicts, versions = self.loose
+        self.versions = tuple(version if x is d else v for x, v in zip(self.dicts, self.versions))
+        self.loose = (dicts, tuple(version if x is d else v for x, v in zip(dicts, versions)))
+
     def _build_tree(self) -> bool:
-        indices = frozenset(range(len(self.dicts))) - self.changed
+        indices = frozenset(range(len(self.dicts))) - self.changed - self.swapped
         values = [*self.modules, *(self.dicts[i] for i in sorted(indices))]
         inputs = tuple(tuple(values[i : i + 32]) for i in range(0, len(values), 32))
         tree = _guard_tree(inputs)
@@ -221,6 +313,15 @@ class TreeCheck:
         self.tree = tree  # last: a call in another thread that sees it finds its inputs
         self._loosen()
         return True
+
+
+def _watch_versions(check: TreeCheck, dicts: list[dict]) -> None:
+    ref = weakref.ref(check)
+    with _lock:
+        for d in dicts:
+            refs = [r for r in _version_watchers.get(id(d), ()) if r() is not None]
+            refs.append(ref)
+            _version_watchers[id(d)] = refs
 
 
 def _same_objects(a: tuple, b: tuple) -> bool:

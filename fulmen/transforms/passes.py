@@ -16,13 +16,13 @@ def _keeps(bsym: BoundSymbol) -> bool:
     return OpTags.SIDE_EFFECT in tags or OpTags.DONT_DCE in tags
 
 
-def _draws(bsym: BoundSymbol) -> bool:
+def draws(bsym: BoundSymbol) -> bool:
     """Whether ``bsym`` draws from torch's generator: a random op itself, or a composite (dropout, attention) whose
     decomposition holds one. An unused draw still advances the generator, so later draws match eager's only if it
     stays."""
     if OpTags.RANDOM_OP not in bsym.sym.tags:
         return False
-    return not bsym.subsymbols or any(_draws(s) for s in bsym.subsymbols)
+    return not bsym.subsymbols or any(draws(s) for s in bsym.subsymbols)
 
 
 def use_counts(trace: Trace) -> dict[str, int]:
@@ -42,7 +42,7 @@ def dce(trace: Trace, *, provenance: str = "Dead Code Elimination") -> Trace:
     kept: list[BoundSymbol] = []
     for bsym in reversed(trace.bound_symbols):
         outs = bsym.flat_proxy_outs
-        if _keeps(bsym) or _draws(bsym) or any(p.name in needed for p in outs) or (not outs and bsym.sym is not DEL):
+        if _keeps(bsym) or draws(bsym) or any(p.name in needed for p in outs) or (not outs and bsym.sym is not DEL):
             kept.append(bsym)
             needed.update(p.name for p in bsym.flat_args)
     kept.reverse()
