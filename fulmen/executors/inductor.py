@@ -56,6 +56,8 @@ _NOT_FUSED = (OpTags.RANDOM_OP, OpTags.SIDE_EFFECT, OpTags.FALLBACK, OpTags.COMM
 MAX_VARIANTS = 8
 #: Layouts remembered as fitting the region's kernel with symbolic sizes (each new one is checked once).
 MAX_FITTED_LAYOUTS = 256
+#: How many times one region builds the C++ check of its steady layout (``FusedRegion._steady``).
+MAX_FAST_BUILDS = 4
 #: Operations (by id) Inductor (torch 2.13) computes wrongly inside a fused graph: ``unfold_backward`` fed by other
 #: fused operations (max_pool2d's backward) gave gradients off by 2.0 where alone it is exact.
 _NOT_FUSED_IDS = frozenset({unfold_backward.id})
@@ -82,13 +84,52 @@ class FusedRegion:
         self.variants: dict[tuple, Callable] = {}  # layout -> compiled callable, the fast path
         self.last_key: tuple | None = None  # the layout of the last kernel compiled for one layout
         self.dynamic: Kernel | None = None  # the kernel whose varying sizes are symbols, once sizes varied
+        # (C++ check, callable) of the layout the region runs call after call (see ``_steady``)
+        self.fast: tuple[Any, Callable] | None = None
+        self._last_hit: tuple | None = None
+        self._fast_builds = 0
 
     def __call__(self, *args):
+        fast = self.fast  # one read: another thread may replace it
+        if fast is not None and fast[0].check(*args):
+            return fast[1](list(args))
         key = tuple((a.shape, a.stride()) for a in args)
         fn = self.variants.get(key)
+        steady, self._last_hit = key == self._last_hit, key
         if fn is not None:
+            if steady:
+                self._steady(args, fn)
             return fn(list(args))
         return self._slow_call(key, args)
+
+    def _steady(self, args: tuple, fn: Callable) -> None:
+        """The same layout found twice in a row: from now on one C++ check (PyTorch's ``TensorGuards``, Dynamo's
+        tensor check) of every input's exact type, dispatch keys, dtype, device, ``requires_grad``, sizes and
+        strides finds its callable, instead of a Python tuple of every input's shape and stride hashed into
+        ``variants``. It accepts a subset of the layouts the key lookup accepts, and on any difference the lookup
+        decides. A region whose layouts alternate never gets one; one whose steady layout changes rebuilds it at
+        most ``MAX_FAST_BUILDS`` times."""
+        if self._fast_builds >= MAX_FAST_BUILDS:
+            return
+        self._fast_builds += 1
+        try:
+            from torch._C._dynamo.guards import TensorGuards
+
+            guard = TensorGuards(
+                *args,
+                dynamic_dims_sizes=[list(a.shape) for a in args],
+                dynamic_dims_strides=[list(a.stride()) for a in args],
+            )
+            ok = guard.check(*args)
+        except Exception:  # no such check in this torch, or an input it does not take (it compares dense tensors)
+            self._fast_builds = MAX_FAST_BUILDS
+            return
+        self.fast = (guard, fn) if ok else None
+
+    def forget_fast(self) -> None:
+        """Drop the C++-checked callable (``fulmen.report`` swaps ``variants``' callables for timed ones): the next
+        steady layout builds it again from ``variants``."""
+        self.fast, self._last_hit, self._fast_builds = None, None, 0
 
     def _slow_call(self, key: tuple, args: tuple):
         kernel = self.kernels.get(key)
