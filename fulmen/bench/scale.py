@@ -117,7 +117,7 @@ def markdown(rows: Sequence[BenchRow], environment: dict) -> str:
     compiled = {r.model: r.median_ms for r in rows if r.backend == "torch.compile" and r.median_ms}
     head = (
         "| model | backend | step ms | tokens/s | MFU % | x eager | x torch.compile | peak GiB | first step s "
-        "| fully compiled s | max diff | note |"
+        "| fully compiled s | host ms | device busy ms | calls per step | max diff | note |"
     )
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
 
@@ -138,6 +138,9 @@ def markdown(rows: Sequence[BenchRow], environment: dict) -> str:
             f(peak, ".2f"),
             f(r.first_result_s, ".1f"),
             f(r.compiled_s, ".1f"),
+            f(r.host_ms, ".1f"),
+            f(r.device_busy_ms, ".1f"),
+            _calls(r.calls_per_step),
             f(r.max_diff, ".1e"),
             r.error or "",
         ]
@@ -149,9 +152,26 @@ def markdown(rows: Sequence[BenchRow], environment: dict) -> str:
         f"{env['precision']}, fused AdamW, {env['steps']} timed steps after {env['warmup']} warm-up "
         f"(medians), each backend in a fresh process with empty compiler caches. x eager, x torch.compile: "
         f"that backend's step time over the row's (above 1: the row is faster). MFU against the card's "
-        f"dense bf16 peak, model FLOPs 6N + 12LHQT per token (fulmen.bench.flops).",
+        f"dense bf16 peak, model FLOPs 6N + 12LHQT per token (fulmen.bench.flops). host ms: until the step's "
+        f"Python returned (before synchronizing); device busy ms: the kernels' time in a step (profiler); calls "
+        f"per step: fulmen's fused regions + other calls, forward / backward, or torch.compile's graphs "
+        f"(fulmen.bench.step_profile).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _calls(calls: dict | None) -> str:
+    """``4+0 / 3+1`` (fused regions + other calls, forward / backward), ``2 graphs``, or ``-``."""
+    if not calls:
+        return "-"
+    if "graphs" in calls:
+        return f"{calls['graphs']} graphs"
+    parts = [
+        f"{calls[f'{p}_regions']}+{calls[f'{p}_other_calls']}"
+        for p in ("forward", "backward")
+        if f"{p}_regions" in calls
+    ]
+    return " / ".join(parts)
 
 
 def parameters(args: argparse.Namespace) -> dict[str, dict[str, int]]:
