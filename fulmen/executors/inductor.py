@@ -46,7 +46,12 @@ from fulmen.executors.inductor_compile import (  # noqa: F401  (re-exported: the
     wait_for_compilations,
 )
 from fulmen.executors.inductor_dynamic import varying_dims
-from fulmen.executors.partition import fusion_groups, split_repeats, sums_after_other_readers
+from fulmen.executors.partition import (
+    fusion_groups,
+    operations_key,
+    split_repeats,
+    sums_after_other_readers,
+)
 from fulmen.transforms import overlap
 from fulmen.transforms.grad_ops import unfold_backward
 from fulmen.transforms.passes import del_last_used
@@ -254,7 +259,10 @@ def _structure_key(region: list[BoundSymbol], inputs: list[Proxy], outputs: list
     return tuple(parts)
 
 
-def _region_io(region: list[BoundSymbol], later: list[BoundSymbol], trace_outputs: set[str]):
+def _region_io(region: list[BoundSymbol], later: list[BoundSymbol], trace_outputs: set[str],
+               also: frozenset[str] = frozenset()):
+    """The region's inputs, and its outputs: what it defines that ``later`` operations or the trace return read,
+    plus the names in ``also``, in the order the region defines them."""
     defined: dict[str, Proxy] = {}
     inputs: dict[str, Proxy] = {}
     for bsym in region:
@@ -263,9 +271,43 @@ def _region_io(region: list[BoundSymbol], later: list[BoundSymbol], trace_output
                 inputs[p.name] = p
         for p in bsym.flat_proxy_outs:
             defined[p.name] = p
-    used_later = {p.name for b in later for p in b.flat_args} | trace_outputs
+    used_later = {p.name for b in later for p in b.flat_args} | trace_outputs | also
     outputs = [p for name, p in defined.items() if name in used_later]
     return list(inputs.values()), outputs
+
+
+def _common_outputs(pieces: list[list[BoundSymbol]], later: list[BoundSymbol],
+                    trace_outputs: set[str]) -> list[frozenset[str]]:
+    """For each of a run's pieces, the values it must return beyond what later operations read, so that pieces
+    with the same operations (a model's layers, ``split_repeats``) return the same values and share one kernel.
+
+    Layers compute alike but need not return alike: the last layer's residual sum is read by nothing after it where
+    the others' is read by the next layer's backward (under autocast, the backward recomputes it from the saved
+    bfloat16 projections of all layers but the last). Left so, the last layer has other code than the others and
+    compiles on its own. Each piece here returns every value that any piece of its kind returns, at the same
+    position: a tensor written and freed unread costs far less than compiling a layer again."""
+    also = [frozenset()] * len(pieces)
+    if len(pieces) < 2:
+        return also
+    kinds: dict[tuple, list[int]] = {}
+    for i, piece in enumerate(pieces):
+        kinds.setdefault(operations_key(piece), []).append(i)
+    for members in kinds.values():
+        if len(members) < 2:
+            continue
+        returned: set[tuple[int, int]] = set()  # (operation, output) positions some member returns
+        for i in members:
+            rest = [b for p in pieces[i + 1:] for b in p] + later
+            _, outs = _region_io(pieces[i], rest, trace_outputs)
+            names = {p.name for p in outs}
+            returned |= {pos for pos, name in _output_positions(pieces[i]) if name in names}
+        for i in members:
+            also[i] = frozenset(name for pos, name in _output_positions(pieces[i]) if pos in returned)
+    return also
+
+
+def _output_positions(piece: list[BoundSymbol]) -> list[tuple[tuple[int, int], str]]:
+    return [((k, j), p.name) for k, b in enumerate(piece) for j, p in enumerate(b.flat_proxy_outs)]
 
 
 class InductorExecutor(FusionExecutor):
@@ -314,13 +356,14 @@ class InductorExecutor(FusionExecutor):
                 # next to repeated layers, a short leftover piece (embedding, final norm) is not worth a
                 # compilation of its own, which costs far more than it saves: it runs on the torch executor
                 smallest = MIN_LEFTOVER if len(pieces) > 1 else MIN_REGION_SIZE
+                also = _common_outputs(pieces, later, outputs)
                 for i, piece in enumerate(pieces):
                     if len(piece) < smallest:
                         new.extend(self._unfused(trace, piece, torch_executors))
                     else:
                         rest = [b for p in pieces[i + 1:] for b in p] + later
                         new.append(self._fuse(trace, sums_after_other_readers(piece), rest, outputs,
-                                              torch_executors, shared))
+                                              torch_executors, shared, also[i]))
         return trace.derive(trace.provenance or "Fusion", new)
 
     def _unfused(self, trace: Trace, region: list[BoundSymbol], executors) -> list[BoundSymbol]:
@@ -328,8 +371,8 @@ class InductorExecutor(FusionExecutor):
         return claim_symbols(sub, executors).bound_symbols
 
     def _fuse(self, trace: Trace, region: list[BoundSymbol], later: list[BoundSymbol], trace_outputs: set[str],
-              executors: Sequence, shared: dict[tuple, tuple]) -> BoundSymbol:
-        inputs, outputs = _region_io(region, later, trace_outputs)
+              executors: Sequence, shared: dict[tuple, tuple], also: frozenset[str] = frozenset()) -> BoundSymbol:
+        inputs, outputs = _region_io(region, later, trace_outputs, also)
         name = f"inductor_fusion_{self._count}"
         self._count += 1
         structure = _structure_key(region, inputs, outputs)
