@@ -74,9 +74,12 @@ def device_busy_ms(step: Callable[[], Any], device: torch.device, steps: int = 2
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize(device)
-    busy_us = sum(e.self_device_time_total for e in prof.key_averages())
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize(device)
+        busy_us = sum(e.self_device_time_total for e in prof.key_averages())
+    except RuntimeError:  # the profiler could not attach to the device (CUPTI): the row keeps its other figures
+        return None
     return busy_us / 1e3 / steps if busy_us else None
