@@ -284,6 +284,14 @@ def test_a_measurement_stopped_after_its_timed_steps_keeps_them():
     assert done.error is None and done.peak_mb == row.peak_mb  # finished as the timer fired: the whole row
 
 
+def test_scale_toy_runs_one_cpu_thread():
+    """On a shared CPU, PyTorch's threads waiting for one another made a toy step take seconds under every backend."""
+    args = scale.parse_args(["--out", "x", "--toy"])
+    config = scale._config(args, scale.Job("llama-1b", "fulmen"), 60.0)
+    assert config.threads == 1 and scale.environment(args)["threads"] == 1
+    assert scale._config(scale.parse_args(["--out", "x"]), scale.Job("llama-1b", "eager"), 60.0).threads is None
+
+
 def test_scale_plan_runs_max_autotune_last_and_keeps_to_the_budget(tmp_path, capsys):
     jobs = scale.plan(["llama-1b", "gpt2-124m"], scale.SCALE_BACKENDS)
     assert [(j.model, j.backend) for j in jobs][-2:] == [

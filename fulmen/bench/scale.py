@@ -35,7 +35,18 @@ TIME_LIMITS_S = {"eager": 90.0, "torch.compile": 180.0, "torch.compile-max-autot
 #: A measurement is not started with less than this left of the budget.
 MIN_START_S = 30.0
 #: --toy: the same code at a size a CPU runs in seconds.
-TOY = {"n_layer": 2, "width": 128, "seq_len": 64, "batch_size": 2, "device": "cpu", "steps": 2, "warmup": 1}
+#: One CPU thread: on a shared machine, PyTorch's threads waiting for one another would make the steps' times
+#: measure the machine's load.
+TOY = {
+    "n_layer": 2,
+    "width": 128,
+    "seq_len": 64,
+    "batch_size": 2,
+    "device": "cpu",
+    "steps": 2,
+    "warmup": 1,
+    "threads": 1,
+}
 
 
 @dataclass
@@ -62,6 +73,7 @@ def _config(args: argparse.Namespace, job: Job, timeout_s: float) -> BenchConfig
         dtype="bfloat16" if args.precision == "bf16" else "float32",
         isolate=True,
         warm_cache=args.warm_cache,
+        threads=args.threads,
         optimizer="adamw-fused",
         n_layer=args.n_layer,
         width=args.width,
@@ -213,6 +225,7 @@ def environment(args: argparse.Namespace) -> dict:
         "width": args.width,
         "seq_len": args.seq_len,
         "batch_size": args.batch_size,
+        "threads": args.threads,
         "models": parameters(args),
     }
 
@@ -239,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--limit-scale", type=float, default=1.0, help="multiplies every per-backend time limit")
     p.add_argument("--warm-cache", action="store_true", help="keep the usual compiler caches")
+    p.add_argument("--threads", type=int, help="PyTorch CPU threads of each measurement (default: PyTorch's)")
     p.add_argument("--toy", action="store_true", help="a CPU dry run: " + ", ".join(f"{k}={v}" for k, v in TOY.items()))
     return p
 
