@@ -177,7 +177,7 @@ def _calls(calls: dict | None) -> str:
     if not calls:
         return "-"
     if "graphs" in calls:
-        return f"{calls['graphs']} graphs"
+        return f"{calls['graphs']} graph{'' if calls['graphs'] == 1 else 's'}"
     parts = [
         f"{calls[f'{p}_regions']}+{calls[f'{p}_other_calls']}"
         for p in ("forward", "backward")
