@@ -27,6 +27,7 @@ import argparse
 import collections
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -135,31 +136,43 @@ def measure(args, sizes: dict) -> dict:
     return found
 
 
-def dispatch_cost(calls: list[tuple], repeats: int = 200) -> tuple[float, float]:
-    """Median thread CPU seconds of calling each region through ``FusedRegion.__call__`` and of calling its compiled
-    Inductor callable directly, in turns: the difference is fulmen's own dispatch per region call."""
-    whole, direct = [], []
+def dispatch_cost(calls: list[tuple], repeats: int = 200) -> dict[str, float]:
+    """Median thread CPU seconds of one region call, in turns: through ``FusedRegion.__call__`` with its steady
+    layout found by the C++ check (``check``), the same with that check dropped so that the Python key finds it
+    (``key``), and the compiled Inductor callable called directly (``direct``). ``check`` or ``key`` minus
+    ``direct`` is fulmen's own dispatch per region call."""
+    found: dict[str, list[float]] = {"check": [], "key": [], "direct": []}
     with torch.no_grad():  # as inside fulmen's autograd.Function, where regions run
-        _call_in_turns(calls, repeats, whole, direct)
-    return statistics.median(whole), statistics.median(direct)
+        _call_in_turns(calls, repeats, found)
+    return {k: statistics.median(v) for k, v in found.items()}
 
 
-def _call_in_turns(calls: list[tuple], repeats: int, whole: list[float], direct: list[float]) -> None:
+def _call_in_turns(calls: list[tuple], repeats: int, found: dict[str, list[float]]) -> None:
     for region, args in calls:
         key = tuple((a.shape, a.stride()) for a in args)
         compiled = region.variants.get(key)
         if compiled is None:
             continue
+        region.forget_fast()
+        region(*args), region(*args)  # the same layout twice: the C++ check is built
+        fast = region.fast
         for _ in range(repeats // len(calls) + 1):
+            region.fast = fast
             t0 = time.thread_time()
             region(*args)
             t1 = time.thread_time()
+            region.fast, region._fast_builds = None, inductor.MAX_FAST_BUILDS  # the key finds it, nothing rebuilt
+            region(*args)
+            t2 = time.thread_time()
             compiled(list(args))
-            whole.append(t1 - t0)
-            direct.append(time.thread_time() - t1)
+            t3 = time.thread_time()
+            found["check"].append(t1 - t0)
+            found["key"].append(t2 - t1)
+            found["direct"].append(t3 - t2)
+        region.forget_fast()
 
 
-def host_costs(args) -> tuple[float, dict, tuple[float, float]]:
+def host_costs(args) -> tuple[float, dict, dict[str, float]]:
     """At tiny size, where kernels do almost no work: the median CPU seconds of one fused-region call, each
     backend's step (thread CPU ms, wall ms), and ``dispatch_cost`` of the regions."""
     tiny = argparse.Namespace(**{**vars(args), "batch_size": 1})
@@ -171,7 +184,26 @@ def host_costs(args) -> tuple[float, dict, tuple[float, float]]:
     with RegionTimer() as timer:
         for _ in range(args.steps):
             steps["fulmen"]()
+    steps["fulmen, key lookup"] = _keyed(steps["fulmen"])
     return statistics.median(timer.times), _step_times(steps, args.steps), dispatch_cost(timer.calls)
+
+
+def _keyed(step: Callable[[], object]) -> Callable[[], object]:
+    """``step`` with every region's steady-layout C++ check set aside, so that the Python key finds each region's
+    kernel (``FusedRegion.__call__`` as it was before the check), and put back after."""
+
+    def keyed():
+        regions = list(inductor.ex.regions)
+        saved = [(r.fast, r._fast_builds) for r in regions]
+        for r in regions:
+            r.fast, r._fast_builds = None, inductor.MAX_FAST_BUILDS
+        try:
+            return step()
+        finally:
+            for r, (fast, builds) in zip(regions, saved):
+                r.fast, r._fast_builds = fast, builds
+
+    return keyed
 
 
 def main() -> None:
@@ -202,15 +234,18 @@ def main() -> None:
         for part in ("forward_calls", "backward_calls"):
             if part in row:
                 print(f"{'':14s} {part.replace('_', ' ')} by executor: {row[part]}")
-    region_s, tiny, (whole, direct) = host_costs(args)
+    region_s, tiny, cost = host_costs(args)
     print(
         f"tiny size (1 layer, width 64, 8 tokens, batch 1, vocabulary 256): one fused-region call "
         f"{region_s * 1e6:.0f} us CPU; "
         "steps " + ", ".join(f"{b} {c:.2f} ms CPU ({w:.2f} wall)" for b, (c, w) in tiny.items())
     )
+    direct = cost["direct"]
     print(
-        f"fulmen's dispatch per region call: {(whole - direct) * 1e6:.1f} us CPU ({whole * 1e6:.0f} us through "
-        f"FusedRegion.__call__, {direct * 1e6:.0f} us calling the compiled Inductor callable directly)"
+        f"fulmen's dispatch per region call: {(cost['check'] - direct) * 1e6:.1f} us CPU with the steady layout's "
+        f"C++ check, {(cost['key'] - direct) * 1e6:.1f} us through the Python key ({cost['check'] * 1e6:.0f} and "
+        f"{cost['key'] * 1e6:.0f} us through FusedRegion.__call__, {direct * 1e6:.0f} us calling the compiled "
+        "Inductor callable directly)"
     )
 
 

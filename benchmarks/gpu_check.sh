@@ -9,7 +9,7 @@
 # scale (not part of all): llama-1b and gpt2-124m training steps, bf16 autocast, under eager, torch.compile,
 # torch.compile max-autotune-no-cudagraphs and fulmen, each in a fresh process stopped at its time limit, all
 # within SCALE_BUDGET_S (default 450 s): OUTDIR/scale.json and scale.md (python -m fulmen.bench.scale --help).
-# SCALE_TOY=1 runs the same on the CPU at toy size (2 layers, width 128, 64 tokens); SCALE_ARGS adds options.
+# SCALE_TOY=1 runs the same on the CPU at toy size (2 layers, width 128, 64 tokens, one thread); SCALE_ARGS adds options.
 #
 # fulmen is taken from this checkout (PYTHONPATH), so nothing needs installing beyond torch,
 # triton and pytest. Logs and JSON land in OUTDIR (default ./gpu-results).

@@ -137,6 +137,7 @@ def _timed_regions(syms: list, times: dict[str, list[float]], eager_times: dict[
             return run
 
         saved.append((region, dict(region.variants), region.eager))
+        _forget_fast(region)
         for key, fn in list(region.variants.items()):
             region.variants[key] = timed(fn, packs=True)
         region.eager = timed(region.eager)
@@ -152,6 +153,14 @@ def _timed_regions(syms: list, times: dict[str, list[float]], eager_times: dict[
             region.variants.clear()
             region.variants.update(variants)
             region.eager = eager
+            _forget_fast(region)
+
+
+def _forget_fast(region) -> None:
+    """A region's C++-checked callable (``FusedRegion.fast``) is one of ``variants``': drop it when they change."""
+    forget = getattr(region, "forget_fast", None)
+    if forget is not None:
+        forget()
 
 
 def _peak_bytes(step: Callable[[], Any], cuda: bool) -> int | None:

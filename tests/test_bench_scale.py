@@ -150,6 +150,26 @@ def test_runner_reports_throughput_and_precision():
         BenchConfig(model="llama-1b", dtype="bfloat16", autocast=True).validate()
 
 
+def test_rows_say_what_a_step_is_made_of():
+    """Compiled calls per step, host time against the step's time, and (on CUDA only) the kernels' time: what the
+    GPU run of issue 46 needs to tell a host-bound step from a device-bound one."""
+
+    config = BenchConfig(model="llama-1b", mode="train", backend="fulmen", steps=2, warmup=1, interleave=False, **TOY)
+    row = run_benchmark(config)
+    assert row.error is None, row.error
+    calls = row.calls_per_step
+    assert set(calls) == {"forward_regions", "forward_other_calls", "backward_regions", "backward_other_calls"}
+    assert calls["forward_regions"] >= 1 and calls["backward_regions"] >= 1, calls
+    assert 0 < row.host_ms <= row.median_ms * 1.5 and row.host_cpu_ms > 0
+    assert row.device_busy_ms is None  # no device time on a CPU
+    table = scale.markdown([row], scale.environment(scale.parse_args(["--out", "x", "--toy"])))
+    f, b = calls["forward_regions"], calls["backward_regions"]
+    assert f"| {f}+{calls['forward_other_calls']} / {b}+{calls['backward_other_calls']} |" in table
+
+    eager = run_benchmark(dataclasses.replace(config, backend="eager"))
+    assert eager.calls_per_step is None and eager.host_ms > 0
+
+
 def test_repeated_rows_take_throughput_and_mfu_from_the_median_step():
     def row(ms):
         return BenchRow(
@@ -264,6 +284,14 @@ def test_a_measurement_stopped_after_its_timed_steps_keeps_them():
     assert done.error is None and done.peak_mb == row.peak_mb  # finished as the timer fired: the whole row
 
 
+def test_scale_toy_runs_one_cpu_thread():
+    """On a shared CPU, PyTorch's threads waiting for one another made a toy step take seconds under every backend."""
+    args = scale.parse_args(["--out", "x", "--toy"])
+    config = scale._config(args, scale.Job("llama-1b", "fulmen"), 60.0)
+    assert config.threads == 1 and scale.environment(args)["threads"] == 1
+    assert scale._config(scale.parse_args(["--out", "x"]), scale.Job("llama-1b", "eager"), 60.0).threads is None
+
+
 def test_scale_plan_runs_max_autotune_last_and_keeps_to_the_budget(tmp_path, capsys):
     jobs = scale.plan(["llama-1b", "gpt2-124m"], scale.SCALE_BACKENDS)
     assert [(j.model, j.backend) for j in jobs][-2:] == [
@@ -354,3 +382,5 @@ def test_gpu_row_has_mfu_against_the_cards_peak():
     assert row.device_name == torch.cuda.get_device_name()
     if row.peak_flops is not None:
         assert row.mfu == pytest.approx(row.model_flops / (row.median_ms / 1e3 * row.peak_flops))
+    assert row.device_busy_ms is not None and 0 < row.device_busy_ms <= row.median_ms * 1.5
+    assert 0 < row.host_ms <= row.median_ms * 1.5

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fulmen.bench import flops, memory
+from fulmen.bench import flops, memory, step_profile
 from fulmen.bench.models import CONFIGS, build_any, checkpoint_blocks, model_names, size_overrides
 
 MODES = ("inference", "train")
@@ -166,6 +166,11 @@ class BenchRow:
     device_name: str | None = None
     peak_flops: float | None = None  # the card's dense bfloat16 peak, FLOP/s (None on CPU)
     mfu: float | None = None  # model_flops / (median step time x peak_flops)
+    # what a step is made of (``fulmen.bench.step_profile``): compiled calls, host time, device time
+    calls_per_step: dict | None = None
+    host_ms: float | None = None  # median time until the step's Python returned (CUDA: before synchronizing)
+    host_cpu_ms: float | None = None  # median CPU time of the calling thread in a step
+    device_busy_ms: float | None = None  # CUDA: the kernels' time in one step
     error: str | None = None
 
     def to_dict(self) -> dict:
@@ -339,6 +344,8 @@ def _measure(config: BenchConfig, row: BenchRow, progress: Progress, timed: Call
     device, model, inputs, optimizer = _setup(config)
     wrapped, step, first, second = _until_compiled(config, row, progress, device, model, inputs, optimizer)
     expected, expected_second = _time_against_eager(config, row, progress, step, device)
+    row.calls_per_step = step_profile.calls_per_step(config.backend, wrapped)
+    row.device_busy_ms = step_profile.device_busy_ms(step, device)
     _throughput(config, row, device, model, inputs)
     timed(row)
     _measure_memory(row, progress, step, device, model, optimizer, inputs)
@@ -412,12 +419,17 @@ def _time_against_eager(config: BenchConfig, row: BenchRow, progress: Progress, 
     for _ in range(config.warmup - 1 if pair else 0):
         ref_step()
 
-    times, eager_times = [], []
+    times, eager_times, host, host_cpu = [], [], [], []
     for i in range(config.steps):
         progress("timing", i, config.steps)
-        times.append(_timed(step, device))
+        wall, host_s, cpu_s = step_profile.timed_step(step, device)
+        times.append(wall)
+        host.append(host_s)
+        host_cpu.append(cpu_s)
         if pair:
             eager_times.append(_timed(ref_step, device))
+    row.host_ms = statistics.median(host) * 1e3
+    row.host_cpu_ms = statistics.median(host_cpu) * 1e3
     row.median_ms = statistics.median(times) * 1e3
     row.min_ms = min(times) * 1e3
     row.eager_median_ms = statistics.median(eager_times) * 1e3 if pair else None
@@ -501,6 +513,7 @@ def combine_repeats(rows: Sequence[BenchRow]) -> BenchRow:
         first, median_ms=step_ms, min_ms=min((r.min_ms for r in rows if r.min_ms is not None), default=None),
         eager_median_ms=median("eager_median_ms"), first_result_s=median("first_result_s"),
         compiled_s=median("compiled_s"), peak_mb=median("peak_mb"), state_mb=median("state_mb"),
+        host_ms=median("host_ms"), host_cpu_ms=median("host_cpu_ms"), device_busy_ms=median("device_busy_ms"),
         max_diff=max(diffs) if diffs else None, repeats=len(rows),
         first_result_runs=[r.first_result_s for r in rows if r.first_result_s is not None],
         tokens_per_s=first.tokens_per_s * per_step if first.tokens_per_s and per_step else None,

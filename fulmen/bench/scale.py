@@ -35,7 +35,18 @@ TIME_LIMITS_S = {"eager": 90.0, "torch.compile": 180.0, "torch.compile-max-autot
 #: A measurement is not started with less than this left of the budget.
 MIN_START_S = 30.0
 #: --toy: the same code at a size a CPU runs in seconds.
-TOY = {"n_layer": 2, "width": 128, "seq_len": 64, "batch_size": 2, "device": "cpu", "steps": 2, "warmup": 1}
+#: One CPU thread: on a shared machine, PyTorch's threads waiting for one another would make the steps' times
+#: measure the machine's load.
+TOY = {
+    "n_layer": 2,
+    "width": 128,
+    "seq_len": 64,
+    "batch_size": 2,
+    "device": "cpu",
+    "steps": 2,
+    "warmup": 1,
+    "threads": 1,
+}
 
 
 @dataclass
@@ -62,6 +73,7 @@ def _config(args: argparse.Namespace, job: Job, timeout_s: float) -> BenchConfig
         dtype="bfloat16" if args.precision == "bf16" else "float32",
         isolate=True,
         warm_cache=args.warm_cache,
+        threads=args.threads,
         optimizer="adamw-fused",
         n_layer=args.n_layer,
         width=args.width,
@@ -117,7 +129,7 @@ def markdown(rows: Sequence[BenchRow], environment: dict) -> str:
     compiled = {r.model: r.median_ms for r in rows if r.backend == "torch.compile" and r.median_ms}
     head = (
         "| model | backend | step ms | tokens/s | MFU % | x eager | x torch.compile | peak GiB | first step s "
-        "| fully compiled s | max diff | note |"
+        "| fully compiled s | host ms | device busy ms | calls per step | max diff | note |"
     )
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
 
@@ -138,6 +150,9 @@ def markdown(rows: Sequence[BenchRow], environment: dict) -> str:
             f(peak, ".2f"),
             f(r.first_result_s, ".1f"),
             f(r.compiled_s, ".1f"),
+            f(r.host_ms, ".1f"),
+            f(r.device_busy_ms, ".1f"),
+            _calls(r.calls_per_step),
             f(r.max_diff, ".1e"),
             r.error or "",
         ]
@@ -149,9 +164,26 @@ def markdown(rows: Sequence[BenchRow], environment: dict) -> str:
         f"{env['precision']}, fused AdamW, {env['steps']} timed steps after {env['warmup']} warm-up "
         f"(medians), each backend in a fresh process with empty compiler caches. x eager, x torch.compile: "
         f"that backend's step time over the row's (above 1: the row is faster). MFU against the card's "
-        f"dense bf16 peak, model FLOPs 6N + 12LHQT per token (fulmen.bench.flops).",
+        f"dense bf16 peak, model FLOPs 6N + 12LHQT per token (fulmen.bench.flops). host ms: until the step's "
+        f"Python returned (before synchronizing); device busy ms: the kernels' time in a step (profiler); calls "
+        f"per step: fulmen's fused regions + other calls, forward / backward, or torch.compile's graphs "
+        f"(fulmen.bench.step_profile).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _calls(calls: dict | None) -> str:
+    """``4+0 / 3+1`` (fused regions + other calls, forward / backward), ``2 graphs``, or ``-``."""
+    if not calls:
+        return "-"
+    if "graphs" in calls:
+        return f"{calls['graphs']} graph{'' if calls['graphs'] == 1 else 's'}"
+    parts = [
+        f"{calls[f'{p}_regions']}+{calls[f'{p}_other_calls']}"
+        for p in ("forward", "backward")
+        if f"{p}_regions" in calls
+    ]
+    return " / ".join(parts)
 
 
 def parameters(args: argparse.Namespace) -> dict[str, dict[str, int]]:
@@ -193,6 +225,7 @@ def environment(args: argparse.Namespace) -> dict:
         "width": args.width,
         "seq_len": args.seq_len,
         "batch_size": args.batch_size,
+        "threads": args.threads,
         "models": parameters(args),
     }
 
@@ -219,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--limit-scale", type=float, default=1.0, help="multiplies every per-backend time limit")
     p.add_argument("--warm-cache", action="store_true", help="keep the usual compiler caches")
+    p.add_argument("--threads", type=int, help="PyTorch CPU threads of each measurement (default: PyTorch's)")
     p.add_argument("--toy", action="store_true", help="a CPU dry run: " + ", ".join(f"{k}={v}" for k, v in TOY.items()))
     return p
 

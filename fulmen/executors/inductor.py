@@ -47,7 +47,12 @@ from fulmen.executors.inductor_compile import (  # noqa: F401  (re-exported: the
     wait_for_compilations,
 )
 from fulmen.executors.inductor_dynamic import varying_dims
-from fulmen.executors.partition import fusion_groups, split_repeats, sums_after_other_readers
+from fulmen.executors.partition import (
+    fusion_groups,
+    operations_key,
+    split_repeats,
+    sums_after_other_readers,
+)
 from fulmen.transforms import overlap
 from fulmen.transforms.grad_ops import unfold_backward
 from fulmen.transforms.passes import del_last_used, draws
@@ -57,6 +62,8 @@ _NOT_FUSED = (OpTags.SIDE_EFFECT, OpTags.FALLBACK, OpTags.COMMUNICATION)
 MAX_VARIANTS = 8
 #: Layouts remembered as fitting the region's kernel with symbolic sizes (each new one is checked once).
 MAX_FITTED_LAYOUTS = 256
+#: How many times one region builds the C++ check of its steady layout (``FusedRegion._steady``).
+MAX_FAST_BUILDS = 4
 #: Operations (by id) Inductor (torch 2.13) computes wrongly inside a fused graph: ``unfold_backward`` fed by other
 #: fused operations (max_pool2d's backward) gave gradients off by 2.0 where alone it is exact.
 _NOT_FUSED_IDS = frozenset({unfold_backward.id})
@@ -83,13 +90,52 @@ class FusedRegion:
         self.variants: dict[tuple, Callable] = {}  # layout -> compiled callable, the fast path
         self.last_key: tuple | None = None  # the layout of the last kernel compiled for one layout
         self.dynamic: Kernel | None = None  # the kernel whose varying sizes are symbols, once sizes varied
+        # (C++ check, callable) of the layout the region runs call after call (see ``_steady``)
+        self.fast: tuple[Any, Callable] | None = None
+        self._last_hit: tuple | None = None
+        self._fast_builds = 0
 
     def __call__(self, *args):
+        fast = self.fast  # one read: another thread may replace it
+        if fast is not None and fast[0].check(*args):
+            return fast[1](list(args))
         key = tuple((a.shape, a.stride()) for a in args)
         fn = self.variants.get(key)
+        steady, self._last_hit = key == self._last_hit, key
         if fn is not None:
+            if steady:
+                self._steady(args, fn)
             return fn(list(args))
         return self._slow_call(key, args)
+
+    def _steady(self, args: tuple, fn: Callable) -> None:
+        """The same layout found twice in a row: from now on one C++ check (PyTorch's ``TensorGuards``, Dynamo's
+        tensor check) of every input's exact type, dispatch keys, dtype, device, ``requires_grad``, sizes and
+        strides finds its callable, instead of a Python tuple of every input's shape and stride hashed into
+        ``variants``. It accepts a subset of the layouts the key lookup accepts, and on any difference the lookup
+        decides. A region whose layouts alternate never gets one; one whose steady layout changes rebuilds it at
+        most ``MAX_FAST_BUILDS`` times."""
+        if self._fast_builds >= MAX_FAST_BUILDS:
+            return
+        self._fast_builds += 1
+        try:
+            from torch._C._dynamo.guards import TensorGuards
+
+            guard = TensorGuards(
+                *args,
+                dynamic_dims_sizes=[list(a.shape) for a in args],
+                dynamic_dims_strides=[list(a.stride()) for a in args],
+            )
+            ok = guard.check(*args)
+        except Exception:  # no such check in this torch, or an input it does not take (it compares dense tensors)
+            self._fast_builds = MAX_FAST_BUILDS
+            return
+        self.fast = (guard, fn) if ok else None
+
+    def forget_fast(self) -> None:
+        """Drop the C++-checked callable (``fulmen.report`` swaps ``variants``' callables for timed ones): the next
+        steady layout builds it again from ``variants``."""
+        self.fast, self._last_hit, self._fast_builds = None, None, 0
 
     def _slow_call(self, key: tuple, args: tuple):
         kernel = self.kernels.get(key)
@@ -214,7 +260,10 @@ def _structure_key(region: list[BoundSymbol], inputs: list[Proxy], outputs: list
     return tuple(parts)
 
 
-def _region_io(region: list[BoundSymbol], later: list[BoundSymbol], trace_outputs: set[str]):
+def _region_io(region: list[BoundSymbol], later: list[BoundSymbol], trace_outputs: set[str],
+               also: frozenset[str] = frozenset()):
+    """The region's inputs, and its outputs: what it defines that ``later`` operations or the trace return read,
+    plus the names in ``also``, in the order the region defines them."""
     defined: dict[str, Proxy] = {}
     inputs: dict[str, Proxy] = {}
     for bsym in region:
@@ -223,9 +272,43 @@ def _region_io(region: list[BoundSymbol], later: list[BoundSymbol], trace_output
                 inputs[p.name] = p
         for p in bsym.flat_proxy_outs:
             defined[p.name] = p
-    used_later = {p.name for b in later for p in b.flat_args} | trace_outputs
+    used_later = {p.name for b in later for p in b.flat_args} | trace_outputs | also
     outputs = [p for name, p in defined.items() if name in used_later]
     return list(inputs.values()), outputs
+
+
+def _common_outputs(pieces: list[list[BoundSymbol]], later: list[BoundSymbol],
+                    trace_outputs: set[str]) -> list[frozenset[str]]:
+    """For each of a run's pieces, the values it must return beyond what later operations read, so that pieces
+    with the same operations (a model's layers, ``split_repeats``) return the same values and share one kernel.
+
+    Layers compute alike but need not return alike: the last layer's residual sum is read by nothing after it where
+    the others' is read by the next layer's backward (under autocast, the backward recomputes it from the saved
+    bfloat16 projections of all layers but the last). Left so, the last layer has other code than the others and
+    compiles on its own. Each piece here returns every value that any piece of its kind returns, at the same
+    position: a tensor written and freed unread costs far less than compiling a layer again."""
+    also = [frozenset()] * len(pieces)
+    if len(pieces) < 2:
+        return also
+    kinds: dict[tuple, list[int]] = {}
+    for i, piece in enumerate(pieces):
+        kinds.setdefault(operations_key(piece), []).append(i)
+    for members in kinds.values():
+        if len(members) < 2:
+            continue
+        returned: set[tuple[int, int]] = set()  # (operation, output) positions some member returns
+        for i in members:
+            rest = [b for p in pieces[i + 1:] for b in p] + later
+            _, outs = _region_io(pieces[i], rest, trace_outputs)
+            names = {p.name for p in outs}
+            returned |= {pos for pos, name in _output_positions(pieces[i]) if name in names}
+        for i in members:
+            also[i] = frozenset(name for pos, name in _output_positions(pieces[i]) if pos in returned)
+    return also
+
+
+def _output_positions(piece: list[BoundSymbol]) -> list[tuple[tuple[int, int], str]]:
+    return [((k, j), p.name) for k, b in enumerate(piece) for j, p in enumerate(b.flat_proxy_outs)]
 
 
 class InductorExecutor(FusionExecutor):
@@ -278,13 +361,14 @@ class InductorExecutor(FusionExecutor):
                 # next to repeated layers, a short leftover piece (embedding, final norm) is not worth a
                 # compilation of its own, which costs far more than it saves: it runs on the torch executor
                 smallest = MIN_LEFTOVER if len(pieces) > 1 else MIN_REGION_SIZE
+                also = _common_outputs(pieces, later, outputs)
                 for i, piece in enumerate(pieces):
                     if len(piece) < smallest:
                         new.extend(self._unfused(trace, piece, torch_executors))
                     else:
                         rest = [b for p in pieces[i + 1:] for b in p] + later
                         new.append(self._fuse(trace, sums_after_other_readers(piece), rest, outputs,
-                                              torch_executors, shared))
+                                              torch_executors, shared, also[i]))
         return trace.derive(trace.provenance or "Fusion", new)
 
     def _unfused(self, trace: Trace, region: list[BoundSymbol], executors) -> list[BoundSymbol]:
@@ -292,8 +376,8 @@ class InductorExecutor(FusionExecutor):
         return claim_symbols(sub, executors).bound_symbols
 
     def _fuse(self, trace: Trace, region: list[BoundSymbol], later: list[BoundSymbol], trace_outputs: set[str],
-              executors: Sequence, shared: dict[tuple, tuple]) -> BoundSymbol:
-        inputs, outputs = _region_io(region, later, trace_outputs)
+              executors: Sequence, shared: dict[tuple, tuple], also: frozenset[str] = frozenset()) -> BoundSymbol:
+        inputs, outputs = _region_io(region, later, trace_outputs, also)
         name = f"inductor_fusion_{self._count}"
         self._count += 1
         structure = _structure_key(region, inputs, outputs)

@@ -153,6 +153,12 @@ def _signatures(ops: Sequence[BoundSymbol], period: int | None, phase: int = 0) 
     return sigs
 
 
+def operations_key(ops: Sequence[BoundSymbol]) -> tuple[int, ...]:
+    """Equal for two runs of the same operations on tensors of the same metadata (constants included), whatever
+    the values' names and where they come from."""
+    return tuple(_signatures(ops, None))
+
+
 def _may_repeat(sigs: list[int], period: int) -> bool:
     """Whether ``period`` equal pairs ``(i, i + period)`` in a row exist: a cheap test before the full scan.
 
