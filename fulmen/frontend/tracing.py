@@ -373,6 +373,7 @@ class UserTracer(Tracer):
         return self.captured(x)
 
     def read_value(self, kind: str, proxy: TensorProxy, what: str) -> Any:
+        proxy = latest(proxy)  # `n.add_(1); float(n)` reads the value after the update, as eager does
         if self._reader is None:
             return super().read_value(kind, proxy, what)
         return self._reader(kind, proxy, what)
