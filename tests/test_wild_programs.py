@@ -44,3 +44,29 @@ def test_batchnorm_cumulative_average_momentum_none():
         torch.testing.assert_close(jm(x), eager(x))
         for name, want in eager.named_buffers():
             torch.testing.assert_close(dict(jitted_module.named_buffers())[name], want, msg=f"{name} step {step}")
+
+
+def _grad_inside(x, w):
+    with torch.enable_grad():
+        y = (x * w).sin()
+    return y, x * 2
+
+
+def test_enable_grad_inside_a_function_called_under_no_grad():
+    """``torch.enable_grad()`` inside the function turns grad mode on for its operations even when the caller is
+    under ``torch.no_grad()`` (input-gradient code in an eval loop): the result requires grad and its gradients
+    are eager's. It was run as an inference program, so the result silently had no history."""
+    jfn = fulmen.jit(_grad_inside, executors=["torch"])
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    for _ in range(2):
+        grads = []
+        for fn in (_grad_inside, jfn):
+            with torch.no_grad():
+                y, z = fn(x, w)
+            assert (y.requires_grad, z.requires_grad) == (True, False)
+            grads.append(torch.autograd.grad(y.sum(), (x, w)))
+        for got, want in zip(grads[1], grads[0]):
+            torch.testing.assert_close(got, want)
+    with torch.no_grad():  # a function with no enable_grad stays an inference program
+        assert not fulmen.jit(lambda a: a.sin(), executors=["torch"])(x).requires_grad

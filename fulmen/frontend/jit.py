@@ -309,9 +309,13 @@ class JittedFunction:
     def _n_state(self) -> int:
         return 0
 
-    def _needs_grad(self, flat_proxies) -> bool:
-        return (not self.disable_torch_autograd) and torch.is_grad_enabled() and any(
-            p.requires_grad for p in flat_proxies)
+    def _needs_grad(self, trace: Trace, flat_proxies) -> bool:
+        """Whether the program is differentiated: an input requires grad and grad mode is on, at the call or in
+        some part of the function (``torch.enable_grad()`` inside a function called under ``torch.no_grad()``;
+        each operation records the mode it ran under)."""
+        if self.disable_torch_autograd or not any(p.requires_grad for p in flat_proxies):
+            return False
+        return torch.is_grad_enabled() or any(not b.no_grad and b.flat_proxy_outs for b in trace.bound_symbols)
 
     def _trace(self, args, kwargs, sizes=None) -> tuple[Trace, InputSpec]:
         return trace_program(self.fn, args, kwargs, sizes=sizes, guard_reads=self.fn if self._guard_reads else None,
@@ -594,13 +598,15 @@ class JittedFunction:
         graph_name = self._graph_name(trace, spec, symbolic)
         entry = CacheEntry(program=None, spec=spec, computation_trace=trace, written=written_inputs(trace),
                            globals_guard=spec.guard)
-        if self._needs_grad(spec.tensor_proxies):
+        needs_grad = self._needs_grad(trace, spec.tensor_proxies)
+        if needs_grad:
             program = self._training_program(trace, run, graph_name, symbolic, entry)
         else:
             program = compile_inference(trace, run, cuda_graphs=graph_name)
         entry.plan = RunPlan(autocast_devices=autocast_devices, restores_rng=bool(spec.values),
                              lazy_views=tuple(lazy_view_inputs(key)), written=entry.written,
-                             attributes=assigner(spec.attributes) if spec.attributes else None, objects=spec.objects)
+                             attributes=assigner(spec.attributes) if spec.attributes else None, objects=spec.objects,
+                             enables_grad=needs_grad and not torch.is_grad_enabled())
         self._set_program(entry, program)
         done = time.perf_counter()
         stats.last_trace_time_ms = (traced - start) * 1e3
