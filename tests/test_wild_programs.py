@@ -70,3 +70,36 @@ def test_enable_grad_inside_a_function_called_under_no_grad():
             torch.testing.assert_close(got, want)
     with torch.no_grad():  # a function with no enable_grad stays an inference program
         assert not fulmen.jit(lambda a: a.sin(), executors=["torch"])(x).requires_grad
+
+
+def _saves_tensors(x):
+    return (x.exp() * x).sin().sum()
+
+
+def _grad_under_hooks(fn, x):
+    # an unpack hook that changes values (as activation compression does): the gradient depends on what is saved
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t * 1, lambda t: t * 2):
+        y = fn(x)
+    return torch.autograd.grad(y, x)[0]
+
+
+def test_saved_tensors_hooks_see_what_eager_saves():
+    """Under ``saved_tensors_hooks`` a compiled program's backward saved other tensors than eager's operations (and
+    only part of them went through the hooks), so the gradient differed; such calls now run eagerly, and calls
+    outside the hooks still run the compiled program."""
+    jfn = fulmen.jit(_saves_tensors, executors=["torch"])
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    want = _grad_under_hooks(_saves_tensors, x)
+    for _ in range(2):  # the first call (compiling) and a cache hit
+        torch.testing.assert_close(_grad_under_hooks(jfn, x), want)
+    hits = fulmen.cache_hits(jfn)
+    torch.testing.assert_close(torch.autograd.grad(jfn(x), x)[0], torch.autograd.grad(_saves_tensors(x), x)[0])
+    assert fulmen.cache_hits(jfn) == hits + 1
+    with torch.autograd.graph.save_on_cpu():  # a module under PyTorch's offloading hooks
+        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+        jitted = fulmen.jit(copy.deepcopy(model), executors=["torch"])
+        x = torch.randn(5, 3, dtype=torch.float64)
+        model(x).sum().backward()
+        jitted(x).sum().backward()
+    for p, q in zip(model.parameters(), jitted.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
