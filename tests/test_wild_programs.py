@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -103,3 +104,18 @@ def test_saved_tensors_hooks_see_what_eager_saves():
         jitted(x).sum().backward()
     for p, q in zip(model.parameters(), jitted.parameters()):
         torch.testing.assert_close(q.grad, p.grad)
+
+
+def _marks_its_input(x):
+    x.requires_grad_()
+    return (x * x).sum()
+
+
+def test_requires_grad_on_an_input_is_refused_naming_the_line():
+    """``x.requires_grad_()`` on an input changes the caller's tensor in eager (its ``.grad`` fills on backward);
+    the compiled program left it unchanged, so ``x.grad`` silently stayed None. It is refused, naming the line."""
+    with pytest.raises(NotImplementedError, match=r"requires_grad_\(True\) on an input(.|\n)*x\.requires_grad_\(\)"):
+        fulmen.jit(_marks_its_input, executors=["torch"])(torch.arange(3.0))
+    x = torch.arange(3.0, requires_grad=True)  # the flag it already has: nothing changes, as in eager
+    fulmen.jit(_marks_its_input, executors=["torch"])(x).backward()
+    torch.testing.assert_close(x.grad, 2 * x.detach())
