@@ -119,3 +119,20 @@ def test_requires_grad_on_an_input_is_refused_naming_the_line():
     x = torch.arange(3.0, requires_grad=True)  # the flag it already has: nothing changes, as in eager
     fulmen.jit(_marks_its_input, executors=["torch"])(x).backward()
     torch.testing.assert_close(x.grad, 2 * x.detach())
+
+
+def _turns_grad_off(x):
+    torch.set_grad_enabled(False)
+    return x * 2
+
+
+def test_grad_mode_left_changed_for_the_caller_is_refused():
+    """``torch.set_grad_enabled(False)`` called as a function leaves grad mode off for the caller in eager; a cache
+    hit did not, so a later call's result silently required grad. It is refused, and grad mode is left as it was."""
+    jfn = fulmen.jit(_turns_grad_off, executors=["torch"])
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="turns grad mode off for its caller"):
+        jfn(x)
+    assert torch.is_grad_enabled()
+    with torch.set_grad_enabled(False):  # the `with` form restores the mode: compiled as usual
+        torch.testing.assert_close(fulmen.jit(lambda a: a * 2, executors=["torch"])(x), x * 2)
