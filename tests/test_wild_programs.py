@@ -136,3 +136,28 @@ def test_grad_mode_left_changed_for_the_caller_is_refused():
     assert torch.is_grad_enabled()
     with torch.set_grad_enabled(False):  # the `with` form restores the mode: compiled as usual
         torch.testing.assert_close(fulmen.jit(lambda a: a * 2, executors=["torch"])(x), x * 2)
+
+
+def _forces(pos, w):  # an energy model's forces, as molecular-dynamics code computes them
+    with torch.enable_grad():
+        p = pos.detach().requires_grad_()
+        energy = ((p @ w) ** 2).sum()
+        (grad,) = torch.autograd.grad(energy, p, create_graph=True)
+    return energy, -grad
+
+
+def _steps_inside(x, w):
+    loss = (x @ w).sum()
+    loss.backward()
+    return loss
+
+
+@pytest.mark.parametrize(
+    "fn, what", [(_forces, r"torch\.autograd\.grad\(\)"), (_steps_inside, r"Tensor\.backward\(\)")]
+)
+def test_differentiating_inside_the_function_is_refused_naming_the_line(fn, what):
+    """``torch.autograd.grad`` / ``backward()`` inside a compiled function ran on fake tensors and failed with
+    PyTorch's "appears to not have been used in the graph" or "does not require grad"; now a clear error names
+    the call and the ways out."""
+    with pytest.raises(NotImplementedError, match=what + r" inside a function fulmen compiles(.|\n)*at File"):
+        fulmen.jit(fn, executors=["torch"])(torch.randn(4, 3), torch.randn(3, 3, requires_grad=True))

@@ -109,3 +109,20 @@ def requires_grad_(t: TensorProxy, requires_grad: bool = True) -> TensorProxy:
 
 
 langctx.methods["requires_grad_"] = requires_grad_
+
+
+def _differentiating_inside(what: str) -> Callable:
+    def refuse(*args, **kwargs):
+        raise NotImplementedError(
+            f"{what} inside a function fulmen compiles is not supported: the function is traced once into a "
+            f"program that fulmen differentiates itself, and traced tensors have no autograd graph to walk.\n"
+            f"  at {_user_location()}\nCall it on the compiled function's result instead (loss = f(x); "
+            "loss.backward()), use fulmen.grad / fulmen.value_and_grad, or torch.compile(model, backend=\"fulmen\"), "
+            "which runs it between compiled graphs.")
+
+    return refuse
+
+
+langctx.torch_functions[torch.Tensor.backward] = _differentiating_inside("Tensor.backward()")
+langctx.torch_functions[torch.autograd.backward] = _differentiating_inside("torch.autograd.backward()")
+langctx.torch_functions[torch.autograd.grad] = _differentiating_inside("torch.autograd.grad()")
