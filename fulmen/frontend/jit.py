@@ -70,6 +70,13 @@ _MAX_GLOBAL_VARIANTS = 8
 # this many keys per function.
 _MAX_ALIASES = 4096
 
+_top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+def saved_tensors_hooks() -> tuple[Callable, Callable] | None:
+    """The innermost ``torch.autograd.graph.saved_tensors_hooks`` (pack, unpack) in effect, or None."""
+    return _top_saved_tensors_hooks(False)
+
 
 @dataclass
 class CacheEntry:
@@ -89,6 +96,7 @@ class CacheEntry:
     branches: list[CacheEntry] | None = None
     plan: RunPlan = field(default_factory=RunPlan)  # what the call around the program does (fulmen.frontend.runner)
     run: Callable | None = None  # the program's run composed with the plan: what a call runs
+    differentiates: bool = False  # its program records a backward (an autograd.Function holding saved tensors)
 
 
 class JittedFunction:
@@ -264,6 +272,8 @@ class JittedFunction:
         if entry is not None:
             checked = entry.check(*inputs)
             if checked is not None:
+                if entry.differentiates and saved_tensors_hooks() is not None:
+                    return self._saved_tensors_hooks_eagerly()
                 self._stats.cache_hits += 1
                 self._last_entry = entry
                 compiled = self._compiled
@@ -282,8 +292,22 @@ class JittedFunction:
                         "function eagerly. Please report this with the prologue:\n%s", _display_name(self.fn),
                         entry.prologue)
             return None, []
+        if entry.differentiates and saved_tensors_hooks() is not None:
+            return self._saved_tensors_hooks_eagerly()
         self._last_entry = entry
         return entry, checked
+
+    def _saved_tensors_hooks_eagerly(self) -> tuple[None, list]:
+        """The call runs under ``torch.autograd.graph.saved_tensors_hooks`` (``save_on_cpu``, activation
+        compression): eager applies them to what each of its operations saves, and a compiled program saves other
+        tensors, so a hook that changes values would give other gradients. Such calls run eagerly."""
+        if not getattr(self, "_warned_saved_hooks", False):
+            self._warned_saved_hooks = True
+            log.warning("fulmen: %s is called under torch.autograd.graph.saved_tensors_hooks (or save_on_cpu); "
+                        "calls that record a backward there run eagerly (not compiled), so that the hooks see the "
+                        "tensors eager saves. Call it outside the hooks' context to run compiled.",
+                        _display_name(self.fn))
+        return None, []
 
     def _run_eagerly(self, args, kwargs):
         """The call's inputs share memory and the program writes to one of them; it was traced as if they did not
@@ -309,9 +333,13 @@ class JittedFunction:
     def _n_state(self) -> int:
         return 0
 
-    def _needs_grad(self, flat_proxies) -> bool:
-        return (not self.disable_torch_autograd) and torch.is_grad_enabled() and any(
-            p.requires_grad for p in flat_proxies)
+    def _needs_grad(self, trace: Trace, flat_proxies) -> bool:
+        """Whether the program is differentiated: an input requires grad and grad mode is on, at the call or in
+        some part of the function (``torch.enable_grad()`` inside a function called under ``torch.no_grad()``;
+        each operation records the mode it ran under)."""
+        if self.disable_torch_autograd or not any(p.requires_grad for p in flat_proxies):
+            return False
+        return torch.is_grad_enabled() or any(not b.no_grad and b.flat_proxy_outs for b in trace.bound_symbols)
 
     def _trace(self, args, kwargs, sizes=None) -> tuple[Trace, InputSpec]:
         return trace_program(self.fn, args, kwargs, sizes=sizes, guard_reads=self.fn if self._guard_reads else None,
@@ -594,13 +622,15 @@ class JittedFunction:
         graph_name = self._graph_name(trace, spec, symbolic)
         entry = CacheEntry(program=None, spec=spec, computation_trace=trace, written=written_inputs(trace),
                            globals_guard=spec.guard)
-        if self._needs_grad(spec.tensor_proxies):
+        needs_grad = entry.differentiates = self._needs_grad(trace, spec.tensor_proxies)
+        if needs_grad:
             program = self._training_program(trace, run, graph_name, symbolic, entry)
         else:
             program = compile_inference(trace, run, cuda_graphs=graph_name)
         entry.plan = RunPlan(autocast_devices=autocast_devices, restores_rng=bool(spec.values),
                              lazy_views=tuple(lazy_view_inputs(key)), written=entry.written,
-                             attributes=assigner(spec.attributes) if spec.attributes else None, objects=spec.objects)
+                             attributes=assigner(spec.attributes) if spec.attributes else None, objects=spec.objects,
+                             enables_grad=needs_grad and not torch.is_grad_enabled())
         self._set_program(entry, program)
         done = time.perf_counter()
         stats.last_trace_time_ms = (traced - start) * 1e3

@@ -31,6 +31,8 @@ class RunPlan:
     attributes: Callable[[Any], None] | None = None  # assigns the module attribute values the program returns
     objects: Any = None  # fulmen.frontend.objects' spec: holders taken off the inputs, objects updated and built
     rebind: Callable[[Any], Any] | None = None  # stores a module's rebound buffers, returns the result
+    # grad mode switched on while it runs: called under no_grad, the function turns it on itself (enable_grad)
+    enables_grad: bool = False
 
     def needed(self) -> bool:
         return bool(
@@ -40,6 +42,7 @@ class RunPlan:
             or self.attributes is not None
             or self.objects is not None
             or self.rebind is not None
+            or self.enables_grad
         )
 
 
@@ -47,6 +50,8 @@ def compose(run: Callable, plan: RunPlan) -> Callable:
     """``run(flat)`` with everything ``plan`` asks for around it, as one function (``run`` itself when nothing)."""
     if not plan.needed():
         return run
+    if plan.enables_grad:
+        run = _with_grad(run)
     devices, restores_rng, rebind = plan.autocast_devices, plan.restores_rng, plan.rebind
     lazy, written, assign, objects = plan.lazy_views, plan.written, plan.attributes, plan.objects
     n_holders = len(objects.holders) if objects is not None else 0
@@ -69,6 +74,14 @@ def compose(run: Callable, plan: RunPlan) -> Callable:
         return rebind(out) if rebind is not None else out
 
     return run_program
+
+
+def _with_grad(run: Callable) -> Callable:
+    def run_with_grad(flat):
+        with torch.enable_grad():
+            return run(flat)
+
+    return run_with_grad
 
 
 def _run_guarded(run: Callable, flat, devices: tuple[str, ...], restores_rng: bool):

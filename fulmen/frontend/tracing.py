@@ -373,6 +373,7 @@ class UserTracer(Tracer):
         return self.captured(x)
 
     def read_value(self, kind: str, proxy: TensorProxy, what: str) -> Any:
+        proxy = latest(proxy)  # `n.add_(1); float(n)` reads the value after the update, as eager does
         if self._reader is None:
             return super().read_value(kind, proxy, what)
         return self._reader(kind, proxy, what)
@@ -478,8 +479,12 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
         with tracing(tracer), _UserTorchCalls(trace), _compiling(), _recording_autograd_functions(), \
                 nn_functional_traceable(), routing_higher_order_ops(), recording_rng_calls(), \
                 ModuleWrites() as writes:
+            grad_mode = torch.is_grad_enabled()
             try:
                 result = fn(*proxy_args, **proxy_kwargs)
+                if torch.is_grad_enabled() is not grad_mode:
+                    torch.set_grad_enabled(grad_mode)
+                    raise _grad_mode_left_changed(fn, grad_mode)
             except BaseException:
                 swaps.restore()  # the caller's objects as they were
                 raise
@@ -506,6 +511,15 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     trace.output = result
     trace.provenance = None
     return trace, spec
+
+
+def _grad_mode_left_changed(fn: Callable, grad_mode: bool) -> NotImplementedError:
+    # eager leaves the new mode for the caller; a compiled program, run on later calls, would not change it
+    return NotImplementedError(
+        f"{getattr(fn, '__qualname__', type(fn).__name__)} turns grad mode {'off' if grad_mode else 'on'} for its "
+        "caller (torch.set_grad_enabled called as a function, not as a `with` block), which a compiled program "
+        "cannot repeat on later calls. Use `with torch.set_grad_enabled(...):` (or torch.no_grad()) inside the "
+        "function, or set the mode before calling it.")
 
 
 def _proxify_inputs(trace: Trace, spec: InputSpec, args: tuple, kwargs: dict, names: list[str],

@@ -95,9 +95,34 @@ def requires_grad_(t: TensorProxy, requires_grad: bool = True) -> TensorProxy:
     """``Tensor.requires_grad_`` inside a traced function. Asking for the flag the tensor already has changes
     nothing, as in eager (transformers' ``enable_input_require_grads`` hook asks it of embeddings that already
     require grad, for gradient checkpointing); another change is recorded as any in-place method without a rule."""
-    if bool(requires_grad) == latest(t).requires_grad:
+    current = latest(t)
+    if bool(requires_grad) == current.requires_grad:
         return t
+    trc = get_tracectx()
+    if trc is not None and any(current is p for p in trc.args):
+        # eager changes the caller's tensor, which later calls (and its .grad) see; the program cannot
+        raise NotImplementedError(
+            f"Tensor.requires_grad_({bool(requires_grad)}) on an input of a function compiled by fulmen "
+            f"({current.name}, {current.type_string()}) is not supported.\n  at {_user_location()}\n"
+            "Call requires_grad_ on the tensor before passing it in.")
     return record(torch.Tensor.requires_grad_)(t, requires_grad)
 
 
 langctx.methods["requires_grad_"] = requires_grad_
+
+
+def _differentiating_inside(what: str) -> Callable:
+    def refuse(*args, **kwargs):
+        raise NotImplementedError(
+            f"{what} inside a function fulmen compiles is not supported: the function is traced once into a "
+            f"program that fulmen differentiates itself, and traced tensors have no autograd graph to walk.\n"
+            f"  at {_user_location()}\nCall it on the compiled function's result instead (loss = f(x); "
+            "loss.backward()), use fulmen.grad / fulmen.value_and_grad, or torch.compile(model, backend=\"fulmen\"), "
+            "which runs it between compiled graphs.")
+
+    return refuse
+
+
+langctx.torch_functions[torch.Tensor.backward] = _differentiating_inside("Tensor.backward()")
+langctx.torch_functions[torch.autograd.backward] = _differentiating_inside("torch.autograd.backward()")
+langctx.torch_functions[torch.autograd.grad] = _differentiating_inside("torch.autograd.grad()")
