@@ -25,6 +25,14 @@ def _fsdp_module_class() -> type | None:
     return getattr(module, "FSDPModule", None)
 
 
+def fsdp_module_class(root: nn.Module) -> type | None:
+    """FSDP2's ``FSDPModule`` class if ``root`` or a submodule of it is sharded by FSDP2, else None."""
+    fsdp_module = _fsdp_module_class()
+    if fsdp_module is None or not any(isinstance(m, fsdp_module) for m in root.modules()):
+        return None
+    return fsdp_module
+
+
 def innermost_units(root: nn.Module) -> list[nn.Module] | None:
     """The FSDP2 units under ``root`` (itself included) that hold no other unit, or None if ``root`` has no unit."""
     fsdp_module = _fsdp_module_class()
