@@ -43,9 +43,10 @@ from fulmen.torch import collectives
 
 log = logging.getLogger("fulmen")
 
-#: FSDP2's default gradient policy of a parameter group: (divide factor, force sum reduction, reduce grads, all-reduce
-#: grads, resharding after forward to another mesh)
-_DEFAULT_POLICY = (None, False, True, True, False)
+#: FSDP2's default policy of a parameter group (``_policy``): gradient divide factor, sum-only reduction, gradient
+#: sync, all-reduce (HSDP), no all-reduce hook, FSDP's own all-gather and reduce-scatter, resharding after forward to
+#: the same mesh (the root's automatic "no resharding" included)
+_DEFAULT_POLICY = (None, False, True, True, True, True, True, True)
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,19 @@ class _Unit:
     is_root: bool
 
 
-def _policy(group) -> tuple:
-    return (group.gradient_divide_factor, group.force_sum_reduction_for_comms, group.reduce_grads,
-            group.all_reduce_grads, group._use_post_forward_mesh)
+def _policy(group, is_root: bool) -> tuple:
+    """What of a parameter group's policy the traced program assumes (``_DEFAULT_POLICY``); read on every call, since
+    ``set_requires_gradient_sync`` and its siblings change it between steps."""
+    return (
+        group.gradient_divide_factor,
+        group.force_sum_reduction_for_comms,
+        group.reduce_grads,
+        group.all_reduce_grads,
+        group._all_reduce_hook is None,
+        type(group._all_gather_comm).__name__ == "DefaultAllGather",
+        type(group._reduce_scatter_comm).__name__ == "DefaultReduceScatter",
+        (is_root or group._reshard_after_forward) and not group._use_post_forward_mesh,
+    )
 
 
 def _layout(fsdp_param) -> _ParamLayout | str:
@@ -94,9 +105,15 @@ def _layout(fsdp_param) -> _ParamLayout | str:
         return f"{name} has a mixed precision policy"
     places = ((info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names))
     mesh = fsdp_param.mesh_info
-    return _ParamLayout(fsdp_param, tuple(places), tuple(fsdp_param.sharded_size),
-                        int(fsdp_param.padded_sharded_param_size[0]), int(fsdp_param._orig_size[0]),
-                        mesh.shard_mesh_size, collectives.group_name(mesh.shard_process_group, "fully_shard"))
+    return _ParamLayout(
+        fsdp_param,
+        tuple(places),
+        tuple(fsdp_param.sharded_size),
+        int(fsdp_param.padded_sharded_param_size[0]),
+        int(fsdp_param._orig_size[0]),
+        mesh.shard_mesh_size,
+        collectives.group_name(mesh.shard_process_group, "fully_shard"),
+    )
 
 
 def _unit(module: nn.Module, state) -> _Unit | str:
@@ -105,9 +122,11 @@ def _unit(module: nn.Module, state) -> _Unit | str:
     pre, post = state._pre_forward_hook_handle, state._post_forward_hook_handle
     layouts = []
     for group in state._fsdp_param_groups:
-        if _policy(group) != _DEFAULT_POLICY and not (state._is_root and _policy(group)[:4] == _DEFAULT_POLICY[:4]):
-            return (f"{type(module).__name__}'s FSDP policy is not the default one (gradient divide factor, sum "
-                    "reduction, gradient sync or resharding after forward to another mesh)")
+        if _policy(group, bool(state._is_root)) != _DEFAULT_POLICY:
+            return (
+                f"{type(module).__name__}'s FSDP policy is not the default one (gradient divide factor, sum "
+                "reduction, gradient sync, hooks, custom collectives or resharding after forward)"
+            )
         for fsdp_param in group.fsdp_params:
             layout = _layout(fsdp_param)
             if isinstance(layout, str):
@@ -145,7 +164,8 @@ def _two_d_refusal(model: nn.Module, why: str) -> NotImplementedError:
         f"fulmen.jit({type(model).__name__}): the model combines fully_shard (FSDP2) with parallelize_module (tensor "
         f"parallelism): {why}. fulmen.jit traces FSDP2 alone (its all-gathers in the trace) and tensor parallelism "
         "alone (its DTensor program), not the two on one model. Run the 2-D model eagerly (or compile each block "
-        "without the wrappers and apply them after), or use one of the two wrappers under fulmen.jit.")
+        "without the wrappers and apply them after), or use one of the two wrappers under fulmen.jit."
+    )
 
 
 def _gather(layout: _ParamLayout, shard: TensorProxy):
@@ -167,7 +187,8 @@ def _pre_forward(unit: _Unit, shards: dict, module, args, kwargs) -> None:
         if not isinstance(shard, TensorProxy) or tuple(shard.shape) != layout.local_shape:
             raise NotImplementedError(
                 f"fulmen.jit: {type(module_).__name__}.{name} is not FSDP2's sharded parameter while the FSDP2 model "
-                "is traced (replaced or unsharded); call the model without fulmen.jit, or reshard it first")
+                "is traced (replaced or unsharded); call the model without fulmen.jit, or reshard it first"
+            )
         shards[id(layout)] = shard
         full = _gather(layout, shard)
         for m, n in layout.places:
@@ -198,6 +219,13 @@ def gathering(units: list[_Unit]) -> Iterator[None]:
             hooks[key] = hook
 
 
+def _pending_grad(fsdp_param) -> bool:
+    """Whether FSDP keeps an unsharded gradient of this parameter to reduce with the next one (a backward without
+    gradient sync; FSDP's ``post_backward`` reads the same two places)."""
+    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+    return fsdp_param.unsharded_accumulated_grad is not None or (unsharded is not None and unsharded.grad is not None)
+
+
 class _ShardedState(_ModuleState):
     """The model's tensors, FSDP2's sharded parameters as their local shards (``to_local()``, through which the
     shards' gradients become DTensor gradients of the parameters), and whether each is still FSDP2's."""
@@ -214,8 +242,7 @@ class _ShardedState(_ModuleState):
             for layout in unit.layouts:
                 m, n = layout.places[0]
                 if m._parameters.get(n) is not layout.fsdp_param.sharded_param:
-                    self.stale = (f"{type(m).__name__}.{n} is not FSDP2's sharded parameter (unsharded, or "
-                                  "replaced)")
+                    self.stale = f"{type(m).__name__}.{n} is not FSDP2's sharded parameter (unsharded, or replaced)"
 
     def tensors(self) -> list[torch.Tensor]:
         from torch.distributed.tensor import DTensor
@@ -234,8 +261,12 @@ class FSDP2Program(_ModuleProgram):
         self.units = units
         self.state = _ShardedState(module, units)
         self._warned: set[str] = set()
-        log.info("fulmen: %s is sharded by FSDP2 (%d units): fulmen traces the whole model, with each unit's "
-                 "all-gather and the gradients' reduce-scatter in its program", type(module).__name__, len(units))
+        log.info(
+            "fulmen: %s is sharded by FSDP2 (%d units): fulmen traces the whole model, with each unit's "
+            "all-gather and the gradients' reduce-scatter in its program",
+            type(module).__name__,
+            len(units),
+        )
 
     def __reduce__(self):
         """Pickled (``copy.deepcopy`` of the jitted model): the copy plans its own units and traces again."""
@@ -249,10 +280,13 @@ class FSDP2Program(_ModuleProgram):
                 state.revalidate()
         if state.stale:
             return state.stale
+        for unit in self.units:  # a backward without gradient sync left FSDP an unsharded gradient to add in
+            for layout in unit.layouts:
+                if _pending_grad(layout.fsdp_param):
+                    return "FSDP holds gradients accumulated without gradient sync"
         for unit in self.units:
             for group in unit.groups:
-                policy = _policy(group)
-                if policy != _DEFAULT_POLICY and not (unit.is_root and policy[:4] == _DEFAULT_POLICY[:4]):
+                if _policy(group, unit.is_root) != _DEFAULT_POLICY:
                     return f"{type(unit.module).__name__}'s FSDP policy changed since the model was traced"
         return None
 
@@ -281,7 +315,11 @@ def whole_program(module: nn.Module, fsdp_module: type, executors, options: dict
     """The whole-model program of an FSDP2 model, or None (logged, with why) where only the units are compiled."""
     units = plan(module, fsdp_module)
     if isinstance(units, str):
-        log.info("fulmen: %s is sharded by FSDP2 but is not traced whole (%s): fulmen compiles its innermost units "
-                 "and FSDP's hooks run around them", type(module).__name__, units)
+        log.info(
+            "fulmen: %s is sharded by FSDP2 but is not traced whole (%s): fulmen compiles its innermost units "
+            "and FSDP's hooks run around them",
+            type(module).__name__,
+            units,
+        )
         return None
     return FSDP2Program(module, executors, units, **options)
