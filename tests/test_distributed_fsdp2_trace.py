@@ -168,3 +168,33 @@ def _check(results: list[dict]) -> None:
 @pytest.mark.parametrize("options", [{"executors": ["torch"]}, {"compile": "sync"}], ids=["torch", "fusion"])
 def test_fsdp2_traced_whole_matches_eager(options):
     _check(run_on_ranks(_fsdp2_traced, options, timeout=400))
+
+
+def _two_d(rank, world_size):
+    """Tensor parallelism on the mesh's "tp" dimension, then FSDP2 on its "dp" dimension (a 2 x 2 mesh)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import fulmen
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    net = Net()
+    for block in net.blocks:
+        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(net, mesh=mesh["dp"])
+    eager_loss = net(_batch(rank // 2, 0))  # eager PyTorch runs the 2-D model
+    eager_loss.backward()
+    try:
+        fulmen.jit(net)
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
+def test_fsdp2_with_tensor_parallel_is_refused_naming_both_wrappers():
+    for message in run_on_ranks(_two_d, world_size=4, timeout=300):
+        assert message is not None and "fully_shard" in message and "parallelize_module" in message
+        assert "Block" not in message or "Linear.weight was a DTensor" in message

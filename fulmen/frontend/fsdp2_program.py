@@ -95,8 +95,6 @@ def _layout(fsdp_param) -> _ParamLayout | str:
 
     info = fsdp_param._module_info
     name = f"{type(info.module).__name__}.{info.param_name}"
-    if fsdp_param.is_dtensor:
-        return f"{name} was already a DTensor (tensor parallelism) when fully_shard sharded it"
     if type(fsdp_param.mesh_info) is not FSDPMeshInfo:
         return f"{name} is sharded with {type(fsdp_param.mesh_info).__name__} (HSDP or replication)"
     if fsdp_param.fsdp_placement.dim != 0 or fsdp_param.offload_to_cpu:
@@ -146,13 +144,16 @@ def plan(model: nn.Module, fsdp_module: type) -> list[_Unit] | str:
     if not states:
         return "no module is sharded"
     for m, state in states.values():
+        for group in state._fsdp_param_groups:
+            tensor_parallel = [p for p in group.fsdp_params if p.is_dtensor]
+            if tensor_parallel:
+                info = tensor_parallel[0]._module_info
+                raise _two_d_refusal(model, f"{type(info.module).__name__}.{info.param_name} was a DTensor")
         if state._is_root is None:  # FSDP's own first-forward setup (FQNs, the root's resharding): as in eager
             state._lazy_init()
     units = []
     for m, state in states.values():
         unit = _unit(m, state)
-        if isinstance(unit, str) and "tensor parallelism" in unit:
-            raise _two_d_refusal(model, unit)
         if isinstance(unit, str):
             return unit
         units.append(unit)
@@ -162,9 +163,9 @@ def plan(model: nn.Module, fsdp_module: type) -> list[_Unit] | str:
 def _two_d_refusal(model: nn.Module, why: str) -> NotImplementedError:
     return NotImplementedError(
         f"fulmen.jit({type(model).__name__}): the model combines fully_shard (FSDP2) with parallelize_module (tensor "
-        f"parallelism): {why}. fulmen.jit traces FSDP2 alone (its all-gathers in the trace) and tensor parallelism "
-        "alone (its DTensor program), not the two on one model. Run the 2-D model eagerly (or compile each block "
-        "without the wrappers and apply them after), or use one of the two wrappers under fulmen.jit."
+        f"parallelism, 2-D): {why} when fully_shard sharded it. fulmen.jit traces a model under fully_shard alone "
+        "(its all-gathers and reduce-scatters in the trace) or under parallelize_module alone (its DTensor program), "
+        "not the two on one model. Run the 2-D model without fulmen.jit, or use one of the two wrappers."
     )
 
 
