@@ -7,9 +7,10 @@ autograd hooks reduce-scatter the gradients. Here the model is traced once with 
 
 - each FSDP parameter's **local shard** (``param.to_local()``) is an input of the program;
 - where a unit's forward begins (its FSDP pre-hook would run), the program pads each shard to the padded size,
-  all-gathers it (``param_all_gather``, printed as ``torch.ops._c10d_functional.all_gather_into_tensor``) and
-  narrows the result to the parameter's rows; the unit's body reads those full tensors, and where it ends they
-  are out of reach again;
+  concatenates the unit's flattened shards, all-gathers them once (``param_all_gather``, printed as
+  ``torch.ops._c10d_functional.all_gather_into_tensor``) and takes each parameter's rows out of the result, as
+  FSDP2's copy-in and copy-out do; the unit's body reads those full tensors, and where it ends they are out of
+  reach again;
 - the all-gather's gradient is FSDP2's reduction: the reduce-scatter of the full gradient averaged over the ranks
   (``collective_grads``), giving each shard's gradient; ``to_local``'s backward makes it a DTensor with the
   parameter's placements, accumulated into ``param.grad`` as FSDP2 does;
@@ -169,16 +170,26 @@ def _two_d_refusal(model: nn.Module, why: str) -> NotImplementedError:
     )
 
 
-def _gather(layout: _ParamLayout, shard: TensorProxy):
-    """The full parameter from this rank's shard, in the trace: pad to the all-gathered chunk, gather, narrow."""
-    x = shard
-    missing = layout.padded_rows - layout.local_shape[0]
-    if missing:
-        x = torch.nn.functional.pad(x, (0, 0) * (x.ndim - 1) + (0, missing))
-    full = collectives.param_wait(collectives.param_all_gather(x, layout.world, layout.group))
-    if layout.full_rows != full.shape[0]:
-        full = full.narrow(0, 0, layout.full_rows)
-    return full
+def _gather(layouts: list[_ParamLayout], shards: list[TensorProxy]) -> list:
+    """The full parameters from this rank's shards, in the trace, as FSDP2 gathers a unit: each shard padded to the
+    all-gathered chunk and flattened, all concatenated, one all-gather, and each parameter's columns of the
+    (ranks, chunk) result reshaped to its rows. The gradient takes the same path back: one reduce-scatter."""
+    flat = []
+    for layout, shard in zip(layouts, shards):
+        missing = layout.padded_rows - layout.local_shape[0]
+        if missing:
+            shard = torch.nn.functional.pad(shard, (0, 0) * (shard.ndim - 1) + (0, missing))
+        flat.append(shard.reshape(-1))
+    sizes = [x.numel() for x in flat]
+    world, group = layouts[0].world, layouts[0].group
+    chunk = flat[0] if len(flat) == 1 else torch.cat(flat)
+    gathered = collectives.param_wait(collectives.param_all_gather(chunk, world, group)).view(world, sum(sizes))
+    fulls, start = [], 0
+    for layout, size in zip(layouts, sizes):
+        full = gathered[:, start : start + size].reshape(world * layout.padded_rows, *layout.local_shape[1:])
+        fulls.append(full if layout.full_rows == full.shape[0] else full.narrow(0, 0, layout.full_rows))
+        start += size
+    return fulls
 
 
 def _pre_forward(unit: _Unit, shards: dict, module, args, kwargs) -> None:
@@ -191,9 +202,13 @@ def _pre_forward(unit: _Unit, shards: dict, module, args, kwargs) -> None:
                 "is traced (replaced or unsharded); call the model without fulmen.jit, or reshard it first"
             )
         shards[id(layout)] = shard
-        full = _gather(layout, shard)
-        for m, n in layout.places:
-            m._parameters[n] = full
+    by_group: dict[tuple, list[_ParamLayout]] = {}  # one all-gather per process group (FSDP2: one per unit)
+    for layout in unit.layouts:
+        by_group.setdefault((layout.world, layout.group), []).append(layout)
+    for layouts in by_group.values():
+        for layout, full in zip(layouts, _gather(layouts, [shards[id(x)] for x in layouts])):
+            for m, n in layout.places:
+                m._parameters[n] = full
 
 
 def _post_forward(unit: _Unit, shards: dict, module, args, output) -> None:
