@@ -184,11 +184,11 @@ def _gather(layouts: list[_ParamLayout], shards: list[TensorProxy]) -> list:
     world, group = layouts[0].world, layouts[0].group
     chunk = flat[0] if len(flat) == 1 else torch.cat(flat)
     gathered = collectives.param_wait(collectives.param_all_gather(chunk, world, group)).view(world, sum(sizes))
-    fulls, start = [], 0
-    for layout, size in zip(layouts, sizes):
-        full = gathered[:, start : start + size].reshape(world * layout.padded_rows, *layout.local_shape[1:])
+    fulls = []
+    # split, not one slice per parameter: its gradient is one concatenation of the parameters' gradients
+    for layout, piece in zip(layouts, torch.split(gathered, sizes, dim=1)):
+        full = piece.reshape(world * layout.padded_rows, *layout.local_shape[1:])
         fulls.append(full if layout.full_rows == full.shape[0] else full.narrow(0, 0, layout.full_rows))
-        start += size
     return fulls
 
 
