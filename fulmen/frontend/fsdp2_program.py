@@ -329,7 +329,10 @@ def _rebuild(module: nn.Module, executors, options):
 
 def whole_program(module: nn.Module, fsdp_module: type, executors, options: dict) -> FSDP2Program | None:
     """The whole-model program of an FSDP2 model, or None (logged, with why) where only the units are compiled."""
-    units = plan(module, fsdp_module)
+    try:
+        units = plan(module, fsdp_module)
+    except AttributeError as e:  # FSDP2's internals (FSDPParam, FSDPParamGroup) are not this module's to rely on
+        units = f"this torch's FSDP2 state is not the one fulmen reads ({e})"
     if isinstance(units, str):
         log.info(
             "fulmen: %s is sharded by FSDP2 but is not traced whole (%s): fulmen compiles its innermost units "
