@@ -9,6 +9,8 @@ association of a few sums).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -142,6 +144,16 @@ def _count(trace: str, op: str) -> int:
     return sum(f"_c10d_functional.{op}(" in line for line in calls)
 
 
+def _gathers_at_unit_starts(trace: str) -> bool:
+    """Whether computation runs between each two blocks' all-gathers in the forward: each unit's parameters are
+    gathered where it begins, not all at the top of the program (which would hold every unit's parameters at once).
+    The root's all-gather (its head) comes first, right before the first block's."""
+    lines = [line for line in trace.splitlines() if not line.lstrip().startswith("#")]
+    gathers = [i for i, line in enumerate(lines) if "all_gather_into_tensor(" in line][1:]
+    compute = re.compile(r"linear|matmul|inductor_fusion")
+    return all(any(compute.search(line) for line in lines[a:b]) for a, b in zip(gathers, gathers[1:]))
+
+
 def _check(results: list[dict]) -> None:
     for out in results:
         for optimizer in ("sgd", "adamw"):
@@ -151,6 +163,7 @@ def _check(results: list[dict]) -> None:
         # one all-gather per unit where its forward begins (the root's head, then each block's four parameters in
         # one buffer); the backward reduce-scatters each unit's gradients, averaged over the ranks as FSDP2 does
         assert _count(out["forward"], "all_gather_into_tensor") == 3
+        assert _gathers_at_unit_starts(out["forward"]), out["forward"]
         assert _count(out["backward"], "reduce_scatter_tensor") == 3
         assert "'avg'" in out["backward"]
         # the blocks' weights are gathered again in the backward rather than saved from the forward
