@@ -189,8 +189,6 @@ def _two_d(rank, world_size):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    import fulmen
-
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     net = Net()
@@ -200,14 +198,29 @@ def _two_d(rank, world_size):
     fully_shard(net, mesh=mesh["dp"])
     eager_loss = net(_batch(rank // 2, 0))  # eager PyTorch runs the 2-D model
     eager_loss.backward()
+    messages = [_jit_error(net)]
+    # tensor parallelism on one block, FSDP2 on the other only: the first block's DTensors are no FSDP2 shards
+    torch.manual_seed(0)
+    mixed = Net()
+    parallelize_module(mixed.blocks[0], mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    fully_shard(mixed.blocks[1], mesh=mesh["dp"])
+    messages.append(_jit_error(mixed))
+    return messages
+
+
+def _jit_error(model) -> str | None:
+    import fulmen
+
     try:
-        fulmen.jit(net)
+        fulmen.jit(model)
     except NotImplementedError as e:
         return str(e)
     return None
 
 
 def test_fsdp2_with_tensor_parallel_is_refused_naming_both_wrappers():
-    for message in run_on_ranks(_two_d, world_size=4, timeout=300):
-        assert message is not None and "fully_shard" in message and "parallelize_module" in message
-        assert "Block" not in message or "Linear.weight was a DTensor" in message
+    for two_d, mixed in run_on_ranks(_two_d, world_size=4, timeout=300):
+        for message in (two_d, mixed):
+            assert message is not None and "fully_shard" in message and "parallelize_module" in message
+        assert "Linear.weight was a DTensor when fully_shard sharded it" in two_d
+        assert "blocks.0.up.weight is a DTensor that fully_shard did not shard" in mixed
