@@ -178,7 +178,12 @@ def _check(results: list[dict]) -> None:
     assert results[0]["sgd", "eager"] != results[1]["sgd", "eager"]
 
 
-@pytest.mark.parametrize("options", [{"executors": ["torch"]}, {"compile": "sync"}], ids=["torch", "fusion"])
+# fusion (the default executors) in the default run; the torch executor among the slow tests (each a 2-rank spawn)
+@pytest.mark.parametrize(
+    "options",
+    [pytest.param({"executors": ["torch"]}, marks=pytest.mark.slow), {"compile": "sync"}],
+    ids=["torch", "fusion"],
+)
 def test_fsdp2_traced_whole_matches_eager(options):
     _check(run_on_ranks(_fsdp2_traced, options, timeout=400))
 
@@ -218,6 +223,7 @@ def _jit_error(model) -> str | None:
     return None
 
 
+@pytest.mark.slow  # 4 spawned ranks
 def test_fsdp2_with_tensor_parallel_is_refused_naming_both_wrappers():
     for two_d, mixed in run_on_ranks(_two_d, world_size=4, timeout=300):
         for message in (two_d, mixed):
