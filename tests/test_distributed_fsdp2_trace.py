@@ -230,3 +230,40 @@ def test_fsdp2_with_tensor_parallel_is_refused_naming_both_wrappers():
             assert message is not None and "fully_shard" in message and "parallelize_module" in message
         assert "Linear.weight was a DTensor when fully_shard sharded it" in two_d
         assert "blocks.0.up.weight is a DTensor that fully_shard did not shard" in mixed
+
+
+def _later_calls(rank, world_size):
+    """Blocks sharded, the root not; SGD steps, a call under no_grad, one in eval mode, then ``fully_shard`` on the
+    head after ``fulmen.jit`` (a DTensor the program was not traced with: that call runs through FSDP's hooks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import fulmen
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    out = {}
+    for order in ("eager", "jit"):
+        torch.manual_seed(0)
+        net = Net()
+        for block in net.blocks:
+            fully_shard(block, mesh=mesh)
+        model = fulmen.jit(net, executors=["torch"]) if order == "jit" else net
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        losses = _steps(model, net, opt, rank, range(2))
+        with torch.no_grad():
+            losses.append(model(_batch(rank, 7)).item())
+        net.eval()
+        losses.append(model(_batch(rank, 8)).item())
+        net.train()
+        fully_shard(net.head, mesh=mesh)
+        losses += _steps(model, net, opt, rank, range(9, 10))
+        out[order] = losses
+        out[order, "params"] = {n: p.full_tensor().detach() for n, p in net.named_parameters()}
+    return out
+
+
+@pytest.mark.slow  # a spawned 2-rank run
+def test_fsdp2_traced_whole_later_calls_match_eager():
+    for out in run_on_ranks(_later_calls, timeout=300):
+        torch.testing.assert_close(out["jit"], out["eager"], **TOL)
+        _assert_params_close(out["jit", "params"], out["eager", "params"])

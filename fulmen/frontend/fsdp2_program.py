@@ -266,13 +266,22 @@ class _ShardedState(_ModuleState):
         super().__init__(root)
 
     def refresh(self) -> None:
+        from torch.distributed.tensor import DTensor
+
         super().refresh()
         self.stale = None
+        shards = set()
         for unit in self.units:
             for layout in unit.layouts:
                 m, n = layout.places[0]
+                shards.add(id(layout.fsdp_param.sharded_param))
                 if m._parameters.get(n) is not layout.fsdp_param.sharded_param:
                     self.stale = f"{type(m).__name__}.{n} is not FSDP2's sharded parameter (unsharded, or replaced)"
+        # a DTensor the plan does not gather (fully_shard applied to another module after fulmen.jit): its local
+        # tensor would stand for the whole parameter
+        for mod, dict_name, key, _ in self.unique_slots:
+            if isinstance(getattr(mod, dict_name)[key], DTensor) and id(getattr(mod, dict_name)[key]) not in shards:
+                self.stale = f"{type(mod).__name__}.{key} is a DTensor the model was not traced with; jit it again"
 
     def tensors(self) -> list[torch.Tensor]:
         from torch.distributed.tensor import DTensor
