@@ -1,4 +1,6 @@
-"""FSDP2 (``torch.distributed.fsdp.fully_shard``) under ``fulmen.jit``: which modules' bodies fulmen compiles.
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) under ``fulmen.jit``, unit-wise: which modules' bodies fulmen
+compiles where the model is not traced whole (``fulmen.frontend.fsdp2_program`` traces models with FSDP2's default
+policies whole, its collectives in the trace; the rest, and blocks jitted before ``fully_shard``, come here).
 
 FSDP2 keeps each unit's parameters sharded as DTensors between calls. Its forward pre-hook all-gathers them into
 plain tensors, which the unit's ``forward`` reads, and its post-hook and autograd hooks reshard them and
