@@ -36,6 +36,9 @@ class OpTags(Enum):
     COMMUNICATION = auto()  # exchanges data with other processes: kept, never merged, recomputed, copied or fused
     WAIT = auto()  # waits for a communication's result: scheduled as late as its readers allow
     BOOKKEEPING = auto()  # computes nothing (``del``): never claimed by an executor, carried along by passes
+    #: rematerialization may run it again in the backward although its other tags keep it from being recomputed
+    #: (FSDP2's parameter all-gather: every rank runs the same backward, and gathering again is what FSDP2 does)
+    RECOMPUTABLE = auto()
 
 
 class SymbolCalledOutsideTracing(RuntimeError):

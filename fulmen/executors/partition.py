@@ -19,6 +19,8 @@ Communication (``OpTags.COMMUNICATION``) is scheduled for overlap: a collective 
 fusible operations in progress, so it starts as soon as its inputs exist, and a wait (``OpTags.WAIT``) runs only
 when nothing else is ready, so the computation that does not need its result runs while the data travels. Waits
 keep no order among the other unfused operations (they only block until their collective's data is there).
+Without overlap, collectives and waits stay where the program made them: like side effects, nothing crosses them
+(FSDP2's all-gathers at each unit's start would otherwise all run first, holding every unit's parameters at once).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def fusion_groups(bsyms: Sequence[BoundSymbol], fusible: Callable[[BoundSymbol],
     kinds = [fusible(node[-1]) for node in nodes]
     waits = [overlap and OpTags.WAIT in node[-1].sym.tags for node in nodes]
     starts = [overlap and OpTags.COMMUNICATION in node[-1].sym.tags and not w for node, w in zip(nodes, waits)]
-    deps = _order_dependencies(nodes, kinds, waits)
+    barrier_tags = (OpTags.SIDE_EFFECT,) if overlap else (OpTags.SIDE_EFFECT, OpTags.COMMUNICATION)
+    deps = _order_dependencies(nodes, kinds, waits, barrier_tags)
 
     users = _users(deps)
     missing = [len(d) for d in deps]
@@ -98,8 +101,10 @@ def _nodes(bsyms: Sequence[BoundSymbol]) -> tuple[list[list[BoundSymbol]], list[
     return nodes, pending
 
 
-def _order_dependencies(nodes: list[list[BoundSymbol]], kinds: list[bool], waits: list[bool]) -> list[set[int]]:
-    """Data dependencies, plus: unfused operations (but waits) keep their order, and nothing crosses a side effect."""
+def _order_dependencies(nodes: list[list[BoundSymbol]], kinds: list[bool], waits: list[bool],
+                        barrier_tags: tuple = (OpTags.SIDE_EFFECT,)) -> list[set[int]]:
+    """Data dependencies, plus: unfused operations (but waits) keep their order, and nothing crosses an operation
+    tagged with one of ``barrier_tags`` (a side effect; without overlap, a collective too)."""
     deps = _data_dependencies([node[-1] for node in nodes])
     last_unfused = -1
     barrier = -1
@@ -110,7 +115,7 @@ def _order_dependencies(nodes: list[list[BoundSymbol]], kinds: list[bool], waits
             if last_unfused >= 0:
                 deps[i].add(last_unfused)
             last_unfused = i
-        if OpTags.SIDE_EFFECT in node[-1].sym.tags:
+        if any(t in node[-1].sym.tags for t in barrier_tags):
             deps[i].update(range(barrier + 1, i))
             barrier = i
     return deps

@@ -1,4 +1,6 @@
-"""FSDP2 (``torch.distributed.fsdp.fully_shard``) under ``fulmen.jit``: which modules' bodies fulmen compiles.
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) under ``fulmen.jit``, unit-wise: which modules' bodies fulmen
+compiles where the model is not traced whole (``fulmen.frontend.fsdp2_program`` traces models with FSDP2's default
+policies whole, its collectives in the trace; the rest, and blocks jitted before ``fully_shard``, come here).
 
 FSDP2 keeps each unit's parameters sharded as DTensors between calls. Its forward pre-hook all-gathers them into
 plain tensors, which the unit's ``forward`` reads, and its post-hook and autograd hooks reshard them and
@@ -23,6 +25,14 @@ def _fsdp_module_class() -> type | None:
     # no module is sharded unless FSDP2 was imported: checking costs nothing for programs that never use it
     module = sys.modules.get("torch.distributed.fsdp._fully_shard._fully_shard")
     return getattr(module, "FSDPModule", None)
+
+
+def fsdp_module_class(root: nn.Module) -> type | None:
+    """FSDP2's ``FSDPModule`` class if ``root`` or a submodule of it is sharded by FSDP2, else None."""
+    fsdp_module = _fsdp_module_class()
+    if fsdp_module is None or not any(isinstance(m, fsdp_module) for m in root.modules()):
+        return None
+    return fsdp_module
 
 
 def innermost_units(root: nn.Module) -> list[nn.Module] | None:

@@ -440,11 +440,17 @@ def _program_for(module: nn.Module, executors, options: dict):
     """What a JittedModule's forward calls: the module's compiled program; for a module sharded by FSDP2, a call of
     the module itself, with each innermost unit's ``forward`` compiled (``fulmen.frontend.fsdp2``); for a module
     holding DTensors (tensor parallelism), its DTensor program traced whole (``fulmen.frontend.dtensor_program``)."""
-    units = fsdp2.innermost_units(module)
-    if units is None:
+    fsdp_module = fsdp2.fsdp_module_class(module)
+    if fsdp_module is None:
         if dtensor_program.dtensor_state(module) is not None:  # tensor parallelism: DTensor parameters
             return dtensor_program.DTensorProgram(module, executors, options)
         return _ModuleProgram(module, executors, **options)
+    from fulmen.frontend import fsdp2_program  # it builds on _ModuleProgram, defined here
+
+    program = fsdp2_program.whole_program(module, fsdp_module, executors, options)
+    if program is not None:  # FSDP2's default policies: the whole model traced, its collectives in the trace
+        return program
+    units = fsdp2.innermost_units(module)
     for unit in units:
         # a unit that fulmen.jit compiled before (a jitted block that fully_shard wrapped, or an earlier call) stays
         if not isinstance(unit, JittedModule) and not isinstance(unit.__dict__.get("forward"), _ModuleProgram):

@@ -126,18 +126,20 @@ def _wait_meta(x):
     return TensorProxy(like=x, requires_grad=x.requires_grad)
 
 
-def _symbol(name: str, meta: Callable, tags: tuple = _TAGS) -> Symbol:
+def _symbol(name: str, meta: Callable, tags: tuple = _TAGS, variant: str = "") -> Symbol:
     op = getattr(torch.ops._c10d_functional, name)
     sym = Symbol(
         name=name,
         meta=meta,
-        id=f"torch.ops._c10d_functional.{name}",
+        id=f"torch.ops._c10d_functional.{name}{variant}",
         is_prim=True,
         tags=tags,
         module="torch.ops._c10d_functional",
         torch_fns=(op,),
     )
     sym.torch_impl = op  # generated code calls the op itself: torch.ops._c10d_functional.<name>(...)
+    if variant:  # a symbol fulmen records itself (below), never what a torch call maps to
+        return sym
     langctx.torch_functions[op] = langctx.torch_functions[op.default] = sym
     # the differentiable twins (all_gather_tensor_autograd, which DTensor uses): the same op, gradients included
     twin = getattr(torch.ops._c10d_functional_autograd, name, None)
@@ -151,6 +153,14 @@ all_gather_into_tensor = _symbol("all_gather_into_tensor", _all_gather_meta)
 reduce_scatter_tensor = _symbol("reduce_scatter_tensor", _reduce_scatter_meta)
 broadcast = _symbol("broadcast", _broadcast_meta)
 wait_tensor = _symbol("wait_tensor", _wait_meta, _TAGS + (OpTags.WAIT,))
+
+# FSDP2's parameter all-gather (``fulmen.frontend.fsdp2_program``): the same two ops, printed and run as above, as
+# two symbols of their own. They are ``RECOMPUTABLE``: rematerialization gathers a unit's parameters again in the
+# backward instead of keeping the full-size parameters alive from the forward (FSDP2 reshards after forward), which
+# is sound because every rank runs the same backward program. The gradient is FSDP2's (``collective_grads``): the
+# reduce-scatter of the full gradient, averaged over the ranks.
+param_all_gather = _symbol("all_gather_into_tensor", _all_gather_meta, _TAGS + (OpTags.RECOMPUTABLE,), ".param")
+param_wait = _symbol("wait_tensor", _wait_meta, _TAGS + (OpTags.WAIT, OpTags.RECOMPUTABLE), ".param")
 
 
 def is_wait_wrapper(func) -> bool:

@@ -64,3 +64,22 @@ def _wait_rule(p: RuleArgs):
     if needs_grad(p[0]):
         put_grad(p[0], get_grad(out))
     return out
+
+
+@builtin_rule(c.param_all_gather.id)
+def _param_all_gather_rule(p: RuleArgs):
+    """FSDP2's gradient reduction (its default for float32/bfloat16 gradients): each rank's shard of the full
+    gradient averaged over the ranks, the mean of the data-parallel replicas' gradients."""
+    x, size, group = p[0], p[1], p[2]
+    out = c.param_all_gather(x, size, group)
+    if needs_grad(x):
+        put_grad(x, c.wait_tensor(c.reduce_scatter_tensor(get_grad(out), "avg", size, group)))
+    return out
+
+
+@builtin_rule(c.param_wait.id)
+def _param_wait_rule(p: RuleArgs):
+    out = c.param_wait(p[0])
+    if needs_grad(p[0]):
+        put_grad(p[0], get_grad(out))
+    return out

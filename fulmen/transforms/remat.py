@@ -50,6 +50,8 @@ _NEVER_TAGS = _ONCE_TAGS | _COSTLY_TAGS
 def is_recomputable(bsym: BoundSymbol) -> bool:
     """Cheap, deterministic operations the backward may run again instead of keeping their results."""
     sym = bsym.sym
+    if OpTags.RECOMPUTABLE in sym.tags:  # declared so by the op (FSDP2's parameter all-gather and its wait)
+        return True
     if not _NEVER_TAGS.isdisjoint(sym.tags):
         return False
     # A creation prim makes its values from its arguments alone; a torch-level creation symbol (linspace) may do

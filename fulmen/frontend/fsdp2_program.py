@@ -1,0 +1,367 @@
+"""FSDP2 models under ``fulmen.jit`` traced whole, with FSDP2's all-gathers and reduce-scatters in the trace.
+
+``fully_shard`` keeps each unit's parameters as DTensors sharded on dim 0 (``FSDPParam``: each rank holds a chunk of
+``ceil(rows / world)`` rows, the last ranks fewer or none, padded to that size for the all-gather). In eager, FSDP's
+forward pre-hook all-gathers a unit's parameters into full-size tensors, its post-hook frees them again, and
+autograd hooks reduce-scatter the gradients. Here the model is traced once with those hooks bypassed:
+
+- each FSDP parameter's **local shard** (``param.to_local()``) is an input of the program;
+- where a unit's forward begins (its FSDP pre-hook would run), the program pads each shard to the padded size,
+  concatenates the unit's flattened shards, all-gathers them once (``param_all_gather``, printed as
+  ``torch.ops._c10d_functional.all_gather_into_tensor``) and takes each parameter's rows out of the result, as
+  FSDP2's copy-in and copy-out do; the unit's body reads those full tensors, and where it ends they are out of
+  reach again;
+- the all-gather's gradient is FSDP2's reduction: the reduce-scatter of the full gradient averaged over the ranks
+  (``collective_grads``), giving each shard's gradient; ``to_local``'s backward makes it a DTensor with the
+  parameter's placements, accumulated into ``param.grad`` as FSDP2 does;
+- the all-gather is ``RECOMPUTABLE``: rematerialization gathers again in the backward rather than saving full-size
+  parameters from the forward (FSDP2's ``reshard_after_forward=True``). Collectives stay where the program made
+  them (``overlap_communication`` is off unless asked for): starting every unit's all-gather at the top of the
+  program would hold every full-size parameter at once.
+
+Only FSDP2's default policies are traced: one module per ``fully_shard`` call, dim-0 shards of plain (non-DTensor)
+parameters, no mixed precision, no CPU offload, ``reshard_after_forward`` True (or the root's automatic False), the
+default gradient divide factor, gradient sync on. Other models keep the unit-wise path (``fulmen.frontend.fsdp2``),
+with a log line saying why; a policy changed later (``set_requires_gradient_sync(False)``,
+``set_gradient_divide_factor``) or parameters no longer FSDP2's sharded ones (``unshard()``, a replaced parameter)
+make the call run eagerly through FSDP's own hooks, with a log line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fulmen.core.proxies import TensorProxy
+from fulmen.frontend.module import _ModuleProgram, _ModuleState, _Swaps
+from fulmen.torch import collectives
+
+log = logging.getLogger("fulmen")
+
+#: FSDP2's default policy of a parameter group (``_policy``): gradient divide factor, sum-only reduction, gradient
+#: sync, all-reduce (HSDP), no all-reduce hook, FSDP's own all-gather and reduce-scatter, resharding after forward to
+#: the same mesh (the root's automatic "no resharding" included)
+_DEFAULT_POLICY = (None, False, True, True, True, True, True, True)
+
+
+@dataclass(frozen=True)
+class _ParamLayout:
+    """One FSDP parameter: where modules read it, and how its shard is gathered (``FSDPParam``'s sizes)."""
+
+    fsdp_param: object
+    places: tuple[tuple[nn.Module, str], ...]  # (module, name): the parameter and the names it is tied to
+    local_shape: tuple[int, ...]  # this rank's shard (``sharded_size``)
+    padded_rows: int  # every rank's chunk as all-gathered (``padded_sharded_param_size[0]``)
+    full_rows: int  # the parameter's rows (``_orig_size[0]``)
+    world: int
+    group: str
+
+
+@dataclass
+class _Unit:
+    """One ``fully_shard`` call: its module, the ids of FSDP's forward hooks on it and its parameters."""
+
+    module: nn.Module
+    groups: list
+    pre_id: int
+    post_id: int
+    layouts: list[_ParamLayout]
+    is_root: bool
+
+
+def _policy(group, is_root: bool) -> tuple:
+    """What of a parameter group's policy the traced program assumes (``_DEFAULT_POLICY``); read on every call, since
+    ``set_requires_gradient_sync`` and its siblings change it between steps."""
+    return (
+        group.gradient_divide_factor,
+        group.force_sum_reduction_for_comms,
+        group.reduce_grads,
+        group.all_reduce_grads,
+        group._all_reduce_hook is None,
+        type(group._all_gather_comm).__name__ == "DefaultAllGather",
+        type(group._reduce_scatter_comm).__name__ == "DefaultReduceScatter",
+        (is_root or group._reshard_after_forward) and not group._use_post_forward_mesh,
+    )
+
+
+def _layout(fsdp_param) -> _ParamLayout | str:
+    """The parameter's layout, or why it is not traced."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+
+    info = fsdp_param._module_info
+    name = f"{type(info.module).__name__}.{info.param_name}"
+    if type(fsdp_param.mesh_info) is not FSDPMeshInfo:
+        return f"{name} is sharded with {type(fsdp_param.mesh_info).__name__} (HSDP or replication)"
+    if fsdp_param.fsdp_placement.dim != 0 or fsdp_param.offload_to_cpu:
+        return f"{name} is sharded on dim {fsdp_param.fsdp_placement.dim} or offloaded to the CPU"
+    if fsdp_param.param_dtype is not None or fsdp_param.reduce_dtype is not None:
+        return f"{name} has a mixed precision policy"
+    places = ((info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names))
+    mesh = fsdp_param.mesh_info
+    return _ParamLayout(
+        fsdp_param,
+        tuple(places),
+        tuple(fsdp_param.sharded_size),
+        int(fsdp_param.padded_sharded_param_size[0]),
+        int(fsdp_param._orig_size[0]),
+        mesh.shard_mesh_size,
+        collectives.group_name(mesh.shard_process_group, "fully_shard"),
+    )
+
+
+def _unit(module: nn.Module, state) -> _Unit | str:
+    if len(state._modules) != 1:
+        return "a fully_shard call groups several modules"
+    pre, post = state._pre_forward_hook_handle, state._post_forward_hook_handle
+    layouts = []
+    for group in state._fsdp_param_groups:
+        if _policy(group, bool(state._is_root)) != _DEFAULT_POLICY:
+            return (
+                f"{type(module).__name__}'s FSDP policy is not the default one (gradient divide factor, sum "
+                "reduction, gradient sync, hooks, custom collectives or resharding after forward)"
+            )
+        for fsdp_param in group.fsdp_params:
+            layout = _layout(fsdp_param)
+            if isinstance(layout, str):
+                return layout
+            layouts.append(layout)
+    return _Unit(module, list(state._fsdp_param_groups), pre.id, post.id, layouts, bool(state._is_root))
+
+
+def plan(model: nn.Module, fsdp_module: type) -> list[_Unit] | str:
+    """The FSDP2 units of ``model`` whose collectives the trace holds, or why the model is not traced whole.
+    A model that shards parameters which already were DTensors (2-D: ``parallelize_module`` then ``fully_shard``)
+    is refused with an error naming both wrappers."""
+    states = {}
+    for m in model.modules():
+        if isinstance(m, fsdp_module):
+            states.setdefault(id(m._get_fsdp_state()), (m, m._get_fsdp_state()))
+    if not states:
+        return "no module is sharded"
+    for m, state in states.values():
+        for group in state._fsdp_param_groups:
+            tensor_parallel = [p for p in group.fsdp_params if p.is_dtensor]
+            if tensor_parallel:
+                info = tensor_parallel[0]._module_info
+                raise _two_d_refusal(
+                    model, f"{type(info.module).__name__}.{info.param_name} was a DTensor when fully_shard sharded it"
+                )
+        if state._is_root is None:  # FSDP's own first-forward setup (FQNs, the root's resharding): as in eager
+            state._lazy_init()
+    units = []
+    for m, state in states.values():
+        unit = _unit(m, state)
+        if isinstance(unit, str):
+            return unit
+        units.append(unit)
+    _refuse_other_dtensors(model, units)
+    return units
+
+
+def _refuse_other_dtensors(model: nn.Module, units: list[_Unit]) -> None:
+    """A DTensor that is not an FSDP2 shard (a module tensor-parallelized outside the units): its module's code
+    expects a DTensor, so passing its local tensor would skip its collectives."""
+    from torch.distributed.tensor import DTensor
+
+    shards = {id(layout.fsdp_param.sharded_param) for unit in units for layout in unit.layouts}
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        if isinstance(t, DTensor) and id(t) not in shards:
+            raise _two_d_refusal(model, f"{name} is a DTensor that fully_shard did not shard")
+
+
+def _two_d_refusal(model: nn.Module, why: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"fulmen.jit({type(model).__name__}): the model combines fully_shard (FSDP2) with parallelize_module (tensor "
+        f"parallelism, 2-D): {why}. fulmen.jit traces a model under fully_shard alone "
+        "(its all-gathers and reduce-scatters in the trace) or under parallelize_module alone (its DTensor program), "
+        "not the two on one model. Run the 2-D model without fulmen.jit, or use one of the two wrappers."
+    )
+
+
+def _gather(layouts: list[_ParamLayout], shards: list[TensorProxy]) -> list:
+    """The full parameters from this rank's shards, in the trace, as FSDP2 gathers a unit: each shard padded to the
+    all-gathered chunk and flattened, all concatenated, one all-gather, and each parameter's columns of the
+    (ranks, chunk) result reshaped to its rows. The gradient takes the same path back: one reduce-scatter."""
+    flat = []
+    for layout, shard in zip(layouts, shards):
+        missing = layout.padded_rows - layout.local_shape[0]
+        if missing:
+            shard = torch.nn.functional.pad(shard, (0, 0) * (shard.ndim - 1) + (0, missing))
+        flat.append(shard.reshape(-1))
+    sizes = [x.numel() for x in flat]
+    world, group = layouts[0].world, layouts[0].group
+    chunk = flat[0] if len(flat) == 1 else torch.cat(flat)
+    gathered = collectives.param_wait(collectives.param_all_gather(chunk, world, group)).view(world, sum(sizes))
+    fulls = []
+    # split, not one slice per parameter: its gradient is one concatenation of the parameters' gradients
+    for layout, piece in zip(layouts, torch.split(gathered, sizes, dim=1)):
+        full = piece.reshape(world * layout.padded_rows, *layout.local_shape[1:])
+        fulls.append(full if layout.full_rows == full.shape[0] else full.narrow(0, 0, layout.full_rows))
+    return fulls
+
+
+def _pre_forward(unit: _Unit, shards: dict, module, args, kwargs) -> None:
+    for layout in unit.layouts:
+        module_, name = layout.places[0]
+        shard = module_._parameters[name]
+        if not isinstance(shard, TensorProxy) or tuple(shard.shape) != layout.local_shape:
+            raise NotImplementedError(
+                f"fulmen.jit: {type(module_).__name__}.{name} is not FSDP2's sharded parameter while the FSDP2 model "
+                "is traced (replaced or unsharded); call the model without fulmen.jit, or reshard it first"
+            )
+        shards[id(layout)] = shard
+    by_group: dict[tuple, list[_ParamLayout]] = {}  # one all-gather per process group (FSDP2: one per unit)
+    for layout in unit.layouts:
+        by_group.setdefault((layout.world, layout.group), []).append(layout)
+    for layouts in by_group.values():
+        for layout, full in zip(layouts, _gather(layouts, [shards[id(x)] for x in layouts])):
+            for m, n in layout.places:
+                m._parameters[n] = full
+
+
+def _post_forward(unit: _Unit, shards: dict, module, args, output) -> None:
+    for layout in unit.layouts:  # outside the unit, the parameters are the shards again (as FSDP2 leaves them)
+        for m, n in layout.places:
+            m._parameters[n] = shards[id(layout)]
+
+
+@contextlib.contextmanager
+def gathering(units: list[_Unit]) -> Iterator[None]:
+    """While the model is traced (this thread holds the swap lock), FSDP's forward hooks on each unit are replaced by
+    ones recording the all-gathers above; FSDP's own are put back after."""
+    saved = []
+    shards: dict = {}
+    try:
+        for unit in units:
+            pre, post = unit.module._forward_pre_hooks, unit.module._forward_hooks
+            saved += [(pre, unit.pre_id, pre[unit.pre_id]), (post, unit.post_id, post[unit.post_id])]
+            pre[unit.pre_id] = functools.partial(_pre_forward, unit, shards)
+            post[unit.post_id] = functools.partial(_post_forward, unit, shards)
+        yield
+    finally:
+        for hooks, key, hook in reversed(saved):
+            hooks[key] = hook
+
+
+def _pending_grad(fsdp_param) -> bool:
+    """Whether FSDP keeps an unsharded gradient of this parameter to reduce with the next one (a backward without
+    gradient sync; FSDP's ``post_backward`` reads the same two places)."""
+    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+    return fsdp_param.unsharded_accumulated_grad is not None or (unsharded is not None and unsharded.grad is not None)
+
+
+class _ShardedState(_ModuleState):
+    """The model's tensors, FSDP2's sharded parameters as their local shards (``to_local()``, through which the
+    shards' gradients become DTensor gradients of the parameters), and whether each is still FSDP2's."""
+
+    def __init__(self, root: nn.Module, units: list[_Unit]):
+        self.units = units
+        self.stale: str | None = None
+        super().__init__(root)
+
+    def refresh(self) -> None:
+        from torch.distributed.tensor import DTensor
+
+        super().refresh()
+        self.stale = None
+        shards = set()
+        for unit in self.units:
+            for layout in unit.layouts:
+                m, n = layout.places[0]
+                shards.add(id(layout.fsdp_param.sharded_param))
+                if m._parameters.get(n) is not layout.fsdp_param.sharded_param:
+                    self.stale = f"{type(m).__name__}.{n} is not FSDP2's sharded parameter (unsharded, or replaced)"
+        # a DTensor the plan does not gather (fully_shard applied to another module after fulmen.jit): its local
+        # tensor would stand for the whole parameter
+        for mod, dict_name, key, _ in self.unique_slots:
+            if isinstance(getattr(mod, dict_name)[key], DTensor) and id(getattr(mod, dict_name)[key]) not in shards:
+                self.stale = f"{type(mod).__name__}.{key} is a DTensor the model was not traced with; jit it again"
+
+    def tensors(self) -> list[torch.Tensor]:
+        from torch.distributed.tensor import DTensor
+
+        return [t.to_local() if isinstance(t, DTensor) else t for t in super().tensors()]
+
+
+class FSDP2Program(_ModuleProgram):
+    """What ``fulmen.jit(model)`` calls for a model sharded by FSDP2 with its default policies (see the module
+    doc): the whole model's program, FSDP2's collectives in it."""
+
+    def __init__(self, module: nn.Module, executors, units: list[_Unit], **options):
+        if "options" not in options:  # (a rebuilt copy's options say it already)
+            options.setdefault("overlap_communication", False)
+        super().__init__(module, executors, **options)
+        self.units = units
+        self.state = _ShardedState(module, units)
+        self._warned: set[str] = set()
+        log.info(
+            "fulmen: %s is sharded by FSDP2 (%d units): fulmen traces the whole model, with each unit's "
+            "all-gather and the gradients' reduce-scatter in its program",
+            type(module).__name__,
+            len(units),
+        )
+
+    def __reduce__(self):
+        """Pickled (``copy.deepcopy`` of the jitted model): the copy plans its own units and traces again."""
+        return _rebuild, (self.module, self._init_args[1], self.options)
+
+    def _why_eager(self) -> str | None:
+        """Why this call runs through FSDP's own hooks instead of the program, or None."""
+        state = self.state
+        if not state.check():
+            with _Swaps.lock, self._lock:
+                state.revalidate()
+        if state.stale:
+            return state.stale
+        for unit in self.units:  # a backward without gradient sync left FSDP an unsharded gradient to add in
+            for layout in unit.layouts:
+                if _pending_grad(layout.fsdp_param):
+                    return "FSDP holds gradients accumulated without gradient sync"
+        for unit in self.units:
+            for group in unit.groups:
+                if _policy(group, unit.is_root) != _DEFAULT_POLICY:
+                    return f"{type(unit.module).__name__}'s FSDP policy changed since the model was traced"
+        return None
+
+    def __call__(self, *args, **kwargs):
+        if not _Swaps.active:
+            why = self._why_eager()
+            if why is not None:
+                if why not in self._warned:
+                    self._warned.add(why)
+                    log.warning("fulmen: %s runs eagerly (FSDP's hooks): %s", type(self.module).__name__, why)
+                return self.module(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+    def _trace(self, args, kwargs, sizes=None):
+        with gathering(self.units):
+            return super()._trace(args, kwargs, sizes)
+
+
+def _rebuild(module: nn.Module, executors, options):
+    from fulmen.frontend.module import _program_for
+
+    return _program_for(module, executors, {"options": options})
+
+
+def whole_program(module: nn.Module, fsdp_module: type, executors, options: dict) -> FSDP2Program | None:
+    """The whole-model program of an FSDP2 model, or None (logged, with why) where only the units are compiled."""
+    try:
+        units = plan(module, fsdp_module)
+    except AttributeError as e:  # FSDP2's internals (FSDPParam, FSDPParamGroup) are not this module's to rely on
+        units = f"this torch's FSDP2 state is not the one fulmen reads ({e})"
+    if isinstance(units, str):
+        log.info(
+            "fulmen: %s is sharded by FSDP2 but is not traced whole (%s): fulmen compiles its innermost units "
+            "and FSDP's hooks run around them",
+            type(module).__name__,
+            units,
+        )
+        return None
+    return FSDP2Program(module, executors, units, **options)
