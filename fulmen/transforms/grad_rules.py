@@ -552,3 +552,22 @@ def _sample_rule(p: RuleArgs):
         if needs_grad(x):
             put_grad(x, clang.full(tuple(x.shape), 0, device=x.device, dtype=x.dtype))
     return out
+
+
+@builtin_rule("torch.fill")
+def _fill_rule(p: RuleArgs):
+    """``torch.fill(a, value)``: eager's result requires grad when ``a`` does, with a zero gradient for ``a``; the
+    decomposition (a new tensor made of ``value``) would read nothing of ``a``. A ``value`` that needs a gradient
+    goes by the decomposition, which gives it one."""
+    a, value = p[0], p[1]
+    if needs_grad(value):
+        return NotImplemented
+    if isinstance(value, TensorProxy):
+        value = clang.maybe_convert_to_dtype(value, a.dtype)
+        if value.device != a.device:
+            value = prims.device_put(value, a.device)
+        out = clang.expand_to(value, a.shape) if a.ndim else ltorch.clone(value)
+    else:
+        out = clang.full(tuple(a.shape), value, device=a.device, dtype=a.dtype)
+    put_grad(a, clang.full(tuple(a.shape), 0, device=a.device, dtype=a.dtype))
+    return out
