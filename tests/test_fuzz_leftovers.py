@@ -47,3 +47,30 @@ def test_requires_grad_of_outputs_is_eager_s_on_every_call(case):
     want = torch.autograd.grad([e for e, _ in outs], x, cotangents, materialize_grads=True)
     have = torch.autograd.grad([g for _, g in outs], x, cotangents, materialize_grads=True)
     torch.testing.assert_close(have, want)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_an_ignored_cross_entropy_row_with_nan_logits_has_eager_s_nan_gradient(reduction, dtype):
+    # the CPU rule's one-pass backward zeroed ignored rows with a where; eager's log-softmax backward multiplies the
+    # row's probabilities by a zero cotangent, so a NaN (or +inf) logit there gives NaN, and -inf gives zeros
+    import torch.nn.functional as F
+
+    def loss(x, t):
+        return F.cross_entropy(x, t, reduction=reduction)
+
+    x = torch.randn(5, 4, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    x[1, 2], x[2, 1], x[3, 0] = float("nan"), float("inf"), -float("inf")
+    target = torch.tensor([0, -100, -100, -100, 3])
+    xe, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    cotangent = torch.linspace(0.5, 1.5, 5, dtype=dtype) if reduction == "none" else torch.tensor(1.5, dtype=dtype)
+    expected = loss(xe, target)
+    (want,) = torch.autograd.grad(expected, xe, cotangent)
+    jitted = _jit(loss)
+    for _ in range(2):
+        got = jitted(xf, target)
+        (have,) = torch.autograd.grad(got, xf, cotangent)
+        torch.testing.assert_close(got, expected, equal_nan=True)
+        torch.testing.assert_close(have, want, equal_nan=True)
+    assert torch.isnan(have[1:3]).all() and not torch.isnan(have[[0, 3, 4]]).any()
+

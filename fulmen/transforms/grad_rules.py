@@ -311,8 +311,11 @@ def _cross_entropy_unit_gradient(a: TensorProxy, target: TensorProxy, reduction:
     picked = clang.reshape(ltorch.gather(logp, 1, clang.reshape(safe, (n, 1))), (n,))
     rows = ltorch.where(kept, ltorch.neg(picked), 0.0)
     classes = clang.reshape(ltorch.arange(c, device=a.device, dtype=target.dtype), (1, c))
-    onehot = _convert(ltorch.eq(classes, clang.reshape(safe, (n, 1))), a.dtype)
-    unit = ltorch.where(clang.reshape(kept, (n, 1)), ltorch.sub(ltorch.exp(logp), onehot), 0.0)
+    # an ignored row's gradient is eager's log-softmax backward of a zero cotangent, exp(logp) * 0: zero, or NaN
+    # where its logits make the log-probabilities NaN (a NaN or +inf logit), so a multiply, not a where
+    kept_column = clang.reshape(kept, (n, 1))
+    onehot = _convert(ltorch.logical_and(ltorch.eq(classes, clang.reshape(safe, (n, 1))), kept_column), a.dtype)
+    unit = ltorch.sub(ltorch.mul(ltorch.exp(logp), _convert(kept_column, a.dtype)), onehot)
     if reduction == "none":
         put_grad(a, ltorch.mul(unit, clang.reshape(get_grad(rows), (n, 1))))
         return rows
