@@ -36,6 +36,7 @@ class OpTags(Enum):
     COMMUNICATION = auto()  # exchanges data with other processes: kept, never merged, recomputed, copied or fused
     WAIT = auto()  # waits for a communication's result: scheduled as late as its readers allow
     BOOKKEEPING = auto()  # computes nothing (``del``): never claimed by an executor, carried along by passes
+    CHECKS_VALUES = auto()  # raises on its inputs' values (an index out of bounds): kept while unused, never hidden
 
 
 class SymbolCalledOutsideTracing(RuntimeError):

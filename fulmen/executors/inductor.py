@@ -49,7 +49,7 @@ from fulmen.executors.inductor_dynamic import varying_dims
 from fulmen.executors.partition import fusion_groups, split_repeats, sums_after_other_readers
 from fulmen.transforms import overlap
 from fulmen.transforms.grad_ops import unfold_backward
-from fulmen.transforms.passes import del_last_used
+from fulmen.transforms.passes import checks_values, del_last_used
 
 _NOT_FUSED = (OpTags.RANDOM_OP, OpTags.SIDE_EFFECT, OpTags.FALLBACK, OpTags.COMMUNICATION)
 #: Compiled variants one region keeps (one per input layout it has seen); beyond that it runs unfused.
@@ -186,6 +186,17 @@ class _Held:
         return isinstance(other, _Held) and other.obj is self.obj
 
 
+def _unread_checks(trace: Trace, outputs: set[str]) -> set[int]:
+    """The operations kept only because they may raise on values (an unused index out of bounds): inside a region
+    Inductor would drop them, since nothing reads their results, so they run unfused."""
+    read = set(outputs)
+    for b in trace.bound_symbols:
+        if not is_bookkeeping(b):
+            read.update(p.name for p in b.flat_args)
+    return {id(b) for b in trace.bound_symbols
+            if not is_bookkeeping(b) and not any(p.name in read for p in b.flat_proxy_outs) and checks_values(b)}
+
+
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)  # fulmen's Device is a str
 
 
@@ -275,11 +286,16 @@ class InductorExecutor(FusionExecutor):
     def fusion_pass(self, trace: Trace) -> Trace:
         torch_executors = list(get_always_executors())
         outputs = {p.name for p in outputs_of(trace.output)}
-        groups = fusion_groups(trace.bound_symbols, self.can_fuse, overlap=overlap.enabled.get())
+        unread = _unread_checks(trace, outputs)
+        can_fuse = self.can_fuse if not unread else lambda b: id(b) not in unread and self.can_fuse(b)
+        groups = fusion_groups(trace.bound_symbols, can_fuse, overlap=overlap.enabled.get())
         shared: dict[tuple, tuple] = {}  # structure key -> (unfused callable, its source, code key)
         new: list[BoundSymbol] = []
         for k, (fused, run) in enumerate(groups):
-            if not fused:
+            if not fused and unread and any(id(b) in unread for b in run):
+                for b in run:  # claimed as fusible: the torch executor runs it now
+                    new.extend(self._unfused(trace, [b], torch_executors) if id(b) in unread else [b])
+            elif not fused:
                 new.extend(run)
             elif sum(1 for b in run if not is_bookkeeping(b)) < MIN_REGION_SIZE:
                 new.extend(self._unfused(trace, run, torch_executors))
