@@ -114,3 +114,33 @@ def test_an_unused_index_out_of_bounds_raises_with_fused_regions():
         fn(x, torch.tensor([7]))
     with pytest.raises(IndexError, match="out of bounds"):
         jitted(x, torch.tensor([7]))
+
+
+_OVERWRITES = {
+    "zero_": lambda x, y: (x * 2).zero_(),
+    "fill_": lambda x, y: (x * 2).fill_(3.0),
+    "copy_": lambda x, y: (x * 2).copy_(y),
+    "copy_broadcast": lambda x, y: (x * 2).copy_(y[0, 0, 0]),
+    "copy_transposed": lambda x, y: (x * 2).copy_(y.transpose(1, 2).contiguous().transpose(1, 2)),
+    "clone_zero_": lambda x, y: x.clone().zero_(),
+}
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "transposed", "contiguous"])
+@pytest.mark.parametrize("case", sorted(_OVERWRITES))
+def test_an_overwritten_tensor_keeps_eager_s_strides(case, layout):
+    # zero_ / copy_ replaced the value of a channels_last or transposed intermediate by a contiguous one, and copy_
+    # of a broadcast source returned an expanded view of that source (stride 0, sharing the caller's memory)
+    fn = _OVERWRITES[case]
+    x = torch.randn(2, 3, 4, 5)
+    x = {"channels_last": x.to(memory_format=torch.channels_last), "transposed": x.transpose(1, 3),
+         "contiguous": x}[layout]
+    y = torch.randn(x.shape)
+    expected, jitted = fn(x, y), _jit(fn)
+    for _ in range(2):
+        got = jitted(x, y)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        assert got.stride() == expected.stride()
+    before = y.clone()
+    got.zero_()  # the caller's tensor is not written through the result
+    assert torch.equal(y, before)

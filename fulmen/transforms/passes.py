@@ -52,7 +52,7 @@ def dce(trace: Trace, *, provenance: str = "Dead Code Elimination") -> Trace:
     for bsym in reversed(trace.bound_symbols):
         outs = bsym.flat_proxy_outs
         if _keeps(bsym) or _draws(bsym) or any(p.name in needed for p in outs) or (not outs and bsym.sym is not DEL) \
-                or checks_values(bsym):
+                or (outs and checks_values(bsym)):
             kept.append(bsym)
             needed.update(p.name for p in bsym.flat_args)
     kept.reverse()
