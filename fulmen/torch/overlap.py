@@ -81,6 +81,11 @@ def _addresses(t: torch.Tensor) -> torch.Tensor:
     return index.expand(t.shape)
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The first and last storage index ``t``'s elements occupy (strides of views are never negative)."""
+    return t.storage_offset(), t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+
+
 def _order_dependent(dst: torch.Tensor, src: torch.Tensor, copies: bool) -> bool:
     """Whether writing ``dst`` elementwise from ``src`` (broadcast to it) reads an element of ``dst`` other than the
     one written: eager's kernel then reads some values before and some after it writes them, and its result depends
@@ -93,9 +98,11 @@ def _order_dependent(dst: torch.Tensor, src: torch.Tensor, copies: bool) -> bool
         src = src.expand(dst.shape)
     except RuntimeError:
         return False  # not broadcastable: the op itself raises
-    if dst.numel() > _EXACT_LIMIT:
-        return _partially_overlap(dst, src) or not (
-            src.stride() == dst.stride() and src.storage_offset() == dst.storage_offset())
+    if dst.numel() > _EXACT_LIMIT:  # by the spans of memory: disjoint, or one layout, is all it can tell apart
+        if src.stride() == dst.stride() and src.storage_offset() == dst.storage_offset():
+            return False
+        (d_lo, d_hi), (s_lo, s_hi) = _span(dst), _span(src)
+        return d_lo <= s_hi and s_lo <= d_hi
     with torch._C.DisableTorchFunction():
         written, read = _addresses(dst).reshape(-1), _addresses(src).reshape(-1)
         crossing = (read != written) & torch.isin(read, written)
