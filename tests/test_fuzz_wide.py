@@ -66,3 +66,46 @@ def test_requires_grad_asking_for_the_flag_a_tensor_has_still_runs():
     got, want = fulmen.jit(program, executors=["torch"])(x), program(x)
     torch.testing.assert_close(got, want)
     assert [t.requires_grad for t in got] == [t.requires_grad for t in want]
+
+
+_LIKE = {
+    "zeros_like": lambda x: torch.zeros_like(x),
+    "full_like": lambda x: torch.full_like(x, 2.0, dtype=torch.float64),
+    "empty_like_out": lambda x: torch.add(x, 1, out=torch.empty_like(x)),
+    "rand_like": lambda x: torch.rand_like(x),
+    "randn_like": lambda x: torch.randn_like(x) * x,
+}
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "transposed"])
+@pytest.mark.parametrize("case", sorted(_LIKE))
+def test_like_factories_keep_eager_s_layout_and_draws(case, layout):
+    # fuzz (wide, seed 406): torch.add(b, 1, out=torch.empty_like(b)) of a transposed b came back contiguous; eager's
+    # *_like keep a dense input's layout, and rand_like/randn_like fill it in memory order (other numbers otherwise)
+    fn = _LIKE[case]
+    x = torch.randn(2, 3, 4, 5)
+    x = x.to(memory_format=torch.channels_last) if layout == "channels_last" else x.transpose(1, 3)
+    torch.manual_seed(0)
+    expected = fn(x)
+    jitted = fulmen.jit(fn, executors=["torch"])
+    for _ in range(2):
+        torch.manual_seed(0)
+        got = jitted(x)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        assert got.stride() == expected.stride()
+
+
+def test_results_computed_under_no_grad_do_not_require_grad_while_tracing():
+    # fuzz (wide, seed 895): a value computed under no_grad reported requires_grad True inside the traced function,
+    # so code reading the flag took the other branch than eager's, and a later out= call raised eager's error for
+    # arguments that require grad
+    def program(a):
+        with torch.no_grad():
+            b = a * 2
+        flag = torch.tensor(1.0 if b.requires_grad else 0.0)
+        return torch.add(b, 0.5, out=torch.empty_like(b)), flag, a * b
+
+    a = torch.randn(3, requires_grad=True)
+    expected, got = program(a), fulmen.jit(program, executors=["torch"])(a)
+    torch.testing.assert_close(got, expected)
+    assert [t.requires_grad for t in got] == [t.requires_grad for t in expected]

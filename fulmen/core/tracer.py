@@ -77,10 +77,21 @@ def record(trace: Trace, sym: Symbol, args: tuple, kwargs: dict) -> BoundSymbol:
     if meta_corrections.corrections and meta in meta_corrections.corrections:
         out = meta_corrections.corrected(meta, args, kwargs, out)  # what its implementation returned
     bsym = BoundSymbol(sym, args, kwargs, out, () if sym.is_prim else tuple(scope), no_grad=not torch.is_grad_enabled())
+    if bsym.no_grad:
+        _no_history(bsym)
     scopes[-1].append(bsym)
     if sym.post_hook is not None:
         sym.post_hook(bsym)
     return bsym
+
+
+def _no_history(bsym: BoundSymbol) -> None:
+    """Results computed under ``no_grad`` do not require grad, as eager's (code reading ``.requires_grad`` takes
+    eager's branch); a result that is an argument itself keeps its flag."""
+    args = {id(p) for p in bsym.flat_args}
+    for p in bsym.flat_proxy_outs:
+        if isinstance(p, TensorProxy) and p.requires_grad and id(p) not in args:
+            p.requires_grad = False
 
 
 def resolve_latest(x: Any) -> Any:
