@@ -109,3 +109,32 @@ def test_results_computed_under_no_grad_do_not_require_grad_while_tracing():
     expected, got = program(a), fulmen.jit(program, executors=["torch"])(a)
     torch.testing.assert_close(got, expected)
     assert [t.requires_grad for t in got] == [t.requires_grad for t in expected]
+
+
+def _written_movedim(a, c):
+    v1 = torch.nn.functional.softplus(a)
+    v6 = v1.movedim(0, 1).div_(3)
+    return v1, v6
+
+
+def _written_diagonal(a, c):
+    v2 = torch.relu(a * a)
+    v3 = v2.diagonal()
+    v3.copy_(c)
+    return v2, v3
+
+
+@pytest.mark.parametrize("program", [_written_movedim, _written_diagonal])
+def test_a_view_written_in_place_stays_a_view_of_its_base(program):
+    # fuzz (wide, seeds 1282, 578): the view a write went through kept the written value itself as its value, so a
+    # returned view did not share memory with the returned base (and a diagonal written by copy_ of a 0-d tensor
+    # came back as an expand of the caller's tensor, stride 0); it is now remade from the base's new value
+    a, c = torch.randn(4, 3, 5), torch.randn(())
+    want = program(a.clone(), c.clone())
+    got = fulmen.jit(program, executors=["torch"])(a.clone(), c)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert got[1].stride() == want[1].stride()
+    assert got[1].untyped_storage().data_ptr() == got[0].untyped_storage().data_ptr()
+    before = c.clone()
+    got[1].zero_()
+    assert torch.equal(c, before) and torch.count_nonzero(got[0]) < got[0].numel()

@@ -159,7 +159,9 @@ def _write_to_base(current: TensorProxy, new: TensorProxy) -> None:
     if through is None:
         unview = getattr(remake, "unview", None)
         new_base = unview(new) if unview is not None else scatter_into(latest(base), remake, new)
-        mutate(base, new_base, _from_view=current)  # computed from the base's old value
+        # computed from the base's old value; the view written is then remade from the base's new value too, so a
+        # returned view shares the returned base's memory and has eager's strides, not those of ``new``
+        mutate(base, new_base, _from_view=current, _refresh_written=True)
     else:
         mutate(base, scatter_into(latest(base), select, new), _from_view=through, _refresh_written=True)
 
