@@ -311,22 +311,24 @@ def _cross_entropy_unit_gradient(a: TensorProxy, target: TensorProxy, reduction:
     picked = clang.reshape(ltorch.gather(logp, 1, clang.reshape(safe, (n, 1))), (n,))
     rows = ltorch.where(kept, ltorch.neg(picked), 0.0)
     classes = clang.reshape(ltorch.arange(c, device=a.device, dtype=target.dtype), (1, c))
-    # an ignored row's gradient is eager's log-softmax backward of a zero cotangent, exp(logp) * 0: zero, or NaN
-    # where its logits make the log-probabilities NaN (a NaN or +inf logit), so a multiply, not a where
+    # an ignored row's gradient is eager's log-softmax backward of a zero cotangent, exp(logp) * 0, whatever the
+    # loss's cotangent (an infinite one too): zero, or NaN where its logits make the log-probabilities NaN (a NaN or
+    # +inf logit)
     kept_column = clang.reshape(kept, (n, 1))
-    onehot = _convert(ltorch.logical_and(ltorch.eq(classes, clang.reshape(safe, (n, 1))), kept_column), a.dtype)
-    unit = ltorch.sub(ltorch.mul(ltorch.exp(logp), _convert(kept_column, a.dtype)), onehot)
+    probs = ltorch.exp(logp)
+    onehot = _convert(ltorch.eq(classes, clang.reshape(safe, (n, 1))), a.dtype)
+    unit, ignored = ltorch.sub(probs, onehot), ltorch.mul(probs, 0.0)
     if reduction == "none":
-        put_grad(a, ltorch.mul(unit, clang.reshape(get_grad(rows), (n, 1))))
+        put_grad(a, ltorch.where(kept_column, ltorch.mul(unit, clang.reshape(get_grad(rows), (n, 1))), ignored))
         return rows
     loss = ltorch.sum(rows)
     if reduction == "mean":
         count = ltorch.sum(kept, dtype=a.dtype)
         loss = ltorch.true_divide(loss, count)
     g = get_grad(loss)
-    if reduction == "mean":  # no kept rows: unit is all zeros, and so is eager's gradient (not 0 * inf)
+    if reduction == "mean":  # no kept rows: every row takes the ignored rows' gradient; g stays finite anyway
         g = ltorch.true_divide(g, ltorch.where(ltorch.gt(count, 0), count, 1.0))
-    put_grad(a, ltorch.mul(unit, g))
+    put_grad(a, ltorch.where(kept_column, ltorch.mul(unit, g), ignored))
     return loss
 
 
