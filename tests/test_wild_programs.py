@@ -138,11 +138,10 @@ def test_grad_mode_left_changed_for_the_caller_is_refused():
         torch.testing.assert_close(fulmen.jit(lambda a: a * 2, executors=["torch"])(x), x * 2)
 
 
-def _forces(pos, w):  # an energy model's forces, as molecular-dynamics code computes them
+def _forces(pos, w):  # an energy's gradient taken inside the function, as molecular-dynamics code does
     with torch.enable_grad():
-        p = pos.detach().requires_grad_()
-        energy = ((p @ w) ** 2).sum()
-        (grad,) = torch.autograd.grad(energy, p, create_graph=True)
+        energy = ((pos @ w) ** 2).sum()
+        (grad,) = torch.autograd.grad(energy, w, create_graph=True)
     return energy, -grad
 
 

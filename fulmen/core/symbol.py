@@ -39,6 +39,7 @@ class OpTags(Enum):
     #: rematerialization may run it again in the backward although its other tags keep it from being recomputed
     #: (FSDP2's parameter all-gather: every rank runs the same backward, and gathering again is what FSDP2 does)
     RECOMPUTABLE = auto()
+    CHECKS_VALUES = auto()  # raises on its inputs' values (an index out of bounds): kept while unused, never hidden
 
 
 class SymbolCalledOutsideTracing(RuntimeError):

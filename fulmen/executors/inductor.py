@@ -55,7 +55,7 @@ from fulmen.executors.partition import (
 )
 from fulmen.transforms import overlap
 from fulmen.transforms.grad_ops import unfold_backward
-from fulmen.transforms.passes import del_last_used, draws
+from fulmen.transforms.passes import checks_values, del_last_used, draws
 
 _NOT_FUSED = (OpTags.SIDE_EFFECT, OpTags.FALLBACK, OpTags.COMMUNICATION)
 #: Compiled variants one region keeps (one per input layout it has seen); beyond that it runs unfused.
@@ -212,8 +212,36 @@ def _code_key(fn: Callable, source: str, names: set[str]) -> tuple:
         if code and not code.startswith(("def ", "import ")):
             lines.append(_NAME.sub(rename, code))
     used = fn.__code__.co_names
-    objects = tuple(sorted((k, id(v)) for k, v in fn.__globals__.items() if k in used))
+    objects = tuple(sorted((k, _Held(v)) for k, v in fn.__globals__.items() if k in used))
     return ("\n".join(lines), objects)
+
+
+class _Held:
+    """An object in a kernel key, compared by identity and kept alive by the key: an ``id`` alone would let a dead
+    object's address, reused by a new object, select the dead one's kernel (the key lives in the process-wide
+    kernel cache, so the objects it names live as long as their kernel)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Held) and other.obj is self.obj
+
+
+def _unread_checks(trace: Trace, outputs: set[str]) -> set[int]:
+    """The operations kept only because they may raise on values (an unused index out of bounds): inside a region
+    Inductor would drop them, since nothing reads their results, so they run unfused."""
+    read = set(outputs)
+    for b in trace.bound_symbols:
+        if not is_bookkeeping(b):
+            read.update(p.name for p in b.flat_args)
+    return {id(b) for b in trace.bound_symbols
+            if not is_bookkeeping(b) and not any(p.name in read for p in b.flat_proxy_outs) and checks_values(b)}
 
 
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
@@ -346,11 +374,16 @@ class InductorExecutor(FusionExecutor):
     def fusion_pass(self, trace: Trace) -> Trace:
         torch_executors = list(get_always_executors())
         outputs = {p.name for p in outputs_of(trace.output)}
-        groups = fusion_groups(trace.bound_symbols, self.can_fuse, overlap=overlap.enabled.get())
+        unread = _unread_checks(trace, outputs)
+        can_fuse = self.can_fuse if not unread else lambda b: id(b) not in unread and self.can_fuse(b)
+        groups = fusion_groups(trace.bound_symbols, can_fuse, overlap=overlap.enabled.get())
         shared: dict[tuple, tuple] = {}  # structure key -> (unfused callable, its source, code key)
         new: list[BoundSymbol] = []
         for k, (fused, run) in enumerate(groups):
-            if not fused:
+            if not fused and unread and any(id(b) in unread for b in run):
+                for b in run:  # claimed as fusible: the torch executor runs it now
+                    new.extend(self._unfused(trace, [b], torch_executors) if id(b) in unread else [b])
+            elif not fused:
                 new.extend(run)
             elif sum(1 for b in run if not is_bookkeeping(b)) < MIN_REGION_SIZE:
                 new.extend(self._unfused(trace, run, torch_executors))

@@ -278,6 +278,28 @@ def _output_difference(program: Program, got: Outcome, want: Outcome, ref: Outco
         why = _close(g, w, r if isinstance(r, torch.Tensor) else None, floor)
         if why:
             return "values", f"output {k} ({program.outputs[k]}): {why}"
+    return _layout_difference(program, got.outputs, want.outputs) if program.wide else None
+
+
+def _significant_strides(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(s for s, n in zip(t.stride(), t.shape) if n > 1)  # a size-1 dim's stride is never observable
+
+
+def _layout_difference(program: Program, got: list, want: list) -> tuple[str, str] | None:
+    """Strides of the outputs, and which outputs share memory with which, as eager's."""
+    tensors = [k for k, w in enumerate(want) if isinstance(w, torch.Tensor) and isinstance(got[k], torch.Tensor)]
+    for k in tensors:
+        if got[k].numel() > 1 and _significant_strides(got[k]) != _significant_strides(want[k]):
+            return "layout", (f"output {k} ({program.outputs[k]}): strides {got[k].stride()} != eager's "
+                              f"{want[k].stride()}")
+    for i in tensors:
+        for j in tensors:
+            if i < j and want[i].numel() and want[j].numel():
+                shares = [x[i].untyped_storage().data_ptr() == x[j].untyped_storage().data_ptr() for x in (got, want)]
+                if shares[0] != shares[1]:
+                    return "aliasing", (f"outputs {i} ({program.outputs[i]}) and {j} ({program.outputs[j]}) "
+                                        f"{'share' if shares[0] else 'do not share'} memory; eager's "
+                                        f"{'do' if shares[1] else 'do not'}")
     return None
 
 

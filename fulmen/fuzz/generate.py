@@ -41,9 +41,10 @@ _SCALARS = ["2", "(-1)", "0.5", "True", "3.0", "(-2.5)"]  # parenthesized: a tem
 
 
 class _Generator:
-    def __init__(self, seed: int, max_ops: int, extended: bool = False):
+    def __init__(self, seed: int, max_ops: int, extended: bool = False, wide: bool = False):
         self.seed = seed
         self.extended = extended  # more layouts, nn ops, in-place writes through views
+        self.wide = wide  # grad-mode regions, requires_grad_, 0-d promotion, out=, empty reductions, aliasing
         self.rng = random.Random(seed)
         self.max_ops = max_ops
         self.inputs: list[Input] = []
@@ -112,6 +113,8 @@ class _Generator:
         return self.new_input(new, self.env[a].dtype if self.rng.random() < 0.7 else None)
 
     def statement(self) -> Stmt | None:
+        if self.wide and self.rng.random() < 0.3:
+            return self._wide()
         if self.extended:
             category = self.rng.choices(CATEGORIES + ("nn",), weights=[4, 5, 3, 4, 3.5, 2.5, 1.5, 2.5])[0]
         else:
@@ -136,6 +139,32 @@ class _Generator:
                       f"torch.tensor({[rng.choice([-100, *range(last)]) for _ in range(t.numel() // last)]}))",
                       f"torch.nn.functional.log_softmax({a}, -1).mean(0)"]
         return self.stmt(rng.choice(forms), (a,), "nn")
+
+    def _wide(self):
+        """Statements the other categories never make: grad-mode regions, requires_grad_ asking for a value's own
+        flag, type promotion with 0-d tensors and Python scalars, out=, where with scalar branches, empty reductions."""
+        rng = self.rng
+        a = self.pick()
+        t = self.env[a]
+        floating = t.dtype in _FLOATS
+        scalar = rng.choice(["2", "(-1)", "0.5", "True", "3.0"])
+        zero_d = rng.choice(["torch.tensor(2)", "torch.tensor(1.5)", "torch.tensor(0.5, dtype=torch.float64)",
+                             "torch.tensor(True)", "torch.tensor(-3, dtype=torch.int64)"])
+        forms = [f"torch.no_grad()(lambda: {a} * 2)()", f"torch.enable_grad()(lambda: {a} + 1)()",
+                 f"torch.no_grad()(lambda: torch.enable_grad()(lambda: {a} * {a})())()",
+                 f"{a} + {zero_d}", f"{zero_d} * {a}", f"{a} - {zero_d} * {scalar}", f"torch.mul({a}, {zero_d})",
+                 f"torch.where({a} > 0, {scalar}, {a})" if t.dtype is not torch.bool else f"torch.where({a}, 1, 0)",
+                 f"torch.where({a} != 0, 1.0, 0)", f"torch.add({a}, {scalar}, out=torch.empty_like({a}))",
+                 f"torch.mul({a}, {a}, out=torch.empty({tuple(t.shape)}, dtype={a}.dtype))",
+                 f"{a}.sum(dim=())", f"{a}.sum(dim=[])", f"{a}.narrow(0, 0, 0).sum(0)" if t.ndim else f"{a}.sum()",
+                 f"{a}[..., :0].sum(-1)" if t.ndim else f"{a}.sum()", f"{a}.unsqueeze(0).amax(dim=0)",
+                 f"{a} // 2", f"{a} / 2", f"2 ** {a}" if floating else f"{a} ** 2", f"{a}.clone().t()"
+                 if t.ndim == 2 else f"{a}.clone()"]
+        if floating:
+            # requires_grad_() changing a flag is refused inside a compiled function (fulmen.torch.hooks)
+            forms += [f"{a}.detach().requires_grad_(False) * 2", f"{a}[..., :0].mean(-1)" if t.ndim else f"{a}.mean()",
+                      f"torch.where({a} > 0, 0.5, -1)"]
+        return self.stmt(rng.choice(forms), (a,), "wide")
 
     def _unary(self):
         a = self.pick()
@@ -363,7 +392,13 @@ class _Generator:
         if rng.random() < 0.1:
             extra.append(rng.choice([i.name for i in self.inputs]))
         outputs = list(dict.fromkeys(extra + outputs))
-        return Program(self.seed, self.inputs, self.stmts, outputs, grad=self.grad, module=self.module)
+        if self.wide and targets and rng.random() < 0.3:  # a view returned with its base
+            views = [s for s in self.stmts if s.target and s.category == "view" and s.uses[0] in targets]
+            if views:
+                view = rng.choice(views)
+                outputs = list(dict.fromkeys([view.uses[0], view.target, *outputs]))
+        return Program(self.seed, self.inputs, self.stmts, outputs, grad=self.grad, module=self.module,
+                       wide=self.wide)
 
 
 
@@ -398,8 +433,11 @@ def _perm(n: int, rng: random.Random) -> str:
     return ", ".join(map(str, p))
 
 
-def generate(seed: int, max_ops: int = 6, extended: bool = False) -> Program:
+def generate(seed: int, max_ops: int = 6, extended: bool = False, wide: bool = False) -> Program:
     """The random program of ``seed`` (at most ``max_ops`` statements). ``extended`` adds inputs that are expanded
     (stride 0) or channels_last, nn ops (dropout, normalizations, cross-entropy with ignored targets) and in-place
-    writes through views; without it a seed makes the program it always made."""
-    return _Generator(seed, max_ops, extended).program()
+    writes through views; ``wide`` adds ``no_grad``/``enable_grad`` regions, ``requires_grad_()`` on detached
+    values, type promotion with 0-d tensors and Python scalars, ``out=``, ``where`` with scalar branches, reductions
+    over empty dims and a view returned with its base, and compares outputs' strides and aliasing; without them a
+    seed makes the program it always made."""
+    return _Generator(seed, max_ops, extended, wide).program()

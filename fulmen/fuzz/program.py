@@ -78,6 +78,7 @@ class Program:
     outputs: list[str]
     grad: bool = True  # run with grad mode on
     module: bool = False  # run as an nn.Module whose ``param`` inputs are parameters
+    wide: bool = False  # made by ``generate(wide=True)``: outputs' strides and aliasing are compared too
 
     def args(self) -> list[Input]:
         return [i for i in self.inputs if not (self.module and i.param)]

@@ -6,8 +6,13 @@ import torch
 
 from fulmen.core import dtypes
 from fulmen.core.proxies import TensorProxy
+from fulmen.core.symbol import OpTags
 from fulmen.core.utils import canonicalize_dim, check
 from fulmen.prims.base import PrimIDs, make_prim
+
+#: Every prim here raises for an index out of bounds, which depends on the index's values: an unused result still
+#: decides whether the program raises (eager raises ``IndexError`` for ``x[i]`` even when nothing reads it).
+_CHECKS = (OpTags.CHECKS_VALUES,)
 
 
 def _check_index(index, op):
@@ -26,7 +31,7 @@ def _take_meta(a, index, dim):
     return TensorProxy(like=a, shape=tuple(shape))
 
 
-take = make_prim(PrimIDs.TAKE, "take", meta=_take_meta,
+take = make_prim(PrimIDs.TAKE, "take", tags=_CHECKS, meta=_take_meta,
                  torch_impl=lambda a, index, dim: torch.index_select(a, dim, index),
                  doc="Select entries of a along dim by a 1-D index (torch.index_select).")
 
@@ -42,7 +47,7 @@ def _take_along_axis_meta(a, index, dim):
     return TensorProxy(like=a, shape=index.shape)
 
 
-take_along_axis = make_prim(PrimIDs.TAKE_ALONG_AXIS, "take_along_axis", meta=_take_along_axis_meta,
+take_along_axis = make_prim(PrimIDs.TAKE_ALONG_AXIS, "take_along_axis", tags=_CHECKS, meta=_take_along_axis_meta,
                             torch_impl=lambda a, index, dim: torch.gather(a, dim, index),
                             doc="out[i][j] = a[index[i][j]][j] for dim 0 (torch.gather).")
 
@@ -64,9 +69,10 @@ def _torch_scatter(a, dim, index, src):
     return torch.scatter(a, dim, index, src)
 
 
-scatter = make_prim(PrimIDs.SCATTER, "scatter", meta=_scatter_like_meta("scatter"), torch_impl=_torch_scatter,
+scatter = make_prim(PrimIDs.SCATTER, "scatter", tags=_CHECKS, meta=_scatter_like_meta("scatter"),
+                    torch_impl=_torch_scatter,
                     doc="Copy of a with a[index[i][j]][j] = src[i][j] for dim 0.")
-scatter_add = make_prim(PrimIDs.SCATTER_ADD, "scatter_add", meta=_scatter_like_meta("scatter_add"),
+scatter_add = make_prim(PrimIDs.SCATTER_ADD, "scatter_add", tags=_CHECKS, meta=_scatter_like_meta("scatter_add"),
                         torch_impl=lambda a, dim, index, src: torch.scatter_add(a, dim, index, src),
                         doc="Copy of a with src[i][j] added at a[index[i][j]][j] for dim 0.")
 
@@ -79,7 +85,7 @@ def _index_add_meta(a, dim, index, source):
     return TensorProxy(like=a, requires_grad=a.requires_grad or source.requires_grad)
 
 
-index_add = make_prim(PrimIDs.INDEX_ADD, "index_add", meta=_index_add_meta,
+index_add = make_prim(PrimIDs.INDEX_ADD, "index_add", tags=_CHECKS, meta=_index_add_meta,
                       torch_impl=lambda a, dim, index, source: torch.index_add(a, dim, index, source),
                       doc="Copy of a with the rows of source added at index along dim.")
 
@@ -95,7 +101,7 @@ def _index_put_meta(a, indices, values, accumulate):
     return TensorProxy(like=a, requires_grad=a.requires_grad or values.requires_grad)
 
 
-index_put = make_prim(PrimIDs.INDEX_PUT, "index_put", meta=_index_put_meta,
+index_put = make_prim(PrimIDs.INDEX_PUT, "index_put", tags=_CHECKS, meta=_index_put_meta,
                       torch_impl=lambda a, indices, values, accumulate: torch.index_put(a, tuple(indices), values,
                                                                                         accumulate),
                       doc="Copy of a with a[indices] = values (or += with accumulate).")

@@ -39,6 +39,7 @@ from fulmen.torch.indexing import index_constant
 from fulmen.torch.inplace import mutate
 from fulmen.torch.registry import register_function, tensor_methods, torchsymbol
 from fulmen.torch.shape import clone, sizes_arg
+from fulmen.torch.views import memory_order, set_strides
 
 __all__ = [
     "zeros", "ones", "full", "empty", "zeros_like", "ones_like", "full_like", "empty_like", "rand_like",
@@ -172,9 +173,26 @@ def empty(*size_args, size=None, out=None, dtype=None, layout=None, device=None,
 # *_like and Tensor.new_*
 
 
+def _laid_out_like(a: TensorProxy, make) -> TensorProxy:
+    """``make(shape)`` laid out as eager's ``*_like(a)`` is (``preserve_format``): as ``a`` when ``a`` is dense but
+    not contiguous (transposed, channels_last), made in that memory order so that random draws fill it in eager's
+    order; contiguous otherwise."""
+    order = memory_order(a)
+    if order is None:
+        return make(tuple(a.shape))
+    out = clang.permute(make(tuple(a.shape[d] for d in order)), [order.index(d) for d in range(a.ndim)])
+    strides, step = [0] * a.ndim, 1
+    for d in reversed(order):
+        strides[d], step = step, step * a.shape[d]
+    set_strides(out, strides)  # what later views, in-place writes and out= see
+    return out
+
+
 def _like(a, value, dtype, device, layout, requires_grad):
     _check_options("like", layout)
-    return _filled(a.shape, value, dtype=dtype or a.dtype, device=_device(device, a), requires_grad=requires_grad)
+    dtype, device = dtype or a.dtype, _device(device, a)
+    return _laid_out_like(a, lambda shape: _filled(shape, value, dtype=dtype, device=device,
+                                                   requires_grad=requires_grad))
 
 
 @torchsymbol(torch.zeros_like, tags=_CREATION)
@@ -204,7 +222,8 @@ def empty_like(a, *, dtype=None, layout=None, device=None, pin_memory=False, req
                memory_format=torch.preserve_format):
     _check_layout_options("empty_like", pin_memory=pin_memory, memory_format=memory_format)
     _check_options("empty_like", layout)
-    return _finish(prims.empty(a.shape, device=_device(device, a), dtype=dtype or a.dtype), requires_grad)
+    device, dtype = _device(device, a), dtype or a.dtype
+    return _finish(_laid_out_like(a, lambda shape: prims.empty(shape, device=device, dtype=dtype)), requires_grad)
 
 
 @torchsymbol(torch.Tensor.new_zeros, method_name="new_zeros", tags=_CREATION)
@@ -468,9 +487,9 @@ def rand_like(a, *, dtype=None, layout=None, device=None, pin_memory=False, requ
               memory_format=torch.preserve_format, generator=None):
     _check_layout_options("rand_like", pin_memory=pin_memory, memory_format=memory_format)
     _check_options("rand_like", layout, None, generator)
-    out_ = prims.uniform(a.shape, 0.0, 1.0, device=_device(device, a), dtype=_float_dtype(dtype or a.dtype,
-                                                                                           "rand_like"))
-    return _finish(out_, requires_grad)
+    device, dtype = _device(device, a), _float_dtype(dtype or a.dtype, "rand_like")
+    return _finish(_laid_out_like(a, lambda shape: prims.uniform(shape, 0.0, 1.0, device=device, dtype=dtype)),
+                   requires_grad)
 
 
 @torchsymbol(torch.randn_like, tags=_RANDOM)
@@ -478,9 +497,9 @@ def randn_like(a, *, dtype=None, layout=None, device=None, pin_memory=False, req
                memory_format=torch.preserve_format, generator=None):
     _check_layout_options("randn_like", pin_memory=pin_memory, memory_format=memory_format)
     _check_options("randn_like", layout, None, generator)
-    out_ = prims.normal(a.shape, 0.0, 1.0, device=_device(device, a), dtype=_float_dtype(dtype or a.dtype,
-                                                                                         "randn_like"))
-    return _finish(out_, requires_grad)
+    device, dtype = _device(device, a), _float_dtype(dtype or a.dtype, "randn_like")
+    return _finish(_laid_out_like(a, lambda shape: prims.normal(shape, 0.0, 1.0, device=device, dtype=dtype)),
+                   requires_grad)
 
 
 @torchsymbol(torch.randint_like, tags=_RANDOM)

@@ -19,7 +19,7 @@ from fulmen.core import langctx
 from fulmen.core.proxies import TensorProxy, _user_location, latest
 from fulmen.core.trace import get_tracectx
 from fulmen.core.utils import check
-from fulmen.torch.fallback import opaque_symbol, record
+from fulmen.torch.fallback import opaque_symbol
 
 
 class _GradHook(torch.autograd.Function):
@@ -94,18 +94,21 @@ langctx.methods["retain_grad"] = retain_grad
 def requires_grad_(t: TensorProxy, requires_grad: bool = True) -> TensorProxy:
     """``Tensor.requires_grad_`` inside a traced function. Asking for the flag the tensor already has changes
     nothing, as in eager (transformers' ``enable_input_require_grads`` hook asks it of embeddings that already
-    require grad, for gradient checkpointing); another change is recorded as any in-place method without a rule."""
+    require grad, for gradient checkpointing); another change raises ``NotImplementedError`` naming the line."""
     current = latest(t)
     if bool(requires_grad) == current.requires_grad:
         return t
+    # Eager changes the flag of a leaf: of the caller's tensor (whose later .grad the compiled program would not
+    # fill), or of a new leaf made here, whose gradient would have to leave the program as an input's does. Recorded
+    # as an opaque op, either gave other flags and gradients than eager's; refused until both are supported.
     trc = get_tracectx()
-    if trc is not None and any(current is p for p in trc.args):
-        # eager changes the caller's tensor, which later calls (and its .grad) see; the program cannot
-        raise NotImplementedError(
-            f"Tensor.requires_grad_({bool(requires_grad)}) on an input of a function compiled by fulmen "
-            f"({current.name}, {current.type_string()}) is not supported.\n  at {_user_location()}\n"
-            "Call requires_grad_ on the tensor before passing it in.")
-    return record(torch.Tensor.requires_grad_)(t, requires_grad)
+    is_input = trc is not None and any(current is p for p in trc.args)
+    what = "an input of a function fulmen compiles" if is_input else "a tensor made inside a function fulmen compiles"
+    raise NotImplementedError(
+        f"Tensor.requires_grad_({bool(requires_grad)}) on {what} ({t.name}, {t.type_string()}) is not supported: "
+        f"eager would change the flag of a leaf whose gradient fulmen's program does not return.\n  at "
+        f"{_user_location()}\nSet requires_grad on the tensor before passing it in, or call requires_grad_() on a "
+        "tensor the function returns.")
 
 
 langctx.methods["requires_grad_"] = requires_grad_

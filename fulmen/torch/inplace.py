@@ -27,6 +27,7 @@ from fulmen.core.utils import check
 from fulmen.torch.overlap import check_no_partial_overlap
 from fulmen.torch.registry import register_function, tensor_methods, torchsymbol
 from fulmen.torch.shape import layout_of, set_strides
+from fulmen.torch.views import memory_order
 
 _OVERLAP_MESSAGE = ("unsupported operation: more than one element of the written-to tensor refers to a single memory "
                     "location. Please clone() the tensor before performing the operation.")
@@ -120,13 +121,27 @@ def mutate(target: TensorProxy, new_value, *, overwrites: bool = False, refuse_o
 
 
 def _cast_to(current: TensorProxy, new_value) -> TensorProxy:
-    """``new_value`` (a tensor or a number) cast and broadcast to ``current``, as an in-place op writes it."""
+    """``new_value`` (a tensor or a number) cast and broadcast to ``current``, as an in-place op writes it: into
+    ``current``'s memory, so a tensor that is not a view gets a dense value laid out as ``current`` is (a
+    channels_last tensor stays channels_last after ``zero_()``; ``copy_`` of a broadcast source is no expanded
+    view of that source)."""
+    order = memory_order(current) if current.view_of is None else None
     if not isinstance(new_value, TensorProxy):
-        return clang.full(current.shape, new_value, device=current.device, dtype=current.dtype)
+        if order is None:
+            return clang.full(current.shape, new_value, device=current.device, dtype=current.dtype)
+        filled = clang.full(tuple(current.shape[d] for d in order), new_value, device=current.device,
+                            dtype=current.dtype)
+        return clang.permute(filled, [order.index(d) for d in range(current.ndim)])
     check(clang.broadcast_shapes(current.shape, new_value.shape) == tuple(current.shape),
           lambda: f"output with shape {list(current.shape)} doesn't match the broadcast shape "
           f"{list(clang.broadcast_shapes(current.shape, new_value.shape))}")
-    return clang.expand_to(clang.maybe_convert_to_dtype(new_value, current.dtype), current.shape)
+    new = clang.expand_to(clang.maybe_convert_to_dtype(new_value, current.dtype), current.shape)
+    if current.view_of is not None or (layout_of(current) is not None and order is None):
+        return new  # a view's write goes to its base; a layout with gaps or unknown sizes is left as it was
+    if tuple(new_value.shape) != tuple(current.shape) or layout_of(new) != layout_of(current):
+        order = order if order is not None else list(range(current.ndim))
+        new = prims.stride_order(new, tuple(current.ndim - 1 - order.index(d) for d in range(current.ndim)))
+    return new
 
 
 def _write_to_base(current: TensorProxy, new: TensorProxy) -> None:
@@ -144,7 +159,9 @@ def _write_to_base(current: TensorProxy, new: TensorProxy) -> None:
     if through is None:
         unview = getattr(remake, "unview", None)
         new_base = unview(new) if unview is not None else scatter_into(latest(base), remake, new)
-        mutate(base, new_base, _from_view=current)  # computed from the base's old value
+        # computed from the base's old value; the view written is then remade from the base's new value too, so a
+        # returned view shares the returned base's memory and has eager's strides, not those of ``new``
+        mutate(base, new_base, _from_view=current, _refresh_written=True)
     else:
         mutate(base, scatter_into(latest(base), select, new), _from_view=through, _refresh_written=True)
 

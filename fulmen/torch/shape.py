@@ -617,6 +617,9 @@ def clone(a, *, memory_format=torch.preserve_format):
     return prims.flip(a, ())
 
 
+clone.post_hook = follow_input_layout  # a clone is laid out as eager's: as a dense input, transposed or channels_last
+
+
 @view_symbol(torch.Tensor.detach, torch.detach, method_name="detach", always_alias=True,
              tags=_SHAPE + (OpTags.NON_DIFFERENTIABLE,))
 def detach(a):

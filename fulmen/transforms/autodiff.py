@@ -61,7 +61,7 @@ NON_DIFFERENTIABLE = frozenset({
     PrimIDs.NORMAL, PrimIDs.BERNOULLI, PrimIDs.RANDINT, PrimIDs.COPY_, PrimIDs.SIGNBIT, PrimIDs.LOGICAL_NOT,
     PrimIDs.BITWISE_NOT, PrimIDs.ISFINITE, PrimIDs.ISNAN, PrimIDs.ISINF, PrimIDs.EQ, PrimIDs.NE, PrimIDs.LT,
     PrimIDs.LE, PrimIDs.GT, PrimIDs.GE, PrimIDs.BITWISE_AND, PrimIDs.BITWISE_OR, PrimIDs.BITWISE_XOR,
-    PrimIDs.SHIFT_LEFT, PrimIDs.SHIFT_RIGHT, PrimIDs.FLOOR_DIVIDE, PrimIDs.ARGMAX, PrimIDs.ARGMIN,
+    PrimIDs.SHIFT_LEFT, PrimIDs.SHIFT_RIGHT, PrimIDs.ARGMAX, PrimIDs.ARGMIN,
     PrimIDs.MANUAL_SEED, PrimIDs.GET_RNG_STATE, PrimIDs.SET_RNG_STATE,
 })
 
@@ -217,6 +217,10 @@ _unary(PrimIDs.IMAG, lambda g, a, out: mul(clang.maybe_convert_to_dtype(g, a.dty
 # Piecewise-constant functions: zero gradient, as eager gives.
 for _pid in (PrimIDs.SIGN, PrimIDs.FLOOR, PrimIDs.CEIL, PrimIDs.ROUND, PrimIDs.TRUNC):
     _unary(_pid, lambda g, a, out: zeros_like(a))
+# Floor division of floats is piecewise constant too: eager's result requires grad, and ``div(rounding_mode="floor")``
+# gives zero gradients (``floor_divide``'s backward raises in eager; zeros are its value where defined).
+vjp_rules[PrimIDs.FLOOR_DIVIDE] = lambda b, g: tuple(zeros_like(x) if isinstance(x, TensorProxy) else None
+                                                     for x in _args(b))
 
 
 def _acosh_derivative(a: TensorProxy) -> TensorProxy:

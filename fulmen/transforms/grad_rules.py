@@ -311,19 +311,24 @@ def _cross_entropy_unit_gradient(a: TensorProxy, target: TensorProxy, reduction:
     picked = clang.reshape(ltorch.gather(logp, 1, clang.reshape(safe, (n, 1))), (n,))
     rows = ltorch.where(kept, ltorch.neg(picked), 0.0)
     classes = clang.reshape(ltorch.arange(c, device=a.device, dtype=target.dtype), (1, c))
+    # an ignored row's gradient is eager's log-softmax backward of a zero cotangent, exp(logp) * 0, whatever the
+    # loss's cotangent (an infinite one too): zero, or NaN where its logits make the log-probabilities NaN (a NaN or
+    # +inf logit)
+    kept_column = clang.reshape(kept, (n, 1))
+    probs = ltorch.exp(logp)
     onehot = _convert(ltorch.eq(classes, clang.reshape(safe, (n, 1))), a.dtype)
-    unit = ltorch.where(clang.reshape(kept, (n, 1)), ltorch.sub(ltorch.exp(logp), onehot), 0.0)
+    unit, ignored = ltorch.sub(probs, onehot), ltorch.mul(probs, 0.0)
     if reduction == "none":
-        put_grad(a, ltorch.mul(unit, clang.reshape(get_grad(rows), (n, 1))))
+        put_grad(a, ltorch.where(kept_column, ltorch.mul(unit, clang.reshape(get_grad(rows), (n, 1))), ignored))
         return rows
     loss = ltorch.sum(rows)
     if reduction == "mean":
         count = ltorch.sum(kept, dtype=a.dtype)
         loss = ltorch.true_divide(loss, count)
     g = get_grad(loss)
-    if reduction == "mean":  # no kept rows: unit is all zeros, and so is eager's gradient (not 0 * inf)
+    if reduction == "mean":  # no kept rows: every row takes the ignored rows' gradient; g stays finite anyway
         g = ltorch.true_divide(g, ltorch.where(ltorch.gt(count, 0), count, 1.0))
-    put_grad(a, ltorch.mul(unit, g))
+    put_grad(a, ltorch.where(kept_column, ltorch.mul(unit, g), ignored))
     return loss
 
 
@@ -551,4 +556,23 @@ def _sample_rule(p: RuleArgs):
     for x in p.values:
         if needs_grad(x):
             put_grad(x, clang.full(tuple(x.shape), 0, device=x.device, dtype=x.dtype))
+    return out
+
+
+@builtin_rule("torch.fill")
+def _fill_rule(p: RuleArgs):
+    """``torch.fill(a, value)``: eager's result requires grad when ``a`` does, with a zero gradient for ``a``; the
+    decomposition (a new tensor made of ``value``) would read nothing of ``a``. A ``value`` that needs a gradient
+    goes by the decomposition, which gives it one."""
+    a, value = p[0], p[1]
+    if needs_grad(value):
+        return NotImplemented
+    if isinstance(value, TensorProxy):
+        value = clang.maybe_convert_to_dtype(value, a.dtype)
+        if value.device != a.device:
+            value = prims.device_put(value, a.device)
+        out = clang.expand_to(value, a.shape) if a.ndim else ltorch.clone(value)
+    else:
+        out = clang.full(tuple(a.shape), value, device=a.device, dtype=a.dtype)
+    put_grad(a, clang.full(tuple(a.shape), 0, device=a.device, dtype=a.dtype))
     return out

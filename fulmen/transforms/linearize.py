@@ -258,9 +258,12 @@ class _Linearizer:
     def is_active(self, x) -> bool:
         return isinstance(x, TensorProxy) and x.name in self.active
 
-    def activate(self, bsym: BoundSymbol) -> None:
+    def activate(self, bsym: BoundSymbol, as_traced: bool = False) -> None:
+        """Mark ``bsym``'s floating outputs as carrying gradient; ``as_traced``: only those whose proxies require
+        grad (an opaque op's proxies got eager's flags from running it on fake tensors: ``lu_unpack``'s
+        permutation does not require grad, though computed from an input that does)."""
         for p in bsym.flat_proxy_outs:
-            if isinstance(p, TensorProxy) and is_differentiable_dtype(p.dtype):
+            if isinstance(p, TensorProxy) and is_differentiable_dtype(p.dtype) and (p.requires_grad or not as_traced):
                 self.active.add(p.name)
 
     def visit(self, bsym: BoundSymbol) -> Node:
@@ -373,7 +376,7 @@ class _Linearizer:
             parts = [Node(scope[0]), Node(bsym)]
         backward = functools.partial(_autograd_backward, bsym, fn, which, state)
         self.units.append(Unit(bsym.flat_proxy_outs, backward, bsym.sym.name))
-        self.activate(bsym)
+        self.activate(bsym, as_traced=OpTags.FALLBACK in bsym.sym.tags)
         return Node(bsym, parts)
 
 

@@ -25,6 +25,14 @@ def draws(bsym: BoundSymbol) -> bool:
     return not bsym.subsymbols or any(draws(s) for s in bsym.subsymbols)
 
 
+def checks_values(bsym: BoundSymbol) -> bool:
+    """Whether ``bsym`` may raise on its inputs' values: an op tagged ``CHECKS_VALUES`` (an index that can be out of
+    bounds), or a composite whose decomposition holds one. Unused, it still decides whether the program raises."""
+    if OpTags.CHECKS_VALUES in bsym.sym.tags:
+        return True
+    return any(checks_values(s) for s in bsym.subsymbols)
+
+
 def use_counts(trace: Trace) -> dict[str, int]:
     """How many times each value is read: as an argument of a bound symbol, or by being returned."""
     counts: dict[str, int] = {}
@@ -37,12 +45,14 @@ def use_counts(trace: Trace) -> dict[str, int]:
 
 
 def dce(trace: Trace, *, provenance: str = "Dead Code Elimination") -> Trace:
-    """Drop bound symbols none of whose outputs are needed (side effects and random draws are always kept)."""
+    """Drop bound symbols none of whose outputs are needed (side effects, random draws and ops that may raise on
+    values are always kept; the last test runs only for unused ones, so a program without them pays nothing)."""
     needed = {p.name for p in outputs_of(trace.output)}
     kept: list[BoundSymbol] = []
     for bsym in reversed(trace.bound_symbols):
         outs = bsym.flat_proxy_outs
-        if _keeps(bsym) or draws(bsym) or any(p.name in needed for p in outs) or (not outs and bsym.sym is not DEL):
+        if _keeps(bsym) or draws(bsym) or any(p.name in needed for p in outs) or (not outs and bsym.sym is not DEL) \
+                or (outs and checks_values(bsym)):
             kept.append(bsym)
             needed.update(p.name for p in bsym.flat_args)
     kept.reverse()
