@@ -479,15 +479,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
         with tracing(tracer), _UserTorchCalls(trace), _compiling(), _recording_autograd_functions(), \
                 nn_functional_traceable(), routing_higher_order_ops(), recording_rng_calls(), \
                 ModuleWrites() as writes:
-            grad_mode = torch.is_grad_enabled()
-            try:
-                result = fn(*proxy_args, **proxy_kwargs)
-                if torch.is_grad_enabled() is not grad_mode:
-                    torch.set_grad_enabled(grad_mode)
-                    raise _grad_mode_left_changed(fn, grad_mode)
-            except BaseException:
-                swaps.restore()  # the caller's objects as they were
-                raise
+            result = _call_user(fn, proxy_args, proxy_kwargs, swaps)
             result, spec.objects = swaps.settle(result)
             result = tracer.capture(result) if isinstance(result, torch.Tensor) and not is_proxy(result) else result
             real_state = {id(p): t for p, (_, t) in zip(proxy_args[0], state)} if state is not None else None
@@ -511,6 +503,21 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     trace.output = result
     trace.provenance = None
     return trace, spec
+
+
+def _call_user(fn: Callable, args: tuple, kwargs: dict, swaps) -> Any:
+    """``fn(*args, **kwargs)`` on proxies; on an error the caller's objects are put back as they were, and a
+    function that leaves grad mode changed for its caller is refused (grad mode restored)."""
+    grad_mode = torch.is_grad_enabled()
+    try:
+        result = fn(*args, **kwargs)
+        if torch.is_grad_enabled() is not grad_mode:
+            torch.set_grad_enabled(grad_mode)
+            raise _grad_mode_left_changed(fn, grad_mode)
+    except BaseException:
+        swaps.restore()
+        raise
+    return result
 
 
 def _grad_mode_left_changed(fn: Callable, grad_mode: bool) -> NotImplementedError:

@@ -11,6 +11,7 @@ included.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -101,6 +102,8 @@ def requires_grad_(t: TensorProxy, requires_grad: bool = True) -> TensorProxy:
     # Eager changes the flag of a leaf: of the caller's tensor (whose later .grad the compiled program would not
     # fill), or of a new leaf made here, whose gradient would have to leave the program as an input's does. Recorded
     # as an opaque op, either gave other flags and gradients than eager's; refused until both are supported.
+    if _from_parameter_constructor():
+        current._is_param = True  # raises the error for nn.Parameter(...) of a traced tensor, naming the line
     trc = get_tracectx()
     is_input = trc is not None and any(current is p for p in trc.args)
     what = "an input of a function fulmen compiles" if is_input else "a tensor made inside a function fulmen compiles"
@@ -109,6 +112,19 @@ def requires_grad_(t: TensorProxy, requires_grad: bool = True) -> TensorProxy:
         f"eager would change the flag of a leaf whose gradient fulmen's program does not return.\n  at "
         f"{_user_location()}\nSet requires_grad on the tensor before passing it in, or call requires_grad_() on a "
         "tensor the function returns.")
+
+
+def _from_parameter_constructor() -> bool:
+    """Whether ``nn.Parameter.__new__`` is the caller (it calls ``requires_grad_`` on a detached tensor subclass):
+    its own error says what to do. Read on the error path only."""
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return False
+        if frame.f_globals.get("__name__") == "torch.nn.parameter":
+            return True
+        frame = frame.f_back
+    return False
 
 
 langctx.methods["requires_grad_"] = requires_grad_

@@ -328,7 +328,11 @@ def _cross_entropy_unit_gradient(a: TensorProxy, target: TensorProxy, reduction:
     g = get_grad(loss)
     if reduction == "mean":  # no kept rows: every row takes the ignored rows' gradient; g stays finite anyway
         g = ltorch.true_divide(g, ltorch.where(ltorch.gt(count, 0), count, 1.0))
-    put_grad(a, ltorch.where(kept_column, ltorch.mul(unit, g), ignored))
+    # One multiply by the 0-d cotangent, which push_scale_past_matmuls moves past the LM head's matrix products
+    # (a where around it would keep the (N, C) pass). The ignored rows hold exp(logp) * 0 before it, so they are
+    # eager's exactly whenever the cotangent is finite; an infinite or NaN cotangent (whose kept rows are already
+    # non-finite in eager too) also makes them NaN where eager's are 0.
+    put_grad(a, ltorch.mul(ltorch.where(kept_column, unit, ignored), g))
     return loss
 
 
