@@ -348,6 +348,15 @@ VIEWS_CHANGING_NOTHING = {
     "narrow": lambda x: x.narrow(0, 0, x.shape[0]),
     "chunk": lambda x: x.chunk(1)[0],
     "flatten": lambda x: x.flatten(1, 1),  # eager returns the input itself here
+    "getitem_all": lambda x: x[:],
+    "getitem_ellipsis": lambda x: x[...],
+    "getitem_full_slices": lambda x: x[0:3, ::1],
+    # eager returns the input itself for these: under no_grad the result keeps x's history
+    "contiguous": lambda x: x.contiguous(),
+    "conj_of_real": lambda x: x.conj(),
+    "conj_physical_of_real": lambda x: torch.conj_physical(x),
+    "resolve_conj": lambda x: x.resolve_conj(),
+    "resolve_neg": lambda x: x.resolve_neg(),
 }
 
 
@@ -368,4 +377,39 @@ def test_view_changing_nothing_is_a_new_tensor_as_in_eager(view):
     (g_fulmen,) = torch.autograd.grad(got, x)
     assert traced == eager
     torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(g_fulmen, g_eager)
+
+
+def _resolved_copy_written(z):
+    w = z * 2
+    r = w.conj().resolve_conj()  # a new tensor: writing it leaves w alone
+    r.add_(1)
+    n = w.conj().imag.resolve_neg()  # the same for a lazy negative
+    n.mul_(3)
+    return w, r, n, r is w
+
+
+def _contiguous_written(x):
+    w = x * 2
+    c = w.contiguous()  # w itself: a write through it is a write to w
+    c.add_(1)
+    t = w.t().contiguous()  # a copy
+    t.add_(1)
+    return w, c, t, c is w
+
+
+@pytest.mark.parametrize(
+    "program, dtype", [(_resolved_copy_written, torch.complex128), (_contiguous_written, torch.float64)]
+)
+def test_resolving_ops_return_the_input_or_a_copy_as_eager_does(program, dtype):
+    z = torch.randn(3, 2, dtype=dtype, requires_grad=True)
+    expected = program(z)
+    got = _jit(program)(z)
+    assert got[-1] == expected[-1]
+    for g, e in zip(got[:-1], expected[:-1]):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+        assert g.stride() == e.stride() and g.requires_grad == e.requires_grad
+    weights = [torch.randn(e.shape, dtype=e.dtype) for e in expected[:-1]]
+    (g_eager,) = torch.autograd.grad(sum((e * w).real.sum() for e, w in zip(expected[:-1], weights)), z)
+    (g_fulmen,) = torch.autograd.grad(sum((g * w).real.sum() for g, w in zip(got[:-1], weights)), z)
     torch.testing.assert_close(g_fulmen, g_eager)
