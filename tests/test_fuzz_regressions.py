@@ -36,6 +36,34 @@ def test_view_of_a_view_written_before_sees_a_later_write_to_its_base():
     torch.testing.assert_close(have, want, rtol=0, atol=0)
 
 
+_DETACHED_WRITES = {
+    "fill_": lambda d: d.fill_(3.0),
+    "zero_": lambda d: d.zero_(),
+    "setitem": lambda d: d.__setitem__(0, -1.0),
+}
+
+
+@pytest.mark.parametrize("write", _DETACHED_WRITES.values(), ids=_DETACHED_WRITES.keys())
+def test_a_write_through_a_detached_expanded_view_keeps_the_base_s_gradient(write):
+    # a write through detach() of an expand of a view (a view of a view whose elements share memory) is one autograd
+    # does not see: eager's b keeps its history. fulmen judged the write by the expand the write goes up through
+    # (which requires grad), so b lost it and x got a zero gradient
+    def program(x):
+        b = x * 1
+        e = b[None].expand(2, 3, 4)
+        write(e.detach())
+        return b, e * 2
+
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    expected, got = program(x), _jit(program)(x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert [t.requires_grad for t in got] == [t.requires_grad for t in expected]
+    cotangents = [torch.linspace(-1, 2, t.numel(), dtype=torch.float64).reshape(t.shape) for t in expected]
+    (want,) = torch.autograd.grad(expected, x, cotangents)
+    (have,) = torch.autograd.grad(got, x, cotangents)
+    torch.testing.assert_close(have, want, rtol=0, atol=0)
+
+
 def test_attention_gradient_with_a_fully_masked_row_is_eager_s():
     # Hugging Face GPT-2 with left padding (a padded query sees no key through the boolean causal + padding mask)
     # trained with NaN gradients in every parameter: the safe softmax zeroed the row's weights after a softmax whose
