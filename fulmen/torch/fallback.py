@@ -47,6 +47,8 @@ def _fake_meta(func: Callable, name: str, views: bool = False) -> Callable:
         fargs, out = _fake_outputs(func, name, args, kwargs)
         if fargs is None:  # a meta of its own gave the result
             return out
+        if views and fargs and out is fargs[0] and isinstance(args[0], TensorProxy):
+            return args[0]  # eager returns its input itself (torch.atleast_1d of a matrix): under no_grad too
         if any(isinstance(x, torch.Tensor) and _is_dtensor(x) for x in tree_leaves(out)):
             raise _makes_dtensor(name)
         if type(out).__module__ == "torch.return_types":  # keep .values / .indices, as eager does
