@@ -64,6 +64,26 @@ def test_a_write_through_a_detached_expanded_view_keeps_the_base_s_gradient(writ
     torch.testing.assert_close(have, want, rtol=0, atol=0)
 
 
+def test_a_write_through_an_einsum_view_reaches_the_operand():
+    # eager's einsum of one operand that sums nothing ("ij->ji", "ii->i") returns a view of it; fulmen made a new
+    # tensor, so a write through it left the operand unchanged; a summed one ("ij->i") stays a new tensor
+    def program(x):
+        b = x * 1
+        torch.einsum("ij->ji", b).add_(1)
+        torch.einsum("ii->i", b[:, :3]).mul_(-2)
+        s = torch.einsum("ij->i", b)
+        s.add_(5)
+        return b, s
+
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    expected, got = program(x), _jit(program)(x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    cotangents = [torch.linspace(-1, 2, t.numel(), dtype=torch.float64).reshape(t.shape) for t in expected]
+    (want,) = torch.autograd.grad(expected, x, cotangents)
+    (have,) = torch.autograd.grad(got, x, cotangents)
+    torch.testing.assert_close(have, want)
+
+
 def test_attention_gradient_with_a_fully_masked_row_is_eager_s():
     # Hugging Face GPT-2 with left padding (a padded query sees no key through the boolean causal + padding mask)
     # trained with NaN gradients in every parameter: the safe softmax zeroed the row's weights after a softmax whose
