@@ -417,3 +417,35 @@ def test_resolving_ops_return_the_input_or_a_copy_as_eager_does(program, dtype):
     (g_eager,) = torch.autograd.grad(sum((e * w).real.sum() for e, w in zip(expected[:-1], weights)), z)
     (g_fulmen,) = torch.autograd.grad(sum((g * w).real.sum() for g, w in zip(got[:-1], weights)), z)
     torch.testing.assert_close(g_fulmen, g_eager)
+
+
+def _contiguous_under_no_grad(x):
+    v = x[:, :2]
+    w = x.t() * 2
+    with torch.no_grad():  # eager: x itself for a contiguous tensor (its history kept), else a copy (none)
+        y, z, u = v.contiguous(), w.contiguous(), x.contiguous()
+    return (y * v).sum() + (z * w).sum() + (u * x).sum(), y is v, z is w, u is x
+
+
+def _check_contiguous_under_no_grad(shapes):
+    jitted = fulmen.jit(_contiguous_under_no_grad, executors=["torch"], dynamic=True)
+    for shape in shapes:
+        x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+        expected, got = _contiguous_under_no_grad(x), jitted(x)
+        assert got[1:] == expected[1:]
+        (g_eager,) = torch.autograd.grad(expected[0], x)
+        (g_fulmen,) = torch.autograd.grad(got[0], x)
+        torch.testing.assert_close(g_fulmen, g_eager)
+
+
+def test_contiguous_under_no_grad_with_changing_sizes_is_eager_s():
+    _check_contiguous_under_no_grad([(3, 4), (5, 4), (4, 3)])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a view's strides are not tracked with symbolic sizes (taken as unknown): "
+    "contiguous() of a view that happens to be contiguous copies where eager returns the view",
+)
+def test_contiguous_of_a_contiguous_view_with_symbolic_sizes():
+    _check_contiguous_under_no_grad([(3, 4), (3, 2), (5, 2)])

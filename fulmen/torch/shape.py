@@ -606,7 +606,9 @@ def contiguous(a, memory_format=torch.contiguous_format):
     """``Tensor.contiguous``: ``a`` itself when already laid out so (as eager's: under no_grad it keeps ``a``'s
     history, and ``y is a``), else a dense copy (``prims.stride_order``)."""
     order = _stride_order(a, memory_format, "contiguous")
-    if is_contiguous(a, memory_format):
+    # the layout of a view or a computed value with symbolic sizes is not tracked (taken to be contiguous): a copy
+    known = all(type(n) is int for n in a.shape) or (a.view_of is None and a.origin in ("input", "input-leaf"))
+    if known and is_contiguous(a, memory_format):
         return a
     return prims.stride_order(a, order)
 
