@@ -36,6 +36,24 @@ def test_view_of_a_view_written_before_sees_a_later_write_to_its_base():
     torch.testing.assert_close(have, want, rtol=0, atol=0)
 
 
+def test_an_index_assignment_into_a_view_leaves_it_a_view_of_its_base():
+    # fuzz (wide, seed 802): v4[..., ::2] = 0.5 wrote through a view of the view v4; the returned v4 came back as a
+    # tensor of its own, not a view of the returned v2 (a later write to one did not show in the other)
+    def program(b):
+        v2 = torch.log_softmax(b, -1) / 2
+        v4 = v2[None]
+        v4[..., ::2] = 0.5
+        return v2, v4
+
+    b = torch.randn(10, dtype=torch.float64)[::2]
+    expected, got = program(b), _jit(program)(b)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert [t.stride() for t in got] == [t.stride() for t in expected]
+    assert got[1].untyped_storage().data_ptr() == got[0].untyped_storage().data_ptr()
+    got[1].add_(1)
+    torch.testing.assert_close(got[0], expected[0] + 1, rtol=0, atol=0)
+
+
 _DETACHED_WRITES = {
     "fill_": lambda d: d.fill_(3.0),
     "zero_": lambda d: d.zero_(),
