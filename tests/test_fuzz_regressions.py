@@ -102,6 +102,21 @@ def test_a_write_through_an_einsum_view_reaches_the_operand():
     torch.testing.assert_close(have, want)
 
 
+def test_a_write_through_an_unsafe_split_piece_reaches_the_tensor():
+    # unsafe_split / unsafe_chunk (ops without a rule, run as one opaque op) give pieces sharing the input's memory
+    # without being autograd views; fulmen linked views only, so a write to a piece left the tensor unchanged
+    def program(x):
+        z = x * 1
+        z.unsafe_split(2)[0].add_(1)
+        z.unsafe_chunk(2, 1)[1].mul_(3)
+        s = z.sum(1)
+        s.add_(1)
+        return z, s
+
+    x = torch.randn(3, 4, dtype=torch.float64)
+    torch.testing.assert_close(_jit(program)(x), program(x), rtol=0, atol=0)
+
+
 def test_attention_gradient_with_a_fully_masked_row_is_eager_s():
     # Hugging Face GPT-2 with left padding (a padded query sees no key through the boolean causal + padding mask)
     # trained with NaN gradients in every parameter: the safe softmax zeroed the row's weights after a softmax whose
