@@ -47,6 +47,8 @@ def _fake_meta(func: Callable, name: str, views: bool = False) -> Callable:
         fargs, out = _fake_outputs(func, name, args, kwargs)
         if fargs is None:  # a meta of its own gave the result
             return out
+        if views and fargs and out is fargs[0] and isinstance(args[0], TensorProxy):
+            return args[0]  # eager returns its input itself (torch.atleast_1d of a matrix): under no_grad too
         if any(isinstance(x, torch.Tensor) and _is_dtensor(x) for x in tree_leaves(out)):
             raise _makes_dtensor(name)
         if type(out).__module__ == "torch.return_types":  # keep .values / .indices, as eager does
@@ -185,7 +187,7 @@ def _run_fake(func: Callable, args, kwargs, env) -> tuple:
 def _link_aliases(func: Callable, args, kwargs, base: torch.Tensor, out, result) -> None:
     """Record the outputs that eager makes views of ``base`` as views of the first argument."""
     fakes = out if isinstance(out, (tuple, list)) else (out,)
-    which = [i for i, o in enumerate(fakes) if isinstance(o, torch.Tensor) and (o is base or o._base is base)]
+    which = [i for i, o in enumerate(fakes) if isinstance(o, torch.Tensor) and _shares_storage(o, base)]
     if not which:
         return
     # a write through a view with another dtype, or one that conjugates or negates lazily, cannot be scattered
@@ -195,6 +197,17 @@ def _link_aliases(func: Callable, args, kwargs, base: torch.Tensor, out, result)
     unview = _refuse_write(func) if transforms else None
     link_views(opaque_symbol(func), args, kwargs, result, which if isinstance(out, (tuple, list)) else None,
                unview)
+
+
+def _shares_storage(out: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether eager's ``out`` is ``base``'s memory: a view, or a tensor sharing its storage without being an autograd
+    view (``unsafe_split``, ``unsafe_chunk``: a write to one still shows in the other)."""
+    if out is base or out._base is base:
+        return True
+    try:
+        return out.untyped_storage()._cdata == base.untyped_storage()._cdata
+    except Exception:  # a tensor without storage
+        return False
 
 
 def _refuse_write(func: Callable) -> Callable:

@@ -29,6 +29,7 @@ from fulmen.torch.inplace import mutate
 from fulmen.torch.inplace import setitem as _functional_setitem
 from fulmen.torch.registry import register_function, tensor_methods, torchsymbol
 from fulmen.torch.shape import _view_hook, follow_input_layout, fresh
+from fulmen.torch.views import new_tensor
 
 __all__ = [
     "getitem", "gather", "scatter", "scatter_add", "index_select", "index_add", "take_along_dim", "index_put",
@@ -306,6 +307,7 @@ def _getitem_hook(bsym: BoundSymbol) -> None:
 
 
 @torchsymbol(torch.Tensor.__getitem__, method_name="__getitem__")
+@new_tensor  # x[:], x[...]: eager's is a new view, which under no_grad stops gradients to x
 def getitem(a, key):
     """``a[key]``: basic indexing gives a view, advanced (integer tensors, lists) a new tensor."""
     out = _getitem(a, key)

@@ -163,7 +163,8 @@ def _write_to_base(current: TensorProxy, new: TensorProxy) -> None:
         # returned view shares the returned base's memory and has eager's strides, not those of ``new``
         mutate(base, new_base, _from_view=current, _refresh_written=True)
     else:
-        mutate(base, scatter_into(latest(base), select, new), _from_view=through, _refresh_written=True)
+        # whether autograd sees the write is the written view's business (x.expand(...).detach().fill_ is unseen)
+        mutate(base, scatter_into(latest(base), select, new), _from_view=current, _refresh_written=True)
 
 
 def _refresh_views(old: TensorProxy, new: TensorProxy, written: TensorProxy | None, keep_history: bool) -> None:
@@ -211,7 +212,10 @@ def setitem(a: TensorProxy, key, value) -> None:
             outer, outer_remake = latest(base).view_of
             select = (lambda inner, view: lambda b: inner(view(b)))(select, outer_remake)
             base = outer
-        mutate(base, scatter_into(latest(base), select, value), refuse_overlap=False)
+        # written through a view autograd does not see (a detached expand): the base keeps its history, as in eager
+        unseen_view = None if current.requires_grad else current
+        mutate(base, scatter_into(latest(base), select, value), refuse_overlap=False, _from_view=unseen_view,
+               _refresh_written=True)
         return
     mutate(a, scatter_into(current, lambda base: getitem(base, key), value), refuse_overlap=False)
 

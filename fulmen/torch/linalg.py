@@ -20,6 +20,7 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import OpTags
 from fulmen.core.utils import canonicalize_dim, check, prod
 from fulmen.torch.registry import torchsymbol
+from fulmen.torch.views import view_symbol
 
 __all__ = [
     "matmul", "mm", "bmm", "mv", "dot", "vdot", "outer", "linear", "addmm", "addmv", "baddbmm", "addbmm",
@@ -489,6 +490,21 @@ def _output_labels(eq: str, terms: list[str], ell_labels: list[str], sizes: dict
 @torchsymbol(torch.einsum, tags=_MM)
 def einsum(equation, *operands):
     """Einstein summation: "bij,bjk->bik", implicit outputs, "..." broadcasting and repeated subscripts (diagonals)."""
+    flat = operands[0] if len(operands) == 1 and isinstance(operands[0], (list, tuple)) else operands
+    if len(flat) == 1 and isinstance(flat[0], TensorProxy):
+        return einsum_of_one(flat[0], equation)
+    return _einsum(equation, operands)
+
+
+@view_symbol(id="ltorch.einsum_of_one", tags=_MM, torch_executable=False,
+             meta_fn=lambda a, equation: torch.einsum(equation, a))
+def einsum_of_one(a, equation):
+    """``torch.einsum`` of one operand, which eager answers with a view of it when nothing is summed ("ij->ji",
+    "ii->i"): a write through the result reaches the operand, as in eager (the view hook asks torch which)."""
+    return _einsum(equation, (a,))
+
+
+def _einsum(equation, operands):
     eq, terms, operands = _einsum_args(equation, operands)
     parsed, ell_labels = _parsed_terms(terms, operands)
     ops, sizes = _labelled_operands(parsed, ell_labels, operands)

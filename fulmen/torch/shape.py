@@ -33,6 +33,7 @@ from fulmen.torch.views import (  # noqa: F401  (re-exported: the view machinery
     _view_hook,
     check_viewable,
     follow_input_layout,
+    is_contiguous,
     layout_of,
     set_strides,
     strides_of,
@@ -600,10 +601,16 @@ def _stride_order(a, memory_format, op: str):
     return order
 
 
-@view_symbol(torch.Tensor.contiguous, method_name="contiguous", tags=_SHAPE)
+@view_symbol(torch.Tensor.contiguous, method_name="contiguous", tags=_SHAPE, may_return_input=True)
 def contiguous(a, memory_format=torch.contiguous_format):
-    """``Tensor.contiguous``: ``a`` itself when already laid out so, else a dense copy (``prims.stride_order``)."""
-    return prims.stride_order(a, _stride_order(a, memory_format, "contiguous"))
+    """``Tensor.contiguous``: ``a`` itself when already laid out so (as eager's: under no_grad it keeps ``a``'s
+    history, and ``y is a``), else a dense copy (``prims.stride_order``)."""
+    order = _stride_order(a, memory_format, "contiguous")
+    # the layout of a view or a computed value with symbolic sizes is not tracked (taken to be contiguous): a copy
+    known = all(type(n) is int for n in a.shape) or (a.view_of is None and a.origin in ("input", "input-leaf"))
+    if known and is_contiguous(a, memory_format):
+        return a
+    return prims.stride_order(a, order)
 
 
 @torchsymbol(torch.clone, torch.Tensor.clone, method_name="clone", tags=_SHAPE)
@@ -642,7 +649,8 @@ langctx.properties["data"] = detach
 
 
 @view_symbol(torch.conj, torch.Tensor.conj, id="torch.conj", method_name="conj", tags=_SHAPE,
-             unview=lambda new: prims.conj(new) if new.dtype.is_complex else new, torch_executable=False)
+             unview=lambda new: prims.conj(new) if new.dtype.is_complex else new, torch_executable=False,
+             may_return_input=True)
 def conj(a):
     """``torch.conj``: the complex conjugate, a view of ``a`` (``a`` itself for a real tensor).
 
@@ -651,16 +659,40 @@ def conj(a):
     """
     check(isinstance(a, TensorProxy), lambda: f"conj(): argument 'input' must be Tensor, not {type(a).__name__}",
           TypeError)
-    return prims.conj(a) if a.dtype.is_complex else prims.reshape(a, tuple(a.shape))
+    return prims.conj(a) if a.dtype.is_complex else a
 
 
 @view_symbol(torch.conj_physical, torch.Tensor.conj_physical, id="torch.conj_physical",
-             method_name="conj_physical", tags=_SHAPE, unview=lambda new: new)
+             method_name="conj_physical", tags=_SHAPE, unview=lambda new: new, may_return_input=True)
 def conj_physical(a):
     """``torch.conj_physical``: the complex conjugate as a new tensor (``a`` itself for a real tensor)."""
     check(isinstance(a, TensorProxy), lambda: "conj_physical(): argument 'input' must be Tensor, not "
           f"{type(a).__name__}", TypeError)
-    return prims.conj(a) if a.dtype.is_complex else prims.reshape(a, tuple(a.shape))
+    return prims.conj(a) if a.dtype.is_complex else a
+
+
+def _resolved(a: TensorProxy, bit: int, op: str) -> TensorProxy:
+    check(isinstance(a, TensorProxy), lambda: f"{op}(): argument 'input' must be Tensor, not {type(a).__name__}",
+          TypeError)
+    # fulmen's values are already physical: resolving is a copy where eager copies, else ``a`` itself, as eager's
+    return prims.flip(a, ()) if lazy_bits(a)[bit] else a
+
+
+@torchsymbol(torch.resolve_conj, torch.Tensor.resolve_conj, id="torch.resolve_conj", method_name="resolve_conj",
+             tags=_SHAPE, torch_executable=False)
+def resolve_conj(a):
+    """``torch.resolve_conj``: ``a`` itself unless it is a lazy conjugate (``z.conj()``), then a new tensor."""
+    return _resolved(a, 0, "resolve_conj")
+
+
+@torchsymbol(torch.resolve_neg, torch.Tensor.resolve_neg, id="torch.resolve_neg", method_name="resolve_neg",
+             tags=_SHAPE, torch_executable=False)
+def resolve_neg(a):
+    """``torch.resolve_neg``: ``a`` itself unless it is a lazy negative (``z.conj().imag``), then a new tensor."""
+    return _resolved(a, 1, "resolve_neg")
+
+
+resolve_conj.post_hook = resolve_neg.post_hook = follow_input_layout  # a copy is laid out as eager's (empty_like)
 
 
 def real(a):

@@ -213,7 +213,7 @@ def check_viewable(fn, a: TensorProxy, *args, **kwargs) -> None:
         _on_meta(fn, (a, *args), kwargs)
 
 
-def _new_tensor(fn):
+def new_tensor(fn):
     """``fn`` whose result is never its input itself: eager's view ops return a new tensor even when nothing
     changes (``x.view(x.shape) is x`` is False), which under no_grad is a leaf that stops gradients to ``x``."""
 
@@ -243,7 +243,7 @@ def view_symbol(*torch_fns, meta_fn=None, always_alias: bool = False, unview=Non
     """
 
     def decorator(fn) -> Symbol:
-        sym = torchsymbol(*torch_fns, is_view=True, **kwargs)(fn if may_return_input else _new_tensor(fn))
+        sym = torchsymbol(*torch_fns, is_view=True, **kwargs)(fn if may_return_input else new_tensor(fn))
         sym.post_hook = _view_hook if unview is None else lambda bsym: _view_hook(bsym, unview)
         sym.view_meta_fn, sym.always_alias = meta_fn, always_alias
         return sym
