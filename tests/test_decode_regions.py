@@ -102,3 +102,129 @@ def test_llama_generate_compiles_a_bounded_number_of_region_kernels():
     kernels = list(inductor_compile._kernels.values())[before:]
     assert any(k.dims and k.fn is not None for k in kernels), "no region compiled a kernel with symbolic sizes"
     assert len(kernels) <= 12, f"{len(kernels)} region kernels for 24 new tokens"
+
+
+def _masked_step(q, k, v, m):
+    s = (q @ k.transpose(-1, -2)) * 0.25 + m
+    return torch.softmax(s, -1) @ v + q
+
+
+def _growing(n: int) -> dict:
+    return {
+        "q": torch.randn(1, 2, 1, 16),
+        "k": torch.randn(1, 2, n, 16),
+        "v": torch.randn(1, 2, n, 16),
+        "m": torch.zeros(1, 1, 1, n),
+    }
+
+
+@pytest.fixture(scope="module")
+def masked_region():
+    """A jitted attention step with a mask whose region has compiled its kernel with the length symbolic."""
+    torch.manual_seed(0)
+    jf = fulmen.jit(_masked_step, executors=["inductor"], compile="sync")
+    with torch.no_grad():
+        for n in (5, 6, 7):
+            jf(**_growing(n))
+    (region,) = _regions(jf)
+    assert region.dynamic is not None and region.dynamic.fn is not None
+    return jf, region, _input_names(jf)
+
+
+def _old_fits(check, args) -> bool:
+    """The symbolic kernel's check as it was written over tensors, before it read the layout key: the decision
+    the key-based check must reproduce exactly."""
+    if any(args[i].shape[d] != size for i, d, size in check.static):
+        return False
+    if any(args[i].shape[d] != args[j].shape[e] for i, d, j, e in check.same):
+        return False
+    values = [args[i].shape[d] for i, d in check.order]
+    if any(v < 2 for v in values):
+        return False
+    for a, want in zip(args, check._strides(*values)):
+        if any(w != h and a.shape[k] != 1 for k, (w, h) in enumerate(zip(want, a.stride()))):
+            return False
+    return bool(check._guards(*values))
+
+
+def _layouts() -> dict[str, dict]:
+    base = _growing(9)
+    return {
+        "longer cache": base,
+        "much longer cache": _growing(40),
+        "length 1": _growing(1),
+        "transposed keys": {**base, "k": torch.randn(1, 2, 16, 9).transpose(-1, -2)},
+        "keys longer than values": {**base, "k": torch.randn(1, 2, 10, 16)},
+        "mask of another length": {**base, "m": torch.zeros(1, 1, 1, 10)},
+        "another head size": {
+            **base,
+            "q": torch.randn(1, 2, 1, 8),
+            "k": torch.randn(1, 2, 9, 8),
+            "v": torch.randn(1, 2, 9, 8),
+        },
+        "another batch": _growing(9) | {"q": torch.randn(2, 2, 1, 16)},
+        "a size-1 dim with another stride": {
+            **base,
+            "k": torch.randn(1, 2, 9, 16).as_strided((1, 2, 9, 16), (7, 144, 16, 1)),
+        },
+        "an expanded mask": {**base, "m": torch.zeros(1, 1, 1, 1).expand(1, 1, 1, 9)},
+        "keys sliced from a longer cache": {**base, "k": torch.randn(1, 2, 12, 16)[:, :, :9]},
+    }
+
+
+@pytest.mark.parametrize("case", list(_layouts()))
+def test_the_layout_key_check_selects_exactly_the_layouts_the_tensor_check_selected(masked_region, case):
+    """The symbolic kernel's check reads the region's layout key (built by C accessors) instead of the tensors:
+    every layout difference that sent a call elsewhere still does, and every layout it ran still runs on it."""
+    from fulmen.executors.inductor_dynamic import layout_key
+
+    jf, region, order = masked_region
+    args = [_layouts()[case][name] for name in order]
+    key = layout_key(args)
+    assert key == tuple((a.shape, a.stride()) for a in args), "the key is the (shape, stride) of each input"
+    check = region.dynamic.check
+    assert check.fits_layout(key) == _old_fits(check, args)
+
+
+def test_the_layout_key_check_accepts_the_lengths_it_did_and_refuses_the_rest(masked_region):
+    _, region, order = masked_region
+    fits = {case: region.dynamic.check.fits([layout[name] for name in order]) for case, layout in _layouts().items()}
+    accepted = {"longer cache", "much longer cache", "a size-1 dim with another stride"}
+    assert {case for case, ok in fits.items() if ok} == accepted
+
+
+def _python_calls(call) -> list[str]:
+    import sys
+
+    calls = []
+
+    def count(frame, event, arg):
+        if event == "call":
+            calls.append(frame.f_code.co_name)
+
+    sys.setprofile(count)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_a_new_cache_length_costs_the_region_calls_independent_of_its_inputs(masked_region):
+    """A region whose input sizes change every call (a decode step) misses its steady C++ check on each call. On a
+    length it has not seen it builds the layout key and runs the symbolic kernel's check; on one it has (the next
+    ``generate()``), it finds the kernel in its layout table. Either way in a fixed number of Python function calls
+    however many inputs it has (none per input). Counted, not timed."""
+    _, region, order = masked_region
+    kernel = region.dynamic.fn
+    for allowed, lengths in ((8, (50, 51, 52)), (2, (50, 51, 52))):  # new lengths, then the same ones again
+        for n in lengths:
+            layout = _growing(n)
+            args = [layout[name] for name in order]
+            got = []
+            in_region = _python_calls(lambda: got.append(region(*args)))  # noqa: B023  (called at once)
+            extra = len(in_region) - len(_python_calls(lambda: kernel(list(args))))  # noqa: B023
+            assert region.variants[tuple((a.shape, a.stride()) for a in args)] is kernel
+            assert extra <= allowed, f"{extra} Python calls around the kernel: {in_region}"
+            out = got[0][0] if isinstance(got[0], (tuple, list)) else got[0]
+            torch.testing.assert_close(out, _masked_step(**layout))

@@ -46,7 +46,7 @@ from fulmen.executors.inductor_compile import (  # noqa: F401  (re-exported: the
     resume,
     wait_for_compilations,
 )
-from fulmen.executors.inductor_dynamic import varying_dims
+from fulmen.executors.inductor_dynamic import layout_key, varying_dims
 from fulmen.executors.partition import (
     fusion_groups,
     operations_key,
@@ -99,13 +99,14 @@ class FusedRegion:
         fast = self.fast  # one read: another thread may replace it
         if fast is not None and fast[0].check(*args):
             return fast[1](list(args))
-        key = tuple((a.shape, a.stride()) for a in args)
+        key = layout_key(args)
         fn = self.variants.get(key)
-        steady, self._last_hit = key == self._last_hit, key
         if fn is not None:
+            steady, self._last_hit = key == self._last_hit, key
             if steady:
                 self._steady(args, fn)
             return fn(list(args))
+        self._last_hit = key
         return self._slow_call(key, args)
 
     def _steady(self, args: tuple, fn: Callable) -> None:
@@ -149,8 +150,9 @@ class FusedRegion:
             if len(self.kernels) >= MAX_VARIANTS:
                 return self.eager(*args)
             layout = tuple((a.shape, a.stride(), a.dtype, a.device) for a in args)
-            kernel = self.kernels[key] = get_kernel((self.code_key, layout, self.ambient.key()), self.name,
-                                                    self.eager, args, self.mode, self.ambient)
+            kernel = self.kernels[key] = get_kernel(
+                (self.code_key, layout, self.ambient.key()), self.name, self.eager, args, self.mode, self.ambient
+            )
             self.last_key = key
         elif kernel.parked is not None:
             resume(kernel)
@@ -167,13 +169,22 @@ class FusedRegion:
             dims = varying_dims(self.last_key, key)
             if not dims:
                 return None
-            layout = tuple((tuple(None if (i, d) in dims else n for d, n in enumerate(a.shape)), a.dtype, a.device)
-                           for i, a in enumerate(args))
-            kernel = self.dynamic = get_kernel((self.code_key, ("symbolic", dims, layout), self.ambient.key()),
-                                               self.name, self.eager, args, self.mode, self.ambient, dims)
+            layout = tuple(
+                (tuple(None if (i, d) in dims else n for d, n in enumerate(a.shape)), a.dtype, a.device)
+                for i, a in enumerate(args)
+            )
+            kernel = self.dynamic = get_kernel(
+                (self.code_key, ("symbolic", dims, layout), self.ambient.key()),
+                self.name,
+                self.eager,
+                args,
+                self.mode,
+                self.ambient,
+                dims,
+            )
         elif kernel.parked is not None:
             resume(kernel)
-        if kernel.fn is None or not kernel.check.fits(args):
+        if kernel.fn is None or not kernel.check.fits_layout(key):
             return None
         if len(self.variants) < MAX_FITTED_LAYOUTS:
             self.variants[key] = kernel.fn
@@ -240,8 +251,11 @@ def _unread_checks(trace: Trace, outputs: set[str]) -> set[int]:
     for b in trace.bound_symbols:
         if not is_bookkeeping(b):
             read.update(p.name for p in b.flat_args)
-    return {id(b) for b in trace.bound_symbols
-            if not is_bookkeeping(b) and not any(p.name in read for p in b.flat_proxy_outs) and checks_values(b)}
+    return {
+        id(b)
+        for b in trace.bound_symbols
+        if not is_bookkeeping(b) and not any(p.name in read for p in b.flat_proxy_outs) and checks_values(b)
+    }
 
 
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
@@ -288,8 +302,9 @@ def _structure_key(region: list[BoundSymbol], inputs: list[Proxy], outputs: list
     return tuple(parts)
 
 
-def _region_io(region: list[BoundSymbol], later: list[BoundSymbol], trace_outputs: set[str],
-               also: frozenset[str] = frozenset()):
+def _region_io(
+    region: list[BoundSymbol], later: list[BoundSymbol], trace_outputs: set[str], also: frozenset[str] = frozenset()
+):
     """The region's inputs, and its outputs: what it defines that ``later`` operations or the trace return read,
     plus the names in ``also``, in the order the region defines them."""
     defined: dict[str, Proxy] = {}
@@ -305,8 +320,9 @@ def _region_io(region: list[BoundSymbol], later: list[BoundSymbol], trace_output
     return list(inputs.values()), outputs
 
 
-def _common_outputs(pieces: list[list[BoundSymbol]], later: list[BoundSymbol],
-                    trace_outputs: set[str]) -> list[frozenset[str]]:
+def _common_outputs(
+    pieces: list[list[BoundSymbol]], later: list[BoundSymbol], trace_outputs: set[str]
+) -> list[frozenset[str]]:
     """For each of a run's pieces, the values it must return beyond what later operations read, so that pieces
     with the same operations (a model's layers, ``split_repeats``) return the same values and share one kernel.
 
@@ -326,7 +342,7 @@ def _common_outputs(pieces: list[list[BoundSymbol]], later: list[BoundSymbol],
             continue
         returned: set[tuple[int, int]] = set()  # (operation, output) positions some member returns
         for i in members:
-            rest = [b for p in pieces[i + 1:] for b in p] + later
+            rest = [b for p in pieces[i + 1 :] for b in p] + later
             _, outs = _region_io(pieces[i], rest, trace_outputs)
             names = {p.name for p in outs}
             returned |= {pos for pos, name in _output_positions(pieces[i]) if name in names}
@@ -388,7 +404,7 @@ class InductorExecutor(FusionExecutor):
             elif sum(1 for b in run if not is_bookkeeping(b)) < MIN_REGION_SIZE:
                 new.extend(self._unfused(trace, run, torch_executors))
             else:
-                later = [b for _, r in groups[k + 1:] for b in r]
+                later = [b for _, r in groups[k + 1 :] for b in r]
                 new.extend(b for b in run if is_bookkeeping(b))  # lines that compute nothing stay, ahead of it
                 pieces = split_repeats([b for b in run if not is_bookkeeping(b)])
                 # next to repeated layers, a short leftover piece (embedding, final norm) is not worth a
@@ -399,17 +415,28 @@ class InductorExecutor(FusionExecutor):
                     if len(piece) < smallest:
                         new.extend(self._unfused(trace, piece, torch_executors))
                     else:
-                        rest = [b for p in pieces[i + 1:] for b in p] + later
-                        new.append(self._fuse(trace, sums_after_other_readers(piece), rest, outputs,
-                                              torch_executors, shared, also[i]))
+                        rest = [b for p in pieces[i + 1 :] for b in p] + later
+                        new.append(
+                            self._fuse(
+                                trace, sums_after_other_readers(piece), rest, outputs, torch_executors, shared, also[i]
+                            )
+                        )
         return trace.derive(trace.provenance or "Fusion", new)
 
     def _unfused(self, trace: Trace, region: list[BoundSymbol], executors) -> list[BoundSymbol]:
         sub = trace.derive("region", region)
         return claim_symbols(sub, executors).bound_symbols
 
-    def _fuse(self, trace: Trace, region: list[BoundSymbol], later: list[BoundSymbol], trace_outputs: set[str],
-              executors: Sequence, shared: dict[tuple, tuple], also: frozenset[str] = frozenset()) -> BoundSymbol:
+    def _fuse(
+        self,
+        trace: Trace,
+        region: list[BoundSymbol],
+        later: list[BoundSymbol],
+        trace_outputs: set[str],
+        executors: Sequence,
+        shared: dict[tuple, tuple],
+        also: frozenset[str] = frozenset(),
+    ) -> BoundSymbol:
         inputs, outputs = _region_io(region, later, trace_outputs, also)
         name = f"inductor_fusion_{self._count}"
         self._count += 1

@@ -16,11 +16,21 @@ length), that each symbol is at least 2 (a shape environment specializes sizes 0
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from operator import attrgetter, itemgetter, methodcaller
 
 import sympy
 import torch
 
-__all__ = ["LayoutCheck", "check_output_strides", "symbolic_fakes", "varying_dims"]
+__all__ = ["LayoutCheck", "check_output_strides", "layout_key", "symbolic_fakes", "varying_dims"]
+
+_SHAPE, _STRIDE, _STRIDE_OF = attrgetter("shape"), methodcaller("stride"), itemgetter(1)
+
+
+def layout_key(args: Sequence[torch.Tensor]) -> tuple:
+    """``((shape, stride), ...)`` of a region's inputs, what selects its kernel. Built by C accessors (``map`` of
+    ``attrgetter``/``methodcaller``, ``zip``): a region runs it on every call its steady check misses, so it calls
+    no Python function per input."""
+    return tuple(zip(map(_SHAPE, args), map(_STRIDE, args)))
 
 
 def varying_dims(old: tuple, new: tuple) -> frozenset[tuple[int, int]] | None:
@@ -100,21 +110,33 @@ class LayoutCheck:
         self.guards = guards
 
     def fits(self, args: Sequence[torch.Tensor]) -> bool:
+        return self.fits_layout(layout_key(args))
+
+    def fits_layout(self, key: tuple) -> bool:
+        """Whether the inputs whose layout is ``key`` (``layout_key``'s ``((shape, stride), ...)``) fit. A region
+        whose inputs grow every call runs this on each call, so it reads the key already built and calls no
+        Python function per input: the strides are compared as one tuple, dim by dim only where they differ."""
         for i, d, size in self.static:
-            if args[i].shape[d] != size:
+            if key[i][0][d] != size:
                 return False
         for i, d, j, e in self.same:
-            if args[i].shape[d] != args[j].shape[e]:
+            if key[i][0][d] != key[j][0][e]:
                 return False
-        values = [args[i].shape[d] for i, d in self.order]
-        if any(v < 2 for v in values):
+        values = [key[i][0][d] for i, d in self.order]
+        if values and min(values) < 2:
             return False
         strides = self._strides(*values)
-        for a, want in zip(args, strides):
-            have = a.stride()
-            if any(w != h and a.shape[k] != 1 for k, (w, h) in enumerate(zip(want, have))):
-                return False
+        if tuple(map(_STRIDE_OF, key)) != strides and not _strides_match(key, strides):
+            return False
         return bool(self._guards(*values))
+
+
+def _strides_match(key: tuple, strides: tuple) -> bool:
+    """Each input's strides are ``strides``' but where a dim has size 1 (a stride that is never used)."""
+    for (shape, have), want in zip(key, strides):
+        if any(w != h and shape[k] != 1 for k, (w, h) in enumerate(zip(want, have))):
+            return False
+    return True
 
 
 def check_output_strides(compiled, gm: torch.fx.GraphModule) -> None:
