@@ -42,3 +42,23 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
         strides.append(acc)
         acc *= max(length, 1)
     return tuple(reversed(strides))
+
+
+class IdentityRef:
+    """A key part that is an object's identity (equal only to a reference to the same object). It holds the object,
+    so the object's address cannot be reused by another one while the key exists: a key holding ``id()`` alone
+    would let a new object at a dead one's address select what was cached for the dead one."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is IdentityRef and other.obj is self.obj
+
+    def __repr__(self) -> str:
+        return f"<the {type(self.obj).__name__} object at {id(self.obj):#x}>"

@@ -35,6 +35,7 @@ from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 from fulmen.core.symbolic import SYMBOLIC_TYPES, contains_symbolic
 from fulmen.core.trace import Trace
 from fulmen.core.unbacked import has_unbacked
+from fulmen.core.utils import IdentityRef
 from fulmen.executors.base import FusionExecutor, claim_symbols, get_always_executors, register_executor
 from fulmen.executors.inductor_compile import (  # noqa: F401  (re-exported: the public helpers live here)
     COMPILE_MODES,
@@ -223,25 +224,8 @@ def _code_key(fn: Callable, source: str, names: set[str]) -> tuple:
         if code and not code.startswith(("def ", "import ")):
             lines.append(_NAME.sub(rename, code))
     used = fn.__code__.co_names
-    objects = tuple(sorted((k, _Held(v)) for k, v in fn.__globals__.items() if k in used))
+    objects = tuple(sorted((k, IdentityRef(v)) for k, v in fn.__globals__.items() if k in used))
     return ("\n".join(lines), objects)
-
-
-class _Held:
-    """An object in a kernel key, compared by identity and kept alive by the key: an ``id`` alone would let a dead
-    object's address, reused by a new object, select the dead one's kernel (the key lives in the process-wide
-    kernel cache, so the objects it names live as long as their kernel)."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: Any):
-        self.obj = obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Held) and other.obj is self.obj
 
 
 def _unread_checks(trace: Trace, outputs: set[str]) -> set[int]:

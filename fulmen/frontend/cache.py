@@ -23,6 +23,7 @@ import torch
 
 from fulmen.core.proxies import Proxy
 from fulmen.core.trace import Trace
+from fulmen.core.utils import IdentityRef
 from fulmen.transforms.passes import overwritten_inputs
 
 _Tensor = torch.Tensor
@@ -270,25 +271,6 @@ def _float_key(x: float) -> tuple:
     return (type(x), repr(float(x)), math.copysign(1.0, x))
 
 
-class _Ref:
-    """A key part that is an object's identity. It holds the object, so its address cannot be reused by another
-    object while the key exists (a cache entry)."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: Any):
-        self.obj = obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is _Ref and other.obj is self.obj
-
-    def __repr__(self) -> str:
-        return f"<the {type(self.obj).__name__} object at {id(self.obj):#x}>"
-
-
 #: How many values a snapshot of one argument's contents may hold, and how deep it follows attributes; beyond
 #: that the argument is keyed by identity (logged: changing it in place between calls is then not seen).
 MAX_CONTENT_ITEMS = 1024
@@ -307,7 +289,7 @@ def content_key(x: Any) -> Any:
         return _content(x, [MAX_CONTENT_ITEMS], 0)
     except _TooLarge:
         _warn_identity(x)
-        return _Ref(x)
+        return IdentityRef(x)
 
 
 def _content(x: Any, budget: list[int], depth: int) -> Any:
@@ -324,7 +306,7 @@ def _content(x: Any, budget: list[int], depth: int) -> Any:
     if isinstance(x, complex):
         return (t, _content(x.real, budget, depth), _content(x.imag, budget, depth))
     if isinstance(x, _Tensor) or isinstance(x, Proxy):
-        return _Ref(x)
+        return IdentityRef(x)
     if isinstance(x, (tuple, list, set, frozenset)):  # in iteration order: the order traced code sees
         return (t, tuple([_content(v, budget, depth + 1) for v in x]))
     if isinstance(x, dict):
@@ -344,15 +326,15 @@ def _content(x: Any, budget: list[int], depth: int) -> Any:
     if isinstance(x, torch.nn.Module):
         # a module passed in: by identity, and by the submodules, parameters and buffers it holds now, which traced
         # code reaches through nn.Module.__getattr__ and reads by identity (a parameter replaced recompiles)
-        return (t, _Ref(x), tuple((name, _Ref(m)) for name, m in x.named_modules(remove_duplicate=False)),
-                tuple((name, _Ref(v)) for name, v in x.named_parameters(remove_duplicate=False)),
-                tuple((name, _Ref(v)) for name, v in x.named_buffers(remove_duplicate=False)))
+        return (t, IdentityRef(x), tuple((name, IdentityRef(m)) for name, m in x.named_modules(remove_duplicate=False)),
+                tuple((name, IdentityRef(v)) for name, v in x.named_parameters(remove_duplicate=False)),
+                tuple((name, IdentityRef(v)) for name, v in x.named_buffers(remove_duplicate=False)))
     if t.__flags__ & _HEAPTYPE and not isinstance(x, type) and not _is_native(t):  # an instance of a user class
         attrs = getattr(x, "__dict__", None)
         items = [] if attrs is None else [(k, _content(v, budget, depth + 1)) for k, v in attrs.items()]
         for name in _slots(t):
-            v = getattr(x, name, _Ref)  # an unset slot: _Ref, the class, as a marker
-            items.append((name, _Ref if v is _Ref else _content(v, budget, depth + 1)))
+            v = getattr(x, name, IdentityRef)  # an unset slot: IdentityRef, the class, as a marker
+            items.append((name, IdentityRef if v is IdentityRef else _content(v, budget, depth + 1)))
         return (t, tuple(items))
     try:
         hash(x)
