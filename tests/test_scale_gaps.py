@@ -182,8 +182,6 @@ def _llama_step(run, inputs, autocast: bool):
     return logits, loss
 
 
-@pytest.mark.xfail(strict=True, reason="known regression: a full slice of the rotary tables is now a new view (as "
-                   "eager's), and the last layer's backward region no longer shares the others' code; to fix next")
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 def test_every_layer_of_the_llama_step_runs_one_shared_region_code(autocast):
     """Under bf16 autocast the last layer's residual sum is read by nothing after it (the backward recomputes the

@@ -213,9 +213,10 @@ def split_repeats(ops: Sequence[BoundSymbol]) -> list[list[BoundSymbol]]:
     Common-subexpression elimination leaves the first layer different from the others where every layer
     took the same view of the run's inputs (a LLaMA backward broadcasts its rotary tables once, in the first
     layer it differentiates, and the later layers read those). Such shared views read nothing computed in the
-    run, so they may run first: when the run repeats better without them, they move to the front, and the
-    first layer matches the others. (Only views: they cost nothing wherever they run, while moving a shared
-    computation would keep its result alive from the front to its last reader.)
+    run (views of views of the inputs included: ``cos[:T]``, then its broadcasts), so they may run first: when
+    the run repeats better without them, they move to the front, and the first layer matches the others. (Only
+    views: they cost nothing wherever they run, while moving a shared computation would keep its result alive
+    from the front to its last reader.)
     """
     if len(ops) < 2 * MIN_PERIOD:
         return [list(ops)]
@@ -259,8 +260,13 @@ def _has_in_place(ops: Sequence[BoundSymbol]) -> bool:
 
 
 def _shared_from_inputs(ops: Sequence[BoundSymbol]) -> set[int]:
-    """The views (by ``id``) of values from outside the run that more than one operation reads; none where the
-    run holds an in-place operation (moving a read across it would change what it reads)."""
+    """The views (by ``id``) of values from outside the run that more than one operation reads, with the views
+    of outside values they are taken of; none where the run holds an in-place operation (moving a read across it
+    would change what it reads).
+
+    A view of a view of an input counts as a view of the input: a LLaMA backward broadcasts ``cos[:T]``, a slice
+    of its rotary table, and the slice must move with the broadcasts that read it (it is a new view even where
+    ``T`` is the whole table, as in eager)."""
     if _has_in_place(ops):
         return set()
     made = {p.name for op in ops for p in op.flat_proxy_outs}
@@ -269,10 +275,22 @@ def _shared_from_inputs(ops: Sequence[BoundSymbol]) -> set[int]:
         for p in op.flat_args:
             if isinstance(p, Proxy):
                 readers[p.name] = readers.get(p.name, 0) + 1
-    return {id(op) for op in ops
-            if _is_view(op) and op.flat_proxy_outs
-            and not any(isinstance(p, Proxy) and p.name in made for p in op.flat_args)
-            and any(readers.get(p.name, 0) > 1 for p in op.flat_proxy_outs)}
+    # views reading only outside values or such views' results, with the views of this kind each one reads
+    of_inputs: dict[str, int] = {}  # output name -> index of the view that made it
+    reads: dict[int, list[int]] = {}
+    for i, op in enumerate(ops):
+        args = [p.name for p in op.flat_args if isinstance(p, Proxy)]
+        if _is_view(op) and op.flat_proxy_outs and all(a not in made or a in of_inputs for a in args):
+            reads[i] = [of_inputs[a] for a in args if a in of_inputs]
+            of_inputs.update((p.name, i) for p in op.flat_proxy_outs)
+    moved: set[int] = set()
+    stack = [i for i in reads if any(readers.get(p.name, 0) > 1 for p in ops[i].flat_proxy_outs)]
+    while stack:  # a shared view and every view it is taken of
+        i = stack.pop()
+        if i not in moved:
+            moved.add(i)
+            stack.extend(reads[i])
+    return {id(ops[i]) for i in moved}
 
 
 def sums_after_other_readers(ops: Sequence[BoundSymbol]) -> list[BoundSymbol]:
