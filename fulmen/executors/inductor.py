@@ -30,6 +30,7 @@ from fulmen.core.ambient import Ambient
 from fulmen.core.bookkeeping import is_bookkeeping
 from fulmen.core.codegen import compile_trace
 from fulmen.core.codeutils import outputs_of
+from fulmen.core.draws import draws
 from fulmen.core.proxies import Proxy, TensorProxy
 from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 from fulmen.core.symbolic import SYMBOLIC_TYPES, contains_symbolic
@@ -56,7 +57,7 @@ from fulmen.executors.partition import (
 )
 from fulmen.transforms import overlap
 from fulmen.transforms.grad_ops import unfold_backward
-from fulmen.transforms.passes import checks_values, del_last_used, draws
+from fulmen.transforms.passes import checks_values, del_last_used
 
 _NOT_FUSED = (OpTags.SIDE_EFFECT, OpTags.FALLBACK, OpTags.COMMUNICATION)
 #: Compiled variants one region keeps (one per input layout it has seen); beyond that it runs unfused.
@@ -351,9 +352,9 @@ class InductorExecutor(FusionExecutor):
         sym = bsym.sym
         if any(t in sym.tags for t in _NOT_FUSED) or sym.id in _NOT_FUSED_IDS:
             return False
-        # a random op stays outside (its draws keep eager's order); a composite that merely can draw is fused when
-        # this call's decomposition draws nothing (attention without dropout: Inductor calls the attention kernel)
-        if OpTags.RANDOM_OP in sym.tags and draws(bsym):
+        # a call that draws stays outside (its draws keep eager's order); a composite that merely can draw is fused
+        # when this call's decomposition draws nothing (attention without dropout: Inductor calls the attention kernel)
+        if draws(bsym):
             return False
         if OpTags.DEVICE_OP in sym.tags and not _same_device_conversion(bsym):
             return False

@@ -32,8 +32,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fulmen.core.devices import to_torch_device
+from fulmen.core.draws import draws
 from fulmen.core.proxies import TensorProxy
-from fulmen.core.symbol import BoundSymbol, OpTags
+from fulmen.core.symbol import BoundSymbol
 from fulmen.core.symbolic import size_hint
 from fulmen.core.trace import get_tracectx, tracectx
 from fulmen.transforms.checkpoint_regions import CheckpointRegion
@@ -50,7 +51,7 @@ def region(policy: Callable | None = None, preserve_rng_state: bool = True) -> I
     start = len(trc.bound_symbols)
     yield
     bsyms = trc.bound_symbols[start:]
-    if not preserve_rng_state and any(map(_draws_random, bsyms)):
+    if not preserve_rng_state and any(map(draws, bsyms)):
         raise NotImplementedError(
             "torch.utils.checkpoint.checkpoint(..., preserve_rng_state=False) around random operations inside a "
             "fulmen-compiled function: eager draws new random numbers when it recomputes the region, fulmen's "
@@ -63,12 +64,6 @@ def region(policy: Callable | None = None, preserve_rng_state: bool = True) -> I
         saved = frozenset(p.name for b in bsyms if _policy_saves(policy, b, fake) for p in b.flat_proxy_outs)
     if names:
         trc.checkpoint_regions.append(CheckpointRegion(names, saved))
-
-
-def _draws_random(bsym: BoundSymbol) -> bool:
-    if bsym.subsymbols:
-        return any(map(_draws_random, bsym.subsymbols))
-    return OpTags.RANDOM_OP in bsym.sym.tags
 
 
 def _selective_policy(context_fn: Callable) -> Callable | None:

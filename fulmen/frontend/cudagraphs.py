@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map_only
 
+from fulmen.core.draws import is_draw
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import OpTags
 from fulmen.core.trace import Trace
@@ -73,7 +74,7 @@ def why_not_graphed(traces: list[Trace]) -> str | None:
         while stack:
             bsym = stack.pop()
             # an operation that may draw (attention with dropout) draws only if its decomposition does
-            if OpTags.RANDOM_OP in bsym.sym.tags and not bsym.subsymbols:
+            if is_draw(bsym):
                 return f"it draws random numbers ({bsym.sym.name})"
             if OpTags.SIDE_EFFECT in bsym.sym.tags:
                 return f"it has a side effect ({bsym.sym.name})"

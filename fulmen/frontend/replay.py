@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from fulmen.core.codeutils import outputs_of
+from fulmen.core.draws import is_draw
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 from fulmen.core.trace import Trace
@@ -141,7 +142,7 @@ def _replayable(bsym: BoundSymbol, known: set[int], made: dict[int, tuple]) -> b
     if (sym.post_hook is not None and not getattr(sym.post_hook, "layout_only", False)) \
             or not _NEVER_COPIED.isdisjoint(tags):
         return False
-    if OpTags.RANDOM_OP in tags and not bsym.subsymbols:  # a draw itself (a composite may merely be able to draw)
+    if is_draw(bsym):  # a composite that merely can draw is looked into below
         return False
     for p in bsym.flat_args:
         if type(p) is not TensorProxy or id(p) not in known:

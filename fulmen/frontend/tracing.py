@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 from fulmen import prims
 from fulmen.core import langctx
 from fulmen.core.codeutils import sanitize_name
+from fulmen.core.draws import callable_draws
 from fulmen.core.proxies import Proxy, TensorProxy, call_with_out, has_proxy, is_library_file, is_proxy, latest
 from fulmen.core.shared_patch import SharedPatch
 from fulmen.core.symbol import Symbol
@@ -39,7 +40,6 @@ from fulmen.torch.fallback import opaque_symbol
 from fulmen.torch.numpy_values import numpy_data, numpy_scalar
 from fulmen.torch.shape import set_strides
 from fulmen.transforms.autocast import current_policies
-from fulmen.transforms.grad_rules import is_random_op
 
 
 @dataclass
@@ -257,7 +257,7 @@ class _UserTorchCalls(TorchFunctionMode):
                     return fn(*args, **kwargs)
                 if types == (TensorProxy,):  # what func(*args) would reach through torch's dispatch, at once
                     return TensorProxy.__torch_function__(func, types, args, kwargs)
-            elif (fn is not None or is_random_op(func)) and not _called_by_fulmen():
+            elif (fn is not None or callable_draws(func)) and not _called_by_fulmen():
                 if func in _DATA_ARGUMENT and args:  # torch.tensor(np_array): the array as a tensor sharing its memory
                     args = (numpy_data(args[0]), *args[1:])
                 # a random op with no rule (torch.randperm) is an opaque op that draws on every call, not a

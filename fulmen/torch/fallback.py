@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from fulmen.core import langctx
 from fulmen.core.devices import to_torch_device
+from fulmen.core.draws import callable_draws
 from fulmen.core.proxies import DataDependentError, TensorProxy, _user_location
 from fulmen.core.symbol import OpTags, Symbol
 from fulmen.core.trace import get_tracectx
@@ -245,25 +246,6 @@ def _run_on_zeros(func: Callable, args, kwargs):
         t.dtype.is_floating_point or t.dtype.is_complex) else t, out)
 
 
-_RANDOM_NAME_PARTS = ("dropout", "rrelu", "bernoulli", "rand", "normal", "multinomial", "poisson", "gumbel",
-                      "fractional_max_pool")
-_RANDOM_PARAMETERS = frozenset(("generator", "_random_samples"))
-
-
-def draws_random(fn: Callable) -> bool:
-    """Whether an opaque op draws random numbers: ``fn.draws_random`` (user autograd Functions), a name that says so,
-    or a Python signature that takes a ``generator`` or the ``_random_samples`` it otherwise draws (the fractional
-    max-pools)."""
-    if getattr(fn, "draws_random", False):
-        return True
-    name = getattr(fn, "__name__", "") or ""
-    if any(part in name for part in _RANDOM_NAME_PARTS):
-        return True
-    code = getattr(fn, "__code__", None)
-    return code is not None and not _RANDOM_PARAMETERS.isdisjoint(code.co_varnames[:code.co_argcount +
-                                                                                  code.co_kwonlyargcount])
-
-
 def opaque_symbol(func: Callable) -> Symbol:
     """The (cached) opaque symbol for a torch callable. One that draws random numbers is also tagged ``RANDOM_OP``:
     never merged with an identical call, recomputed or fused, and its backward replays the generator."""
@@ -271,7 +253,7 @@ def opaque_symbol(func: Callable) -> Symbol:
     if sym is None:
         full = torch_id(func)
         module, _, name = full.rpartition(".")
-        tags = (OpTags.FALLBACK, OpTags.RANDOM_OP) if draws_random(func) else (OpTags.FALLBACK,)
+        tags = (OpTags.FALLBACK, OpTags.RANDOM_OP) if callable_draws(func) else (OpTags.FALLBACK,)
         sym = Symbol(name=name, meta=_fake_meta(func, full, views=True), id=f"fallback:{full}", is_prim=True,
                      tags=tags, module=module or None, torch_fns=(func,), torch_impl=func)
         _opaque[func] = sym

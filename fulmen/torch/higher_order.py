@@ -20,6 +20,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fulmen import clang, prims
+from fulmen.core.draws import draws
 from fulmen.core.proxies import TensorProxy, _user_location
 from fulmen.core.symbol import OpTags, Symbol
 from fulmen.core.trace import get_tracectx
@@ -94,7 +95,7 @@ def _branch(trc, fn: Callable, operands, taken: TensorProxy, name: str) -> Any:
     check(trc.mutations == mutations, lambda: f"the {name} of a torch.cond with a tensor predicate writes to a "
           f"tensor in place; fulmen traces both branches of such a cond, so they must not write in place (at "
           f"{_user_location()}). Assign the result instead.", NotImplementedError)
-    check(not any(map(_draws_random, recorded)), lambda: f"the {name} of a torch.cond with a tensor predicate "
+    check(not any(map(draws, recorded)), lambda: f"the {name} of a torch.cond with a tensor predicate "
           f"draws random numbers; fulmen traces both branches of such a cond, and eager draws only in the one it "
           f"takes (at {_user_location()}).", NotImplementedError)
     made = {p.name for b in recorded for p in b.flat_proxy_outs}
@@ -110,12 +111,6 @@ def _branch(trc, fn: Callable, operands, taken: TensorProxy, name: str) -> Any:
     swap = {n: cond_gate(p, taken) for n, p in read.items() if p.requires_grad}  # only gradients need it
     scope.extend(b.from_bsym_swap_proxies(swap, skip_output=True) for b in recorded)
     return pytree.tree_map(lambda v: swap.get(v.name, v) if isinstance(v, TensorProxy) else v, out)
-
-
-def _draws_random(bsym) -> bool:
-    if bsym.subsymbols:
-        return any(map(_draws_random, bsym.subsymbols))
-    return OpTags.RANDOM_OP in bsym.sym.tags
 
 
 def while_loop(cond_fn: Callable, body_fn: Callable, carried_inputs: tuple | list) -> Any:

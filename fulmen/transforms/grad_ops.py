@@ -262,13 +262,6 @@ unfold_backward = aten_op("unfold_backward", _unfold_backward_meta)
 # PyTorch's autograd as a backward: opaque ops, and prims whose exact VJP is intricate
 
 
-def is_random_op(fn: Callable) -> bool:
-    """Whether an opaque op draws random numbers (``fulmen.torch.fallback.draws_random``)."""
-    from fulmen.torch.fallback import draws_random
-
-    return draws_random(fn)
-
-
 def _rng_state_meta(device: str) -> TensorProxy:
     n = torch.cuda.get_rng_state(to_device(device).index) if device.startswith("cuda") else torch.get_rng_state()
     return TensorProxy(shape=(n.numel(),), dtype=torch.uint8, device="cpu")

@@ -23,7 +23,7 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import Symbol
 from fulmen.core.utils import canonicalize_dim
 from fulmen.torch.views import bernoulli_like
-from fulmen.transforms.grad_ops import (  # noqa: F401  (is_random_op: re-exported for frontend.tracing)
+from fulmen.transforms.grad_ops import (
     _REDUCTIONS,
     _stats_shape,
     efficient_attention_cuda,
@@ -37,7 +37,6 @@ from fulmen.transforms.grad_ops import (  # noqa: F401  (is_random_op: re-export
     fused_rms_norm,
     gelu,
     gelu_backward,
-    is_random_op,
     log_softmax,
     log_softmax_backward,
     native_layer_norm,

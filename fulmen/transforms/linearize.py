@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten
 from fulmen import clang
 from fulmen.core import dtypes
 from fulmen.core.codeutils import outputs_of
+from fulmen.core.draws import callable_draws
 from fulmen.core.proxies import Proxy, TensorProxy, call_with_device_views
 from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 from fulmen.core.trace import get_tracectx
@@ -364,7 +365,7 @@ class _Linearizer:
         tensors = [x for x in leaves if isinstance(x, TensorProxy)]
         which = tuple(i for i, x in enumerate(tensors) if self.is_active(x))
         parts, state = None, None
-        if grad_ops.is_random_op(fn):
+        if callable_draws(fn):
             # The backward recomputes the op: it must draw the same random numbers, so snapshot the generator.
             scope: list[BoundSymbol] = []
             get_tracectx().scopes.append(scope)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fulmen.core.bookkeeping import DEL
 from fulmen.core.codeutils import outputs_of
+from fulmen.core.draws import draws
 from fulmen.core.proxies import Proxy, TensorProxy
 from fulmen.core.symbol import BoundSymbol, OpTags
 from fulmen.core.symbolic import SYMBOLIC_TYPES, expr_of
@@ -14,15 +15,6 @@ from fulmen.prims import PrimIDs
 def _keeps(bsym: BoundSymbol) -> bool:
     tags = bsym.sym.tags
     return OpTags.SIDE_EFFECT in tags or OpTags.DONT_DCE in tags
-
-
-def draws(bsym: BoundSymbol) -> bool:
-    """Whether ``bsym`` draws from torch's generator: a random op itself, or a composite (dropout, attention) whose
-    decomposition holds one. An unused draw still advances the generator, so later draws match eager's only if it
-    stays."""
-    if OpTags.RANDOM_OP not in bsym.sym.tags:
-        return False
-    return not bsym.subsymbols or any(draws(s) for s in bsym.subsymbols)
 
 
 def checks_values(bsym: BoundSymbol) -> bool:
