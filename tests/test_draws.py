@@ -46,3 +46,18 @@ def test_a_composite_that_can_draw_draws_only_if_its_decomposition_does():
         jf(q, p)
         (call,) = [b for b in fulmen.last_traces(jf)[0].bound_symbols if "attention" in b.sym.name]
         assert draws(call) is expected, p
+
+
+def test_two_calls_of_an_operator_whose_decomposition_draws_are_not_merged():
+    # common-subexpression elimination merged them (the second call's numbers were the first's): eager draws twice
+    def f(x):
+        return _noisy(x) - _noisy(x)
+
+    x = torch.ones(64)
+    jf = fulmen.jit(f, executors=[_ex])
+    torch.manual_seed(0)
+    out = jf(x)
+    torch.manual_seed(0)
+    want = F.dropout(x, 0.5) - F.dropout(x, 0.5)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert want.abs().sum() > 0, "the two masks differ"

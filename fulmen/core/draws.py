@@ -12,9 +12,9 @@ Three questions, each with its own function:
 - ``draws(bsym)``: does running this call draw, at any depth of its decomposition. A composite tagged
   ``RANDOM_OP`` (dropout, attention) only *can* draw: ``scaled_dot_product_attention`` without dropout decomposes
   into no draw, and it draws nothing. A composite that is not tagged but whose decomposition draws (a user's
-  symbol calling dropout) does draw. Dead-code elimination keeps such calls, Inductor leaves them outside its
-  regions, and a checkpointed region or a ``torch.cond`` branch that holds one is refused where eager would draw
-  other numbers.
+  symbol calling dropout) does draw. Dead-code elimination keeps such calls, CSE never merges two, Inductor leaves
+  them outside its regions, and a checkpointed region or a ``torch.cond`` branch that holds one is refused where
+  eager would draw other numbers.
 - ``callable_draws(fn)``: whether an opaque torch callable (no fulmen symbol, so no decomposition to look in) draws;
   its symbol is then tagged ``RANDOM_OP`` and is a draw itself.
 """

@@ -52,7 +52,8 @@ def dce(trace: Trace, *, provenance: str = "Dead Code Elimination") -> Trace:
 
 
 def _cse_key(bsym: BoundSymbol):
-    if bsym.sym.tags and (OpTags.RANDOM_OP in bsym.sym.tags or _keeps(bsym)):
+    # a symbol that can draw is never merged (even where this call draws nothing), nor one whose call draws
+    if (bsym.sym.tags and (OpTags.RANDOM_OP in bsym.sym.tags or _keeps(bsym))) or draws(bsym):
         return None
 
     def freeze(x):
