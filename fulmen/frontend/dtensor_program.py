@@ -287,7 +287,7 @@ class DTensorProgram:
 
         def run(state: list, args: tuple, kwargs: dict):
             bound = dict(zip(names, state))
-            out = torch.func.functional_call(module, bound, args, kwargs)
+            out = self._run_module(bound, args, kwargs)
             # functional_call restores the module's tensors after the call and leaves in ``bound`` what the forward
             # assigned to them: the traced program cannot carry such an assignment to the user's module
             rebound = [name for name, t in zip(names, state) if bound[name] is not t]
@@ -303,6 +303,11 @@ class DTensorProgram:
             inference_compiler=self._compiler(program, "inference"),
         )
         return program
+
+    def _run_module(self, bound: dict, args: tuple, kwargs: dict):
+        """The module's forward with its tensors bound to the program's inputs, as AOTAutograd traces it (FSDP2 on
+        tensor parallelism adds its all-gathers around each unit here: ``fulmen.frontend.fsdp2_2d``)."""
+        return torch.func.functional_call(self.module, bound, args, kwargs)
 
     def _compiler(self, program: _Compiled, kind: str) -> Callable:
         from torch._functorch.aot_autograd import make_boxed_func
