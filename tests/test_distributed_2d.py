@@ -80,7 +80,9 @@ def _batch(rank: int, step: int) -> torch.Tensor:
 
 
 def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    from torch.distributed.tensor import DTensor
+
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
 
 
 def _assert_params_close(a: dict, b: dict) -> None:
@@ -93,12 +95,14 @@ def _grad_layouts(model: nn.Module) -> dict[str, tuple]:
     return {n: (type(p.grad).__name__, tuple(map(repr, p.grad.placements))) for n, p in model.named_parameters()}
 
 
-def _steps(model, net, opt, rank: int, steps: range, out: dict, order) -> list[float]:
+def _steps(model, net, opt, rank: int, steps: range, out: dict | None = None, order: str = "") -> list[float]:
+    """SGD or AdamW steps; ``out[order, "grads"]``: the gradients' types and placements after the first backward."""
     losses = []
     for step in steps:
         loss = model(_batch(rank, step))
         loss.backward()
-        out.setdefault((order, "grads"), _grad_layouts(net))
+        if out is not None:
+            out.setdefault((order, "grads"), _grad_layouts(net))
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -172,7 +176,7 @@ def _later_calls(model, net, rank: int) -> list[float]:
     """Two SGD steps, calls under no_grad and in eval mode, one while FSDP holds the parameters unsharded, two
     micro-batches accumulated without gradient sync and a step, then a step on the traced program again."""
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    losses = _steps(model, net, opt, rank, range(2), {}, None)
+    losses = _steps(model, net, opt, rank, range(2))
     with torch.no_grad():
         losses.append(model(_batch(rank, 7)).item())
     net.eval()
@@ -184,7 +188,7 @@ def _later_calls(model, net, rank: int) -> list[float]:
     net.set_requires_gradient_sync(False)
     model(_batch(rank, 10)).backward()
     net.set_requires_gradient_sync(True)
-    losses += _steps(model, net, opt, rank, range(11, 13), {}, None)
+    losses += _steps(model, net, opt, rank, range(11, 13))
     return losses
 
 
@@ -204,9 +208,9 @@ def _sharded_after_jit(model, net, rank: int, mesh) -> list[float]:
     from torch.distributed.fsdp import fully_shard
 
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    losses = _steps(model, net, opt, rank, range(1), {}, None)
+    losses = _steps(model, net, opt, rank, range(1))
     fully_shard(net.head, mesh=mesh["dp"])
-    return losses + _steps(model, net, opt, rank, range(1, 3), {}, None)
+    return losses + _steps(model, net, opt, rank, range(1, 3))
 
 
 def _refusal(mesh, **fsdp) -> str | None:
@@ -229,7 +233,7 @@ def _later(rank, world_size):
         jitted = {k: fulmen.jit(m, executors=["torch"]) if order == "jit" else m for k, m in models.items()}
         out["later", order] = _later_calls(jitted["later"], models["later"], rank)
         out["mixed", order] = _steps(
-            jitted["mixed"], models["mixed"], _optimizer("sgd", models["mixed"]), rank, range(3), {}, None
+            jitted["mixed"], models["mixed"], _optimizer("sgd", models["mixed"]), rank, range(3)
         )
         out["after_jit", order] = _sharded_after_jit(jitted["after_jit"], models["after_jit"], rank, mesh)
         for name, net in models.items():
