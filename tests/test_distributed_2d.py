@@ -117,7 +117,7 @@ def _train(rank, world_size, options):
     import fulmen
 
     mesh = _mesh()
-    out = {"groups": (mesh["dp"].get_group().group_name, mesh["tp"].get_group().group_name)}
+    out = {"groups": (mesh["dp"].get_group().group_name, mesh["tp"].get_group().group_name), "dp_rank": rank // 2}
     for optimizer in ("sgd", "adamw"):
         for order in ("eager", "jit"):
             net = _two_d(mesh)
@@ -128,7 +128,21 @@ def _train(rank, world_size, options):
                 out["forward"] = str(fulmen.last_traces(model)[-1])
                 out["backward"] = str(fulmen.last_backward_traces(model)[-1])
                 out["misses"] = fulmen.cache_misses(model)
+                out["saved"] = _saved_shapes(model(_batch(rank, 5)))
     return out
+
+
+def _saved_shapes(out: torch.Tensor) -> set[tuple[int, ...]]:
+    """The shapes of the tensors the autograd nodes on ``out``'s history keep for the backward."""
+    shapes, stack, seen = set(), [out.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        shapes |= {tuple(t.shape) for t in getattr(node, "saved_tensors", ()) if isinstance(t, torch.Tensor)}
+        stack += [n for n, _ in node.next_functions]
+    return shapes
 
 
 def _collectives(trace: str) -> list[tuple[str, str, str]]:
@@ -158,7 +172,14 @@ def _check_training(results: list[dict]) -> None:
         # all-reduces over tp the second block's input gradient (the first block's input needs none)
         assert [c for c in forward if c[2] == dp] == [("all_gather_into_tensor", "", dp)] * 3
         assert [c for c in forward if c[2] == tp] == [("all_reduce", "sum", tp)] * 2
-        assert [c for c in backward if c[2] == dp] == [("reduce_scatter_tensor", "avg", dp)] * 3
+        # the backward gathers each unit's parameters again rather than saving them from the forward (FSDP2
+        # reshards after forward): the forward saves no gathered TP-local weight (5 x 5) or the head's (1 x 5)
+        backward_dp = [c for c in backward if c[2] == dp]
+        assert (
+            sorted(backward_dp) == [("all_gather_into_tensor", "", dp)] * 3 + [("reduce_scatter_tensor", "avg", dp)] * 3
+        )
+        gathered = {(5, 5), (5, 1)} | ({(1, 5)} if out["dp_rank"] else set())  # dp rank 0's head shard is 1 x 5
+        assert not gathered & out["saved"], out["saved"]
         assert [c for c in backward if c[2] == tp] == [("all_reduce", "sum", tp)]
         assert out["misses"] == 1
     for optimizer in ("sgd", "adamw"):  # every rank holds the same parameters, the dp replicas trained on others

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import operator
 from collections.abc import Iterator
 
 import torch
@@ -187,6 +188,40 @@ def _gathering(units: list[_Unit]) -> Iterator[None]:
             hooks[key] = hook
 
 
+def _recompute_gathers(graph: torch.fx.Graph, groups: set[str]) -> None:
+    """Tags FSDP2's all-gathers over dp in AOTAutograd's joint graph, what builds their input from the shards and
+    the views of their result, to be recomputed in the backward (``CheckpointPolicy.MUST_RECOMPUTE``, which the
+    partitioner honours for collectives): the forward then saves the shards rather than the gathered parameters,
+    and the backward gathers them again, as FSDP2 reshards after forward. Sound because every rank runs the same
+    backward program, so the ranks issue the same collectives in the same order."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    c10d = torch.ops._c10d_functional
+    gathers = [n for n in graph.nodes if n.target is c10d.all_gather_into_tensor.default and n.args[2] in groups]
+    tagged, stack = set(), list(gathers)
+    while stack:  # upward: the padding, flattening and concatenation of the shards (placeholders)
+        node = stack.pop()
+        if node.op == "call_function" and node not in tagged:
+            tagged.add(node)
+            stack += node.all_input_nodes
+    stack = [u for gather in gathers for u in gather.users if u.target is c10d.wait_tensor.default]
+    while stack:  # downward: the views that take each parameter out of the gathered buffer
+        node = stack.pop()
+        tagged.add(node)
+        stack += [u for u in node.users if u not in tagged and _is_view(u)]
+    for node in tagged:
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    """Whether ``node`` takes a piece of its input as it is: a view, or a reshape's copy (``clone`` then
+    ``_unsafe_view``, as AOTAutograd decomposes the reshape of a non-contiguous column block)."""
+    target = node.target
+    if target is operator.getitem or target in (torch.ops.aten.clone.default, torch.ops.aten._unsafe_view.default):
+        return True
+    return isinstance(target, torch._ops.OpOverload) and target.is_view
+
+
 class _RunEagerly(Exception):
     """This call runs through FSDP's own hooks (the message says why)."""
 
@@ -237,6 +272,10 @@ class FSDP2DTensorProgram(DTensorProgram):
     def _run_module(self, bound: dict, args: tuple, kwargs: dict):
         with _gathering(self.units):
             return super()._run_module(bound, args, kwargs)
+
+    def _partition(self, joint: torch.fx.GraphModule, joint_inputs, **kwargs):
+        _recompute_gathers(joint.graph, {layout.group for unit in self.units for layout in unit.layouts})
+        return super()._partition(joint, joint_inputs, **kwargs)
 
     def _why_eager(self) -> str | None:
         """Why this call runs through FSDP's own hooks instead of the program, or None."""
