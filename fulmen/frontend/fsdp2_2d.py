@@ -24,8 +24,9 @@ with FSDP2's part done inside it:
 - the all-gather's gradient is FSDP2's reduction: a reduce-scatter averaged over the dp ranks.
 
 The forward trace holds the dp all-gathers and the tp collectives DTensor issues; the backward trace the tp
-collectives and the dp reduce-scatters. The AOTAutograd partition saves what the backward reads from the forward,
-the gathered TP-local parameters included (FSDP2 gathers them again in the backward instead).
+collectives, the dp all-gathers again and the dp reduce-scatters: the gathers are tagged to be recomputed when
+AOTAutograd partitions the program (``_recompute_gathers``), so the forward saves the shards, not the gathered
+parameters, as FSDP2 reshards after forward.
 
 Only FSDP2's default policies are traced (``fsdp2_program._unit``) on a tp mesh separate from the dp mesh
 (``fully_shard(module, mesh=mesh["dp"])``); ``fully_shard`` on the whole 2-D mesh with ``dp_mesh_dims``, or any
