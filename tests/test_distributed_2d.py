@@ -23,7 +23,6 @@ import torch.nn as nn
 from fulmen.launch import run_on_ranks
 
 TOL = dict(rtol=1e-5, atol=1e-6)
-pytestmark = pytest.mark.slow  # each test spawns 4 ranks
 
 
 class Block(nn.Module):
@@ -267,6 +266,7 @@ def _later(rank, world_size):
     return out
 
 
+@pytest.mark.slow  # 4 spawned ranks
 def test_fsdp2_over_tensor_parallel_later_calls_match_eager():
     """Calls outside the traced FSDP state run through FSDP's hooks, and the program is used again after; a model
     with tensor parallelism and FSDP2 on different blocks is traced too; a policy fulmen does not trace (mixed
@@ -279,3 +279,40 @@ def test_fsdp2_over_tensor_parallel_later_calls_match_eager():
         message = out["refused"]
         assert message is not None and "fully_shard" in message and "parallelize_module" in message
         assert "mixed precision" in message and 'mesh["dp"]' in message
+
+
+def test_fsdp2_gathers_are_tagged_for_recomputation():
+    """In a joint graph, each all-gather over dp, what builds its input from the shards and the views (and
+    reshape copies) that take the parameters out of it are tagged to be recomputed in the backward; the
+    computation reading the parameters and the collectives over other groups are not."""
+    import operator
+
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from fulmen.frontend.fsdp2_2d import _recompute_gathers
+
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    expected, parameters = [], []
+    for unit in range(2):  # two units: each one's chain is tagged
+        shards = [g.placeholder(f"shard_{unit}_{i}") for i in range(2)]
+        flat = [g.call_function(aten.view.default, (s, [-1])) for s in shards]
+        cat = g.call_function(aten.cat.default, (flat,))
+        gather = g.call_function(c10d.all_gather_into_tensor.default, (cat, 2, "dp"))
+        wait = g.call_function(c10d.wait_tensor.default, (gather,))
+        rows = g.call_function(aten.view.default, (wait, [2, 8]))
+        pieces = g.call_function(aten.split_with_sizes.default, (rows, [4, 4], 1))
+        piece = g.call_function(operator.getitem, (pieces, 0))
+        copy = g.call_function(aten.clone.default, (piece,))
+        weight = g.call_function(aten._unsafe_view.default, (copy, [4, 2]))
+        transposed = g.call_function(aten.t.default, (weight,))
+        expected += [*flat, cat, gather, wait, rows, pieces, piece, copy, weight, transposed]
+        parameters.append(transposed)
+    mm = g.call_function(aten.mm.default, (x, parameters[0]))
+    reduced = g.call_function(c10d.wait_tensor.default, (g.call_function(c10d.all_reduce.default, (mm, "sum", "tp")),))
+    other = g.call_function(c10d.all_gather_into_tensor.default, (reduced, 2, "tp"))
+    g.output((g.call_function(aten.mm.default, (other, parameters[1])),))
+    _recompute_gathers(g, {"dp"})
+    tagged = [n for n in g.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE]
+    assert set(tagged) == set(expected), [n.name for n in tagged]
