@@ -188,50 +188,6 @@ def test_fsdp2_traced_whole_matches_eager(options):
     _check(run_on_ranks(_fsdp2_traced, options, timeout=400))
 
 
-def _two_d(rank, world_size):
-    """Tensor parallelism on the mesh's "tp" dimension, then FSDP2 on its "dp" dimension (a 2 x 2 mesh)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    torch.manual_seed(0)
-    net = Net()
-    for block in net.blocks:
-        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(net, mesh=mesh["dp"])
-    eager_loss = net(_batch(rank // 2, 0))  # eager PyTorch runs the 2-D model
-    eager_loss.backward()
-    messages = [_jit_error(net)]
-    # tensor parallelism on one block, FSDP2 on the other only: the first block's DTensors are no FSDP2 shards
-    torch.manual_seed(0)
-    mixed = Net()
-    parallelize_module(mixed.blocks[0], mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    fully_shard(mixed.blocks[1], mesh=mesh["dp"])
-    messages.append(_jit_error(mixed))
-    return messages
-
-
-def _jit_error(model) -> str | None:
-    import fulmen
-
-    try:
-        fulmen.jit(model)
-    except NotImplementedError as e:
-        return str(e)
-    return None
-
-
-@pytest.mark.slow  # 4 spawned ranks
-def test_fsdp2_with_tensor_parallel_is_refused_naming_both_wrappers():
-    for two_d, mixed in run_on_ranks(_two_d, world_size=4, timeout=300):
-        for message in (two_d, mixed):
-            assert message is not None and "fully_shard" in message and "parallelize_module" in message
-        assert "Linear.weight was a DTensor when fully_shard sharded it" in two_d
-        assert "blocks.0.up.weight is a DTensor that fully_shard did not shard" in mixed
-
-
 def _later_calls(rank, world_size):
     """Blocks sharded, the root not; SGD steps, a call under no_grad, one in eval mode, then ``fully_shard`` on the
     head after ``fulmen.jit`` (a DTensor the program was not traced with: that call runs through FSDP's hooks)."""

@@ -287,7 +287,7 @@ class DTensorProgram:
 
         def run(state: list, args: tuple, kwargs: dict):
             bound = dict(zip(names, state))
-            out = torch.func.functional_call(module, bound, args, kwargs)
+            out = self._run_module(bound, args, kwargs)
             # functional_call restores the module's tensors after the call and leaves in ``bound`` what the forward
             # assigned to them: the traced program cannot carry such an assignment to the user's module
             rebound = [name for name, t in zip(names, state) if bound[name] is not t]
@@ -300,9 +300,23 @@ class DTensorProgram:
             run,
             self._compiler(program, "forward"),
             self._compiler(program, "backward"),
+            partition_fn=self._partition,
             inference_compiler=self._compiler(program, "inference"),
         )
         return program
+
+    def _run_module(self, bound: dict, args: tuple, kwargs: dict):
+        """The module's forward with its tensors bound to the program's inputs, as AOTAutograd traces it (FSDP2 on
+        tensor parallelism adds its all-gathers around each unit here: ``fulmen.frontend.fsdp2_2d``)."""
+        return torch.func.functional_call(self.module, bound, args, kwargs)
+
+    def _partition(self, joint: torch.fx.GraphModule, joint_inputs, **kwargs):
+        """Splits AOTAutograd's joint graph into the forward and the backward (what the backward reads from the
+        forward is saved), as ``aot_function`` does by default; ``fulmen.frontend.fsdp2_2d`` tags FSDP2's gathers
+        to be recomputed in the backward first."""
+        from torch._functorch.partitioners import default_partition
+
+        return default_partition(joint, joint_inputs, **kwargs)
 
     def _compiler(self, program: _Compiled, kind: str) -> Callable:
         from torch._functorch.aot_autograd import make_boxed_func

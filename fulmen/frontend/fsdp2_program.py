@@ -135,9 +135,8 @@ def _unit(module: nn.Module, state) -> _Unit | str:
 
 
 def plan(model: nn.Module, fsdp_module: type) -> list[_Unit] | str:
-    """The FSDP2 units of ``model`` whose collectives the trace holds, or why the model is not traced whole.
-    A model that shards parameters which already were DTensors (2-D: ``parallelize_module`` then ``fully_shard``)
-    is refused with an error naming both wrappers."""
+    """The FSDP2 units of ``model`` whose collectives the trace holds, or why the model is not traced whole. Models
+    that also hold DTensors of their own (FSDP2 over tensor parallelism, 2-D) are ``fulmen.frontend.fsdp2_2d``'s."""
     states = {}
     for m in model.modules():
         if isinstance(m, fsdp_module):
@@ -145,13 +144,6 @@ def plan(model: nn.Module, fsdp_module: type) -> list[_Unit] | str:
     if not states:
         return "no module is sharded"
     for m, state in states.values():
-        for group in state._fsdp_param_groups:
-            tensor_parallel = [p for p in group.fsdp_params if p.is_dtensor]
-            if tensor_parallel:
-                info = tensor_parallel[0]._module_info
-                raise _two_d_refusal(
-                    model, f"{type(info.module).__name__}.{info.param_name} was a DTensor when fully_shard sharded it"
-                )
         if state._is_root is None:  # FSDP's own first-forward setup (FQNs, the root's resharding): as in eager
             state._lazy_init()
     units = []
@@ -160,28 +152,7 @@ def plan(model: nn.Module, fsdp_module: type) -> list[_Unit] | str:
         if isinstance(unit, str):
             return unit
         units.append(unit)
-    _refuse_other_dtensors(model, units)
     return units
-
-
-def _refuse_other_dtensors(model: nn.Module, units: list[_Unit]) -> None:
-    """A DTensor that is not an FSDP2 shard (a module tensor-parallelized outside the units): its module's code
-    expects a DTensor, so passing its local tensor would skip its collectives."""
-    from torch.distributed.tensor import DTensor
-
-    shards = {id(layout.fsdp_param.sharded_param) for unit in units for layout in unit.layouts}
-    for name, t in (*model.named_parameters(), *model.named_buffers()):
-        if isinstance(t, DTensor) and id(t) not in shards:
-            raise _two_d_refusal(model, f"{name} is a DTensor that fully_shard did not shard")
-
-
-def _two_d_refusal(model: nn.Module, why: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"fulmen.jit({type(model).__name__}): the model combines fully_shard (FSDP2) with parallelize_module (tensor "
-        f"parallelism, 2-D): {why}. fulmen.jit traces a model under fully_shard alone "
-        "(its all-gathers and reduce-scatters in the trace) or under parallelize_module alone (its DTensor program), "
-        "not the two on one model. Run the 2-D model without fulmen.jit, or use one of the two wrappers."
-    )
 
 
 def _gather(layouts: list[_ParamLayout], shards: list[TensorProxy]) -> list:

@@ -445,8 +445,10 @@ def _program_for(module: nn.Module, executors, options: dict):
         if dtensor_program.dtensor_state(module) is not None:  # tensor parallelism: DTensor parameters
             return dtensor_program.DTensorProgram(module, executors, options)
         return _ModuleProgram(module, executors, **options)
-    from fulmen.frontend import fsdp2_program  # it builds on _ModuleProgram, defined here
+    from fulmen.frontend import fsdp2_2d, fsdp2_program  # they build on _ModuleProgram, defined here
 
+    if fsdp2_2d.is_two_d(module, fsdp_module):  # FSDP2 over tensor parallelism: the DTensor program, FSDP's in it
+        return fsdp2_2d.whole_program(module, fsdp_module, executors, options)
     program = fsdp2_program.whole_program(module, fsdp_module, executors, options)
     if program is not None:  # FSDP2's default policies: the whole model traced, its collectives in the trace
         return program

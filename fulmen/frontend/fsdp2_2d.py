@@ -1,0 +1,320 @@
+"""FSDP2 on top of tensor parallelism (a 2-D mesh: ``parallelize_module`` on "tp", then ``fully_shard`` on "dp")
+under ``fulmen.jit``: FSDP2's all-gathers and reduce-scatters fed into the DTensor program.
+
+``fully_shard`` of a module whose parameters are already DTensors on the tp mesh (``FSDPParam``'s TP path) shards
+each parameter's *TP-local* tensor on dim 0 over the dp ranks, as it shards a plain parameter: the sharded
+parameter is a DTensor on the (dp, tp) mesh, ``Shard(0)`` on dp (``_StridedShard(0, split_factor)`` where tp shards
+dim 0 too, which says in what order the rows were split), the TP placement on tp; its local tensor is this rank's
+dim-0 chunk of the TP-local tensor, padded to ``ceil(rows / dp)`` rows for the all-gather, as in 1-D FSDP2. Before
+a unit's forward, FSDP2 all-gathers the chunks over dp into the TP-local tensor and makes it a DTensor again with
+the TP spec (mesh "tp" and its placements), which the TP module code reads; the gradient reaching that DTensor is
+redistributed to the TP placements, and its local tensor reduce-scattered (averaged) over dp into the shard's
+gradient, a DTensor with the sharded parameter's 2-D spec.
+
+The program here is the DTensor program (``fulmen.frontend.dtensor_program``: AOTAutograd traces the module on
+fake DTensors into local operations and functional collectives, and fulmen compiles the forward and the backward)
+with FSDP2's part done inside it:
+
+- each FSDP parameter's local shard (``param.to_local()``: its backward makes the shard's gradient a DTensor with
+  the parameter's 2-D spec, accumulated into ``param.grad`` as FSDP2 does) is an input of the program;
+- where a unit's forward begins (its FSDP pre-hook would run), the program pads, concatenates and all-gathers the
+  unit's shards over dp once, as FSDP2's copy-in and copy-out do (the layout of ``fulmen.frontend.fsdp2_program``),
+  and wraps each TP parameter's gathered TP-local tensor into a DTensor with its TP spec (``DTensor.from_local``,
+  whose backward redistributes the gradient to the TP placements as FSDP2's ``_get_grad_inner_tensor`` does);
+- the all-gather's gradient is FSDP2's reduction: a reduce-scatter averaged over the dp ranks.
+
+The forward trace holds the dp all-gathers and the tp collectives DTensor issues; the backward trace the tp
+collectives, the dp all-gathers again and the dp reduce-scatters: the gathers are tagged to be recomputed when
+AOTAutograd partitions the program (``_recompute_gathers``), so the forward saves the shards, not the gathered
+parameters, as FSDP2 reshards after forward.
+
+Only FSDP2's default policies are traced (``fsdp2_program._unit``) on a tp mesh separate from the dp mesh
+(``fully_shard(module, mesh=mesh["dp"])``); ``fully_shard`` on the whole 2-D mesh with ``dp_mesh_dims``, or any
+other policy, is refused with an error naming the wrappers and what works. A later call whose FSDP state is not the
+traced one (``unshard()``, gradients accumulated without sync, a policy changed) runs eagerly through FSDP's hooks,
+with a log line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import operator
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from fulmen.frontend import fsdp2_program
+from fulmen.frontend.dtensor_program import DTensorProgram
+from fulmen.frontend.fsdp2_program import _ParamLayout, _Unit
+
+log = logging.getLogger("fulmen")
+
+
+def _states(model: nn.Module, fsdp_module: type) -> list:
+    """Each FSDP2 state under ``model`` once (a ``fully_shard`` call of several modules shares one)."""
+    states = {}
+    for m in model.modules():
+        if isinstance(m, fsdp_module):
+            states.setdefault(id(m._get_fsdp_state()), (m, m._get_fsdp_state()))
+    return list(states.values())
+
+
+def is_two_d(model: nn.Module, fsdp_module: type) -> bool:
+    """Whether ``model`` combines FSDP2 with DTensors of its own: a parameter that was a DTensor when
+    ``fully_shard`` sharded it (2-D), or a DTensor parameter or buffer outside every FSDP2 unit."""
+    from torch.distributed.tensor import DTensor
+
+    shards = set()
+    for _, state in _states(model, fsdp_module):
+        for group in state._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                if fsdp_param.is_dtensor:
+                    return True
+                shards.add(id(fsdp_param.sharded_param))
+    tensors = (*model.parameters(), *model.buffers())
+    return any(isinstance(t, DTensor) and id(t) not in shards for t in tensors)
+
+
+def _refusal(model: nn.Module, why: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"fulmen.jit({type(model).__name__}): the model combines fully_shard (FSDP2) with parallelize_module (tensor "
+        f"parallelism, 2-D), and {why}. fulmen.jit traces a 2-D model whose fully_shard calls use FSDP2's default "
+        'policies on the data-parallel sub-mesh (fully_shard(module, mesh=mesh["dp"])) after parallelize_module on '
+        'the tensor-parallel one (mesh["tp"]). Run this model without fulmen.jit, or use those policies.'
+    )
+
+
+def plan(model: nn.Module, fsdp_module: type) -> list[_Unit]:
+    """The FSDP2 units of a 2-D model, each parameter's gather layout; raises naming the wrappers where a unit's
+    policy is not the one traced."""
+    for _, state in _states(model, fsdp_module):
+        if state._is_root is None:  # FSDP's own first-forward setup (FQNs, the root's resharding): as in eager
+            state._lazy_init()
+    units = []
+    for m, state in _states(model, fsdp_module):
+        for group in state._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                if fsdp_param.mesh_info.is_spmd_mesh:
+                    raise _refusal(model, f"{type(m).__name__} was sharded on the 2-D mesh itself (dp_mesh_dims)")
+        unit = fsdp2_program._unit(m, state)
+        if isinstance(unit, str):
+            raise _refusal(model, unit)
+        units.append(unit)
+    return units
+
+
+class _GatherShards(torch.autograd.Function):
+    """FSDP2's all-gather of a unit's flat shards over dp; its gradient is FSDP2's reduction of the gathered
+    gradient: a reduce-scatter averaged over the dp ranks (its default for float32 and bfloat16)."""
+
+    @staticmethod
+    def forward(ctx, flat: torch.Tensor, world: int, group: str) -> torch.Tensor:
+        ctx.world, ctx.group = world, group
+        c10d = torch.ops._c10d_functional
+        return c10d.wait_tensor(c10d.all_gather_into_tensor(flat, world, group))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        c10d = torch.ops._c10d_functional
+        return c10d.wait_tensor(c10d.reduce_scatter_tensor(grad.contiguous(), "avg", ctx.world, ctx.group)), None, None
+
+
+def _gather(layouts: list[_ParamLayout], shards: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each parameter's TP-local tensor (the whole parameter where it is not tensor-parallel) from this rank's
+    shards, as FSDP2 gathers a unit: each shard padded to the all-gathered chunk and flattened, all concatenated,
+    one all-gather over dp, and each parameter's columns of the (ranks, chunk) result reshaped to its rows."""
+    flat = []
+    for layout, shard in zip(layouts, shards):
+        missing = layout.padded_rows - layout.local_shape[0]
+        if missing:
+            shard = torch.nn.functional.pad(shard, (0, 0) * (shard.ndim - 1) + (0, missing))
+        flat.append(shard.reshape(-1))
+    sizes = [x.numel() for x in flat]
+    world, group = layouts[0].world, layouts[0].group
+    gathered = _GatherShards.apply(torch.cat(flat), world, group).view(world, sum(sizes))
+    fulls = []
+    for layout, piece in zip(layouts, torch.split(gathered, sizes, dim=1)):
+        full = piece.reshape(world * layout.padded_rows, *layout.local_shape[1:])
+        fulls.append(full if layout.full_rows == full.shape[0] else full.narrow(0, 0, layout.full_rows))
+    return fulls
+
+
+def _as_parameter(layout: _ParamLayout, full: torch.Tensor) -> torch.Tensor:
+    """The gathered tensor as the module reads it: a DTensor with the TP spec for a tensor-parallel parameter."""
+    spec = layout.fsdp_param._unsharded_dtensor_spec
+    if spec is None:
+        return full
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(full, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
+
+
+def _pre_forward(unit: _Unit, shards: dict, module, args, kwargs) -> None:
+    by_group: dict[tuple, list[_ParamLayout]] = {}  # one all-gather per process group (FSDP2: one per unit)
+    for layout in unit.layouts:
+        module_, name = layout.places[0]
+        shards[id(layout)] = module_._parameters[name]
+        by_group.setdefault((layout.world, layout.group), []).append(layout)
+    for layouts in by_group.values():
+        for layout, full in zip(layouts, _gather(layouts, [shards[id(x)] for x in layouts])):
+            parameter = _as_parameter(layout, full)
+            for m, n in layout.places:
+                m._parameters[n] = parameter
+
+
+def _post_forward(unit: _Unit, shards: dict, module, args, output) -> None:
+    for layout in unit.layouts:  # outside the unit, the parameters are the shards again (as FSDP2 leaves them)
+        for m, n in layout.places:
+            m._parameters[n] = shards[id(layout)]
+
+
+@contextlib.contextmanager
+def _gathering(units: list[_Unit]) -> Iterator[None]:
+    """While AOTAutograd runs the model, FSDP's forward hooks on each unit are replaced by ones gathering the
+    unit's shards in the traced program; FSDP's own are put back after."""
+    saved = []
+    shards: dict = {}
+    try:
+        for unit in units:
+            pre, post = unit.module._forward_pre_hooks, unit.module._forward_hooks
+            saved += [(pre, unit.pre_id, pre[unit.pre_id]), (post, unit.post_id, post[unit.post_id])]
+            pre[unit.pre_id] = functools.partial(_pre_forward, unit, shards)
+            post[unit.post_id] = functools.partial(_post_forward, unit, shards)
+        yield
+    finally:
+        for hooks, key, hook in reversed(saved):
+            hooks[key] = hook
+
+
+def _recompute_gathers(graph: torch.fx.Graph, groups: set[str]) -> None:
+    """Tags FSDP2's all-gathers over dp in AOTAutograd's joint graph, what builds their input from the shards and
+    the views of their result, to be recomputed in the backward (``CheckpointPolicy.MUST_RECOMPUTE``, which the
+    partitioner honours for collectives): the forward then saves the shards rather than the gathered parameters,
+    and the backward gathers them again, as FSDP2 reshards after forward. Sound because every rank runs the same
+    backward program, so the ranks issue the same collectives in the same order."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    c10d = torch.ops._c10d_functional
+    gathers = [n for n in graph.nodes if n.target is c10d.all_gather_into_tensor.default and n.args[2] in groups]
+    tagged, stack = set(), list(gathers)
+    while stack:  # upward: the padding, flattening and concatenation of the shards (placeholders)
+        node = stack.pop()
+        if node.op == "call_function" and node not in tagged:
+            tagged.add(node)
+            stack += node.all_input_nodes
+    stack = [u for gather in gathers for u in gather.users if u.target is c10d.wait_tensor.default]
+    while stack:  # downward: the views that take each parameter out of the gathered buffer
+        node = stack.pop()
+        tagged.add(node)
+        stack += [u for u in node.users if u not in tagged and _is_view(u)]
+    for node in tagged:
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    """Whether ``node`` takes a piece of its input as it is: a view, or a reshape's copy (``clone`` then
+    ``_unsafe_view``, as AOTAutograd decomposes the reshape of a non-contiguous column block)."""
+    target = node.target
+    if target is operator.getitem or target in (torch.ops.aten.clone.default, torch.ops.aten._unsafe_view.default):
+        return True
+    return isinstance(target, torch._ops.OpOverload) and target.is_view
+
+
+class _RunEagerly(Exception):
+    """This call runs through FSDP's own hooks (the message says why)."""
+
+
+def _units_changed(model: nn.Module, units: list[_Unit]) -> str | None:
+    """Why the model's FSDP2 units are no longer the traced ones (``fully_shard`` applied to a module after
+    ``fulmen.jit``: its hooks would gather its parameters in the program, unplanned), or None."""
+    from fulmen.frontend.fsdp2 import fsdp_module_class
+
+    fsdp_module = fsdp_module_class(model)
+    current = {id(state) for _, state in _states(model, fsdp_module)} if fsdp_module is not None else set()
+    if current != {id(unit.module._get_fsdp_state()) for unit in units}:
+        return "its FSDP2 units changed since it was traced (fully_shard applied after fulmen.jit); jit it again"
+    return None
+
+
+class FSDP2DTensorProgram(DTensorProgram):
+    """What ``fulmen.jit(model)`` calls for a 2-D model (FSDP2 over tensor parallelism; see the module doc)."""
+
+    def __init__(self, module: nn.Module, executors, options: dict, units: list[_Unit]):
+        self.units = units
+        # the sharded parameters, by identity: the program takes their local shards
+        self._shards = {id(layout.fsdp_param.sharded_param): layout for unit in units for layout in unit.layouts}
+        self._warned: set[str] = set()
+        self._units_changed: str | None = None
+        super().__init__(module, executors, options)
+        log.info(
+            "fulmen: %s combines FSDP2 (%d units) with tensor parallelism: fulmen traces its DTensor program with "
+            "each unit's all-gather over dp and the gradients' reduce-scatter in it",
+            type(module).__name__,
+            len(units),
+        )
+
+    def __reduce__(self):
+        """Pickled (``copy.deepcopy`` of the jitted model): the copy plans its own units and traces again."""
+        return _rebuild, (self.module, self.executors, self.options)
+
+    def _state(self) -> tuple[dict[str, torch.Tensor], tuple]:
+        scan = self._scan
+        state, facts = super()._state()
+        if self._scan is not scan:  # the module tree changed (its classes, hooks): FSDP2's units may have too
+            self._units_changed = _units_changed(self.module, self.units)
+        if self._units_changed is not None:
+            raise _RunEagerly(self._units_changed)
+        shards = self._shards
+        return {k: t.to_local() if id(t) in shards else t for k, t in state.items()}, facts
+
+    def _run_module(self, bound: dict, args: tuple, kwargs: dict):
+        with _gathering(self.units):
+            return super()._run_module(bound, args, kwargs)
+
+    def _partition(self, joint: torch.fx.GraphModule, joint_inputs, **kwargs):
+        _recompute_gathers(joint.graph, {layout.group for unit in self.units for layout in unit.layouts})
+        return super()._partition(joint, joint_inputs, **kwargs)
+
+    def _why_eager(self) -> str | None:
+        """Why this call runs through FSDP's own hooks instead of the program, or None."""
+        for unit in self.units:
+            for layout in unit.layouts:
+                m, n = layout.places[0]
+                if m._parameters.get(n) is not layout.fsdp_param.sharded_param:
+                    return f"{type(m).__name__}.{n} is not FSDP2's sharded parameter (unsharded, or replaced)"
+                if fsdp2_program._pending_grad(layout.fsdp_param):
+                    return "FSDP holds gradients accumulated without gradient sync"
+            for group in unit.groups:
+                if fsdp2_program._policy(group, unit.is_root) != fsdp2_program._DEFAULT_POLICY:
+                    return f"{type(unit.module).__name__}'s FSDP policy changed since the model was traced"
+        return None
+
+    def __call__(self, *args, **kwargs):
+        why = self._why_eager()
+        if why is None:
+            try:
+                return super().__call__(*args, **kwargs)
+            except _RunEagerly as e:  # raised before the program ran (``_state``)
+                why = str(e)
+        if why not in self._warned:
+            self._warned.add(why)
+            log.warning("fulmen: %s runs eagerly (FSDP's hooks): %s", type(self.module).__name__, why)
+        return self.module(*args, **kwargs)
+
+
+def _rebuild(module: nn.Module, executors, options: dict):
+    from fulmen.frontend.fsdp2 import fsdp_module_class
+
+    return FSDP2DTensorProgram(module, executors, options, plan(module, fsdp_module_class(module)))
+
+
+def whole_program(module: nn.Module, fsdp_module: type, executors, options: dict) -> FSDP2DTensorProgram:
+    """The program of a 2-D model (``is_two_d``); raises naming the wrappers where it cannot be traced."""
+    try:
+        units = plan(module, fsdp_module)
+    except AttributeError as e:  # FSDP2's internals (FSDPParam, FSDPParamGroup) are not this module's to rely on
+        raise _refusal(module, f"this torch's FSDP2 state is not the one fulmen reads ({e})") from e
+    return FSDP2DTensorProgram(module, executors, options, units)
