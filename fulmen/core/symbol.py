@@ -39,6 +39,10 @@ class OpTags(Enum):
     #: rematerialization may run it again in the backward although its other tags keep it from being recomputed
     #: (FSDP2's parameter all-gather: every rank runs the same backward, and gathering again is what FSDP2 does)
     RECOMPUTABLE = auto()
+    #: a collective that brings in a large result ahead of its readers (FSDP2's parameter all-gather): with overlap
+    #: on, each starts only once the previous one's result is waited for, so one is in flight at a time, as FSDP2
+    #: prefetches one unit ahead (``fulmen.executors.partition``)
+    PREFETCH = auto()
     CHECKS_VALUES = auto()  # raises on its inputs' values (an index out of bounds): kept while unused, never hidden
 
 
