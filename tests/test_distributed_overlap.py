@@ -87,6 +87,7 @@ def _schedule(trace) -> dict:
     alive: dict[int, set[str]] = {}
     out = {"in_flight": 0, "alive": 0, "events": []}
     in_flight = 0
+    reduced: set[str] = set()  # what a reduce-scatter's result makes
     read = {p.name for b in trace.bound_symbols if b.sym is not DEL for p in b.flat_args if isinstance(p, Proxy)}
     for i, b in enumerate(trace.bound_symbols):
         tags = b.sym.tags
@@ -108,6 +109,9 @@ def _schedule(trace) -> dict:
             param = any(n in unit_of for n in names)
             in_flight -= param
             out["events"].append(("gather_wait" if param else "wait", i))
+            reduced.update(outs if not param else ())
+        elif reduced & set(names):  # splits a reduce-scatter's result into the parameters' gradients
+            reduced.update(outs)
         elif not ({OpTags.VIEW, OpTags.SHAPE_OP} & set(tags)):
             out["events"].append(("compute", i))
         if OpTags.WAIT in tags or OpTags.VIEW in tags or OpTags.SHAPE_OP in tags:
@@ -170,7 +174,7 @@ def _check_backward(schedule: dict) -> None:
     # each re-gather after the first overlaps the computation of the unit before it
     assert all(_between(events, g, w) for g, w in zip(gathers[1:], waits[1:])), events
     # the last block's reduce-scatter starts while the other blocks' gradients are computed; every wait for a
-    # reduce-scatter comes after all the computation
+    # reduce-scatter comes after all the computation but the splitting of its result
     assert _between(events, reduce_scatters[0], rs_waits[0]), events
     assert min(rs_waits) > max(compute), events
     assert schedule["alive"] <= 3, schedule
