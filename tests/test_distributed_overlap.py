@@ -3,9 +3,9 @@
 With overlap on, each unit's parameter all-gather starts while the unit before it computes and is waited for just
 before its first reader, one unit ahead as FSDP2 prefetches: one all-gather is in flight at a time, so the units
 whose full-size parameters are alive stay bounded (the root's, the unit computing, the next one's) however many
-units the model has. In the backward, the re-gathers do the same in reverse, each reduce-scatter starts once its
-unit's gradients are complete, and the waits for them come after all the computation. Training equals eager
-FSDP2's (float32 tolerances: the same operations, in the same order per value).
+units the model has. In the backward, the re-gathers do the same in reverse, and each reduce-scatter starts once
+its unit's gradients are complete, the previous one waited for then (one in flight, as FSDP2 runs them). Training
+equals eager FSDP2's (float32 tolerances: the same operations, in the same order per value).
 
 The checks read the final execution traces: a gathered buffer is alive from its all-gather to the last ``del`` of
 it and of every view of it.
@@ -85,8 +85,9 @@ def _schedule(trace) -> dict:
 
     unit_of: dict[str, int] = {}  # a gathered buffer's name, and its views', -> its all-gather's number
     alive: dict[int, set[str]] = {}
-    out = {"in_flight": 0, "alive": 0, "events": []}
-    in_flight = 0
+    out = {"in_flight": 0, "rs_in_flight": 0, "alive": 0, "events": []}
+    in_flight = rs_in_flight = 0
+    scattered: set[str] = set()  # the reduce-scatters' results in flight
     reduced: set[str] = set()  # what a reduce-scatter's result makes
     read = {p.name for b in trace.bound_symbols if b.sym is not DEL for p in b.flat_args if isinstance(p, Proxy)}
     for i, b in enumerate(trace.bound_symbols):
@@ -105,9 +106,12 @@ def _schedule(trace) -> dict:
             out["events"].append(("gather", i))
         elif OpTags.COMMUNICATION in tags and OpTags.WAIT not in tags:
             out["events"].append(("reduce_scatter", i))
+            scattered.update(outs)
+            rs_in_flight += 1
         elif OpTags.WAIT in tags:
             param = any(n in unit_of for n in names)
             in_flight -= param
+            rs_in_flight -= bool(scattered & set(names))
             out["events"].append(("gather_wait" if param else "wait", i))
             reduced.update(outs if not param else ())
         elif reduced & set(names):  # splits a reduce-scatter's result into the parameters' gradients
@@ -121,6 +125,7 @@ def _schedule(trace) -> dict:
                         unit_of[o] = unit_of[name]
                         alive[unit_of[name]].add(o)
         out["in_flight"] = max(out["in_flight"], in_flight)
+        out["rs_in_flight"] = max(out["rs_in_flight"], rs_in_flight)
         out["alive"] = max(out["alive"], sum(bool(names) for names in alive.values()))
     return out
 
@@ -173,10 +178,13 @@ def _check_backward(schedule: dict) -> None:
     assert all(w < g for w, g in zip(waits, gathers[1:])), events
     # each re-gather after the first overlaps the computation of the unit before it
     assert all(_between(events, g, w) for g, w in zip(gathers[1:], waits[1:])), events
-    # the last block's reduce-scatter starts while the other blocks' gradients are computed; every wait for a
-    # reduce-scatter comes after all the computation but the splitting of its result
+    # one reduce-scatter in flight (each holds a unit's full-size gradient until its wait): the last block's starts
+    # as its gradients are complete and runs while the next block's are computed; the previous one is waited for
+    # where the next one starts, the last one after all the computation but the splitting of its result
+    assert schedule["rs_in_flight"] == 1, events
+    assert all(w < r for w, r in zip(rs_waits, reduce_scatters[1:])), events
     assert _between(events, reduce_scatters[0], rs_waits[0]), events
-    assert min(rs_waits) > max(compute), events
+    assert rs_waits[-1] > max(compute), events
     assert schedule["alive"] <= 3, schedule
 
 

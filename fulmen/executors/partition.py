@@ -20,9 +20,11 @@ fusible operations in progress, so it starts as soon as its inputs exist, and a 
 when nothing else is ready, so the computation that does not need its result runs while the data travels. Waits
 keep no order among the other unfused operations (they only block until their collective's data is there).
 When several waits are all that is ready, the one with the longest chain of operations after it runs first (the
-parameters a unit's computation reads before the gradients only the outputs read). A ``PREFETCH`` collective (FSDP2's
-parameter all-gather) starts only after the wait of the one before it: one is in flight at a time, started while the
-unit before it computes, so the full-size parameters alive at once stay bounded.
+parameters a unit's computation reads before the gradients only the outputs read). Collectives that hold large
+buffers keep one of their symbol in flight, so the full-size buffers alive at once stay bounded: a ``PREFETCH`` one
+(FSDP2's parameter all-gather) starts after the previous one's wait, which stays as late as its readers allow, so
+each unit's gather runs while the unit before it computes; for a ``ONE_IN_FLIGHT`` one (FSDP2's gradient
+reduce-scatter) the previous one is waited for as soon as this one's input is computed, then it starts.
 Without overlap, collectives and waits stay where the program made them: like side effects, nothing crosses them
 (FSDP2's all-gathers at each unit's start would otherwise all run first, holding every unit's parameters at once).
 """
@@ -48,7 +50,7 @@ def fusion_groups(bsyms: Sequence[BoundSymbol], fusible: Callable[[BoundSymbol],
     starts = [overlap and OpTags.COMMUNICATION in node[-1].sym.tags and not w for node, w in zip(nodes, waits)]
     barrier_tags = (OpTags.SIDE_EFFECT,) if overlap else (OpTags.SIDE_EFFECT, OpTags.COMMUNICATION)
     deps = _order_dependencies(nodes, kinds, waits, barrier_tags)
-    urgency = _wait_urgency(nodes, deps, waits) if any(waits) else None
+    urgency = _wait_urgency(nodes, deps, waits, starts) if any(waits) else None
 
     users = _users(deps)
     missing = [len(d) for d in deps]
@@ -97,30 +99,39 @@ def fusion_groups(bsyms: Sequence[BoundSymbol], fusible: Callable[[BoundSymbol],
     return groups
 
 
-def _wait_urgency(nodes: list[list[BoundSymbol]], deps: list[set[int]], waits: list[bool]) -> list[int]:
+def _wait_urgency(nodes: list[list[BoundSymbol]], deps: list[set[int]], waits: list[bool],
+                  starts: list[bool]) -> list[int]:
     """For each operation, minus the length of the longest chain of data users after it: among ready waits, the
-    lowest runs first. Also makes each ``PREFETCH`` collective follow the previous one's wait (``deps``)."""
-    data_users = _users(_data_dependencies([node[-1] for node in nodes]))
-    _one_prefetch_in_flight(nodes, deps, waits, data_users)
+    lowest runs first. Also keeps one ``PREFETCH`` or ``ONE_IN_FLIGHT`` collective of each symbol in flight
+    (``_one_in_flight``), which changes ``deps``, ``waits`` and ``starts``."""
+    data_deps = _data_dependencies([node[-1] for node in nodes])
+    data_users = _users(data_deps)
+    _one_in_flight(nodes, deps, waits, starts, data_deps, data_users)
     after = [0] * len(nodes)
     for i in reversed(range(len(nodes))):
         after[i] = 1 + max((after[u] for u in data_users[i]), default=0)
     return [-a for a in after]
 
 
-def _one_prefetch_in_flight(nodes: list[list[BoundSymbol]], deps: list[set[int]], waits: list[bool],
-                            data_users: list[list[int]]) -> None:
-    """Each ``PREFETCH`` collective starts after the wait of the one before it (where that adds no cycle), so one is
-    in flight at a time, started where the previous one's readers begin."""
-    previous = None
+def _one_in_flight(nodes: list[list[BoundSymbol]], deps: list[set[int]], waits: list[bool], starts: list[bool],
+                   data_deps: list[set[int]], data_users: list[list[int]]) -> None:
+    """Each ``PREFETCH`` or ``ONE_IN_FLIGHT`` collective starts after the wait of the previous one of its symbol
+    (where that adds no cycle). A ``ONE_IN_FLIGHT`` one's previous wait also waits for this one's input and is
+    then no longer put off: it runs, and this one starts, as soon as that input is computed."""
+    previous: dict[str, int] = {}
     for i, node in enumerate(nodes):
-        if OpTags.PREFETCH not in node[-1].sym.tags or waits[i]:
+        sym = node[-1].sym
+        if waits[i] or not (OpTags.PREFETCH in sym.tags or OpTags.ONE_IN_FLIGHT in sym.tags):
             continue
-        if previous is not None:
-            for w in data_users[previous]:
-                if waits[w] and not _reaches(deps, w, i):
-                    deps[i].add(w)
-        previous = i
+        if sym.id in previous:
+            for w in data_users[previous[sym.id]]:
+                if not waits[w] or _reaches(deps, w, i):
+                    continue
+                deps[i].add(w)
+                if OpTags.ONE_IN_FLIGHT in sym.tags:
+                    deps[w].update(j for j in data_deps[i] if not _reaches(deps, j, w))
+                    waits[w], starts[w] = False, True  # runs when ready, and ends a fused run then
+        previous[sym.id] = i
 
 
 def _reaches(deps: list[set[int]], src: int, target: int) -> bool:

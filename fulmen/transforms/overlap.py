@@ -63,41 +63,65 @@ def schedule_communication(trace: Trace) -> Trace:
     return trace.derive("Overlap communication", order)
 
 
-def _passable(bsym: BoundSymbol) -> bool:
-    """Whether a prefetch may be issued before ``bsym``: a free operation, or a functional collective (a start or a
-    wait; no in-place update, no opaque call)."""
+def _bounded(bsym: BoundSymbol) -> bool:
+    """A collective start of which one is in flight at a time (``PREFETCH``, ``ONE_IN_FLIGHT``)."""
     tags = bsym.sym.tags
-    return _free(bsym) or (OpTags.COMMUNICATION in tags and not any(t in tags for t in _NOT_COMMUNICATION))
+    return (OpTags.PREFETCH in tags or OpTags.ONE_IN_FLIGHT in tags) and OpTags.WAIT not in tags
+
+
+def _passable(bsym: BoundSymbol, after_wait: set[str]) -> bool:
+    """Whether a bounded collective may be issued before ``bsym``: a free operation, a wait, or a functional
+    collective that reads what the previous one's wait made (it cannot start before that wait, while the one moved
+    can start right after it). Never an in-place update, a random draw, an opaque call."""
+    tags = bsym.sym.tags
+    if _free(bsym) or (OpTags.WAIT in tags and not any(t in tags for t in _NOT_COMMUNICATION)):
+        return True
+    return (OpTags.COMMUNICATION in tags and not any(t in tags for t in _NOT_COMMUNICATION)
+            and any(isinstance(p, Proxy) and p.name in after_wait for p in bsym.flat_args))
 
 
 def _prefetches_first(bsyms: list[BoundSymbol]) -> list[BoundSymbol]:
-    """``bsyms`` with each ``PREFETCH`` collective (and the free operations it needs) moved up to just after the
-    previous one, past other collectives that it does not depend on (the backward's reduce-scatters): collectives
-    keep their order otherwise, and since the moves depend only on the program's collectives and the data flow
-    between them, every rank issues its collectives in the same order. The scheduler then starts each one where the
-    previous one's readers begin (``fulmen.executors.partition``)."""
+    """``bsyms`` with each bounded collective (and the free operations it needs) moved up towards the previous one
+    of its symbol, past the collectives that need that one's wait (the backward's re-gather of a unit
+    past the reduce-scatter of the unit before it): it can start at that wait, they only later. Collectives keep
+    their order otherwise, and since the moves depend only on the program's collectives and the data flow between
+    them, every rank issues its collectives in the same order. The scheduler then starts each one where the previous
+    one's wait runs (``fulmen.executors.partition``)."""
     order = list(bsyms)
-    previous = None
+    previous: dict[str, BoundSymbol] = {}
     for bsym in bsyms:
-        if OpTags.PREFETCH not in bsym.sym.tags or OpTags.WAIT in bsym.sym.tags:
+        if not _bounded(bsym):
             continue
-        if previous is not None:
+        before = previous.get(bsym.sym.id)
+        if before is not None:
+            lo = next(i for i, b in enumerate(order) if b is before) + 1
             here = next(i for i, b in enumerate(order) if b is bsym)
-            order = _hoist(order, next(i for i, b in enumerate(order) if b is previous) + 1, here)
-        previous = bsym
+            order = _hoist(order, lo, here, _made_after_wait(order[lo:here], before))
+        previous[bsym.sym.id] = bsym
     return order
 
 
-def _hoist(order: list[BoundSymbol], lo: int, here: int) -> list[BoundSymbol]:
+def _made_after_wait(window: list[BoundSymbol], start: BoundSymbol) -> set[str]:
+    """The names in ``window`` computed from the result of ``start``'s wait."""
+    made = {p.name for p in start.flat_proxy_outs}
+    after: set[str] = set()
+    for b in window:
+        reads = {p.name for p in b.flat_args if isinstance(p, Proxy)}
+        if reads & after or (OpTags.WAIT in b.sym.tags and reads & made):
+            after.update(p.name for p in b.flat_proxy_outs)
+    return after
+
+
+def _hoist(order: list[BoundSymbol], lo: int, here: int, after_wait: set[str]) -> list[BoundSymbol]:
     """``order`` with ``order[here]`` and the operations between ``lo`` and it that it needs moved to ``lo``, or as
-    close to it as the operations in between allow."""
+    close to it as the operations in between allow (``_passable``)."""
     needed = {p.name for p in order[here].flat_args if isinstance(p, Proxy)}
     moved = [here]
     for i in range(here - 1, lo - 1, -1):
         b = order[i]
         feeds = any(p.name in needed for p in b.flat_proxy_outs)
         if not feeds:
-            if not _passable(b):  # an in-place update, a random draw, an opaque call: nothing crosses it
+            if not _passable(b, after_wait):
                 lo = i + 1
                 break
             continue
