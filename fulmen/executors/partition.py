@@ -116,8 +116,9 @@ def _wait_urgency(nodes: list[list[BoundSymbol]], deps: list[set[int]], waits: l
 def _one_in_flight(nodes: list[list[BoundSymbol]], deps: list[set[int]], waits: list[bool], starts: list[bool],
                    data_deps: list[set[int]], data_users: list[list[int]]) -> None:
     """Each ``PREFETCH`` or ``ONE_IN_FLIGHT`` collective starts after the wait of the previous one of its symbol
-    (where that adds no cycle). A ``ONE_IN_FLIGHT`` one's previous wait also waits for this one's input and is
-    then no longer put off: it runs, and this one starts, as soon as that input is computed."""
+    (where that adds no cycle). A ``PREFETCH`` one's input is computed after that wait too (the concatenation of a
+    unit's shards, not every unit's at the top). A ``ONE_IN_FLIGHT`` one's previous wait also waits for this one's
+    input and is then no longer put off: it runs, and this one starts, as soon as that input is computed."""
     previous: dict[str, int] = {}
     for i, node in enumerate(nodes):
         sym = node[-1].sym
@@ -128,7 +129,11 @@ def _one_in_flight(nodes: list[list[BoundSymbol]], deps: list[set[int]], waits: 
                 if not waits[w] or _reaches(deps, w, i):
                     continue
                 deps[i].add(w)
-                if OpTags.ONE_IN_FLIGHT in sym.tags:
+                if OpTags.PREFETCH in sym.tags:
+                    for j in data_deps[i]:
+                        if not (waits[j] or starts[j] or _reaches(deps, w, j)):
+                            deps[j].add(w)
+                else:
                     deps[w].update(j for j in data_deps[i] if not _reaches(deps, j, w))
                     waits[w], starts[w] = False, True  # runs when ready, and ends a fused run then
         previous[sym.id] = i

@@ -10,6 +10,12 @@ The order is ``fusion_groups``'s (``fulmen.executors.partition``), with the oper
 (random draws, opaque calls, in-place updates, side effects, the collectives themselves, which every rank must issue
 in the same order) kept in order, and every other operation free to move. Fusion sorts again with the same rules,
 so fused regions neither swallow a wait nor hold up a collective's start.
+
+Collectives holding large buffers (FSDP2's parameter all-gathers and gradient reduce-scatters, tagged ``PREFETCH`` and
+``ONE_IN_FLIGHT``) are the exception: one of each symbol is in flight at a time, as FSDP2 runs them, so started all
+at once they would not hold every unit's full-size parameters or gradients together. Before sorting, each is moved
+up past the collectives that must wait for the previous one of its symbol anyway (``_prefetches_first``), so the
+backward's re-gather of a unit can start while the unit before it computes.
 """
 
 from __future__ import annotations
