@@ -141,7 +141,7 @@ def _overlapped(rank, world_size, options):
         net = _sharded(mesh)
         model = fulmen.jit(net, overlap_communication=True, **options) if order == "jit" else net
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        out[order] = _steps(model, opt, rank, 3)
+        out[order] = _steps(model, opt, rank, 2)
         out[order, "params"] = _full_params(net)
     out["forward"] = _schedule(fulmen.last_traces(model)[-1])
     out["backward"] = _schedule(fulmen.last_backward_traces(model)[-1])
