@@ -205,3 +205,62 @@ def _check(results: list[dict]) -> None:
 )
 def test_fsdp2_overlap_prefetches_one_unit_and_matches_eager(options):
     _check(run_on_ranks(_overlapped, options, timeout=400))
+
+
+# ---- the schedule alone, on traces of FSDP2's collectives (no process group: nothing runs) ----
+
+
+def _units(x, *shards):
+    """Four units as FSDP2's program makes them: gather a unit's shard, compute with it, reduce-scatter the gradient
+    of what it computed (the program waits for each collective at once, as written)."""
+    from fulmen.torch import collectives as c
+
+    grads = []
+    for s in shards:
+        full = c.param_wait(c.param_all_gather(s.reshape(-1), 2, "g")).view(4, 4)
+        x = torch.tanh(x @ full)
+        grads.append(c.wait_tensor(c.param_reduce_scatter((x.t() @ x).reshape(-1), "avg", 2, "g")))
+    return x, *grads
+
+
+def _scheduled(fn, units: int = 4) -> list[str]:
+    """The overlap step's order of ``fn``'s collectives and matmuls, by kind."""
+    import fulmen
+    from fulmen.core.symbol import OpTags
+    from fulmen.transforms.overlap import overlapping, schedule_communication
+
+    trace = fulmen.trace()(fn, torch.randn(4, 4), *[torch.randn(2, 4) for _ in range(units)])
+    with overlapping(True):
+        trace = schedule_communication(trace)
+    kinds, gathered = [], set()
+    for b in trace.bound_symbols:
+        tags, outs = b.sym.tags, [p.name for p in b.flat_proxy_outs]
+        if OpTags.PREFETCH in tags:
+            kinds.append("gather")
+            gathered.update(outs)
+        elif OpTags.ONE_IN_FLIGHT in tags:
+            kinds.append("scatter")
+        elif OpTags.WAIT in tags:
+            kinds.append("gather_wait" if b.flat_args[0].name in gathered else "scatter_wait")
+        elif "matmul" in b.sym.name:
+            kinds.append("matmul")
+    return kinds
+
+
+def _most_in_flight(kinds: list[str], start: str) -> int:
+    count = most = 0
+    for k in kinds:
+        count += (k == start) - (k == start + "_wait")
+        most = max(most, count)
+    return most
+
+
+def test_schedule_prefetches_each_gather_while_the_unit_before_computes():
+    kinds = _scheduled(_units)
+    assert _most_in_flight(kinds, "gather") == 1 and _most_in_flight(kinds, "scatter") == 1, kinds
+    # the program's order: gather, wait, compute, reduce-scatter, wait; scheduled, each unit's gather starts before
+    # the unit before it computes, and each reduce-scatter runs while the next unit computes
+    assert kinds[:3] == ["gather", "gather_wait", "gather"], kinds
+    unit = ["matmul", "matmul", "scatter", "gather_wait", "gather", "matmul", "matmul", "scatter_wait", "scatter"]
+    assert kinds[3:12] == unit, kinds
+    assert kinds[-2:] == ["scatter", "scatter_wait"], kinds  # the last one waited for at the end
