@@ -48,9 +48,9 @@ def _all_gather_rule(p: RuleArgs):
 
 
 @builtin_rule(c.reduce_scatter_tensor.id)
-def _reduce_scatter_rule(p: RuleArgs):
+def _reduce_scatter_rule(p: RuleArgs, sym=c.reduce_scatter_tensor):
     x, op, size, group = p[0], p[1], p[2], p[3]
-    out = c.reduce_scatter_tensor(x, op, size, group)
+    out = sym(x, op, size, group)
     if needs_grad(x):
         _check_linear(op, "reduce_scatter_tensor")
         g = c.wait_tensor(c.all_gather_into_tensor(get_grad(out), size, group))
@@ -80,13 +80,7 @@ def _param_all_gather_rule(p: RuleArgs):
 @builtin_rule(c.param_reduce_scatter.id)
 def _param_reduce_scatter_rule(p: RuleArgs):
     """As ``reduce_scatter_tensor``'s (FSDP2's gradient reduce-scatter, differentiated again)."""
-    x, op, size, group = p[0], p[1], p[2], p[3]
-    out = c.param_reduce_scatter(x, op, size, group)
-    if needs_grad(x):
-        _check_linear(op, "reduce_scatter_tensor")
-        g = c.wait_tensor(c.all_gather_into_tensor(get_grad(out), size, group))
-        put_grad(x, g / size if op == "avg" else g)
-    return out
+    return _reduce_scatter_rule(p, c.param_reduce_scatter)
 
 
 @builtin_rule(c.param_wait.id)
