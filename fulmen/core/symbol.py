@@ -39,6 +39,12 @@ class OpTags(Enum):
     #: rematerialization may run it again in the backward although its other tags keep it from being recomputed
     #: (FSDP2's parameter all-gather: every rank runs the same backward, and gathering again is what FSDP2 does)
     RECOMPUTABLE = auto()
+    #: collectives holding large buffers, one of each symbol in flight at a time with overlap on, as FSDP2 runs them
+    #: (``fulmen.executors.partition``). PREFETCH (the parameter all-gather): each starts once the previous one is
+    #: waited for, which is as late as its readers allow. ONE_IN_FLIGHT (the gradient reduce-scatter, which holds its
+    #: full-size input until its wait): the previous one is waited for as soon as this one can start.
+    PREFETCH = auto()
+    ONE_IN_FLIGHT = auto()
     CHECKS_VALUES = auto()  # raises on its inputs' values (an index out of bounds): kept while unused, never hidden
 
 

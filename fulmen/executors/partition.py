@@ -19,6 +19,12 @@ Communication (``OpTags.COMMUNICATION``) is scheduled for overlap: a collective 
 fusible operations in progress, so it starts as soon as its inputs exist, and a wait (``OpTags.WAIT``) runs only
 when nothing else is ready, so the computation that does not need its result runs while the data travels. Waits
 keep no order among the other unfused operations (they only block until their collective's data is there).
+When several waits are all that is ready, the one with the longest chain of operations after it runs first (the
+parameters a unit's computation reads before the gradients only the outputs read). Collectives that hold large
+buffers keep one of their symbol in flight, so the full-size buffers alive at once stay bounded: a ``PREFETCH`` one
+(FSDP2's parameter all-gather) starts after the previous one's wait, which stays as late as its readers allow, so
+each unit's gather runs while the unit before it computes; for a ``ONE_IN_FLIGHT`` one (FSDP2's gradient
+reduce-scatter) the previous one is waited for as soon as this one's input is computed, then it starts.
 Without overlap, collectives and waits stay where the program made them: like side effects, nothing crosses them
 (FSDP2's all-gathers at each unit's start would otherwise all run first, holding every unit's parameters at once).
 """
@@ -44,16 +50,20 @@ def fusion_groups(bsyms: Sequence[BoundSymbol], fusible: Callable[[BoundSymbol],
     starts = [overlap and OpTags.COMMUNICATION in node[-1].sym.tags and not w for node, w in zip(nodes, waits)]
     barrier_tags = (OpTags.SIDE_EFFECT,) if overlap else (OpTags.SIDE_EFFECT, OpTags.COMMUNICATION)
     deps = _order_dependencies(nodes, kinds, waits, barrier_tags)
+    urgency = _wait_urgency(nodes, deps, waits, starts) if any(waits) else None
 
     users = _users(deps)
     missing = [len(d) for d in deps]
-    # (not fusible, fusible, waits), each a heap of trace positions
-    ready: tuple[list[int], list[int], list[int]] = ([], [], [])
+    # (not fusible, fusible, waits), each a heap of trace positions (waits: (urgency, position))
+    ready: tuple[list[int], list[int], list[tuple[int, int]]] = ([], [], [])
     ready_starts = 0
 
     def push(i: int) -> None:
         nonlocal ready_starts
-        heapq.heappush(ready[2 if waits[i] else kinds[i]], i)
+        if waits[i]:
+            heapq.heappush(ready[2], (urgency[i], i))
+        else:
+            heapq.heappush(ready[kinds[i]], i)
         ready_starts += starts[i]
 
     for i in range(n):
@@ -64,7 +74,7 @@ def fusion_groups(bsyms: Sequence[BoundSymbol], fusible: Callable[[BoundSymbol],
     kind = False
     while ready[0] or ready[1] or ready[2]:
         if not ready[0] and not ready[1]:  # only waits are ready: the first one, then what it unblocks
-            ready[0].append(heapq.heappop(ready[2]))
+            ready[0].append(heapq.heappop(ready[2])[1])
             kind = False
         elif not ready[kind]:
             kind = not kind
@@ -87,6 +97,59 @@ def fusion_groups(bsyms: Sequence[BoundSymbol], fusible: Callable[[BoundSymbol],
     if pending:  # trailing comments
         groups.append((False, pending))
     return groups
+
+
+def _wait_urgency(nodes: list[list[BoundSymbol]], deps: list[set[int]], waits: list[bool],
+                  starts: list[bool]) -> list[int]:
+    """For each operation, minus the length of the longest chain of data users after it: among ready waits, the
+    lowest runs first. Also keeps one ``PREFETCH`` or ``ONE_IN_FLIGHT`` collective of each symbol in flight
+    (``_one_in_flight``), which changes ``deps``, ``waits`` and ``starts``."""
+    data_deps = _data_dependencies([node[-1] for node in nodes])
+    data_users = _users(data_deps)
+    _one_in_flight(nodes, deps, waits, starts, data_deps, data_users)
+    after = [0] * len(nodes)
+    for i in reversed(range(len(nodes))):
+        after[i] = 1 + max((after[u] for u in data_users[i]), default=0)
+    return [-a for a in after]
+
+
+def _one_in_flight(nodes: list[list[BoundSymbol]], deps: list[set[int]], waits: list[bool], starts: list[bool],
+                   data_deps: list[set[int]], data_users: list[list[int]]) -> None:
+    """Each ``PREFETCH`` or ``ONE_IN_FLIGHT`` collective starts after the wait of the previous one of its symbol
+    (where that adds no cycle). A ``PREFETCH`` one's input is computed after that wait too (the concatenation of a
+    unit's shards, not every unit's at the top). A ``ONE_IN_FLIGHT`` one's previous wait also waits for this one's
+    input and is then no longer put off: it runs, and this one starts, as soon as that input is computed."""
+    previous: dict[str, int] = {}
+    for i, node in enumerate(nodes):
+        sym = node[-1].sym
+        if waits[i] or not (OpTags.PREFETCH in sym.tags or OpTags.ONE_IN_FLIGHT in sym.tags):
+            continue
+        if sym.id in previous:
+            for w in data_users[previous[sym.id]]:
+                if not waits[w] or _reaches(deps, w, i):
+                    continue
+                deps[i].add(w)
+                if OpTags.PREFETCH in sym.tags:
+                    for j in data_deps[i]:
+                        if not (waits[j] or starts[j] or _reaches(deps, w, j)):
+                            deps[j].add(w)
+                else:
+                    deps[w].update(j for j in data_deps[i] if not _reaches(deps, j, w))
+                    waits[w], starts[w] = False, True  # runs when ready, and ends a fused run then
+        previous[sym.id] = i
+
+
+def _reaches(deps: list[set[int]], src: int, target: int) -> bool:
+    """Whether ``src`` depends on ``target``, directly or through other operations."""
+    seen, stack = {src}, [src]
+    while stack:
+        for j in deps[stack.pop()]:
+            if j == target:
+                return True
+            if j not in seen:
+                seen.add(j)
+                stack.append(j)
+    return False
 
 
 def _nodes(bsyms: Sequence[BoundSymbol]) -> tuple[list[list[BoundSymbol]], list[BoundSymbol]]:

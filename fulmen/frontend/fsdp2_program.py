@@ -16,8 +16,9 @@ autograd hooks reduce-scatter the gradients. Here the model is traced once with 
   parameter's placements, accumulated into ``param.grad`` as FSDP2 does;
 - the all-gather is ``RECOMPUTABLE``: rematerialization gathers again in the backward rather than saving full-size
   parameters from the forward (FSDP2's ``reshard_after_forward=True``). Collectives stay where the program made
-  them (``overlap_communication`` is off unless asked for): starting every unit's all-gather at the top of the
-  program would hold every full-size parameter at once.
+  them unless ``overlap_communication=True`` is given: then each unit's all-gather starts while the unit before it
+  computes and each reduce-scatter while the next unit's gradients are computed, one of each in flight at a time
+  as in FSDP2 (``fulmen.transforms.overlap``), which holds one more unit's full-size parameters than without.
 
 Only FSDP2's default policies are traced: one module per ``fully_shard`` call, dim-0 shards of plain (non-DTensor)
 parameters, no mixed precision, no CPU offload, ``reshard_after_forward`` True (or the root's automatic False), the

@@ -158,8 +158,15 @@ wait_tensor = _symbol("wait_tensor", _wait_meta, _TAGS + (OpTags.WAIT,))
 # two symbols of their own. They are ``RECOMPUTABLE``: rematerialization gathers a unit's parameters again in the
 # backward instead of keeping the full-size parameters alive from the forward (FSDP2 reshards after forward), which
 # is sound because every rank runs the same backward program. The gradient is FSDP2's (``collective_grads``): the
-# reduce-scatter of the full gradient, averaged over the ranks.
-param_all_gather = _symbol("all_gather_into_tensor", _all_gather_meta, _TAGS + (OpTags.RECOMPUTABLE,), ".param")
+# reduce-scatter of the full gradient, averaged over the ranks. With overlap on, one unit's gather is in flight at
+# a time, started while the unit before computes (``PREFETCH``: FSDP2's prefetch), and one unit's reduce-scatter,
+# waited for when the next one starts (``ONE_IN_FLIGHT``: a reduce-scatter holds its full-size input until its wait).
+param_all_gather = _symbol(
+    "all_gather_into_tensor", _all_gather_meta, _TAGS + (OpTags.RECOMPUTABLE, OpTags.PREFETCH), ".param"
+)
+param_reduce_scatter = _symbol(
+    "reduce_scatter_tensor", _reduce_scatter_meta, _TAGS + (OpTags.ONE_IN_FLIGHT,), ".param"
+)
 param_wait = _symbol("wait_tensor", _wait_meta, _TAGS + (OpTags.WAIT, OpTags.RECOMPUTABLE), ".param")
 
 

@@ -48,9 +48,9 @@ def _all_gather_rule(p: RuleArgs):
 
 
 @builtin_rule(c.reduce_scatter_tensor.id)
-def _reduce_scatter_rule(p: RuleArgs):
+def _reduce_scatter_rule(p: RuleArgs, sym=c.reduce_scatter_tensor):
     x, op, size, group = p[0], p[1], p[2], p[3]
-    out = c.reduce_scatter_tensor(x, op, size, group)
+    out = sym(x, op, size, group)
     if needs_grad(x):
         _check_linear(op, "reduce_scatter_tensor")
         g = c.wait_tensor(c.all_gather_into_tensor(get_grad(out), size, group))
@@ -73,8 +73,14 @@ def _param_all_gather_rule(p: RuleArgs):
     x, size, group = p[0], p[1], p[2]
     out = c.param_all_gather(x, size, group)
     if needs_grad(x):
-        put_grad(x, c.wait_tensor(c.reduce_scatter_tensor(get_grad(out), "avg", size, group)))
+        put_grad(x, c.wait_tensor(c.param_reduce_scatter(get_grad(out), "avg", size, group)))
     return out
+
+
+@builtin_rule(c.param_reduce_scatter.id)
+def _param_reduce_scatter_rule(p: RuleArgs):
+    """As ``reduce_scatter_tensor``'s (FSDP2's gradient reduce-scatter, differentiated again)."""
+    return _reduce_scatter_rule(p, c.param_reduce_scatter)
 
 
 @builtin_rule(c.param_wait.id)
