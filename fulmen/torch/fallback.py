@@ -24,6 +24,7 @@ from fulmen.core.symbol import OpTags, Symbol
 from fulmen.core.trace import get_tracectx
 from fulmen.core.unbacked import GuardOnDataDependentSymNode, data_dependent_guard, shape_env_of, trace_shape_env
 from fulmen.torch.registry import link_views, set_lazy_bits, torch_id, with_lazy_bits
+from fulmen.torch.views import layout_of
 
 _opaque: dict[Any, Symbol] = {}
 # torch logs fake-tensor failures at ERROR level before fulmen recovers from them (see _run_on_zeros)
@@ -32,7 +33,12 @@ logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
 
 def _to_fake(mode, x):
     if isinstance(x, TensorProxy):
-        t = torch.empty(tuple(x.shape), dtype=x.dtype, device=to_torch_device(x.device))
+        # laid out as eager's tensor is: whether the op returns a view or a copy can depend on it (torch.ravel of a
+        # transposed tensor copies)
+        strides = layout_of(x)
+        device = to_torch_device(x.device)
+        t = torch.empty(tuple(x.shape), dtype=x.dtype, device=device) if strides is None else torch.empty_strided(
+            tuple(x.shape), strides, dtype=x.dtype, device=device)
         t = t.requires_grad_(x.requires_grad) if x.dtype.is_floating_point or x.dtype.is_complex else t
         return with_lazy_bits(t, x)
     return x
