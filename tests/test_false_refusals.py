@@ -131,3 +131,36 @@ def test_a_split_piece_written_in_place_is_still_refused_as_in_eager():
         program(x)
     with pytest.raises(RuntimeError, match="multiple views"):
         fulmen.jit(program, executors=["torch"])(x)
+
+
+# ---- 4. packed GRUs and RNNs: the packed data's row count is data-dependent, as for the LSTM ----
+
+
+@pytest.mark.parametrize("kind", ["GRU", "RNN"])
+def test_a_packed_bidirectional_two_layer_recurrent_net_matches_eager_and_compiles_once(kind):
+    torch.manual_seed(0)
+    net = getattr(torch.nn, kind)(4, 5, num_layers=2, bidirectional=True, batch_first=True, dtype=torch.float64)
+
+    def fn(x, lengths):
+        packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, h = net(packed)
+        out, out_lengths = torch.nn.utils.rnn.pad_packed_sequence(out, batch_first=True)
+        return out.tanh().sum(1).sum(-1, keepdim=True) + h.sum(0), out_lengths
+
+    jfn = fulmen.jit(fn, executors=["torch"])
+    for k, lengths in enumerate(([6, 2, 4], [5, 6, 1])):
+        x = torch.randn(3, 6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(k), requires_grad=True)
+        xe = x.detach().clone().requires_grad_()
+        results = []
+        for f, inp in ((jfn, x), (fn, xe)):
+            net.zero_grad()
+            out, out_lengths = f(inp, torch.tensor(lengths))
+            out.mul(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)).sum().backward()
+            results.append((out, out_lengths, net.weight_hh_l1_reverse.grad.clone(), net.weight_ih_l0.grad.clone()))
+        (got, got_lengths, *got_grads), (want, want_lengths, *want_grads) = results
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        assert torch.equal(got_lengths, want_lengths)
+        torch.testing.assert_close(x.grad, xe.grad, rtol=1e-10, atol=1e-12)
+        for g, w in zip(got_grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    assert fulmen.cache_misses(jfn) == 1, fulmen.compile_stats(jfn).recompile_reasons

@@ -151,16 +151,17 @@ STATIC_RESULT_METAS: dict[Callable, Callable] = {
 }
 
 
-def _packed_lstm_meta(data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidirectional):
-    """``torch.lstm`` on a PackedSequence's data, whose row count (the sum of the lengths) is data-dependent: one
-    output row per input row; the final states have the shapes of the initial ones."""
+def _packed_rnn_meta(data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidirectional):
+    """``torch.lstm`` / ``torch.gru`` / ``torch.rnn_tanh`` / ``torch.rnn_relu`` on a PackedSequence's data, whose row
+    count (the sum of the lengths) is data-dependent: one output row per input row; the final states (``(h, c)``
+    for an LSTM, ``h`` otherwise) have the shapes of the initial ones."""
     if not isinstance(batch_sizes, TensorProxy):  # the padded form: its fake kernel takes every size
         return None
-    h, c = hx
+    states = tuple(hx) if isinstance(hx, (tuple, list)) else (hx,)
+    h = states[0]
     out = TensorProxy(like=data, shape=(data.shape[0], h.shape[2] * (2 if bidirectional else 1)),
                       requires_grad=data.requires_grad or h.requires_grad or any(p.requires_grad for p in params))
-    return out, TensorProxy(like=h, requires_grad=out.requires_grad), TensorProxy(like=c,
-                                                                                   requires_grad=out.requires_grad)
+    return (out, *(TensorProxy(like=s, requires_grad=out.requires_grad) for s in states))
 
 
 def _pad_packed_meta(data, batch_sizes, batch_first, padding_value, total_length):
@@ -175,7 +176,9 @@ def _pad_packed_meta(data, batch_sizes, batch_first, padding_value, total_length
 
 
 #: Metas for ops whose fake-tensor kernels cannot take a data-dependent size in their inputs (None: not this form).
-DATA_DEPENDENT_INPUT_METAS: dict[Callable, Callable] = {torch.lstm: _packed_lstm_meta,
+DATA_DEPENDENT_INPUT_METAS: dict[Callable, Callable] = {torch.lstm: _packed_rnn_meta, torch.gru: _packed_rnn_meta,
+                                                        torch.rnn_tanh: _packed_rnn_meta,
+                                                        torch.rnn_relu: _packed_rnn_meta,
                                                         torch._pad_packed_sequence: _pad_packed_meta}
 
 
