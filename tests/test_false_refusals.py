@@ -36,9 +36,10 @@ def _same_as_eager(fn, make_args) -> None:
         torch.testing.assert_close(g, w, rtol=0, atol=0)
     for g, w in zip(got_grads, want_grads):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    # which outputs and arguments share memory with which
     shares = [
-        [a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for a in outs for b in outs]
-        for outs in (got, want)
+        [a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for a in tensors for b in tensors]
+        for tensors in ([*got, *got_args], [*want, *want_args])
     ]
     assert shares[0] == shares[1]
 
@@ -49,6 +50,78 @@ def _leaf(*shape, dtype=torch.float32):
         return [x], [x]
 
     return make
+
+
+# ---- 1. writes through inputs whose elements share memory (expand): traced as views of that memory ----
+
+
+def _expanded(*shapes):
+    def make():
+        g = torch.Generator().manual_seed(0)
+        return [], [torch.randn(shape[0], generator=g).expand(shape[1]) for shape in shapes]
+
+    return make
+
+
+def _fill_then_read(a):
+    a.fill_(2.5)
+    return a * 2, a
+
+
+def _zero_then_softmax(a):
+    a.zero_()
+    return torch.log_softmax(a, -2)
+
+
+def _index_assignment(a):
+    a[1] = 5.0  # every row is the same memory: eager's result has 5 in every row
+    return a.sum(), a + 0
+
+
+def _fill_through_a_strided_view(b):
+    v = b.view(-1)[::2].fill_(3)  # fuzz (wide, seed 446)
+    return v + 1, b
+
+
+def _zero_through_a_transposed_row(d):
+    v = d.mT[0].zero_()  # fuzz (wide, seed 1364)
+    return v.clone(), d.sum()
+
+
+_EXPANDED_WRITES = {
+    "fill_then_read": (_fill_then_read, _expanded(((1, 3), (4, 3)))),
+    "zero_then_softmax": (_zero_then_softmax, _expanded(((1, 1), (3, 1)))),
+    "index_assignment": (_index_assignment, _expanded(((1, 3), (4, 3)))),
+    "fill_through_a_strided_view": (_fill_through_a_strided_view, _expanded(((1,), (4,)))),
+    "zero_through_a_transposed_row": (_zero_through_a_transposed_row, _expanded(((2, 1), (2, 3)))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_EXPANDED_WRITES))
+def test_a_write_through_an_expanded_input_reaches_its_memory(case):
+    # the caller's expanded tensor could not take the new value (eager's copy_ refuses a destination whose elements
+    # share memory), and a write modelled element by element would leave the other elements of that memory stale
+    fn, make = _EXPANDED_WRITES[case]
+    _same_as_eager(fn, make)
+    jitted = fulmen.jit(fn, executors=["torch"])
+    for _ in range(2):  # the cache hit writes the caller's memory too
+        _, args = make()
+        want_args = make()[1]  # expanded as the caller's (a clone would be a dense copy)
+        fn(*want_args)
+        jitted(*args)
+        for got, want in zip(args, want_args):
+            assert torch.equal(got, want)
+
+
+def test_an_update_that_reads_what_it_writes_through_an_expanded_input_raises_eager_s_error():
+    def program(a):
+        a.add_(1)
+        return a
+
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        program(torch.randn(1, 3).expand(4, 3))
+    with pytest.raises(RuntimeError, match="(?s)more than one element of the written-to tensor.*test_false_refusals"):
+        fulmen.jit(program, executors=["torch"])(torch.randn(1, 3).expand(4, 3))
 
 
 # ---- 2. opaque view-like ops written in place: their backward reads the base's geometry, not its values ----
