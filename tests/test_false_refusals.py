@@ -237,3 +237,69 @@ def test_a_packed_bidirectional_two_layer_recurrent_net_matches_eager_and_compil
         for g, w in zip(got_grads, want_grads):
             torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
     assert fulmen.cache_misses(jfn) == 1, fulmen.compile_stats(jfn).recompile_reasons
+
+
+# ---- 5. requires_grad_() of a tensor made inside: a leaf, as in eager (the program runs under PyTorch autograd) ----
+
+
+def _new_leaf(x, w):
+    leaf = torch.linspace(-1, 1, 3, dtype=x.dtype).requires_grad_()
+    return leaf * x + w, leaf
+
+
+def _detached_leaf(x, w):
+    # fuzz (wide, seeds 24 and 96)
+    y = (x * w).detach().requires_grad_()
+    return y * 2, x * w, (y * y).sum()
+
+
+def _leaf_under_no_grad_caller_part(x, w):
+    leaf = torch.ones(3).mul(0.5).requires_grad_()
+    with torch.enable_grad():
+        out = (leaf * x).sin()
+    return out, leaf.exp()
+
+
+@pytest.mark.parametrize("program", [_new_leaf, _detached_leaf, _leaf_under_no_grad_caller_part])
+def test_a_leaf_made_inside_returns_requiring_grad_and_collects_its_gradient(program):
+    def make():
+        x = torch.linspace(0.5, 2, 3).requires_grad_()
+        w = torch.linspace(-2, 1, 3).requires_grad_()
+        return [x, w], [x, w]
+
+    jitted = fulmen.jit(program, executors=["torch"])
+    for _ in range(2):  # the cache hit makes a new leaf, as each eager call does
+        got, got_args, got_grads = _run(jitted, make, jit=False)
+        want, want_args, want_grads = _run(program, make, jit=False)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+            assert (g.requires_grad, g.is_leaf) == (w.requires_grad, w.is_leaf)
+        for g, w in zip(got_grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+        # the returned leaves' own gradients (the loss in _run reaches them through the other outputs too)
+        for g, w in zip(got, want):
+            if w.is_leaf and w.requires_grad:
+                torch.testing.assert_close(g.grad, w.grad, rtol=1e-6, atol=1e-6)
+    assert fulmen.cache_misses(jitted) == 1
+
+
+def test_a_leaf_made_inside_under_default_executors_and_no_grad_caller():
+    jitted = fulmen.jit(_new_leaf)
+    x, w = torch.randn(3), torch.randn(3)
+    with torch.no_grad():
+        got, want = jitted(x, w), _new_leaf(x, w)
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+        assert (g.requires_grad, g.is_leaf) == (e.requires_grad, e.is_leaf)
+
+
+def test_a_leaf_made_inside_a_program_that_writes_an_input_is_refused_naming_the_line():
+    def program(x, buf):
+        leaf = torch.zeros(3).requires_grad_()
+        buf.add_(leaf * x)  # an input written with a value that requires grad: the write-back is no autograd op
+        return leaf * x
+
+    with pytest.raises(
+        NotImplementedError, match=r"(?s)requires_grad_\(\) on a tensor made inside.*test_false_refusals"
+    ):
+        fulmen.jit(program, executors=["torch"])(torch.randn(3), torch.zeros(3))

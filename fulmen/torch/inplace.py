@@ -30,6 +30,7 @@ from fulmen.torch.registry import register_function, tensor_methods, torchsymbol
 from fulmen.torch.shape import as_strided, layout_of, set_strides
 from fulmen.torch.views import memory_order
 
+
 def _overlap_message() -> str:
     return ("unsupported operation: more than one element of the written-to tensor refers to a single memory "
             f"location. Please clone() the tensor before performing the operation.\n  at {_user_location()}")
