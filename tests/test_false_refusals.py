@@ -303,3 +303,15 @@ def test_a_leaf_made_inside_a_program_that_writes_an_input_is_refused_naming_the
         NotImplementedError, match=r"(?s)requires_grad_\(\) on a tensor made inside.*test_false_refusals"
     ):
         fulmen.jit(program, executors=["torch"])(torch.randn(3), torch.zeros(3))
+
+
+def test_an_index_assignment_of_a_value_to_its_own_memory_runs():
+    # fuzz (wide, extended, seed 1566): v4[0] = v2 with v4 = v2[:, 0] and v2 of shape (1, 1) writes the one element
+    # onto itself; eager drops the value's leading size-1 dims before its overlap check, so the overlap is full
+    def program(x):
+        v2 = x * 2
+        v4 = v2[:, 0]
+        v4[0] = v2
+        return v2, v4
+
+    _same_as_eager(program, lambda: ([], [torch.full((1, 1), 3.0)]))
