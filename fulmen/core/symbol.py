@@ -89,6 +89,9 @@ class Symbol:
     view_meta_fn: Callable | None = None
     #: a view op whose outputs alias its input even where the meta tensors' do not say so
     always_alias: bool = False
+    #: a view op returning several views that eager makes one view op each (``tensor_split``'s ``narrow``s), so
+    #: autograd lets each be written in place, unlike ``split``'s (which it marks as one op's multiple outputs)
+    separate_views: bool = False
     doc: str = ""  # one line: what the operation computes
     #: the symbol generated code calls for this one, by the executor that made it (``execution_symbol``): kept on
     #: the symbol, so it dies with it (symbols made per call come and go, and a map keyed by ``id`` would hand a

@@ -53,6 +53,9 @@ class Trace:
         # torch.utils.checkpoint regions recorded while tracing, copied into the traces derived from this one
         # (fulmen.transforms.checkpoint_regions.CheckpointRegion, recorded by fulmen.frontend.checkpointing)
         self.checkpoint_regions: list = list(parent.checkpoint_regions) if parent is not None else []
+        # (leaf proxy, user's line) of each Tensor.requires_grad_() that made a leaf of a tensor made inside
+        # (fulmen.torch.hooks, fulmen.frontend.leaves)
+        self.leaves_made: list = list(parent.leaves_made) if parent is not None else []
 
     # ---- names ----
     def make_name(self, prefix: str = "t") -> str:

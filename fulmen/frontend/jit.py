@@ -17,7 +17,7 @@ from fulmen.core.proxies import has_proxy
 from fulmen.core.trace import Trace, get_tracectx
 from fulmen.core.unbacked import has_unbacked
 from fulmen.core.utils import compiler_import_lock
-from fulmen.executors import MetaMismatch
+from fulmen.executors import MetaMismatch, torchex
 from fulmen.executors.base import Executor, resolve_executors
 from fulmen.executors.inductor_compile import call_leaving_a_core, compile_mode_set
 from fulmen.frontend import warm_start
@@ -42,6 +42,7 @@ from fulmen.frontend.dynamic import (
 )
 from fulmen.frontend.global_guard import GlobalGuard
 from fulmen.frontend.key_changes import argument_name, changed_value, describe_key_change
+from fulmen.frontend.leaves import makes_leaves
 from fulmen.frontend.module_writes import assigner
 from fulmen.frontend.prologue import Prologue, build_prologue
 from fulmen.frontend.runner import RunPlan, compose
@@ -617,12 +618,13 @@ class JittedFunction:
         autocast_devices = tuple(p.device_type for p in current_policies())
         trace, spec = self._trace(args, kwargs, sizes=symbolic.sizes if symbolic is not None else None)
         traced = time.perf_counter()
-        run = PipelineRun(self.executors, self.options)
+        leaves = makes_leaves(trace)  # then the program runs under PyTorch autograd (fulmen.frontend.leaves)
+        run = PipelineRun([torchex.ex] if leaves else self.executors, self.options)
         trace = computation_steps(trace, run)  # the executors' and the user's steps, before autodiff
         graph_name = self._graph_name(trace, spec, symbolic)
         entry = CacheEntry(program=None, spec=spec, computation_trace=trace, written=written_inputs(trace),
                            globals_guard=spec.guard)
-        needs_grad = entry.differentiates = self._needs_grad(trace, spec.tensor_proxies)
+        needs_grad = entry.differentiates = not leaves and self._needs_grad(trace, spec.tensor_proxies)
         if needs_grad:
             program = self._training_program(trace, run, graph_name, symbolic, entry)
         else:

@@ -37,6 +37,7 @@ from fulmen.frontend.rng_calls import recording_rng_calls
 from fulmen.frontend.split_points import ValueReader
 from fulmen.torch.collectives import nn_functional_traceable
 from fulmen.torch.fallback import opaque_symbol
+from fulmen.torch.inplace import view_input_as_its_memory
 from fulmen.torch.numpy_values import numpy_data, numpy_scalar
 from fulmen.torch.shape import set_strides
 from fulmen.transforms.autocast import current_policies
@@ -479,6 +480,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
         with tracing(tracer), _UserTorchCalls(trace), _compiling(), _recording_autograd_functions(), \
                 nn_functional_traceable(), routing_higher_order_ops(), recording_rng_calls(), \
                 ModuleWrites() as writes:
+            for p in spec.tensor_proxies:
+                view_input_as_its_memory(p)
             result = _call_user(fn, proxy_args, proxy_kwargs, swaps)
             result, spec.objects = swaps.settle(result)
             result = tracer.capture(result) if isinstance(result, torch.Tensor) and not is_proxy(result) else result

@@ -33,7 +33,7 @@ from typing import Any
 
 from fulmen.core.ambient import Ambient
 from fulmen.core.options import JitOptions
-from fulmen.core.symbol import OpTags
+from fulmen.core.symbol import BoundSymbol, OpTags
 from fulmen.core.trace import Trace
 from fulmen.executors import inductor, torchex
 from fulmen.executors.base import Executor
@@ -52,14 +52,17 @@ def applies(trace: Trace, executors: Sequence[Executor], options: JitOptions) ->
         return False
     if any(ex not in _DEFAULT_EXECUTORS for ex in executors) or options.steps:
         return False
-    for bsym in trace.bound_symbols:
-        sym = bsym.sym
-        if bsym.no_grad or linearize.has_user_rule(sym):
-            return False
-        as_torch = sym.torch_executable and sym.torch_fns and sym.id not in torchex.ex.implmap
-        if not (as_torch or OpTags.FALLBACK in sym.tags):
-            return False
-    return True
+    return all(differentiated_as_in_eager(bsym) for bsym in trace.bound_symbols)
+
+
+def differentiated_as_in_eager(bsym: BoundSymbol) -> bool:
+    """Whether PyTorch autograd differentiates ``bsym`` run by the torch executor as eager does: a torch callable run
+    as it is, not recorded under ``torch.no_grad()``, with no grad rule of the user's."""
+    sym = bsym.sym
+    if bsym.no_grad or linearize.has_user_rule(sym):
+        return False
+    as_torch = sym.torch_executable and sym.torch_fns and sym.id not in torchex.ex.implmap
+    return bool(as_torch or OpTags.FALLBACK in sym.tags)
 
 
 def deferred_training(trace: Trace, options: JitOptions, compile_training: Callable[[], CompiledProgram],

@@ -175,7 +175,19 @@ def _copy_meta(src, dst):
 
 def _torch_copy(src, dst):
     with torch.no_grad():
+        if 0 in dst.stride() and dst.numel() > 1:
+            # dst's elements share memory (an expanded input written through, fulmen.torch.inplace
+            # view_input_as_its_memory): src holds one value per memory location, so one element of each is written
+            _without_repeats(dst).copy_(_without_repeats(src, like=dst))
+            return dst
         return dst.copy_(src)
+
+
+def _without_repeats(t, like=None):
+    for d, st in enumerate((like if like is not None else t).stride()):
+        if st == 0:
+            t = t.narrow(d, 0, min(1, t.shape[d]))
+    return t
 
 
 copy_ = make_prim(PrimIDs.COPY_, "copy_", meta=_copy_meta, torch_impl=_torch_copy,

@@ -25,6 +25,7 @@ from fulmen.core.symbol import OpTags, Symbol
 from fulmen.core.trace import get_tracectx
 from fulmen.core.unbacked import GuardOnDataDependentSymNode, data_dependent_guard, shape_env_of, trace_shape_env
 from fulmen.torch.registry import link_views, set_lazy_bits, torch_id, with_lazy_bits
+from fulmen.torch.views import layout_of
 
 _opaque: dict[Any, Symbol] = {}
 # torch logs fake-tensor failures at ERROR level before fulmen recovers from them (see _run_on_zeros)
@@ -33,7 +34,12 @@ logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
 
 def _to_fake(mode, x):
     if isinstance(x, TensorProxy):
-        t = torch.empty(tuple(x.shape), dtype=x.dtype, device=to_torch_device(x.device))
+        # laid out as eager's tensor is: whether the op returns a view or a copy can depend on it (torch.ravel of a
+        # transposed tensor copies)
+        strides = layout_of(x)
+        device = to_torch_device(x.device)
+        t = torch.empty(tuple(x.shape), dtype=x.dtype, device=device) if strides is None else torch.empty_strided(
+            tuple(x.shape), strides, dtype=x.dtype, device=device)
         t = t.requires_grad_(x.requires_grad) if x.dtype.is_floating_point or x.dtype.is_complex else t
         return with_lazy_bits(t, x)
     return x
@@ -146,16 +152,17 @@ STATIC_RESULT_METAS: dict[Callable, Callable] = {
 }
 
 
-def _packed_lstm_meta(data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidirectional):
-    """``torch.lstm`` on a PackedSequence's data, whose row count (the sum of the lengths) is data-dependent: one
-    output row per input row; the final states have the shapes of the initial ones."""
+def _packed_rnn_meta(data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidirectional):
+    """``torch.lstm`` / ``torch.gru`` / ``torch.rnn_tanh`` / ``torch.rnn_relu`` on a PackedSequence's data, whose row
+    count (the sum of the lengths) is data-dependent: one output row per input row; the final states (``(h, c)``
+    for an LSTM, ``h`` otherwise) have the shapes of the initial ones."""
     if not isinstance(batch_sizes, TensorProxy):  # the padded form: its fake kernel takes every size
         return None
-    h, c = hx
+    states = tuple(hx) if isinstance(hx, (tuple, list)) else (hx,)
+    h = states[0]
     out = TensorProxy(like=data, shape=(data.shape[0], h.shape[2] * (2 if bidirectional else 1)),
                       requires_grad=data.requires_grad or h.requires_grad or any(p.requires_grad for p in params))
-    return out, TensorProxy(like=h, requires_grad=out.requires_grad), TensorProxy(like=c,
-                                                                                   requires_grad=out.requires_grad)
+    return (out, *(TensorProxy(like=s, requires_grad=out.requires_grad) for s in states))
 
 
 def _pad_packed_meta(data, batch_sizes, batch_first, padding_value, total_length):
@@ -170,7 +177,9 @@ def _pad_packed_meta(data, batch_sizes, batch_first, padding_value, total_length
 
 
 #: Metas for ops whose fake-tensor kernels cannot take a data-dependent size in their inputs (None: not this form).
-DATA_DEPENDENT_INPUT_METAS: dict[Callable, Callable] = {torch.lstm: _packed_lstm_meta,
+DATA_DEPENDENT_INPUT_METAS: dict[Callable, Callable] = {torch.lstm: _packed_rnn_meta, torch.gru: _packed_rnn_meta,
+                                                        torch.rnn_tanh: _packed_rnn_meta,
+                                                        torch.rnn_relu: _packed_rnn_meta,
                                                         torch._pad_packed_sequence: _pad_packed_meta}
 
 

@@ -18,6 +18,7 @@ import torch
 
 from fulmen.core import langctx
 from fulmen.core.proxies import TensorProxy, _user_location, latest
+from fulmen.core.symbol import OpTags, Symbol
 from fulmen.core.trace import get_tracectx
 from fulmen.core.utils import check
 from fulmen.torch.fallback import opaque_symbol
@@ -92,20 +93,41 @@ def retain_grad(t: TensorProxy) -> None:
 langctx.methods["retain_grad"] = retain_grad
 
 
+def _make_leaf_meta(a: TensorProxy) -> TensorProxy:
+    check(a.dtype.is_floating_point or a.dtype.is_complex,
+          lambda: "only Tensors of floating point and complex dtype can require gradients", RuntimeError)
+    return TensorProxy(like=a, requires_grad=True)
+
+
+#: ``t.requires_grad_()`` of a tensor the program made: run as it is, under PyTorch autograd (the program holding it
+#: runs there, fulmen.frontend.leaves), so ``t`` becomes a leaf whose ``.grad`` fills as in eager
+make_leaf = Symbol(name="requires_grad_", meta=_make_leaf_meta, id="ltorch.make_leaf", is_prim=True,
+                   tags=(OpTags.FALLBACK,), module="torch.Tensor", torch_fns=(torch.Tensor.requires_grad_,),
+                   torch_impl=torch.Tensor.requires_grad_)
+
+
 def requires_grad_(t: TensorProxy, requires_grad: bool = True) -> TensorProxy:
     """``Tensor.requires_grad_`` inside a traced function. Asking for the flag the tensor already has changes
     nothing, as in eager (transformers' ``enable_input_require_grads`` hook asks it of embeddings that already
-    require grad, for gradient checkpointing); another change raises ``NotImplementedError`` naming the line."""
+    require grad, for gradient checkpointing). ``requires_grad_()`` of a tensor made inside makes a leaf, as in
+    eager (``make_leaf``); another change raises ``NotImplementedError`` naming the line."""
     current = latest(t)
     if bool(requires_grad) == current.requires_grad:
         return t
     # Eager changes the flag of a leaf: of the caller's tensor (whose later .grad the compiled program would not
-    # fill), or of a new leaf made here, whose gradient would have to leave the program as an input's does. Recorded
-    # as an opaque op, either gave other flags and gradients than eager's; refused until both are supported.
+    # fill), or of a new leaf made here. The second is recorded and its program runs under PyTorch autograd.
     if _from_parameter_constructor():
         current._is_param = True  # raises the error for nn.Parameter(...) of a traced tensor, naming the line
     trc = get_tracectx()
     is_input = trc is not None and any(current is p for p in trc.args)
+    if requires_grad and not is_input and trc is not None and current.is_leaf:
+        leaf = make_leaf(current)
+        leaf.mark_input(leaf=True, param=False)  # an autograd leaf, as eager's (.grad_fn None, no in-place writes)
+        trc.leaves_made.append((leaf, _user_location()))
+        trc.has_mutations = True  # later uses of `t` read `leaf` (proxies.latest)
+        current.replace_with(leaf)
+        trc.mutations += 1
+        return t
     what = "an input of a function fulmen compiles" if is_input else "a tensor made inside a function fulmen compiles"
     raise NotImplementedError(
         f"Tensor.requires_grad_({bool(requires_grad)}) on {what} ({t.name}, {t.type_string()}) is not supported: "

@@ -21,16 +21,19 @@ import torch
 
 from fulmen import clang, prims
 from fulmen.core.proxies import TensorProxy, _user_location, latest
+from fulmen.core.symbol import OpTags, Symbol
 from fulmen.core.trace import get_tracectx
 from fulmen.core.tracer import get_tracer
 from fulmen.core.utils import check
 from fulmen.torch.overlap import check_no_partial_overlap
 from fulmen.torch.registry import register_function, tensor_methods, torchsymbol
-from fulmen.torch.shape import layout_of, set_strides
+from fulmen.torch.shape import as_strided, layout_of, set_strides
 from fulmen.torch.views import memory_order
 
-_OVERLAP_MESSAGE = ("unsupported operation: more than one element of the written-to tensor refers to a single memory "
-                    "location. Please clone() the tensor before performing the operation.")
+
+def _overlap_message() -> str:
+    return ("unsupported operation: more than one element of the written-to tensor refers to a single memory "
+            f"location. Please clone() the tensor before performing the operation.\n  at {_user_location()}")
 
 
 def scatter_into(base: TensorProxy, select: Callable[[TensorProxy], TensorProxy], values) -> TensorProxy:
@@ -94,7 +97,7 @@ def mutate(target: TensorProxy, new_value, *, overwrites: bool = False, refuse_o
     if _from_view is None and torch.is_grad_enabled():
         _check_not_multi_output_view(target)
     if refuse_overlap and _from_view is None:
-        check(not _shares_elements(current), lambda: _OVERLAP_MESSAGE)
+        check(not _shares_elements(current), _overlap_message)
     new = _cast_to(current, new_value)
     # torch's check concerns the tensor written through (x.detach().zero_() on a leaf is allowed)
     if _from_view is None and torch.is_grad_enabled() and current.requires_grad and current.origin == "input-leaf":
@@ -205,7 +208,7 @@ def setitem(a: TensorProxy, key, value) -> None:
         # base; a new value of the whole view would also carry the others' old values to the same base elements
         picked = getitem(current, key)
         check(not (isinstance(picked, TensorProxy) and picked.view_of is not None and _shares_elements(picked)),
-              lambda: _OVERLAP_MESSAGE)
+              _overlap_message)
         base, remake = current.view_of
         select = lambda b: getitem(remake(b), key)  # noqa: E731
         while latest(base).view_of is not None and _shares_elements(latest(base)):  # up to a base that can take it
@@ -218,6 +221,35 @@ def setitem(a: TensorProxy, key, value) -> None:
                _refresh_written=True)
         return
     mutate(a, scatter_into(current, lambda base: getitem(base, key), value), refuse_overlap=False)
+
+
+def _memory_meta(a: TensorProxy, size: tuple, stride: tuple) -> TensorProxy:
+    return TensorProxy(shape=size, dtype=a.dtype, device=a.device, requires_grad=False)
+
+
+#: ``torch.as_strided(x, (n,), (1,))``: the n elements of memory from where ``x`` starts, as a dense 1-D tensor that
+#: shares them. Its own symbol (not the opaque ``torch.as_strided``): its result is the base of ``x``, not a view of it.
+memory_of = Symbol(name="as_strided", meta=_memory_meta, id="ltorch.memory_of", is_prim=True, tags=(OpTags.FALLBACK,),
+                   module="torch", torch_fns=(torch.as_strided,), torch_impl=torch.as_strided)
+
+
+def view_input_as_its_memory(p: TensorProxy) -> None:
+    """Make the program input ``p``, whose elements share memory (an ``expand``-ed tensor, stride 0), a view of the
+    memory it covers, as eager's tensor is: a write through it (``fill_``, ``zero_``, an index assignment) then
+    reaches every element that shares the memory written, a later read sees it, and the caller's memory gets it.
+    Called before the user's code runs; a program that never writes ``p`` loses the unused memory value to DCE.
+    Inputs that require grad keep their refusal (autograd's view of such a write is not modelled)."""
+    strides = layout_of(p)
+    if p.requires_grad or not _shares_elements(p) or any(type(n) is not int for n in (*p.shape, *strides)):
+        return
+    span = 1 + sum((n - 1) * st for n, st in zip(p.shape, strides)) if p.numel() else 0
+    memory = memory_of(p, (span,), (1,))
+
+    def remake(new_memory, shape=tuple(p.shape), strides=tuple(strides)):
+        return as_strided(new_memory, shape, strides, 0)
+
+    p.make_view_of(memory, remake)
+    set_strides(p, strides)  # now kept for the view, as for any view (fulmen.torch.views)
 
 
 def _check_not_multi_output_view(target: TensorProxy) -> None:

@@ -454,7 +454,7 @@ def chunk(a, chunks: int, dim: int = 0):
 
 
 @view_symbol(torch.Tensor.tensor_split, torch.tensor_split, id="torch.tensor_split", method_name="tensor_split",
-             tags=_SHAPE)
+             tags=_SHAPE, separate_views=True)
 def tensor_split(a, indices_or_sections, dim: int = 0):
     """``torch.tensor_split``: ``n`` nearly equal pieces, or pieces between the given indices."""
     check(a.ndim > 0, lambda: f"tensor_split expected at least a 1-dimensional tensor, but got a tensor with "

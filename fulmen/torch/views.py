@@ -196,7 +196,7 @@ def _view_hook(bsym: BoundSymbol, unview=None) -> None:
                    for p, m in zip(outs, mouts) if isinstance(p, TensorProxy) and isinstance(m, torch.Tensor)]
     if sym.always_alias or any(aliases for *_, aliases in layouts):
         link_views(sym, bsym.args, bsym.kwargs, bsym.output, unview=unview)
-        if isinstance(bsym.output, (tuple, list)) and torch.is_grad_enabled():
+        if isinstance(bsym.output, (tuple, list)) and torch.is_grad_enabled() and not sym.separate_views:
             # autograd refuses in-place writes to the views a multi-view op (split, chunk, unbind) returns
             for p in bsym.output:
                 if isinstance(p, TensorProxy) and p.requires_grad:
@@ -233,19 +233,20 @@ def new_tensor(fn):
 
 
 def view_symbol(*torch_fns, meta_fn=None, always_alias: bool = False, unview=None, may_return_input: bool = False,
-                **kwargs):
+                separate_views: bool = False, **kwargs):
     """``torchsymbol(..., is_view=True)`` whose outputs alias the input exactly when eager's do.
 
     ``unview(new value of the view)`` gives the new value of the whole input, for views that a write cannot be
     scattered through element by element (a view with another dtype, as ``view_as_real``'s). The result is a new
     tensor, never the input itself, unless ``may_return_input`` (eager's ``flatten`` returns its input when there is
-    nothing to flatten).
+    nothing to flatten). ``separate_views``: the op returns several views that eager makes one view op each
+    (``tensor_split``), which autograd lets be written in place.
     """
 
     def decorator(fn) -> Symbol:
         sym = torchsymbol(*torch_fns, is_view=True, **kwargs)(fn if may_return_input else new_tensor(fn))
         sym.post_hook = _view_hook if unview is None else lambda bsym: _view_hook(bsym, unview)
-        sym.view_meta_fn, sym.always_alias = meta_fn, always_alias
+        sym.view_meta_fn, sym.always_alias, sym.separate_views = meta_fn, always_alias, separate_views
         return sym
 
     return decorator

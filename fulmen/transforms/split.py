@@ -258,7 +258,7 @@ def _modified_saved_value(trace: Trace, joint: Joint, executors: Sequence, conte
             b = bsyms[i]
             if i in own or b.no_grad or not any(p.name in joint.active for p in b.flat_proxy_outs):
                 continue
-            if old.name in _read_by_backward(b, joint.active, executors, context):
+            if not _views_of(b, old) and old.name in _read_by_backward(b, joint.active, executors, context):
                 reached = {p.name for p in b.flat_proxy_outs}
                 for later in bsyms[i + 1:]:
                     if any(p.name in reached for p in later.flat_args):
@@ -271,6 +271,17 @@ def _modified_saved_value(trace: Trace, joint: Joint, executors: Sequence, conte
                     "Clone the tensor before the in-place operation, or update a copy.")
                 found = (message, through | (found[1] if found is not None else frozenset()))
     return found
+
+
+def _views_of(bsym: BoundSymbol, base: TensorProxy) -> bool:
+    """Whether every tensor ``bsym`` returns is a view of ``base``, its first argument (``torch.atleast_3d``, an
+    ``hsplit`` piece, ``as_strided``). A view's backward reads its base's geometry, never its values (autograd
+    saves no tensor for it), so a later write into the base leaves eager's backward through the view working,
+    although an opaque view's backward here recomputes the view from the base."""
+    first = bsym.args[0] if bsym.args else None
+    outs = [p for p in bsym.flat_proxy_outs if isinstance(p, TensorProxy)]
+    return (isinstance(first, TensorProxy) and first.name == base.name and bool(outs)
+            and all(p.view_of is not None and p.view_of[0].name == base.name for p in outs))
 
 
 def _reads_beyond_first(bsym: BoundSymbol, name: str) -> bool:
