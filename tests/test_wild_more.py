@@ -1,0 +1,117 @@
+"""More programs nobody on the team wrote, as users write them: each must match eager PyTorch, or be refused with an
+error that says what to change.
+
+Every test here reproduces a silently wrong result found by running such a program under ``fulmen.jit``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fulmen
+from fulmen.core.proxies import Proxy
+
+_FEATURES: list = []
+
+
+def _log_features(x):
+    y = x.sin()
+    _FEATURES.append(y)  # a global list: eager appends a real tensor on every call
+    return y * 2
+
+
+def test_forward_hook_collecting_activations_is_refused_and_leaves_no_proxy():
+    """A forward hook that stores activations in a list (feature extraction): the compiled program does not repeat
+    the append, so the list would hold a placeholder after the first call and nothing from later ones."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    feats: list = []
+    model[1].register_forward_hook(lambda mod, args, out: feats.append(out))
+    jitted = fulmen.jit(model, executors=["torch"])
+    with pytest.raises(NotImplementedError, match="'feats'.*list"):
+        jitted(torch.randn(2, 3))
+    assert feats == []  # the traced placeholder was taken out again
+    model(torch.randn(2, 3))  # eager still runs the hook
+    assert len(feats) == 1 and not isinstance(feats[0], Proxy)
+
+
+def test_hook_storing_into_a_closure_dict_is_refused():
+    acts: dict = {}
+
+    def save(name):
+        def hook(mod, args, out):
+            acts[name] = out.detach()
+
+        return hook
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh())
+    model[0].register_forward_hook(save("linear"))
+    with pytest.raises(NotImplementedError, match="'acts'.*dict"):
+        fulmen.jit(model, executors=["torch"])(torch.randn(2, 3))
+    assert acts == {}
+
+
+def test_append_to_a_global_list_is_refused():
+    _FEATURES.clear()
+    with pytest.raises(NotImplementedError, match="'_FEATURES' \\(a global"):
+        fulmen.jit(_log_features, executors=["torch"])(torch.randn(3))
+    assert _FEATURES == []
+
+
+class _KeepsHistory(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.history: list = []
+
+    def forward(self, x):
+        y = self.linear(x)
+        self.history.append(y)
+        return y
+
+
+def test_module_appending_to_its_own_list_attribute_is_refused():
+    module = _KeepsHistory()
+    with pytest.raises(NotImplementedError, match="_KeepsHistory.history"):
+        fulmen.jit(module, executors=["torch"])(torch.randn(2, 3))
+    assert module.history == []
+
+
+def _append_double(xs, out):
+    out.append(xs[0] * 2)
+    return xs[0]
+
+
+def _set_item(batch):
+    batch["doubled"] = batch["x"] * 2
+    return batch["x"] + 1
+
+
+@pytest.mark.parametrize(
+    "fn, args, name",
+    [(_append_double, lambda: ([torch.ones(2)], []), "'out'"), (_set_item, lambda: ({"x": torch.ones(2)},), "'batch'")],
+)
+def test_changing_a_list_or_dict_argument_is_refused(fn, args, name):
+    """The traced function receives copies of its list and dict arguments (their tensors made proxies): items it
+    adds would never reach the caller's container, on the first call or any later one."""
+    with pytest.raises(NotImplementedError, match=f"passed as {name}"):
+        fulmen.jit(fn, executors=["torch"])(*args())
+
+
+def test_containers_the_function_only_reads_or_updates_in_place_still_compile():
+    """No false alarm: tensors updated in place through a list argument, a hook that stores a shape, a config dict."""
+    shapes: list = []
+    model = nn.Sequential(nn.Linear(3, 4))
+    model[0].register_forward_hook(lambda mod, args, out: shapes.append(tuple(out.shape)))
+    cfg = {"scale": 2.0}
+
+    def step(ts, x):
+        ts[0].mul_(cfg["scale"])
+        return model(x) + ts[0].sum()
+
+    jitted = fulmen.jit(step, executors=["torch"])
+    x, ts_eager, ts_jit = torch.randn(2, 3), [torch.ones(4)], [torch.ones(4)]
+    for _ in range(2):
+        torch.testing.assert_close(jitted(ts_jit, x), step(ts_eager, x))
+        torch.testing.assert_close(ts_jit[0], ts_eager[0])
