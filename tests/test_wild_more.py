@@ -115,3 +115,20 @@ def test_containers_the_function_only_reads_or_updates_in_place_still_compile():
     for _ in range(2):
         torch.testing.assert_close(jitted(ts_jit, x), step(ts_eager, x))
         torch.testing.assert_close(ts_jit[0], ts_eager[0])
+
+
+def test_default_arguments_rebound_between_calls_are_seen():
+    """Eager reads ``f.__defaults__`` / ``f.__kwdefaults__`` at every call; a program traced with the old default
+    tensor or number kept using it."""
+    weight = torch.ones(3)
+
+    def scaled(x, w=weight, *, shift=1.0):
+        return x * w + shift
+
+    jitted = fulmen.jit(scaled, executors=["torch"])
+    x = torch.arange(3.0)
+    torch.testing.assert_close(jitted(x), scaled(x))
+    scaled.__defaults__ = (torch.full((3,), 7.0),)
+    torch.testing.assert_close(jitted(x), scaled(x))
+    scaled.__kwdefaults__ = {"shift": -2.0}
+    torch.testing.assert_close(jitted(x), scaled(x))

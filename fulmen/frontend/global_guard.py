@@ -8,8 +8,9 @@ into one generated function that a call checks before reusing the program. A fai
 program compiled for the old values stays cached, for when they come back).
 
 What is found: the names each user code object that issued a torch call refers to (``co_names``, including its
-comprehensions and nested functions), and every attribute chain it loads from a global, a closure variable, its
-``self`` or an argument of the traced function (``cfgmod.SCALE``, ``K.scale``, ``self.cfg.sub.mult``,
+comprehensions and nested functions), the default arguments of the functions followed (``__defaults__``,
+``__kwdefaults__``, which eager reads at every call), and every attribute chain it loads from a global, a closure
+variable, its ``self`` or an argument of the traced function (``cfgmod.SCALE``, ``K.scale``, ``self.cfg.sub.mult``,
 ``self.__class__.scale``, ``options.scale``); for a method, the attributes of its class it names
 (``type(self).scale``). Each link of a chain is checked where Python's attribute lookup finds it: an object's
 ``__dict__`` (and, for a class attribute, that the instance and the classes before the defining one in the MRO
@@ -418,6 +419,10 @@ class _Collector:
             cells[name] = value
             self.add(f"the closure variable {name} of {fn.__qualname__}", "cell", cell, name, value, attrs, absent)
             self.follow(value)
+        for name in ("__defaults__", "__kwdefaults__"):  # eager reads them at every call: f.__defaults__ = (w,)
+            value = getattr(fn, name)
+            if value is not None:
+                self.add(f"the default arguments of {fn.__qualname__}", "slot", fn, name, value, attrs, absent)
         if owner is None and instance is not MISSING:
             owner = type(instance)
         self.code(fn.__code__, fn.__globals__, owner, instance, cells, arguments)
