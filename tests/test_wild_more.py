@@ -132,3 +132,34 @@ def test_default_arguments_rebound_between_calls_are_seen():
     torch.testing.assert_close(jitted(x), scaled(x))
     scaled.__kwdefaults__ = {"shift": -2.0}
     torch.testing.assert_close(jitted(x), scaled(x))
+
+
+class _Symmetric(nn.Module):
+    def forward(self, w):
+        return w.triu() + w.triu(1).transpose(-1, -2)
+
+
+def _symmetric_linear() -> nn.Linear:
+    torch.manual_seed(0)
+    linear = nn.Linear(4, 4)
+    torch.nn.utils.parametrize.register_parametrization(linear, "weight", _Symmetric())
+    return linear
+
+
+def test_parametrize_cached_neither_leaks_proxies_nor_bakes_in_the_cached_weight():
+    """``parametrize.cached()`` keeps each parametrized weight in a dict for the process: traced inside it, the
+    program read the real weight an eager call had cached (a constant, stale after the next optimizer step), or left
+    its proxy there for eager code to run into."""
+    from torch.nn.utils import parametrize
+
+    eager, linear = _symmetric_linear(), _symmetric_linear()
+    jitted = fulmen.jit(linear, executors=["torch"])
+    x = torch.randn(2, 4)
+    with parametrize.cached():
+        torch.testing.assert_close(linear(x), eager(x))  # eager first: the weight is now in the cache
+        torch.testing.assert_close(jitted(x), eager(x))
+        torch.testing.assert_close(linear(x), eager(x))  # and no proxy left there by the trace
+    with torch.no_grad():
+        for m in (eager, linear):
+            m.parametrizations.weight.original.add_(1.0)
+    torch.testing.assert_close(jitted(x), eager(x))

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint
+from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 
 from fulmen import prims
@@ -299,6 +300,32 @@ def _compiling():
                 torch.compiler._is_compiling_flag = _flag_saved
 
 
+_cache_users = 0  # traces in progress, in every thread, with torch.nn.utils.parametrize's cache turned off
+_cache_saved = 0
+
+
+@contextlib.contextmanager
+def _parametrizations_uncached():
+    """Parametrized weights are computed at each access while fulmen traces, as under ``torch.jit.trace``, even
+    inside ``torch.nn.utils.parametrize.cached()``: its cache is a dict for the process, so the trace would either
+    leave proxies in it for eager code to find after the trace, or read a real tensor computed before the trace and
+    bake it into the program, stale once the weights change. The values are the same either way. The counter is
+    the process's: the first trace to start saves it and the last to end puts it back (``_compiling``)."""
+    global _cache_users, _cache_saved
+    with _flag_lock:
+        if _cache_users == 0:
+            _cache_saved = parametrize._cache_enabled
+        _cache_users += 1
+        parametrize._cache_enabled = 0
+    try:
+        yield
+    finally:
+        with _flag_lock:
+            _cache_users -= 1
+            if _cache_users == 0:
+                parametrize._cache_enabled = _cache_saved
+
+
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 
@@ -478,7 +505,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     tracer = UserTracer(trace, spec, reader=reader if split_points else None, on_user_call=recorder, replay=replay)
     containers = argument_containers(proxy_args[1:] if state is not None else proxy_args, proxy_kwargs, names)
     try:
-        with tracing(tracer), _UserTorchCalls(trace), _compiling(), _recording_autograd_functions(), \
+        with tracing(tracer), _UserTorchCalls(trace), _compiling(), _parametrizations_uncached(), \
+                _recording_autograd_functions(), \
                 nn_functional_traceable(), routing_higher_order_ops(), recording_rng_calls(), \
                 ModuleWrites() as writes:
             result = _call_user(fn, proxy_args, proxy_kwargs, swaps)
