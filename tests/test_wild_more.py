@@ -163,3 +163,19 @@ def test_parametrize_cached_neither_leaks_proxies_nor_bakes_in_the_cached_weight
         for m in (eager, linear):
             m.parametrizations.weight.original.add_(1.0)
     torch.testing.assert_close(jitted(x), eager(x))
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_returned_shapes_stay_torch_size(requires_grad):
+    """``return x.shape``: eager returns a ``torch.Size`` (``.numel()``, ``isinstance(s, torch.Size)``); torch's pytree
+    unflattens one into a plain tuple, which the compiled program returned."""
+
+    def shapes(x):
+        return x.shape, x.sum(), x.shape[1:], x.size()
+
+    jitted = fulmen.jit(shapes, executors=["torch"])
+    x = torch.randn(2, 3, requires_grad=requires_grad)
+    for _ in range(3):  # the first call, then the compiled program (warm start)
+        got, want = jitted(x), shapes(x)
+        assert [type(v) for v in got] == [type(v) for v in want]
+        assert got[0] == want[0] and got[2] == want[2] and got[0].numel() == 6
