@@ -6,6 +6,8 @@ Every test here reproduces a silently wrong result found by running such a progr
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn as nn
@@ -179,3 +181,18 @@ def test_returned_shapes_stay_torch_size(requires_grad):
         got, want = jitted(x), shapes(x)
         assert [type(v) for v in got] == [type(v) for v in want]
         assert got[0] == want[0] and got[2] == want[2] and got[0].numel() == 6
+
+
+def test_assigning_a_nonlocal_variable_while_traced_warns(caplog):
+    """``nonlocal count; count += 1`` outlives the call like a global write; the compiled program does not repeat it
+    (and ``x * count`` keeps the traced count), so it warns as for globals."""
+    count = 0
+
+    def counted(x):
+        nonlocal count
+        count += 1
+        return x * count
+
+    with caplog.at_level(logging.WARNING, logger="fulmen"):
+        fulmen.jit(counted, executors=["torch"])(torch.ones(2))
+    assert any("nonlocal variable(s) count" in r.getMessage() for r in caplog.records)

@@ -619,17 +619,23 @@ def build_guard(recorder: ReadRecorder, captured: list[tuple[str, torch.Tensor]]
 
 _warned_writes: set = set()
 _STORE_GLOBAL = dis.opmap["STORE_GLOBAL"]
+_STORE_DEREF = dis.opmap["STORE_DEREF"]
 
 
 def _warn_on_global_writes(codes) -> None:
+    """Warn once per code object that assigns a global, or a variable of an enclosing function (``nonlocal``):
+    such a write outlives the call, and a compiled program does not repeat it."""
     for code in codes:
-        if code in _warned_writes or _STORE_GLOBAL not in code.co_code[::2]:  # the opcodes: dis is far slower
+        ops = code.co_code[::2]  # the opcodes: dis is far slower
+        if code in _warned_writes or (_STORE_GLOBAL not in ops and not (code.co_freevars and _STORE_DEREF in ops)):
             continue
-        stored = sorted({ins.argval for ins in dis.get_instructions(code) if ins.opname == "STORE_GLOBAL"})
+        stored = sorted({ins.argval for ins in dis.get_instructions(code) if ins.opname == "STORE_GLOBAL" or (
+            ins.opname == "STORE_DEREF" and ins.argval in code.co_freevars)})
         if stored:
             _warned_writes.add(code)
-            log.warning("fulmen: %s assigns the global(s) %s while being traced; the compiled program does not "
-                        "repeat Python side effects, so later calls do not assign them", code.co_qualname,
+            log.warning("fulmen: %s assigns the global or nonlocal variable(s) %s while being traced; the compiled "
+                        "program does not repeat Python side effects, so later calls do not assign them (and "
+                        "values computed from them stay those of the traced call)", code.co_qualname,
                         ", ".join(stored))
 
 
