@@ -196,3 +196,21 @@ def test_assigning_a_nonlocal_variable_while_traced_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="fulmen"):
         fulmen.jit(counted, executors=["torch"])(torch.ones(2))
     assert any("nonlocal variable(s) count" in r.getMessage() for r in caplog.records)
+
+
+_ACCURACY: list = []
+
+
+def _eval_step(logits, labels):
+    _ACCURACY.append((logits.argmax(-1) == labels).sum().item())  # a number, read from the call's tensors
+    return logits.sum()
+
+
+def test_changing_a_container_with_python_values_while_traced_warns(caplog):
+    """``stats.append(correct.item())`` in a compiled step: the append runs only while tracing (a call whose value
+    takes an already compiled branch appends nothing), so it warns as for assigned globals."""
+    _ACCURACY.clear()
+    with caplog.at_level(logging.WARNING, logger="fulmen"):
+        fulmen.jit(_eval_step, executors=["torch"])(torch.eye(2), torch.tensor([0, 0]))
+    assert any("changes '_ACCURACY'" in r.getMessage() for r in caplog.records)
+    _ACCURACY.clear()

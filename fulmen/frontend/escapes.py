@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 import types
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -23,6 +24,9 @@ from torch.nn.modules import module as _torch_module
 
 from fulmen.core.proxies import Proxy
 from fulmen.frontend.attribute_lookup import is_user_class, is_user_function
+
+log = logging.getLogger("fulmen")
+_warned: set = set()
 
 #: How deep into nested containers a store is looked for (``acts[layer][step] = out``).
 _MAX_DEPTH = 3
@@ -77,7 +81,10 @@ class _Search:
     def __init__(self):
         self.seen: set[int] = set()
         self.functions: set[int] = set()
-        self.found: list[tuple[str, Any]] = []
+        self.places: list[tuple[str, Any]] = []  # (how the code names it, the container or object)
+
+    def found(self) -> list[tuple[str, Any]]:
+        return [(where, v) for where, v in self.places if _holds_proxy(v)]
 
     def value(self, where: str, v: Any) -> None:
         if id(v) in self.seen:
@@ -88,8 +95,7 @@ class _Search:
         elif isinstance(v, (types.FunctionType, types.MethodType, functools.partial)):
             self.function(v)
         elif isinstance(v, _CONTAINERS) or _user_object(v):
-            if _holds_proxy(v):
-                self.found.append((where, v))
+            self.places.append((where, v))
 
     def function(self, f: Any) -> None:
         if isinstance(f, functools.partial):
@@ -121,13 +127,42 @@ class _Search:
             self.seen.add(id(mod))
             self.hooks(mod.__dict__, f"{type(mod).__name__}")
             for name, v in mod.__dict__.items():
-                if isinstance(v, _CONTAINERS) and not name.startswith("_") and _holds_proxy(v):
-                    self.found.append((f"{type(mod).__name__}.{name}", v))
+                if isinstance(v, _CONTAINERS) and not name.startswith("_") and id(v) not in self.seen:
+                    self.seen.add(id(v))
+                    self.places.append((f"{type(mod).__name__}.{name}", v))
 
     def hooks(self, tables: dict, owner: str) -> None:
         for table in _HOOK_TABLES + _GLOBAL_HOOK_TABLES:
             for hook in tables.get(table, {}).values():
                 self.function(hook)
+
+
+def _state(x: Any) -> tuple:
+    """What a container or object holds, shallowly, by identity (a write replaces an item or adds one)."""
+    if isinstance(x, dict):
+        return tuple((id(k), id(v)) for k, v in x.items())
+    if isinstance(x, (list, collections.deque)):
+        return tuple(map(id, x))
+    if isinstance(x, set):
+        return tuple(sorted(map(id, x)))
+    return tuple((k, id(v)) for k, v in vars(x).items())
+
+
+class ContainerStates:
+    """The containers and objects that the traced function, the modules' forward hooks and the jitted module's
+    list and dict attributes name, as they are before tracing: ``changed`` lists those the trace wrote to."""
+
+    def __init__(self, fns: Iterable[Callable], own: Iterable[torch.nn.Module]):
+        search = _Search()
+        search.hooks(vars(_torch_module), "global")
+        for mod in own:
+            search.module_tree(mod)
+        for fn in fns:
+            search.function(fn)
+        self._before = [(where, v, _state(v)) for where, v in search.places]
+
+    def changed(self) -> list[str]:
+        return [where for where, v, state in self._before if _state(v) != state]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -185,15 +220,32 @@ def check_no_escapes(
                 "the caller's would not change. Return the new items instead, or pass them in a Python object "
                 "(an instance of your own class), whose changes fulmen repeats on every call."
             )
-    if not search.found:
+    found = search.found()
+    if not found:
         return
-    for _, container in search.found:
+    for _, container in found:
         _drop_proxies(container)
-    where = search.found[0][0]
+    where = found[0][0]
     raise NotImplementedError(
         f"the function stores a tensor it computes in {where}, a Python "
-        f"{type(search.found[0][1]).__name__} outside the values it returns; a compiled program repeats only the "
+        f"{type(found[0][1]).__name__} outside the values it returns; a compiled program repeats only the "
         "tensor computation, so that container would not be updated on later calls (a forward hook collecting "
         "activations, a list of losses). Return the tensor from the function (or from the module's forward) and "
         "store it outside, or run this code without fulmen.jit."
     )
+
+
+def warn_on_changes(fn: Callable, states: ContainerStates) -> None:
+    """Warn (once per function and containers) where the trace changed a list, dict, set or object without
+    leaving a traced tensor there (``stats.append(correct.item())``): a compiled program does not repeat it."""
+    changed = states.changed()
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    if changed and (name, tuple(changed)) not in _warned:
+        _warned.add((name, tuple(changed)))
+        log.warning(
+            "fulmen: %s changes %s while being traced; the compiled program does not repeat Python side "
+            "effects, so later calls leave it as it is. Make the change outside the compiled function (on "
+            "the values it returns).",
+            name,
+            ", ".join(changed),
+        )

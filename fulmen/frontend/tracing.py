@@ -28,7 +28,7 @@ from fulmen.core.tracer import Tracer, record, resolve_latest, tracing
 from fulmen.core.unbacked import GuardOnDataDependentSymNode, data_dependent_guard
 from fulmen.frontend import checkpointing
 from fulmen.frontend.cache import is_holder
-from fulmen.frontend.escapes import argument_containers, check_no_escapes
+from fulmen.frontend.escapes import ContainerStates, argument_containers, check_no_escapes, warn_on_changes
 from fulmen.frontend.global_guard import GlobalGuard, ReadRecorder, build_guard
 from fulmen.frontend.higher_order import routing_higher_order_ops
 from fulmen.frontend.module_writes import ModuleWrites, check_no_proxies_left
@@ -504,6 +504,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     recorder = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
     tracer = UserTracer(trace, spec, reader=reader if split_points else None, on_user_call=recorder, replay=replay)
     containers = argument_containers(proxy_args[1:] if state is not None else proxy_args, proxy_kwargs, names)
+    roots = (fn, guard_reads) if guard_reads is not None else (fn,)
+    states = ContainerStates(roots, own)
     try:
         with tracing(tracer), _UserTorchCalls(trace), _compiling(), _parametrizations_uncached(), \
                 _recording_autograd_functions(), \
@@ -517,7 +519,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
                                        recorder.codes if recorder is not None else (), real_state)
             check_no_proxies_left(own)
             codes = [(code, globals_) for code, (globals_, _) in recorder.codes.items()] if recorder else ()
-            check_no_escapes((fn, guard_reads) if guard_reads is not None else (fn,), containers, codes, own)
+            check_no_escapes(roots, containers, codes, own)
+            warn_on_changes(guard_reads or fn, states)
             spec.written = writes.written()
             if attributes:  # the program also returns them; every call assigns them (module_writes.assigning)
                 spec.attributes = tuple((mod, name) for mod, name, _ in attributes)
