@@ -214,3 +214,14 @@ def test_changing_a_container_with_python_values_while_traced_warns(caplog):
         fulmen.jit(_eval_step, executors=["torch"])(torch.eye(2), torch.tensor([0, 0]))
     assert any("changes '_ACCURACY'" in r.getMessage() for r in caplog.records)
     _ACCURACY.clear()
+
+
+def test_a_generator_argument_pytorch_cannot_trace_is_a_clear_refusal():
+    """``t.exponential_(generator=g)``: PyTorch's fake kernel raises a bare AssertionError for the generator; the
+    refusal names the op, the user's line and the way out."""
+
+    def noise(x, gen):
+        return torch.empty(3).exponential_(generator=gen) + x
+
+    with pytest.raises(NotImplementedError, match="(?s)exponential_.*generator.*test_wild_more.py"):
+        fulmen.jit(noise, executors=["torch"])(torch.ones(3), torch.Generator().manual_seed(0))
