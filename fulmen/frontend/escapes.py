@@ -231,7 +231,7 @@ def check_no_escapes(
         f"{type(found[0][1]).__name__} outside the values it returns; a compiled program repeats only the "
         "tensor computation, so that container would not be updated on later calls (a forward hook collecting "
         "activations, a list of losses). Return the tensor from the function (or from the module's forward) and "
-        "store it outside, or run this code without fulmen.jit."
+        'store it outside, or use torch.compile(model, backend="fulmen"), whose Dynamo repeats such side effects.'
     )
 
 
