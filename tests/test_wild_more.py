@@ -6,6 +6,7 @@ Every test here reproduces a silently wrong result found by running such a progr
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
@@ -225,3 +226,25 @@ def test_a_generator_argument_pytorch_cannot_trace_is_a_clear_refusal():
 
     with pytest.raises(NotImplementedError, match="(?s)exponential_.*generator.*test_wild_more.py"):
         fulmen.jit(noise, executors=["torch"])(torch.ones(3), torch.Generator().manual_seed(0))
+
+
+@functools.lru_cache(maxsize=None)
+def _causal_mask(n: int) -> torch.Tensor:
+    return torch.ones(n, n).triu(1).bool()
+
+
+def _masked(x):
+    return x.masked_fill(_causal_mask(x.shape[-1]), 0.0)
+
+
+def test_an_lru_cached_helper_keeps_no_traced_values():
+    """A mask built by an ``lru_cache``d helper while tracing was a proxy kept in the cache: eager code calling the
+    helper got it back, and a later trace (a new dtype) used it as a value of its own (a NameError in its code)."""
+    _causal_mask.cache_clear()
+    jitted = fulmen.jit(_masked, executors=["torch"])
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(jitted(x), _masked(x))
+    assert not isinstance(_causal_mask(4), Proxy)  # eager code gets a tensor back
+    _causal_mask.cache_clear()
+    torch.testing.assert_close(jitted(x.double()), _masked(x.double()))  # a new trace, then eager
+    torch.testing.assert_close(jitted(x.double()), _masked(x.double()))

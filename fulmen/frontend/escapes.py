@@ -31,6 +31,7 @@ _warned: set = set()
 #: How deep into nested containers a store is looked for (``acts[layer][step] = out``).
 _MAX_DEPTH = 3
 _CONTAINERS = (list, dict, set, collections.deque)
+_LRU_CACHE = functools._lru_cache_wrapper
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks")
 _GLOBAL_HOOK_TABLES = ("_global_forward_pre_hooks", "_global_forward_hooks")
 
@@ -82,6 +83,7 @@ class _Search:
         self.seen: set[int] = set()
         self.functions: set[int] = set()
         self.places: list[tuple[str, Any]] = []  # (how the code names it, the container or object)
+        self.caches: list[tuple[str, Any]] = []  # functools.lru_cache / functools.cache wrappers named
 
     def found(self) -> list[tuple[str, Any]]:
         return [(where, v) for where, v in self.places if _holds_proxy(v)]
@@ -94,6 +96,9 @@ class _Search:
             self.module_tree(v)
         elif isinstance(v, (types.FunctionType, types.MethodType, functools.partial)):
             self.function(v)
+        elif isinstance(v, _LRU_CACHE):
+            self.caches.append((where, v))
+            self.function(getattr(v, "__wrapped__", None))
         elif isinstance(v, _CONTAINERS) or _user_object(v):
             self.places.append((where, v))
 
@@ -160,9 +165,22 @@ class ContainerStates:
         for fn in fns:
             search.function(fn)
         self._before = [(where, v, _state(v)) for where, v in search.places]
+        self._caches = [(where, v, v.cache_info().currsize) for where, v in search.caches]
 
     def changed(self) -> list[str]:
         return [where for where, v, state in self._before if _state(v) != state]
+
+    def clear_grown_caches(self) -> None:
+        """Empty the ``functools.lru_cache`` caches that grew while tracing: what they stored was computed on
+        proxies (``causal_mask(n)`` building a mask), which a later trace would use as a value of its own and eager
+        code would get back in place of a tensor. A cache only saves work, so emptying it changes no result."""
+        for where, cached, size in self._caches:
+            if cached.cache_info().currsize > size:
+                cached.cache_clear()
+                log.info(
+                    "fulmen: emptied the cache of %s (functools.lru_cache): it stored values computed while tracing",
+                    where,
+                )
 
 
 @functools.lru_cache(maxsize=4096)

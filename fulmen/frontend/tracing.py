@@ -530,6 +530,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     except GuardOnDataDependentSymNode as e:  # a meta asked a question about a data-dependent size
         raise data_dependent_guard(None, e) from e
     finally:
+        states.clear_grown_caches()
         if recorder is not None:
             recorder.close()
     if recorder is not None:
