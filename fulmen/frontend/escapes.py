@@ -267,3 +267,23 @@ def warn_on_changes(fn: Callable, states: ContainerStates) -> None:
             name,
             ", ".join(changed),
         )
+
+
+class PythonStateWatch:
+    """What ``fulmen.frontend.tracing.trace_program`` checks of the Python state around one trace: built before
+    the function runs (``roots``: the traced function and the user's function behind it; ``args``/``kwargs``: the
+    proxied arguments, ``names`` their parameters; ``own``: the jitted module's tree), ``check`` after it returned
+    (``codes``: the recorder's user code and globals), ``clear_grown_caches`` whether it returned or raised."""
+
+    def __init__(self, roots: tuple, args: tuple, kwargs: dict, names: list[str], own: Iterable[torch.nn.Module]):
+        self.roots, self.own = roots, own
+        self.containers = argument_containers(args, kwargs, names)
+        self.states = ContainerStates(roots, own)
+
+    def check(self, codes: dict) -> None:
+        pairs = [(code, globals_) for code, (globals_, _) in codes.items()]
+        check_no_escapes(self.roots, self.containers, pairs, self.own)
+        warn_on_changes(self.roots[-1], self.states)
+
+    def clear_grown_caches(self) -> None:
+        self.states.clear_grown_caches()

@@ -28,7 +28,7 @@ from fulmen.core.tracer import Tracer, record, resolve_latest, tracing
 from fulmen.core.unbacked import GuardOnDataDependentSymNode, data_dependent_guard
 from fulmen.frontend import checkpointing
 from fulmen.frontend.cache import is_holder
-from fulmen.frontend.escapes import ContainerStates, argument_containers, check_no_escapes, warn_on_changes
+from fulmen.frontend.escapes import PythonStateWatch
 from fulmen.frontend.global_guard import GlobalGuard, ReadRecorder, build_guard
 from fulmen.frontend.higher_order import routing_higher_order_ops
 from fulmen.frontend.module_writes import ModuleWrites, check_no_proxies_left
@@ -503,14 +503,12 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     reader = ValueReader(trace, lambda: real + spec.captured)
     recorder = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
     tracer = UserTracer(trace, spec, reader=reader if split_points else None, on_user_call=recorder, replay=replay)
-    containers = argument_containers(proxy_args[1:] if state is not None else proxy_args, proxy_kwargs, names)
-    roots = (fn, guard_reads) if guard_reads is not None else (fn,)
-    states = ContainerStates(roots, own)
+    watch = PythonStateWatch((fn, guard_reads) if guard_reads is not None else (fn,),
+                             proxy_args[1:] if state is not None else proxy_args, proxy_kwargs, names, own)
     try:
         with tracing(tracer), _UserTorchCalls(trace), _compiling(), _parametrizations_uncached(), \
-                _recording_autograd_functions(), \
-                nn_functional_traceable(), routing_higher_order_ops(), recording_rng_calls(), \
-                ModuleWrites() as writes:
+                _recording_autograd_functions(), nn_functional_traceable(), routing_higher_order_ops(), \
+                recording_rng_calls(), ModuleWrites() as writes:
             result = _call_user(fn, proxy_args, proxy_kwargs, swaps)
             result, spec.objects = swaps.settle(result)
             result = tracer.capture(result) if isinstance(result, torch.Tensor) and not is_proxy(result) else result
@@ -518,9 +516,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
             attributes = writes.settle(frozenset(map(id, own)), tracer.captured.by_id,
                                        recorder.codes if recorder is not None else (), real_state)
             check_no_proxies_left(own)
-            codes = [(code, globals_) for code, (globals_, _) in recorder.codes.items()] if recorder else ()
-            check_no_escapes(roots, containers, codes, own)
-            warn_on_changes(guard_reads or fn, states)
+            watch.check(recorder.codes if recorder is not None else {})
             spec.written = writes.written()
             if attributes:  # the program also returns them; every call assigns them (module_writes.assigning)
                 spec.attributes = tuple((mod, name) for mod, name, _ in attributes)
@@ -530,7 +526,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     except GuardOnDataDependentSymNode as e:  # a meta asked a question about a data-dependent size
         raise data_dependent_guard(None, e) from e
     finally:
-        states.clear_grown_caches()
+        watch.clear_grown_caches()
         if recorder is not None:
             recorder.close()
     if recorder is not None:
