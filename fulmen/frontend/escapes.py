@@ -104,8 +104,10 @@ class _Search:
 
     def function(self, f: Any) -> None:
         if isinstance(f, functools.partial):
-            for i, v in enumerate((*f.args, *f.keywords.values())):
-                self.value(f"an argument bound by functools.partial ({i})", v)
+            inner = f.func.__func__ if isinstance(f.func, types.MethodType) else f.func
+            if is_user_function(inner):  # not fulmen's own partials (the FSDP2 program binds its proxies so)
+                for i, v in enumerate((*f.args, *f.keywords.values())):
+                    self.value(f"an argument bound by functools.partial ({i})", v)
             f = f.func
         if isinstance(f, types.MethodType):
             self.value(f"{f.__qualname__}'s self", f.__self__)
