@@ -296,7 +296,7 @@ def test_assigning_a_global_while_traced_warns(caplog):
     ns = _namespace("calls = 0\ndef f(x):\n    global calls\n    calls += 1\n    return x + calls\n")
     with caplog.at_level(logging.WARNING, logger="fulmen"):
         fulmen.jit(ns["f"])(_x(2))
-    assert any("assigns the global(s) calls" in r.getMessage() for r in caplog.records)
+    assert any("assigns the global or nonlocal variable(s) calls" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("value", [(1, 2), {"a": 1.0}, torch.float16, None, "mean"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch.utils import _pytree as pytree
 
 __all__ = ["rebuilder"]
@@ -33,6 +34,8 @@ def _node(spec: pytree.TreeSpec) -> Callable[[Any], Any] | None:
     """The builder of one node of the traced output's tree; None for a leaf (its value is taken as it is)."""
     if spec.is_leaf():
         return None
+    if spec.type is torch.Size:  # torch's pytree unflattens a Size into a plain tuple; eager returned a Size
+        return torch.Size
     children = [_node(child) for child in spec.children()]
     unflatten, context, n = pytree.SUPPORTED_NODES[spec.type].unflatten_fn, spec.context, len(children)
 

@@ -8,8 +8,9 @@ into one generated function that a call checks before reusing the program. A fai
 program compiled for the old values stays cached, for when they come back).
 
 What is found: the names each user code object that issued a torch call refers to (``co_names``, including its
-comprehensions and nested functions), and every attribute chain it loads from a global, a closure variable, its
-``self`` or an argument of the traced function (``cfgmod.SCALE``, ``K.scale``, ``self.cfg.sub.mult``,
+comprehensions and nested functions), the default arguments of the functions followed (``__defaults__``,
+``__kwdefaults__``, which eager reads at every call), and every attribute chain it loads from a global, a closure
+variable, its ``self`` or an argument of the traced function (``cfgmod.SCALE``, ``K.scale``, ``self.cfg.sub.mult``,
 ``self.__class__.scale``, ``options.scale``); for a method, the attributes of its class it names
 (``type(self).scale``). Each link of a chain is checked where Python's attribute lookup finds it: an object's
 ``__dict__`` (and, for a class attribute, that the instance and the classes before the defining one in the MRO
@@ -418,6 +419,10 @@ class _Collector:
             cells[name] = value
             self.add(f"the closure variable {name} of {fn.__qualname__}", "cell", cell, name, value, attrs, absent)
             self.follow(value)
+        for name in ("__defaults__", "__kwdefaults__"):  # eager reads them at every call: f.__defaults__ = (w,)
+            value = getattr(fn, name)
+            if value is not None:
+                self.add(f"the default arguments of {fn.__qualname__}", "slot", fn, name, value, attrs, absent)
         if owner is None and instance is not MISSING:
             owner = type(instance)
         self.code(fn.__code__, fn.__globals__, owner, instance, cells, arguments)
@@ -614,17 +619,23 @@ def build_guard(recorder: ReadRecorder, captured: list[tuple[str, torch.Tensor]]
 
 _warned_writes: set = set()
 _STORE_GLOBAL = dis.opmap["STORE_GLOBAL"]
+_STORE_DEREF = dis.opmap["STORE_DEREF"]
 
 
 def _warn_on_global_writes(codes) -> None:
+    """Warn once per code object that assigns a global, or a variable of an enclosing function (``nonlocal``):
+    such a write outlives the call, and a compiled program does not repeat it."""
     for code in codes:
-        if code in _warned_writes or _STORE_GLOBAL not in code.co_code[::2]:  # the opcodes: dis is far slower
+        ops = code.co_code[::2]  # the opcodes: dis is far slower
+        if code in _warned_writes or (_STORE_GLOBAL not in ops and not (code.co_freevars and _STORE_DEREF in ops)):
             continue
-        stored = sorted({ins.argval for ins in dis.get_instructions(code) if ins.opname == "STORE_GLOBAL"})
+        stored = sorted({ins.argval for ins in dis.get_instructions(code) if ins.opname == "STORE_GLOBAL" or (
+            ins.opname == "STORE_DEREF" and ins.argval in code.co_freevars)})
         if stored:
             _warned_writes.add(code)
-            log.warning("fulmen: %s assigns the global(s) %s while being traced; the compiled program does not "
-                        "repeat Python side effects, so later calls do not assign them", code.co_qualname,
+            log.warning("fulmen: %s assigns the global or nonlocal variable(s) %s while being traced; the compiled "
+                        "program does not repeat Python side effects, so later calls do not assign them (and "
+                        "values computed from them stay those of the traced call)", code.co_qualname,
                         ", ".join(stored))
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint
+from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 
 from fulmen import prims
@@ -28,6 +29,7 @@ from fulmen.core.tracer import Tracer, record, resolve_latest, tracing
 from fulmen.core.unbacked import GuardOnDataDependentSymNode, data_dependent_guard
 from fulmen.frontend import checkpointing
 from fulmen.frontend.cache import is_holder
+from fulmen.frontend.escapes import PythonStateWatch
 from fulmen.frontend.global_guard import GlobalGuard, ReadRecorder, build_guard
 from fulmen.frontend.higher_order import routing_higher_order_ops
 from fulmen.frontend.module_writes import ModuleWrites, check_no_proxies_left
@@ -299,6 +301,32 @@ def _compiling():
                 torch.compiler._is_compiling_flag = _flag_saved
 
 
+_cache_users = 0  # traces in progress, in every thread, with torch.nn.utils.parametrize's cache turned off
+_cache_saved = 0
+
+
+@contextlib.contextmanager
+def _parametrizations_uncached():
+    """Parametrized weights are computed at each access while fulmen traces, as under ``torch.jit.trace``, even
+    inside ``torch.nn.utils.parametrize.cached()``: its cache is a dict for the process, so the trace would either
+    leave proxies in it for eager code to find after the trace, or read a real tensor computed before the trace and
+    bake it into the program, stale once the weights change. The values are the same either way. The counter is
+    the process's: the first trace to start saves it and the last to end puts it back (``_compiling``)."""
+    global _cache_users, _cache_saved
+    with _flag_lock:
+        if _cache_users == 0:
+            _cache_saved = parametrize._cache_enabled
+        _cache_users += 1
+        parametrize._cache_enabled = 0
+    try:
+        yield
+    finally:
+        with _flag_lock:
+            _cache_users -= 1
+            if _cache_users == 0:
+                parametrize._cache_enabled = _cache_saved
+
+
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 
@@ -476,10 +504,12 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     reader = ValueReader(trace, lambda: real + spec.captured)
     recorder = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
     tracer = UserTracer(trace, spec, reader=reader if split_points else None, on_user_call=recorder, replay=replay)
+    watch = PythonStateWatch((fn, guard_reads) if guard_reads is not None else (fn,),
+                             proxy_args[1:] if state is not None else proxy_args, proxy_kwargs, names, own)
     try:
-        with tracing(tracer), _UserTorchCalls(trace), _compiling(), _recording_autograd_functions(), \
-                nn_functional_traceable(), routing_higher_order_ops(), recording_rng_calls(), \
-                ModuleWrites() as writes:
+        with tracing(tracer), _UserTorchCalls(trace), _compiling(), _parametrizations_uncached(), \
+                _recording_autograd_functions(), nn_functional_traceable(), routing_higher_order_ops(), \
+                recording_rng_calls(), ModuleWrites() as writes:
             for p in spec.tensor_proxies:
                 view_input_as_its_memory(p)
             result = _call_user(fn, proxy_args, proxy_kwargs, swaps)
@@ -489,6 +519,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
             attributes = writes.settle(frozenset(map(id, own)), tracer.captured.by_id,
                                        recorder.codes if recorder is not None else (), real_state)
             check_no_proxies_left(own)
+            watch.check(recorder.codes if recorder is not None else {})
             spec.written = writes.written()
             if attributes:  # the program also returns them; every call assigns them (module_writes.assigning)
                 spec.attributes = tuple((mod, name) for mod, name, _ in attributes)
@@ -498,6 +529,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     except GuardOnDataDependentSymNode as e:  # a meta asked a question about a data-dependent size
         raise data_dependent_guard(None, e) from e
     finally:
+        watch.clear_grown_caches()
         if recorder is not None:
             recorder.close()
     if recorder is not None:

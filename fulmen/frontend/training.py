@@ -287,7 +287,8 @@ def _output_builder(trace: Trace, fb: ForwardBackward):
 
     if isinstance(trace.output, TensorProxy) and slot(trace.output)[0] is not None:
         return lambda outs, flat: outs[0]
-    leaves, spec = tree_flatten(trace.output)
+    # a torch.Size of plain ints is returned as it is: torch's pytree would unflatten it into a plain tuple
+    leaves, spec = tree_flatten(trace.output, is_leaf=_concrete_size)
     slots = [slot(x) for x in leaves]
 
     def build(outs, flat):
@@ -295,6 +296,10 @@ def _output_builder(trace: Trace, fb: ForwardBackward):
                                for i, j, v in slots], spec)
 
     return build
+
+
+def _concrete_size(x: Any) -> bool:
+    return type(x) is torch.Size and all(type(d) is int for d in x)
 
 
 def compile_training(trace: Trace, run: PipelineRun, *, cuda_graphs: str | None = None) -> CompiledProgram:

@@ -367,10 +367,11 @@ for _name, _sym in (("add", add), ("sub", sub), ("mul", mul), ("div", div), ("tr
 
 @torchsymbol(torch.where, torch.Tensor.where, method_name="where", tags=_EW)
 def where(condition, input=None, other=None):
-    """torch.where(condition, input, other); the one-argument form needs values and is not traceable."""
+    """torch.where(condition, input, other); the one-argument form is torch.nonzero(condition, as_tuple=True)."""
     check(input is not None or other is not None,
-          lambda: "torch.where(condition) returns indices whose count depends on tensor values; fulmen.jit needs "
-          "the three-argument form", NotImplementedError)
+          lambda: "torch.where(condition) (one argument) is not traced by fulmen.jit: write "
+          "torch.nonzero(condition, as_tuple=True), which returns the same indices and is traced, or use the "
+          "three-argument form", NotImplementedError)
     return clang.where(condition, input, other)
 
 

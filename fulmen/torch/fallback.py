@@ -134,6 +134,12 @@ def _fake_outputs(func: Callable, name: str, args: tuple, kwargs: dict) -> tuple
         if out is None:
             raise
         return (), out
+    except AssertionError as e:  # PyTorch's fake kernel refuses this form (exponential_ with generator=)
+        raise NotImplementedError(
+            f"{name} cannot be traced by fulmen.jit in this form: PyTorch cannot compute its result's metadata "
+            f"without running it ({e}).\n  at {_user_location()}\nMove it out of the compiled function (for a "
+            "generator= argument: seed the default generator with torch.manual_seed and drop generator=)."
+        ) from e
 
 
 def _ctc_loss_meta(log_probs, targets, input_lengths, target_lengths, blank=0, reduction="mean",
