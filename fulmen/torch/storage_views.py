@@ -66,12 +66,12 @@ def _offset_and_owner(a: TensorProxy, size, stride, storage_offset):
     if made is None:
         return None, "it is a view made by an operation fulmen cannot replay", None
     owner, calls = made
-    if any(type(n) is not int for n in (*owner.shape, *size, *stride)):
-        return None, "its sizes are symbolic", None
+    if any(type(n) is not int for n in (*owner.shape, *size, *stride, 0 if storage_offset is None else storage_offset)):
+        return None, "its sizes or offset are symbolic", None
     meta_owner, meta_a = _meta(owner), _on_meta(owner, calls)
     if meta_a is None or not is_non_overlapping_and_dense(meta_owner):
         return None, "the memory it views is not laid out densely", None
-    offset = meta_a.storage_offset() if storage_offset is None else int(storage_offset)
+    offset = meta_a.storage_offset() if storage_offset is None else storage_offset
     last = offset + sum((n - 1) * s for n, s in zip(size, stride))
     if any(n == 0 for n in size):
         last = offset
