@@ -248,6 +248,7 @@ def view_input_as_its_memory(p: TensorProxy) -> None:
     def remake(new_memory, shape=tuple(p.shape), strides=tuple(strides)):
         return as_strided(new_memory, shape, strides, 0)
 
+    remake.view_call = (as_strided, (tuple(p.shape), tuple(strides), 0), {}, None)  # replayable (fulmen.torch.overlap)
     p.make_view_of(memory, remake)
     set_strides(p, strides)  # now kept for the view, as for any view (fulmen.torch.views)
 

@@ -27,6 +27,7 @@ from fulmen.core.symbolic import INT_TYPES
 from fulmen.core.utils import canonicalize_dim, check, prod
 from fulmen.torch.fallback import opaque_symbol
 from fulmen.torch.registry import lazy_bits, register_function, set_lazy_bits, torchsymbol
+from fulmen.torch.storage_views import link_to_storage
 from fulmen.torch.views import (  # noqa: F401  (re-exported: the view machinery's home was this file)
     _on_meta,
     _set_strides,
@@ -555,12 +556,27 @@ def unfold(a, dimension: int, size: int, step: int):
 
 @view_symbol(torch.as_strided, torch.Tensor.as_strided, method_name="as_strided", tags=_SHAPE)
 def as_strided(a, size, stride, storage_offset=None):
-    """``torch.as_strided``, recorded as one torch call (the view reads ``a``'s memory directly).
+    """``torch.as_strided``, recorded as one torch call (the view reads ``a``'s storage directly).
 
-    Values written through the view reach ``a`` element by element, taking ``a``'s memory to be ``a`` itself laid
-    out contiguously from offset 0, as fulmen takes inputs to be.
+    Sizes, strides and offset address the storage ``a`` views, as in eager, for writes through the view too
+    (``fulmen.torch.storage_views``); an input's storage is taken to start at the input's first element.
     """
     return opaque_symbol(torch.as_strided)(a, size, stride, storage_offset)
+
+
+def _as_strided_args(a, size, stride, storage_offset=None):
+    return a, size, stride, storage_offset
+
+
+def _as_strided_hook(bsym) -> None:
+    """A view op's hook, then the link of the view to the storage it addresses."""
+    _view_hook(bsym)
+    a, size, stride, offset = _as_strided_args(*bsym.args, **bsym.kwargs)
+    if isinstance(a, TensorProxy) and isinstance(bsym.output, TensorProxy):
+        link_to_storage(as_strided, bsym.output, a, size, stride, offset)
+
+
+as_strided.post_hook = _as_strided_hook
 
 
 def _contiguous_now(a: TensorProxy) -> TensorProxy:
