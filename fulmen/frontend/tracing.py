@@ -535,8 +535,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     if recorder is not None:
         _guard_what_was_read(trace, spec, recorder, own, _bound_arguments(guard_reads, args, kwargs), swaps)
     spec.values, spec.value_lines = tuple(reader.values), tuple(reader.where)
-    trace.output = result
-    trace.provenance = None
+    trace.output, trace.provenance = result, None
     return trace, spec
 
 
