@@ -37,3 +37,49 @@ def test_an_input_returned_unchanged_that_requires_grad_is_the_callers_tensor(op
     (grad_want,) = torch.autograd.grad(want, x, cts)
     torch.testing.assert_close(grad_got, grad_want, rtol=0, atol=0)
 
+
+# ---- layouts of elementwise results (wide fuzz seeds 619, 692, 819) ----
+
+
+class _Compare(torch.nn.Module):
+    """A parameter laid out row-major compared with a transposed value: Python runs the parameter's reflected
+    comparison first (nn.Parameter is a proper subclass of Tensor), so eager's result is laid out as the parameter."""
+
+    def __init__(self, left_param: bool):
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.randn(3, 2, dtype=torch.float64, generator=_gen(1)))
+        self.q = torch.nn.Parameter(torch.randn(2, 3, dtype=torch.float64, generator=_gen(2)).t())
+        self.left_param = left_param
+
+    def forward(self, x):
+        t = x.t() * 1  # a computed (non-parameter) value, transposed
+        if self.left_param:
+            return self.p == t, self.p < t, self.q >= self.p, self.q != self.p
+        return t == self.p, t < self.p, t <= self.p, t > self.p, t >= self.p, t != self.p
+
+
+@pytest.mark.parametrize("left_param", [False, True])
+def test_comparisons_with_a_parameter_are_laid_out_as_eagers(left_param):
+    module = _Compare(left_param)
+    x = torch.randn(2, 3, dtype=torch.float64, generator=_gen(3))
+    want, got = module(x), fulmen.jit(module, executors=["torch"])(x)
+    for w, g in zip(want, got, strict=True):
+        assert torch.equal(g, w) and g.stride() == w.stride()
+
+
+def _number_base_pow(x):
+    y = 2 ** x.t()
+    return y, y.stride(), y.view(-1), torch.float_power(3, x.t()).stride()
+
+
+@pytest.mark.parametrize("compile", ["off", pytest.param("sync", marks=pytest.mark.slow)])
+def test_pow_of_a_number_base_is_contiguous_as_eagers(compile):
+    # eager's pow(Scalar, Tensor) kernel allocates a contiguous result; PyTorch's meta function (which fulmen asked,
+    # and which a fused region's fake tensors run) lays it out as the exponent, so .view(-1) raised while tracing
+    x = torch.randn(3, 4, dtype=torch.float64, generator=_gen(4))
+    executors = {"executors": ["torch"]} if compile == "off" else {"compile": "sync"}
+    want, got = _number_base_pow(x), fulmen.jit(_number_base_pow, **executors)(x)
+    assert got[1] == want[1] == (3, 1) and got[3] == want[3]
+    for w, g in ((want[0], got[0]), (want[2], got[2])):
+        torch.testing.assert_close(g, w, rtol=1e-15, atol=0)
+        assert g.stride() == w.stride()
