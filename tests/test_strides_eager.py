@@ -83,3 +83,33 @@ def test_pow_of_a_number_base_is_contiguous_as_eagers(compile):
     for w, g in ((want[0], got[0]), (want[2], got[2])):
         torch.testing.assert_close(g, w, rtol=1e-15, atol=0)
         assert g.stride() == w.stride()
+
+
+# ---- a write through an expanded view that autograd sees: eager's backward raises ----
+
+
+_OVERLAP = "more than one element of the written-to tensor refers to a single memory location"
+
+
+@pytest.mark.parametrize("write", ["fill_", "zero_"])
+def test_a_write_through_an_expanded_view_with_grad_raises_in_backward_as_eager(write):
+    # eager runs the write and its backward raises; fulmen gave the input a silent zero gradient
+    def program(x):
+        b = x * 1
+        e = b[None].expand(2, 3, 4)
+        getattr(e, write)(*((3.0,) if write == "fill_" else ()))
+        return b, e * 2, x * 3
+
+    outs = {}
+    for name, fn in (("eager", program), ("fulmen", fulmen.jit(program, executors=["torch"]))):
+        x = torch.randn(3, 4, dtype=torch.float64, generator=_gen(5), requires_grad=True)
+        outs[name] = fn(x)  # the forward runs, in both
+        (grad,) = torch.autograd.grad(outs[name][2], x, torch.ones(3, 4, dtype=torch.float64), retain_graph=True)
+        assert torch.equal(grad, torch.full((3, 4), 3.0, dtype=torch.float64))  # a backward not through the write
+        for k in (0, 1):
+            with pytest.raises(RuntimeError, match=_OVERLAP) as info:
+                torch.autograd.grad(outs[name][k], x, torch.ones_like(outs[name][k]), retain_graph=True)
+            if name == "fulmen":
+                assert "test_strides_eager.py" in str(info.value)  # names the line of the write
+    for g, w in zip(outs["fulmen"], outs["eager"]):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
