@@ -113,3 +113,42 @@ def test_a_write_through_an_expanded_view_with_grad_raises_in_backward_as_eager(
                 assert "test_strides_eager.py" in str(info.value)  # names the line of the write
     for g, w in zip(outs["fulmen"], outs["eager"]):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+# ---- is_inference() of inputs, and inference tensors as a cache-key difference ----
+
+
+def _branch_on_inference(x):
+    return (x * 2 if x.is_inference() else x * 3), x.t().is_inference()
+
+
+def test_is_inference_of_an_input_reads_eagers_and_is_part_of_the_cache_key():
+    f = fulmen.jit(_branch_on_inference, executors=["torch"])
+    with torch.inference_mode():
+        inference = torch.randn(2, 3, generator=_gen(6))
+    normal = inference.clone()
+    for x in (inference, normal, inference):
+        got, want = f(x), _branch_on_inference(x)
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+        assert got[1] is want[1] is x.is_inference()
+    assert fulmen.cache_misses(f) == 2  # one program each: the third call reuses the first
+    with torch.inference_mode():  # under inference mode, computed values are inference tensors too
+        got, want = f(normal), _branch_on_inference(normal)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    assert got[0].is_inference() and got[1] is want[1] is False
+
+
+def _write_through_views(x):
+    y = x * 1
+    y[0].add_(5)
+    y.t().mul_(2)
+    return y
+
+
+def test_writes_through_views_under_inference_mode_reach_their_base():
+    # torch records no view's base under inference mode: fulmen's layout probe on meta tensors took every view for
+    # a copy, and the writes through y[0] and y.t() were lost
+    x = torch.randn(2, 3, generator=_gen(7))
+    with torch.inference_mode():
+        got, want = fulmen.jit(_write_through_views, executors=["torch"])(x), _write_through_views(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

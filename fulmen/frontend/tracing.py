@@ -38,6 +38,7 @@ from fulmen.torch.collectives import nn_functional_traceable
 from fulmen.torch.fallback import opaque_symbol
 from fulmen.torch.numpy_values import numpy_data, numpy_scalar
 from fulmen.torch.shape import set_strides
+from fulmen.torch.views import set_inference
 from fulmen.transforms.autocast import current_policies
 from fulmen.transforms.grad_rules import is_random_op
 
@@ -143,6 +144,8 @@ def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], sizes:
                         requires_grad=value.requires_grad)
         if not value.is_contiguous():  # keyed with its strides (never with dynamic sizes): eager's copy-or-view
             set_strides(p, value.stride())
+        if value.is_inference():  # keyed too
+            set_inference(p)
         p.mark_input(leaf=value.requires_grad and value.is_leaf, param=isinstance(value, torch.nn.Parameter))
         flat.append(p)
         return p
@@ -206,6 +209,8 @@ class _Capture:
                                 requires_grad=x.requires_grad)
                 if not x.is_contiguous():
                     set_strides(p, x.stride())
+                if x.is_inference():
+                    set_inference(p)
                 p.mark_input(leaf=False, param=isinstance(x, torch.nn.Parameter))
                 self.by_id[id(x)] = p
                 self.spec.captured.append(x)

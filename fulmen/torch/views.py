@@ -83,7 +83,33 @@ def storage_offset(a: TensorProxy) -> int:
         "index the tensor instead of using offsets into its storage.")
 
 
+#: id(proxy) -> weak reference to it, for the program inputs (and captured tensors) that are inference tensors,
+#: made under ``torch.inference_mode`` (by id: a proxy's ``==`` is the traced elementwise op)
+_inference_inputs: dict[int, weakref.ref] = {}
+
+
+def set_inference(p: TensorProxy) -> None:
+    """Record that the input ``p`` stands for an inference tensor (the cache keys it so)."""
+    key = id(p)
+    _inference_inputs[key] = weakref.ref(p, lambda _, key=key: _inference_inputs.pop(key, None))
+
+
+def is_inference(a: TensorProxy) -> bool:
+    """``Tensor.is_inference()``: an input that is an inference tensor, and any view of one, as eager's; a value
+    the program computes (and its views) is one when the call runs under ``torch.inference_mode`` (which the cache
+    keys). One gap: a value computed inside a ``with torch.inference_mode():`` block of the traced function itself
+    reads as made under the mode in force where it is read."""
+    base = a
+    while base.view_of is not None:
+        base = base.view_of[0]
+    if base.origin in ("input", "input-leaf"):
+        ref = _inference_inputs.get(id(base))
+        return ref is not None and ref() is base
+    return torch.is_inference_mode_enabled()
+
+
 register_function((torch.Tensor.stride,), stride, method_names=("stride",))
+register_function((torch.Tensor.is_inference,), is_inference, method_names=("is_inference",))
 register_function((torch.Tensor.is_contiguous,), is_contiguous, method_names=("is_contiguous",))
 register_function((torch.Tensor.dim_order,), dim_order, method_names=("dim_order",))
 register_function((torch.Tensor.storage_offset,), storage_offset, method_names=("storage_offset",))
@@ -150,8 +176,9 @@ def _on_meta(fn, args, kwargs):
     """Run ``fn`` on meta tensors laid out as eager would lay out the proxies: (meta output, meta input 0).
 
     Torch function handling is off meanwhile: only meta tensors are involved, and the tracer's mode would
-    otherwise see each of these calls, a second trip through the tracer for every view op traced."""
-    with torch._C.DisableTorchFunction():
+    otherwise see each of these calls, a second trip through the tracer for every view op traced. Inference mode
+    is off too: under it torch records no view's base, and every view would be taken for a copy."""
+    with torch._C.DisableTorchFunction(), torch.inference_mode(False):
         margs = [_to_meta(a) for a in args]
         return fn(*margs, **{k: _to_meta(v) for k, v in kwargs.items()}), margs[0]
 
