@@ -312,7 +312,8 @@ class _Writer:
                    is_autocast_enabled=torch.is_autocast_enabled, get_autocast_dtype=torch.get_autocast_dtype,
                    functorch_active=functorch_active, is_inference_mode_enabled=torch.is_inference_mode_enabled)
         # programs are compiled outside torch.func transforms only (JittedFunction._find runs the function there)
-        terms = [f"is_grad_enabled() is {grad}", f"is_inference_mode_enabled() is {inference}", "not functorch_active()",
+        terms = [f"is_grad_enabled() is {grad}", f"is_inference_mode_enabled() is {inference}",
+                 "not functorch_active()",
                  f"get_default_dtype() is {self.const(default_dtype, str(default_dtype).removeprefix('torch.'))}",
                  f"is_autocast_enabled('cpu') is {cpu_ac}", f"is_autocast_enabled('cuda') is {cuda_ac}"]
         for device, enabled, dtype in (("cpu", cpu_ac, cpu_dtype), ("cuda", cuda_ac, cuda_dtype)):
@@ -322,7 +323,8 @@ class _Writer:
         env.update(default_device=default_device)
         terms.append("default_device() is None" if factory_device is None else
                      f"default_device() == {self.const(factory_device, f'{factory_device.type}_device')}")
-        self.check(" and ".join(terms), "global state: grad and inference mode, default dtype, autocast, default device")
+        self.check(" and ".join(terms), "global state: grad and inference mode, default dtype, autocast, default "
+                   "device")
 
 
 def _example_strides(t: torch.Tensor, key: tuple, dims: frozenset) -> list[int | None] | None:
