@@ -152,3 +152,52 @@ def test_writes_through_views_under_inference_mode_reach_their_base():
     with torch.inference_mode():
         got, want = fulmen.jit(_write_through_views, executors=["torch"])(x), _write_through_views(x)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+# ---- dtypes under CPU autocast ----
+
+_M, _V = torch.randn(3, 4, generator=_gen(8)), torch.randn(4, generator=_gen(9))
+_AUTOCAST = {
+    "einsum_one_operand": lambda: torch.einsum("ij->ji", _M),  # eager: no bmm, float32
+    "einsum_outer": lambda: torch.einsum("i,j->ij", _V, _V),  # eager: mul, float32
+    "einsum_contraction": lambda: torch.einsum("ij,j->i", _M, _V),  # eager: bmm, bfloat16
+    "einsum_three": lambda: torch.einsum("ij,jk,k->ik", _M, _M.t(), torch.ones(3)),  # bmm, then mul with float32
+    "mv": lambda: torch.mv(_M, _V),  # not on CPU's list
+    "addmv": lambda: torch.addmv(torch.ones(3), _M, _V),
+    "conv1d": lambda: torch.nn.functional.conv1d(_M[None], torch.ones(2, 3, 2)),  # recorded as torch.conv1d
+    "prelu": lambda: torch.nn.functional.prelu(_M, torch.tensor([0.25])),
+}
+
+
+@pytest.mark.parametrize("case", list(_AUTOCAST))
+def test_cpu_autocast_dtypes_are_eagers(case):
+    fn = _AUTOCAST[case]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = fn(), fulmen.jit(fn, executors=["torch"])()
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-2)  # bfloat16's rounding
+
+
+def test_autocast_lists_name_the_ids_fulmen_records():
+    # the lists named F.conv1d and F.prelu by their Python names; fulmen records them as torch.conv1d and
+    # torch.prelu, so convolutions ran in float32 under autocast
+    import fulmen.torch  # noqa: F401  (registers the torch language)
+    from fulmen.core import langctx
+    from fulmen.torch.fallback import opaque_symbol
+    from fulmen.torch.registry import symbols_by_id
+    from fulmen.transforms import autocast
+
+    names = (autocast.LOWER_PRECISION_CUDA | autocast.FLOAT32_CUDA | autocast.FLOAT32_CPU | autocast.PROMOTE
+             | autocast.CPU_COMPOSITES)
+    wrong = []
+    for name in sorted(names):
+        fn = torch
+        for part in name.split(".")[1:]:
+            fn = getattr(fn, part)
+        entry = langctx.torch_functions.get(fn) or opaque_symbol(fn)
+        sym_id = getattr(entry, "id", None)
+        if sym_id is None:  # a Python entry point that calls the symbol (F.l1_loss reads its weight= first)
+            sym_id = name if name in symbols_by_id else f"{entry.__name__}, which records no {name}"
+        if sym_id.removeprefix("fallback:") != name:
+            wrong.append(f"{name} is recorded as {sym_id}")
+    assert not wrong, wrong

@@ -362,6 +362,8 @@ class UserTracer(Tracer):
         # eager autocast casts at the outermost call only; the policies follow torch.autocast entered or left
         # inside the traced function
         for policy in self._autocast:
+            if policy.runs_as_composite(sym.id):  # eager casts the operations it calls, each by its own policy
+                return sym.meta(*args, **kwargs)
             args, kwargs = policy.cast(sym.id, args, kwargs)
         if sym.normalize is not None:
             args, kwargs = sym.normalize(args, kwargs)
