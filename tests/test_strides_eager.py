@@ -201,3 +201,23 @@ def test_autocast_lists_name_the_ids_fulmen_records():
         if sym_id.removeprefix("fallback:") != name:
             wrong.append(f"{name} is recorded as {sym_id}")
     assert not wrong, wrong
+
+
+# ---- strides of views with symbolic sizes ----
+
+
+def _strided_view_facts(x):
+    v = x[:, ::2]
+    return v * 1, v.stride(), v.is_contiguous(), x.t().stride()
+
+
+def test_a_view_torch_cannot_lay_out_for_symbolic_sizes_is_not_taken_as_contiguous():
+    # PyTorch's meta tensors fail on x[:, ::2] with symbolic sizes; fulmen took the view to be contiguous and
+    # answered stride() == (2, 1) once the size turned dynamic. Now the dynamic compilation gives up (logged) and the
+    # program compiles for the exact sizes
+    f = fulmen.jit(_strided_view_facts, executors=["torch"])
+    for n in (3, 4, 5):
+        x = torch.randn(n, 4, generator=_gen(10 + n))
+        got, want = f(x), _strided_view_facts(x)
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+        assert got[1:] == want[1:] == ((4, 2), False, (1, 4))

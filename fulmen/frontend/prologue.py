@@ -243,10 +243,9 @@ class _Writer:
                  f"{expr}.dtype is {dtype_name}", f"{expr}.device == {device_name}",
                  f"{expr}.requires_grad is {bool(requires_grad)}",  # None: an inference tensor, which never does
                  f"{expr}.stride() == {tuple(strides[0])!r}" if strides else f"{expr}.is_contiguous()"]
-        if not state:  # a module's state is keyed by identity
-            inference = f"{expr}.is_inference()" if requires_grad is None else f"not {expr}.is_inference()"
-            terms.append(inference)
-            self.inference_checks.append(inference)
+        if not state:  # a module's state is keyed by identity; checked for all tensors at once (``tensors``)
+            self.inference_checks.append(f"{expr}.is_inference()" if requires_grad is None else
+                                         f"not {expr}.is_inference()")
         if lazy == "conj":
             terms.append(f"{expr}.is_conj()")
         elif lazy == "neg":
@@ -268,6 +267,7 @@ class _Writer:
         if fast is None or not checks:
             for condition, comment, *_ in checks:
                 self.check(condition, comment)
+            self._inference_check()
             return fast
         name = self.const(fast, "tensor_guards")
         exprs = ", ".join(self.flat[: len(checks)])
@@ -279,9 +279,12 @@ class _Writer:
                        f"if not {name}.check({exprs}){contiguous}:"]
         for condition, comment, *_ in checks:
             self.check(condition, comment, indent="    ")
-        if self.inference_checks:
-            self.check(" and ".join(self.inference_checks), "inference tensors where compiled for them, only there")
+        self._inference_check()
         return fast
+
+    def _inference_check(self) -> None:
+        if self.inference_checks:  # TensorGuards does not tell inference tensors from others
+            self.check(" and ".join(self.inference_checks), "inference tensors where compiled for them, only there")
 
     def call(self, args_key: tuple, arg_names: list[str]) -> None:
         """The arguments of the call: ``args`` and ``kwargs``."""

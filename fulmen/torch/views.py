@@ -28,10 +28,25 @@ _strides: dict[int, tuple[weakref.ref, tuple[int, ...]]] = {}
 _view_strides: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+#: The strides of a view whose layout torch could not tell for symbolic sizes (``_view_hook``).
+UNKNOWN = ("unknown",)
+
+
+def _unknown_layout(p: TensorProxy) -> NotImplementedError:
+    return NotImplementedError(
+        f"fulmen does not know the strides of the view {p.name} ({p.type_string()}) for symbolic sizes (PyTorch's "
+        "meta tensors could not make it), and the traced code depends on them (stride(), is_contiguous(), a view "
+        "or an in-place write through it). The program is compiled for the exact sizes instead.")
+
+
 def strides_of(p: TensorProxy) -> tuple[int, ...]:
-    """The strides eager PyTorch gives the tensor ``p`` stands for (inputs: those of ``set_strides``)."""
+    """The strides eager PyTorch gives the tensor ``p`` stands for (inputs: those of ``set_strides``). For a view
+    whose strides are not known (symbolic sizes), NotImplementedError: the symbolic compilation gives up and the
+    program compiles for exact sizes, rather than read them as contiguous."""
     if p.view_of is not None:
         strides = _view_strides.get(p.view_of[1])
+        if strides is UNKNOWN:
+            raise _unknown_layout(p)
         if strides is not None:
             return strides
     entry = _strides.get(id(p))
@@ -215,6 +230,11 @@ def _view_hook(bsym: BoundSymbol, unview=None) -> None:
         out, mbase = _on_meta(fn, bsym.args, bsym.kwargs)
     except Exception:  # eager layout unknown (e.g. an argument meta tensors cannot take): assume a plain view
         link_views(sym, bsym.args, bsym.kwargs, bsym.output, unview=unview)
+        outs = bsym.output if isinstance(bsym.output, (tuple, list)) else (bsym.output,)
+        if _symbolic(base) or any(isinstance(p, TensorProxy) and _symbolic(p) for p in outs):
+            for p in outs:  # not taken to be contiguous: a read of the strides gives up the symbolic compilation
+                if isinstance(p, TensorProxy) and p is not base and p.view_of is not None:
+                    _view_strides[p.view_of[1]] = UNKNOWN
         return
     outs = bsym.output if isinstance(bsym.output, (tuple, list)) else (bsym.output,)
     mouts = out if isinstance(out, (tuple, list)) else (out,)
@@ -232,6 +252,10 @@ def _view_hook(bsym: BoundSymbol, unview=None) -> None:
         if p is not base:
             _set_strides(p, strides)
             set_lazy_bits(p, conj, neg)
+
+
+def _symbolic(p: TensorProxy) -> bool:
+    return any(type(n) is not int for n in p.shape)
 
 
 def check_viewable(fn, a: TensorProxy, *args, **kwargs) -> None:
