@@ -221,3 +221,19 @@ def test_a_view_torch_cannot_lay_out_for_symbolic_sizes_is_not_taken_as_contiguo
         got, want = f(x), _strided_view_facts(x)
         torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
         assert got[1:] == want[1:] == ((4, 2), False, (1, 4))
+
+
+def _non_elementwise_layouts(c):
+    y = torch.nn.functional.layer_norm(c, (4,))  # contiguous whatever c's layout
+    s = torch.sort(c, 0)[0]  # laid out as c
+    return y.view(-1), y.stride(), s.stride(), c.flip(0).stride(), c.double().stride()
+
+
+def test_layouts_of_other_ops_on_a_transposed_input_are_eagers():
+    # wide fuzz seed 2451: fulmen took layer_norm's result to be laid out as its transposed input (the layout its
+    # decomposition's elementwise ops gave), so .view(-1) raised where eager's works; sort, flip and .double() of a
+    # transposed tensor were taken to be contiguous
+    c = torch.randn(4, 5, dtype=torch.float64, generator=_gen(20)).t()
+    got, want = fulmen.jit(_non_elementwise_layouts, executors=["torch"])(c), _non_elementwise_layouts(c)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+    assert got[1:] == want[1:]

@@ -40,14 +40,11 @@ def _unknown_layout(p: TensorProxy) -> NotImplementedError:
 
 
 def strides_of(p: TensorProxy) -> tuple[int, ...]:
-    """The strides eager PyTorch gives the tensor ``p`` stands for (inputs: those of ``set_strides``). For a view
-    whose strides are not known (symbolic sizes), NotImplementedError: the symbolic compilation gives up and the
-    program compiles for exact sizes, rather than read them as contiguous."""
+    """The strides eager PyTorch gives the tensor ``p`` stands for (inputs: those of ``set_strides``); a view whose
+    strides torch could not make for symbolic sizes is taken to be contiguous here (``known_strides`` tells)."""
     if p.view_of is not None:
         strides = _view_strides.get(p.view_of[1])
-        if strides is UNKNOWN:
-            raise _unknown_layout(p)
-        if strides is not None:
+        if strides is not None and strides is not UNKNOWN:
             return strides
     entry = _strides.get(id(p))
     if entry is not None and entry[0]() is p:
@@ -63,24 +60,33 @@ def layout_of(p: TensorProxy) -> tuple[int, ...] | None:
     return strides_of(p)
 
 
+def known_strides(p: TensorProxy) -> tuple[int, ...]:
+    """``strides_of(p)`` for a read the program's values depend on (``stride()``, ``is_contiguous()``): for a view
+    whose strides are not known (symbolic sizes), NotImplementedError, so that the symbolic compilation gives up
+    and the program compiles for exact sizes (logged), rather than answer as if it were contiguous."""
+    if p.view_of is not None and _view_strides.get(p.view_of[1]) is UNKNOWN:
+        raise _unknown_layout(p)
+    return strides_of(p)
+
+
 def stride(a: TensorProxy, dim: int | None = None):
     """``Tensor.stride()``: the strides eager gives the tensor ``a`` stands for (``strides_of``), not the traced
     wrapper's own, which are contiguous (offsets computed from those, as for ``as_strided``, pick other elements)."""
-    strides = strides_of(a)
+    strides = known_strides(a)
     return strides if dim is None else strides[canonicalize_dim(a.ndim, dim)]
 
 
 def is_contiguous(a: TensorProxy, memory_format: torch.memory_format = torch.contiguous_format) -> bool:
     """``Tensor.is_contiguous()`` of the tensor ``a`` stands for, decided by torch from its sizes and strides."""
     with torch._C.DisableTorchFunction():
-        return torch.empty_strided(tuple(a.shape), strides_of(a), device="meta").is_contiguous(
+        return torch.empty_strided(tuple(a.shape), known_strides(a), device="meta").is_contiguous(
             memory_format=memory_format)
 
 
 def dim_order(a: TensorProxy, *, ambiguity_check: bool | list = False) -> tuple[int, ...]:
     """``Tensor.dim_order()`` of the tensor ``a`` stands for, decided by torch from its sizes and strides."""
     with torch._C.DisableTorchFunction():
-        return torch.empty_strided(tuple(a.shape), strides_of(a), device="meta").dim_order(
+        return torch.empty_strided(tuple(a.shape), known_strides(a), device="meta").dim_order(
             ambiguity_check=ambiguity_check)
 
 
@@ -199,21 +205,27 @@ def _on_meta(fn, args, kwargs):
 
 
 def follow_input_layout(bsym: BoundSymbol) -> None:
-    """After an elementwise op is recorded: eager lays its result out as its tensor inputs are (a transposed
-    input gives a transposed result), which decides what a later ``view``/``reshape`` of it does. When some input
-    is not contiguous, the result gets the strides the op gives on meta tensors laid out as the inputs."""
-    out = bsym.output
-    if not isinstance(out, TensorProxy) or out.view_of is not None or any(type(n) is not int for n in out.shape):
+    """After a torch-language op that makes new tensors is recorded: eager lays its results out by the op's own
+    rule (an elementwise op as its inputs, a transposed input gives a transposed result; ``layer_norm``
+    contiguous; ``sort`` as its input), which decides what a later ``view``/``reshape`` of them does. When some
+    input is not contiguous, the results get the strides the op gives on meta tensors laid out as the inputs,
+    replacing what the calls inside its decomposition gave them."""
+    outs = bsym.output if isinstance(bsym.output, tuple) else (bsym.output,)
+    if not all(isinstance(o, TensorProxy) and o.view_of is None and all(type(n) is int for n in o.shape)
+               for o in outs):
         return
     tensors = [a for a in (*bsym.args, *bsym.kwargs.values()) if isinstance(a, TensorProxy)]
-    if any(a is out for a in tensors) or all(layout_of(a) is None for a in tensors):
+    if any(a is o for a in tensors for o in outs) or all(layout_of(a) is None for a in tensors):
         return
     try:
         mout, _ = _on_meta(bsym.sym.torch_fns[0], bsym.args, bsym.kwargs)
     except Exception:  # an argument meta tensors cannot take: the result stays taken to be contiguous
         return
-    if isinstance(mout, torch.Tensor) and tuple(mout.shape) == tuple(out.shape):
-        _set_strides(out, mout.stride())
+    mouts = mout if isinstance(mout, tuple) else (mout,)
+    if len(mouts) == len(outs) and all(isinstance(m, torch.Tensor) and tuple(m.shape) == tuple(o.shape)
+                                       for m, o in zip(mouts, outs)):
+        for m, o in zip(mouts, outs):
+            _set_strides(o, m.stride())
 
 
 follow_input_layout.layout_only = True  # a copy of a recorded call may stand in for it (fulmen.frontend.replay)
