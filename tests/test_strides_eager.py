@@ -237,3 +237,22 @@ def test_layouts_of_other_ops_on_a_transposed_input_are_eagers():
     got, want = fulmen.jit(_non_elementwise_layouts, executors=["torch"])(c), _non_elementwise_layouts(c)
     torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
     assert got[1:] == want[1:]
+
+
+def _write_through_ravel(x):
+    y = torch.ravel(x)  # an opaque op: eager copies a transposed x, and returns a view of a contiguous one
+    y.add_(1)
+    return x * 1, y * 1, torch.angle(x).stride()
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+def test_opaque_ops_see_their_inputs_layouts(transposed):
+    # opaque ops ran on contiguous fake tensors: ravel of a transposed input was taken for a view, so the write
+    # through it reached x (eager's copy leaves x alone), and results were taken to be contiguous
+    make = lambda: torch.arange(12.0).reshape(4, 3).t() if transposed else torch.arange(12.0).reshape(3, 4)  # noqa: E731
+    x_eager, x_fulmen = make(), make()
+    want, got = _write_through_ravel(x_eager), fulmen.jit(_write_through_ravel, executors=["torch"])(x_fulmen)
+    torch.testing.assert_close(x_fulmen, x_eager, rtol=0, atol=0)
+    for g, w in zip(got[:2], want[:2]):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert got[2] == want[2]
