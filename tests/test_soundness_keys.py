@@ -308,6 +308,9 @@ def _violations(x, y):
     yield "dtype", changed(x.double(), 3, 0.5, (y, 2), mode="a"), contextlib.nullcontext()
     yield "requires_grad", changed(x.detach().requires_grad_(), 3, 0.5, (y, 2), mode="a"), contextlib.nullcontext()
     yield "lazy negative view", changed(torch._neg_view(-x), 3, 0.5, (y, 2), mode="a"), contextlib.nullcontext()
+    with torch.inference_mode():
+        inference = x.clone()
+    yield "inference tensor", changed(inference, 3, 0.5, (y, 2), mode="a"), contextlib.nullcontext()
     yield "a float for an int", changed(x, 3.0, 0.5, (y, 2), mode="a"), contextlib.nullcontext()
     yield "another float", changed(x, 3, 0.25, (y, 2), mode="a"), contextlib.nullcontext()
     yield "a list for a tuple", changed(x, 3, 0.5, [y, 2], mode="a"), contextlib.nullcontext()

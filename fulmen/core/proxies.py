@@ -116,6 +116,21 @@ def _binop(name: str, reflected: bool = False):
     return fn
 
 
+def _compare(name: str, reflected: str):
+    # Python tries the right operand's reflected comparison first when its type is a proper subclass of the left
+    # one's (and, unlike arithmetic, whether or not it overrides it): in eager ``t == p`` with ``p`` an nn.Parameter
+    # runs ``p.__eq__(t)``, so eq(p, t), laid out as ``p`` is. A parameter's proxy is a TensorProxy like any other
+    # (it passes ``isinstance(p, nn.Parameter)``), so the rule is applied here.
+    def fn(self, other):
+        if _is_ndarray(other):
+            return NotImplemented
+        if isinstance(other, torch.nn.Parameter) and not isinstance(self, torch.nn.Parameter):
+            return langctx.method(reflected)(other, self)
+        return langctx.method(name)(self, other)
+    fn.__name__ = name
+    return fn
+
+
 def _unop(name: str):
     def fn(self):
         return langctx.method(name)(self)
@@ -489,8 +504,9 @@ class TensorProxy(Proxy, torch.Tensor):
     __lshift__, __rshift__ = _binop("bitwise_left_shift"), _binop("bitwise_right_shift")
     __rlshift__, __rrshift__ = _binop("bitwise_left_shift", True), _binop("bitwise_right_shift", True)
     __ilshift__, __irshift__ = _binop("bitwise_left_shift_"), _binop("bitwise_right_shift_")
-    __eq__, __ne__ = _binop("eq"), _binop("ne")
-    __lt__, __le__, __gt__, __ge__ = _binop("lt"), _binop("le"), _binop("gt"), _binop("ge")
+    __eq__, __ne__ = _compare("eq", "eq"), _compare("ne", "ne")
+    __lt__, __le__ = _compare("lt", "gt"), _compare("le", "ge")
+    __gt__, __ge__ = _compare("gt", "lt"), _compare("ge", "le")
     __neg__, __pos__, __abs__, __invert__ = _unop("neg"), _unop("positive"), _unop("abs"), _unop("bitwise_not")
 
 

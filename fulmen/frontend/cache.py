@@ -49,6 +49,7 @@ functorch_active = torch._C._are_functorch_transforms_active
 def global_state_key() -> tuple:
     return (
         torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),  # values computed under it are inference tensors
         torch.get_default_dtype(),
         torch.is_autocast_enabled("cpu"),
         torch.is_autocast_enabled("cuda"),
@@ -73,10 +74,13 @@ def value_key(x: Any, flat: list[torch.Tensor], seen: dict[int, int] | None = No
         # a lazy view (z.conj(), z.conj().imag) flips values with a bit that compiled code would ignore
         if x.is_neg() or (dtype.is_complex and x.is_conj()):
             dtype = (dtype, "conj" if x.is_conj() else "neg")
+        # an inference tensor (made under torch.inference_mode; it never requires grad) is keyed None there: traced
+        # code reads is_inference(), and eager refuses to write to one outside inference mode
+        grad = None if x.is_inference() else x.requires_grad
         if x.is_contiguous():
-            return (x.shape, dtype, x.device, x.requires_grad)
+            return (x.shape, dtype, x.device, grad)
         # traced code decides copy-or-view (contiguous(), reshape, view) from the layout: strides are keyed
-        return (x.shape, dtype, x.device, x.requires_grad, x.stride())
+        return (x.shape, dtype, x.device, grad, x.stride())
     if t is int or t is bool or t is str or x is None:
         return (t, x)
     if t is float:
@@ -378,7 +382,8 @@ def state_key(tensors: list[torch.Tensor], flat: list[torch.Tensor]) -> tuple:
 
 def is_tensor_key(x: Any) -> bool:
     """Whether ``x`` is the part of a key describing one tensor (``value_key``): ``(shape, dtype, device,
-    requires_grad)`` for a contiguous tensor, with its strides as a fifth part for any other."""
+    requires_grad)`` for a contiguous tensor, with its strides as a fifth part for any other; requires_grad is None
+    for an inference tensor."""
     return type(x) is tuple and (len(x) == 4 or len(x) == 5) and type(x[0]) is torch.Size
 
 

@@ -14,6 +14,7 @@ def describe_key_change(old, new, names: list[str] = ()) -> str:
     if old_state != new_state:
         parts = [
             "grad mode",
+            "inference mode",
             "default dtype",
             "CPU autocast",
             "CUDA autocast",

@@ -101,6 +101,7 @@ class _Writer:
         self.flat: list[str] = []  # the expressions of the tensor inputs, in order
         # per tensor input, in order: (its check's condition, its comment, its key, dynamic dims, module state)
         self.tensor_checks: list[tuple[str, str, tuple, frozenset, bool]] = []
+        self.inference_checks: list[str] = []  # TensorGuards does not tell inference tensors from others
         self.names: set[str] = set(self.env) | {"args", "kwargs", "params", "version", "prologue", "device"}
         self._consts: dict[Any, str] = {}
         self._keep: list[Any] = []
@@ -240,15 +241,18 @@ class _Writer:
         # a proxy is a Tensor too: a jitted function called inside another's trace runs its Python code on the proxies
         terms = [f"isinstance({expr}, Tensor)", *([] if state else [f"not isinstance({expr}, Proxy)"]), shape_test,
                  f"{expr}.dtype is {dtype_name}", f"{expr}.device == {device_name}",
-                 f"{expr}.requires_grad is {requires_grad}",
+                 f"{expr}.requires_grad is {bool(requires_grad)}",  # None: an inference tensor, which never does
                  f"{expr}.stride() == {tuple(strides[0])!r}" if strides else f"{expr}.is_contiguous()"]
+        if not state:  # a module's state is keyed by identity; checked for all tensors at once (``tensors``)
+            self.inference_checks.append(f"{expr}.is_inference()" if requires_grad is None else
+                                         f"not {expr}.is_inference()")
         if lazy == "conj":
             terms.append(f"{expr}.is_conj()")
         elif lazy == "neg":
             terms += [f"{expr}.is_neg()"] + ([f"not {expr}.is_conj()"] if dtype.is_complex else [])
         elif bits:
             terms += [f"not {expr}.is_neg()"] + ([f"not {expr}.is_conj()"] if dtype.is_complex else [])
-        grad = ", requires_grad" if requires_grad else ""
+        grad = ", requires_grad" if requires_grad else ", an inference tensor" if requires_grad is None else ""
         layout = f", strides {tuple(strides[0])}" if strides else ", contiguous"
         comment = (f"{label}: {device} {str(dtype).removeprefix('torch.')}[{shown}]{grad}{layout}"
                    + (f", a lazy {'conjugate' if lazy == 'conj' else 'negative'} view" if lazy else ""))
@@ -263,6 +267,7 @@ class _Writer:
         if fast is None or not checks:
             for condition, comment, *_ in checks:
                 self.check(condition, comment)
+            self._inference_check()
             return fast
         name = self.const(fast, "tensor_guards")
         exprs = ", ".join(self.flat[: len(checks)])
@@ -274,7 +279,12 @@ class _Writer:
                        f"if not {name}.check({exprs}){contiguous}:"]
         for condition, comment, *_ in checks:
             self.check(condition, comment, indent="    ")
+        self._inference_check()
         return fast
+
+    def _inference_check(self) -> None:
+        if self.inference_checks:  # TensorGuards does not tell inference tensors from others
+            self.check(" and ".join(self.inference_checks), "inference tensors where compiled for them, only there")
 
     def call(self, args_key: tuple, arg_names: list[str]) -> None:
         """The arguments of the call: ``args`` and ``kwargs``."""
@@ -299,13 +309,14 @@ class _Writer:
             self.value(k, name, name)
 
     def global_state(self, state: tuple) -> None:
-        grad, default_dtype, cpu_ac, cuda_ac, cpu_dtype, cuda_dtype, factory_device = state
+        grad, inference, default_dtype, cpu_ac, cuda_ac, cpu_dtype, cuda_dtype, factory_device = state
         env = self.env
         env.update(is_grad_enabled=torch.is_grad_enabled, get_default_dtype=torch.get_default_dtype,
                    is_autocast_enabled=torch.is_autocast_enabled, get_autocast_dtype=torch.get_autocast_dtype,
-                   functorch_active=functorch_active)
+                   functorch_active=functorch_active, is_inference_mode_enabled=torch.is_inference_mode_enabled)
         # programs are compiled outside torch.func transforms only (JittedFunction._find runs the function there)
-        terms = [f"is_grad_enabled() is {grad}", "not functorch_active()",
+        terms = [f"is_grad_enabled() is {grad}", f"is_inference_mode_enabled() is {inference}",
+                 "not functorch_active()",
                  f"get_default_dtype() is {self.const(default_dtype, str(default_dtype).removeprefix('torch.'))}",
                  f"is_autocast_enabled('cpu') is {cpu_ac}", f"is_autocast_enabled('cuda') is {cuda_ac}"]
         for device, enabled, dtype in (("cpu", cpu_ac, cpu_dtype), ("cuda", cuda_ac, cuda_dtype)):
@@ -315,7 +326,8 @@ class _Writer:
         env.update(default_device=default_device)
         terms.append("default_device() is None" if factory_device is None else
                      f"default_device() == {self.const(factory_device, f'{factory_device.type}_device')}")
-        self.check(" and ".join(terms), "global state: grad mode, default dtype, autocast, default device")
+        self.check(" and ".join(terms), "global state: grad and inference mode, default dtype, autocast, default "
+                   "device")
 
 
 def _example_strides(t: torch.Tensor, key: tuple, dims: frozenset) -> list[int | None] | None:
@@ -347,7 +359,9 @@ def _has_key_facts(t: torch.Tensor, key: tuple, dims: frozenset, state: bool) ->
         return False
     if t.dim() != len(shape) or any(t.shape[d] != s for d, s in enumerate(shape) if d not in dims):
         return False
-    if t.dtype is not dtype or t.device != device or t.requires_grad is not requires_grad:
+    if t.dtype is not dtype or t.device != device or t.is_inference() is not (requires_grad is None):
+        return False
+    if t.requires_grad is not bool(requires_grad):
         return False
     if state:  # a module's state: the key has no lazy bits, and the C++ check compares the example's
         return True

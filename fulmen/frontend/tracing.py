@@ -42,6 +42,7 @@ from fulmen.torch.fallback import opaque_symbol
 from fulmen.torch.inplace import view_input_as_its_memory
 from fulmen.torch.numpy_values import numpy_data, numpy_scalar
 from fulmen.torch.shape import set_strides
+from fulmen.torch.views import set_inference
 from fulmen.transforms.autocast import current_policies
 
 
@@ -146,6 +147,8 @@ def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], sizes:
                         requires_grad=value.requires_grad)
         if not value.is_contiguous():  # keyed with its strides (never with dynamic sizes): eager's copy-or-view
             set_strides(p, value.stride())
+        if value.is_inference():  # keyed too
+            set_inference(p)
         p.mark_input(leaf=value.requires_grad and value.is_leaf, param=isinstance(value, torch.nn.Parameter))
         flat.append(p)
         return p
@@ -209,6 +212,8 @@ class _Capture:
                                 requires_grad=x.requires_grad)
                 if not x.is_contiguous():
                     set_strides(p, x.stride())
+                if x.is_inference():
+                    set_inference(p)
                 p.mark_input(leaf=False, param=isinstance(x, torch.nn.Parameter))
                 self.by_id[id(x)] = p
                 self.spec.captured.append(x)
@@ -386,6 +391,8 @@ class UserTracer(Tracer):
         # eager autocast casts at the outermost call only; the policies follow torch.autocast entered or left
         # inside the traced function
         for policy in self._autocast:
+            if policy.runs_as_composite(sym.id):  # eager casts the operations it calls, each by its own policy
+                return sym.meta(*args, **kwargs)
             args, kwargs = policy.cast(sym.id, args, kwargs)
         if sym.normalize is not None:
             args, kwargs = sym.normalize(args, kwargs)

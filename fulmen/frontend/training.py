@@ -272,16 +272,17 @@ class FulmenFunction(torch.autograd.Function):
 
 
 def _output_builder(trace: Trace, fb: ForwardBackward):
-    """``build(function outputs, inputs)``: the program's output structure. An input returned unchanged that
-    takes no gradient is returned itself, as eager returns it (not the view autograd.Function would make)."""
-    differentiable = {fb.outputs[i].name for i in fb.differentiable}
+    """``build(function outputs, inputs)``: the program's output structure. An input returned unchanged is
+    returned itself, as eager returns it (``x.conj()`` of a real ``x``, ``lambda x: x``), not the view
+    autograd.Function would make: its gradient then reaches the caller's tensor directly, as in eager. (An input
+    updated in place is returned under its new value's name: a dirty output of the function.)"""
     inputs = {a.name: i for i, a in enumerate(trace.args)}
     index = {p.name: i for i, p in enumerate(fb.outputs)}
 
     def slot(x):
         if not isinstance(x, TensorProxy):
             return (None, None, x)
-        if x.name in inputs and x.name not in differentiable:
+        if x.name in inputs:
             return (None, inputs[x.name], None)
         return (index[x.name], None, None)
 

@@ -33,8 +33,9 @@ from fulmen.torch.shape import *  # noqa: F401,F403
 from fulmen.torch.shape import follow_input_layout as _follow_input_layout
 from fulmen.torch.statistics import *  # noqa: F401,F403
 
-# eager lays an elementwise op's result out as its inputs are: later views and reshapes of it depend on that
+# eager lays an op's results out by the op's own rule (an elementwise op's as its inputs are, layer_norm's
+# contiguous): later views and reshapes of them depend on that
 for _sym in symbols_by_id.values():
-    if _OpTags.ELEMENTWISE in _sym.tags and _sym.post_hook is None and _sym.torch_fns:
+    if _sym.post_hook is None and _sym.torch_fns and (_OpTags.ELEMENTWISE in _sym.tags or _sym.torch_executable):
         _sym.post_hook = _follow_input_layout
 del _sym

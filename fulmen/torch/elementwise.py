@@ -241,16 +241,35 @@ def fmod(a, b):
     return elementwise_binary(a, b, prims.fmod, TypePromotion.NO_OPMATH)
 
 
-@torchsymbol(*_binary_torch_fns("pow"), method_name="pow", tags=_EW)
+def _dense_number_base(args, kwargs):
+    """A number base becomes a dense tensor of the exponent's shape: eager's pow(Scalar, Tensor) kernel allocates a
+    contiguous result whatever the exponent's layout, where PyTorch's meta function for it (which fake tensors, and
+    so a fused region's graph, run) lays the result out as the exponent. pow(dense base, exponent) is laid out as
+    the base, everywhere, with the same values."""
+    if len(args) != 2 or kwargs or not isinstance(args[0], NUMBER_TYPES) or not isinstance(args[1], TensorProxy):
+        return args, kwargs
+    a, b = args
+    return (clang.full(tuple(b.shape), a, device=b.device, dtype=clang.result_dtype(a, b)), b), kwargs
+
+
+@torchsymbol(*_binary_torch_fns("pow"), method_name="pow", tags=_EW, normalize=_dense_number_base)
 def pow(a, b):
     """torch.pow; ``x ** 2`` stays a pow (torch computes it exactly as x * x for integer exponents)."""
-    if isinstance(a, NUMBER_TYPES) and isinstance(b, TensorProxy):
-        a = clang.full((), a, device=b.device, dtype=clang.result_dtype(a, b))
+    (a, b), _ = _dense_number_base((a, b), {})
     return elementwise_binary(a, b, prims.pow)
 
 
-@torchsymbol(torch.float_power, torch.Tensor.float_power, method_name="float_power", tags=_EW)
+def _float_power_base(args, kwargs):
+    if len(args) != 2 or kwargs or not isinstance(args[0], NUMBER_TYPES) or not isinstance(args[1], TensorProxy):
+        return args, kwargs
+    dtype = torch.complex128 if isinstance(args[0], complex) or args[1].dtype.is_complex else torch.float64
+    return (clang.full(tuple(args[1].shape), args[0], device=args[1].device, dtype=dtype), args[1]), kwargs
+
+
+@torchsymbol(torch.float_power, torch.Tensor.float_power, method_name="float_power", tags=_EW,
+             normalize=_float_power_base)
 def float_power(a, b):
+    """torch.float_power: pow in float64 (complex128); a number base is dense, as pow's (``_dense_number_base``)."""
     dtype = torch.complex128 if any(isinstance(x, TensorProxy) and dtypes.is_complex_dtype(x.dtype) for x in (a, b)) \
         else torch.float64
     return pow(maybe_convert_to_dtype(a, dtype), maybe_convert_to_dtype(b, dtype))

@@ -25,7 +25,7 @@ from fulmen.core.symbol import OpTags, Symbol
 from fulmen.core.trace import get_tracectx
 from fulmen.core.unbacked import GuardOnDataDependentSymNode, data_dependent_guard, shape_env_of, trace_shape_env
 from fulmen.torch.registry import link_views, set_lazy_bits, torch_id, with_lazy_bits
-from fulmen.torch.views import layout_of
+from fulmen.torch.views import set_strides, strides_of
 
 _opaque: dict[Any, Symbol] = {}
 # torch logs fake-tensor failures at ERROR level before fulmen recovers from them (see _run_on_zeros)
@@ -34,12 +34,9 @@ logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
 
 def _to_fake(mode, x):
     if isinstance(x, TensorProxy):
-        # laid out as eager's tensor is: whether the op returns a view or a copy can depend on it (torch.ravel of a
-        # transposed tensor copies)
-        strides = layout_of(x)
-        device = to_torch_device(x.device)
-        t = torch.empty(tuple(x.shape), dtype=x.dtype, device=device) if strides is None else torch.empty_strided(
-            tuple(x.shape), strides, dtype=x.dtype, device=device)
+        # laid out as eager's tensor is: whether the op copies or returns a view (torch.ravel of a transposed
+        # tensor copies), and its results' strides, depend on it
+        t = torch.empty_strided(tuple(x.shape), strides_of(x), dtype=x.dtype, device=to_torch_device(x.device))
         t = t.requires_grad_(x.requires_grad) if x.dtype.is_floating_point or x.dtype.is_complex else t
         return with_lazy_bits(t, x)
     return x
@@ -67,6 +64,10 @@ def _fake_meta(func: Callable, name: str, views: bool = False) -> Callable:
             for fake, proxy in zip(tree_leaves(out), tree_leaves(result)):
                 if isinstance(fake, torch.Tensor) and isinstance(proxy, TensorProxy):
                     set_lazy_bits(proxy, fake.is_conj(), fake.is_neg())
+        for fake, proxy in zip(tree_leaves(out), tree_leaves(result)):  # a new tensor's layout, as eager's
+            if (isinstance(fake, torch.Tensor) and isinstance(proxy, TensorProxy) and proxy.view_of is None
+                    and all(type(n) is int for n in (*fake.shape, *fake.stride())) and not fake.is_contiguous()):
+                set_strides(proxy, fake.stride())
         return result
 
     return meta

@@ -80,6 +80,16 @@ def overwritten(new: TensorProxy, old: TensorProxy, keeps_gradient: bool) -> Ten
     return out
 
 
+@torchsymbol(id="ltorch.overlapping_write")
+def overlapping_write(new: TensorProxy, where: str) -> TensorProxy:
+    """``new``, the value of a base written through a view of it whose elements share memory (an ``expand``-ed
+    view, ``b[None].expand(2, 3).fill_(1.0)``) where autograd sees the write. Eager runs the write, and its
+    backward through it raises ("more than one element of the written-to tensor refers to a single memory
+    location"); the gradient rule (``fulmen.transforms.grad_rules``) raises the same there, naming ``where`` (the
+    user's line), rather than differentiating the write as if the elements were distinct."""
+    return prims.reshape(new, tuple(new.shape))
+
+
 def mutate(target: TensorProxy, new_value, *, overwrites: bool = False, refuse_overlap: bool = True,
            _from_view: TensorProxy | None = None, _refresh_written: bool = False) -> TensorProxy:
     """Make ``new_value`` (cast and broadcast to ``target``) the current value of ``target``; returns target.
@@ -162,6 +172,8 @@ def _write_to_base(current: TensorProxy, new: TensorProxy) -> None:
     if through is None:
         unview = getattr(remake, "unview", None)
         new_base = unview(new) if unview is not None else scatter_into(latest(base), remake, new)
+        if torch.is_grad_enabled() and current.requires_grad and _shares_elements(current):
+            new_base = overlapping_write(new_base, _user_location())
         # computed from the base's old value; the view written is then remade from the base's new value too, so a
         # returned view shares the returned base's memory and has eager's strides, not those of ``new``
         mutate(base, new_base, _from_view=current, _refresh_written=True)

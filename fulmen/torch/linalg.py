@@ -386,7 +386,9 @@ def _sum_labels(t: TensorProxy, labels: list[str], drop: set[str]) -> tuple[Tens
 
 
 def _contract_pair(a, la, b, lb, keep: set[str], sizes: dict[str, int]):
-    """Multiply two labelled operands, summing the labels they share that ``keep`` does not need: one bmm."""
+    """Multiply two labelled operands, summing the labels they share that ``keep`` does not need: one ``bmm``, or
+    one ``mul`` when nothing is summed, as eager's einsum calls them (so CPU autocast, which casts bmm and not mul,
+    casts the same ones: ``fulmen.transforms.autocast.CPU_COMPOSITES``)."""
     batch = [lb_ for lb_ in la if lb_ in lb and lb_ in keep]
     summed = [lb_ for lb_ in la if lb_ in lb and lb_ not in keep]
     only_a = [lb_ for lb_ in la if lb_ not in lb]
@@ -406,8 +408,15 @@ def _contract_pair(a, la, b, lb, keep: set[str], sizes: dict[str, int]):
     k = prod(a.shape[a.ndim - ns:])
     lhs = clang.reshape(a, (prod(bsz), prod(m_sz), k))
     rhs = clang.reshape(b, (prod(bsz), k, prod(n_sz)))
-    out = clang.reshape(prims.matmul(lhs, rhs), bsz + m_sz + n_sz)
+    product = bmm(lhs, rhs) if summed else _mul(lhs, rhs)
+    out = clang.reshape(product, bsz + m_sz + n_sz)
     return out, batch + only_a + only_b
+
+
+def _mul(a, b):
+    from fulmen.torch.elementwise import mul  # the torch-language op, recorded as eager's einsum calls it
+
+    return mul(a, b)
 
 
 def _einsum_args(equation, operands) -> tuple[str, list[str], tuple]:

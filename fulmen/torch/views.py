@@ -28,11 +28,23 @@ _strides: dict[int, tuple[weakref.ref, tuple[int, ...]]] = {}
 _view_strides: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+#: The strides of a view whose layout torch could not tell for symbolic sizes (``_view_hook``).
+UNKNOWN = ("unknown",)
+
+
+def _unknown_layout(p: TensorProxy) -> NotImplementedError:
+    return NotImplementedError(
+        f"fulmen does not know the strides of the view {p.name} ({p.type_string()}) for symbolic sizes (PyTorch's "
+        "meta tensors could not make it), and the traced code depends on them (stride(), is_contiguous(), a view "
+        "or an in-place write through it). The program is compiled for the exact sizes instead.")
+
+
 def strides_of(p: TensorProxy) -> tuple[int, ...]:
-    """The strides eager PyTorch gives the tensor ``p`` stands for (inputs: those of ``set_strides``)."""
+    """The strides eager PyTorch gives the tensor ``p`` stands for (inputs: those of ``set_strides``); a view whose
+    strides torch could not make for symbolic sizes is taken to be contiguous here (``known_strides`` tells)."""
     if p.view_of is not None:
         strides = _view_strides.get(p.view_of[1])
-        if strides is not None:
+        if strides is not None and strides is not UNKNOWN:
             return strides
     entry = _strides.get(id(p))
     if entry is not None and entry[0]() is p:
@@ -48,24 +60,33 @@ def layout_of(p: TensorProxy) -> tuple[int, ...] | None:
     return strides_of(p)
 
 
+def known_strides(p: TensorProxy) -> tuple[int, ...]:
+    """``strides_of(p)`` for a read the program's values depend on (``stride()``, ``is_contiguous()``): for a view
+    whose strides are not known (symbolic sizes), NotImplementedError, so that the symbolic compilation gives up
+    and the program compiles for exact sizes (logged), rather than answer as if it were contiguous."""
+    if p.view_of is not None and _view_strides.get(p.view_of[1]) is UNKNOWN:
+        raise _unknown_layout(p)
+    return strides_of(p)
+
+
 def stride(a: TensorProxy, dim: int | None = None):
     """``Tensor.stride()``: the strides eager gives the tensor ``a`` stands for (``strides_of``), not the traced
     wrapper's own, which are contiguous (offsets computed from those, as for ``as_strided``, pick other elements)."""
-    strides = strides_of(a)
+    strides = known_strides(a)
     return strides if dim is None else strides[canonicalize_dim(a.ndim, dim)]
 
 
 def is_contiguous(a: TensorProxy, memory_format: torch.memory_format = torch.contiguous_format) -> bool:
     """``Tensor.is_contiguous()`` of the tensor ``a`` stands for, decided by torch from its sizes and strides."""
     with torch._C.DisableTorchFunction():
-        return torch.empty_strided(tuple(a.shape), strides_of(a), device="meta").is_contiguous(
+        return torch.empty_strided(tuple(a.shape), known_strides(a), device="meta").is_contiguous(
             memory_format=memory_format)
 
 
 def dim_order(a: TensorProxy, *, ambiguity_check: bool | list = False) -> tuple[int, ...]:
     """``Tensor.dim_order()`` of the tensor ``a`` stands for, decided by torch from its sizes and strides."""
     with torch._C.DisableTorchFunction():
-        return torch.empty_strided(tuple(a.shape), strides_of(a), device="meta").dim_order(
+        return torch.empty_strided(tuple(a.shape), known_strides(a), device="meta").dim_order(
             ambiguity_check=ambiguity_check)
 
 
@@ -83,7 +104,33 @@ def storage_offset(a: TensorProxy) -> int:
         "index the tensor instead of using offsets into its storage.")
 
 
+#: id(proxy) -> weak reference to it, for the program inputs (and captured tensors) that are inference tensors,
+#: made under ``torch.inference_mode`` (by id: a proxy's ``==`` is the traced elementwise op)
+_inference_inputs: dict[int, weakref.ref] = {}
+
+
+def set_inference(p: TensorProxy) -> None:
+    """Record that the input ``p`` stands for an inference tensor (the cache keys it so)."""
+    key = id(p)
+    _inference_inputs[key] = weakref.ref(p, lambda _, key=key: _inference_inputs.pop(key, None))
+
+
+def is_inference(a: TensorProxy) -> bool:
+    """``Tensor.is_inference()``: an input that is an inference tensor, and any view of one, as eager's; a value
+    the program computes (and its views) is one when the call runs under ``torch.inference_mode`` (which the cache
+    keys). One gap: a value computed inside a ``with torch.inference_mode():`` block of the traced function itself
+    reads as made under the mode in force where it is read."""
+    base = a
+    while base.view_of is not None:
+        base = base.view_of[0]
+    if base.origin in ("input", "input-leaf"):
+        ref = _inference_inputs.get(id(base))
+        return ref is not None and ref() is base
+    return torch.is_inference_mode_enabled()
+
+
 register_function((torch.Tensor.stride,), stride, method_names=("stride",))
+register_function((torch.Tensor.is_inference,), is_inference, method_names=("is_inference",))
 register_function((torch.Tensor.is_contiguous,), is_contiguous, method_names=("is_contiguous",))
 register_function((torch.Tensor.dim_order,), dim_order, method_names=("dim_order",))
 register_function((torch.Tensor.storage_offset,), storage_offset, method_names=("storage_offset",))
@@ -150,28 +197,35 @@ def _on_meta(fn, args, kwargs):
     """Run ``fn`` on meta tensors laid out as eager would lay out the proxies: (meta output, meta input 0).
 
     Torch function handling is off meanwhile: only meta tensors are involved, and the tracer's mode would
-    otherwise see each of these calls, a second trip through the tracer for every view op traced."""
-    with torch._C.DisableTorchFunction():
+    otherwise see each of these calls, a second trip through the tracer for every view op traced. Inference mode
+    is off too: under it torch records no view's base, and every view would be taken for a copy."""
+    with torch._C.DisableTorchFunction(), torch.inference_mode(False):
         margs = [_to_meta(a) for a in args]
         return fn(*margs, **{k: _to_meta(v) for k, v in kwargs.items()}), margs[0]
 
 
 def follow_input_layout(bsym: BoundSymbol) -> None:
-    """After an elementwise op is recorded: eager lays its result out as its tensor inputs are (a transposed
-    input gives a transposed result), which decides what a later ``view``/``reshape`` of it does. When some input
-    is not contiguous, the result gets the strides the op gives on meta tensors laid out as the inputs."""
-    out = bsym.output
-    if not isinstance(out, TensorProxy) or out.view_of is not None or any(type(n) is not int for n in out.shape):
+    """After a torch-language op that makes new tensors is recorded: eager lays its results out by the op's own
+    rule (an elementwise op as its inputs, a transposed input gives a transposed result; ``layer_norm``
+    contiguous; ``sort`` as its input), which decides what a later ``view``/``reshape`` of them does. When some
+    input is not contiguous, the results get the strides the op gives on meta tensors laid out as the inputs,
+    replacing what the calls inside its decomposition gave them."""
+    outs = bsym.output if isinstance(bsym.output, tuple) else (bsym.output,)
+    if not all(isinstance(o, TensorProxy) and o.view_of is None and all(type(n) is int for n in o.shape)
+               for o in outs):
         return
     tensors = [a for a in (*bsym.args, *bsym.kwargs.values()) if isinstance(a, TensorProxy)]
-    if any(a is out for a in tensors) or all(layout_of(a) is None for a in tensors):
+    if any(a is o for a in tensors for o in outs) or all(layout_of(a) is None for a in tensors):
         return
     try:
         mout, _ = _on_meta(bsym.sym.torch_fns[0], bsym.args, bsym.kwargs)
     except Exception:  # an argument meta tensors cannot take: the result stays taken to be contiguous
         return
-    if isinstance(mout, torch.Tensor) and tuple(mout.shape) == tuple(out.shape):
-        _set_strides(out, mout.stride())
+    mouts = mout if isinstance(mout, tuple) else (mout,)
+    if len(mouts) == len(outs) and all(isinstance(m, torch.Tensor) and tuple(m.shape) == tuple(o.shape)
+                                       for m, o in zip(mouts, outs)):
+        for m, o in zip(mouts, outs):
+            _set_strides(o, m.stride())
 
 
 follow_input_layout.layout_only = True  # a copy of a recorded call may stand in for it (fulmen.frontend.replay)
@@ -188,6 +242,11 @@ def _view_hook(bsym: BoundSymbol, unview=None) -> None:
         out, mbase = _on_meta(fn, bsym.args, bsym.kwargs)
     except Exception:  # eager layout unknown (e.g. an argument meta tensors cannot take): assume a plain view
         link_views(sym, bsym.args, bsym.kwargs, bsym.output, unview=unview)
+        outs = bsym.output if isinstance(bsym.output, (tuple, list)) else (bsym.output,)
+        if _symbolic(base) or any(isinstance(p, TensorProxy) and _symbolic(p) for p in outs):
+            for p in outs:  # not taken to be contiguous: a read of the strides gives up the symbolic compilation
+                if isinstance(p, TensorProxy) and p is not base and p.view_of is not None:
+                    _view_strides[p.view_of[1]] = UNKNOWN
         return
     outs = bsym.output if isinstance(bsym.output, (tuple, list)) else (bsym.output,)
     mouts = out if isinstance(out, (tuple, list)) else (out,)
@@ -205,6 +264,10 @@ def _view_hook(bsym: BoundSymbol, unview=None) -> None:
         if p is not base:
             _set_strides(p, strides)
             set_lazy_bits(p, conj, neg)
+
+
+def _symbolic(p: TensorProxy) -> bool:
+    return any(type(n) is not int for n in p.shape)
 
 
 def check_viewable(fn, a: TensorProxy, *args, **kwargs) -> None:

@@ -15,24 +15,33 @@ import torch
 
 from fulmen.core.proxies import TensorProxy
 
-# ids of torch-language symbols by policy; lists follow PyTorch's autocast op reference (CUDA and CPU)
-LOWER_PRECISION = {
-    "torch.matmul", "torch.mm", "torch.bmm", "torch.mv", "torch.addmm", "torch.addmv", "torch.addbmm",
-    "torch.baddbmm", "torch.nn.functional.linear", "torch.nn.functional.conv1d", "torch.nn.functional.conv2d",
-    "torch.nn.functional.conv3d", "torch.nn.functional.conv_transpose1d", "torch.nn.functional.conv_transpose2d",
-    "torch.nn.functional.conv_transpose3d", "torch.nn.functional.scaled_dot_product_attention", "torch.einsum",
-    "torch.nn.functional.prelu", "torch.chain_matmul", "torch.linalg.multi_dot", "torch.tensordot",
+# ids of torch-language symbols by policy; lists follow PyTorch's autocast op reference (CUDA and CPU). A torch
+# function fulmen records under another name is listed by that name (F.conv1d is torch.conv1d, F.prelu torch.prelu).
+_LOWER_PRECISION_BOTH = {
+    "torch.matmul", "torch.mm", "torch.bmm", "torch.addmm", "torch.addbmm", "torch.baddbmm",
+    "torch.nn.functional.linear", "torch.conv1d", "torch.conv2d", "torch.conv3d", "torch.conv_transpose1d",
+    "torch.conv_transpose2d", "torch.conv_transpose3d", "torch.conv_tbc", "torch.prelu",
+    "torch.nn.functional.scaled_dot_product_attention", "torch.linalg.vecdot",
+    # not autocast ops themselves but composites that always multiply matrices: eager casts the mm inside
+    "torch.chain_matmul", "torch.linalg.multi_dot", "torch.tensordot",
 }
+#: CUDA's list adds matrix-vector products and einsum; on CPU they run in the input dtype (einsum as a composite:
+#: ``CPU_COMPOSITES``)
+LOWER_PRECISION_CUDA = _LOWER_PRECISION_BOTH | {"torch.mv", "torch.addmv", "torch.addr", "torch.einsum"}
+LOWER_PRECISION_CPU = _LOWER_PRECISION_BOTH
+#: Composites eager runs operation by operation under CPU autocast, each operation cast by its own policy (einsum
+#: contracts with bmm, cast, or multiplies with mul, not cast): traced as the torch-language calls they make.
+CPU_COMPOSITES = {"torch.einsum"}
 FLOAT32_CUDA = {
     "torch.acos", "torch.asin", "torch.cosh", "torch.erfinv", "torch.exp", "torch.expm1", "torch.log",
     "torch.log10", "torch.log2", "torch.log1p", "torch.reciprocal", "torch.rsqrt", "torch.sinh", "torch.tan",
     "torch.pow", "torch.nn.functional.softplus", "torch.nn.functional.layer_norm", "torch.nn.functional.group_norm",
     "torch.norm", "torch.nn.functional.nll_loss", "torch.nn.functional.cross_entropy", "torch.softmax",
-    "torch.log_softmax", "torch.nn.functional.softmax", "torch.nn.functional.log_softmax", "torch.cumsum",
+    "torch.log_softmax", "torch.cumsum",
     "torch.cumprod", "torch.sum", "torch.prod", "torch.logsumexp", "torch.nn.functional.mse_loss",
     "torch.nn.functional.l1_loss", "torch.nn.functional.smooth_l1_loss", "torch.nn.functional.huber_loss",
     "torch.nn.functional.binary_cross_entropy_with_logits", "torch.nn.functional.kl_div",
-    "torch.nn.functional.cosine_similarity", "torch.nn.functional.normalize",
+    "torch.cosine_similarity", "torch.nn.functional.normalize",
 }
 FLOAT32_CPU = {
     "torch.prod", "torch.nn.functional.binary_cross_entropy", "torch.nn.functional.mse_loss",
@@ -42,7 +51,7 @@ FLOAT32_CPU = {
 }
 PROMOTE = {
     "torch.cat", "torch.stack", "torch.addcdiv", "torch.addcmul", "torch.atan2", "torch.dot", "torch.index_put",
-    "torch.scatter_add", "torch.nn.functional.bilinear",
+    "torch.scatter_add", "torch.bilinear",
 }
 
 
@@ -52,14 +61,21 @@ class AutocastPolicy:
     def __init__(self, device_type: str, dtype: torch.dtype):
         self.device_type = device_type
         self.dtype = dtype
-        self.float32 = FLOAT32_CUDA if device_type == "cuda" else FLOAT32_CPU
+        cuda = device_type == "cuda"
+        self.float32 = FLOAT32_CUDA if cuda else FLOAT32_CPU
+        self.lower = LOWER_PRECISION_CUDA if cuda else LOWER_PRECISION_CPU
+        self.composites = frozenset() if cuda else CPU_COMPOSITES
+
+    def runs_as_composite(self, sym_id: Any) -> bool:
+        """Whether eager runs the symbol as the operations it calls, each cast by its own policy."""
+        return sym_id in self.composites
 
     def target(self, sym_id: Any, args: tuple, kwargs: dict) -> torch.dtype | None:
         if not isinstance(sym_id, str):
             return None
         # opaque (fallback) ops and Tensor-method spellings share the policy of the torch function
         sym_id = sym_id.removeprefix("fallback:").replace("torch.Tensor.", "torch.")
-        if sym_id in LOWER_PRECISION:
+        if sym_id in self.lower:
             return self.dtype
         if sym_id in self.float32:
             return torch.float32

@@ -275,6 +275,20 @@ def _rng_state_impl(device: str) -> torch.Tensor:
 
 rng_state = executable_symbol("rng_state", _rng_state_impl, _rng_state_meta, tags=(OpTags.RANDOM_OP,))
 
+#: eager's error when a backward goes through a write to a view whose elements share memory
+OVERLAPPING_WRITE_MESSAGE = ("unsupported operation: more than one element of the written-to tensor refers to a "
+                             "single memory location. Please clone() the tensor before performing the operation.")
+
+
+def _overlapping_write_error_impl(g: torch.Tensor, where: str) -> torch.Tensor:
+    raise RuntimeError(f"{OVERLAPPING_WRITE_MESSAGE}\n  (the backward of an in-place write through an expanded view, "
+                       f"at {where}; clone() the view before writing to it)")
+
+
+#: the backward of ``ltorch.overlapping_write``: raises when run, as eager's backward does there
+overlapping_write_error = executable_symbol("overlapping_write_error", _overlapping_write_error_impl,
+                                            lambda g, where: _like(g))
+
 
 @contextlib.contextmanager
 def _replaying_rng(state: torch.Tensor | None, device: torch.device | None):

@@ -43,6 +43,7 @@ from fulmen.transforms.grad_ops import (
     native_layer_norm_backward,
     nll_loss_backward,
     nll_loss_forward,
+    overlapping_write_error,
     relu,
     silu,
     silu_backward,
@@ -100,6 +101,17 @@ def _overwritten_rule(p: RuleArgs):
         put_grad(old, g if keeps_gradient else clang.full(tuple(g.shape), 0, device=g.device, dtype=g.dtype))
     if needs_grad(new) and not keeps_gradient:
         put_grad(new, g)
+    return out
+
+
+@builtin_rule("ltorch.overlapping_write")
+def _overlapping_write_rule(p: RuleArgs):
+    """A base written through a view whose elements share memory (``ltorch.overlapping_write``): eager's backward
+    raises there, so the gradient that reaches it is one that raises when the backward runs."""
+    new, where = p[0], p[1]
+    out = prims.reshape(new, tuple(new.shape))
+    if needs_grad(new):
+        put_grad(new, overlapping_write_error(get_grad(out), where))
     return out
 
 
