@@ -559,7 +559,7 @@ def as_strided(a, size, stride, storage_offset=None):
     """``torch.as_strided``, recorded as one torch call (the view reads ``a``'s storage directly).
 
     Sizes, strides and offset address the storage ``a`` views, as in eager, for writes through the view too
-    (``fulmen.torch.storage_views``); an input's storage is taken to start at the input's first element.
+    (``fulmen.torch.storage_views``); a write through an explicit offset into a program input's storage is refused.
     """
     return opaque_symbol(torch.as_strided)(a, size, stride, storage_offset)
 

@@ -18,6 +18,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_
 
 from fulmen import clang, prims
 from fulmen.core.proxies import TensorProxy, _user_location
+from fulmen.core.tracectx import get_tracectx
 from fulmen.torch.fallback import opaque_symbol
 from fulmen.torch.overlap import _made_from, _meta, _on_meta
 from fulmen.torch.views import layout_of, set_strides
@@ -80,12 +81,29 @@ def _offset_and_owner(a: TensorProxy, size, stride, storage_offset):
     return owner, tuple(meta_owner.stride()), offset
 
 
+def _from_an_input(a: TensorProxy) -> bool:
+    """Whether ``a`` is a program input or a view of one: its storage may start before its first element (a caller's
+    ``base[1:]``), which the program's key does not hold, so an absolute offset cannot be placed in it."""
+    trace = get_tracectx()
+    inputs = {id(p) for p in trace.args} if trace is not None else set()
+    t = a
+    while t is not None:
+        if id(t) in inputs:
+            return True
+        t = t.view_of[0] if t.view_of is not None else None
+    return False
+
+
 def link_to_storage(sym, out: TensorProxy, a: TensorProxy, size, stride, storage_offset) -> None:
     """Make ``out``, eager's ``as_strided(a, size, stride, storage_offset)``, a view of the value owning ``a``'s
     storage. A contiguous ``a`` that is no view keeps the plain link (its storage is itself, from offset 0)."""
-    if a.view_of is None and layout_of(a) is None:
+    if storage_offset is not None and _from_an_input(a):
+        why = "its storage_offset is a position in a program input's storage, where the input itself starts is unknown"
+        owner, strides = None, why + " (leave storage_offset out to start at the input's own offset)"
+    elif a.view_of is None and layout_of(a) is None:
         return
-    owner, strides, offset = _offset_and_owner(a, tuple(size), tuple(stride), storage_offset)
+    else:
+        owner, strides, offset = _offset_and_owner(a, tuple(size), tuple(stride), storage_offset)
     if owner is None:
         remake = _refusing_remake(a, strides)
         owner = a
