@@ -145,19 +145,29 @@ def test_a_graph_with_vmap_inside_is_compiled_with_the_batching_rules_applied():
     torch._dynamo.reset()
 
 
-def test_a_graph_with_vmap_and_dynamic_sizes_runs_eagerly_and_says_why():
-    # with symbolic sizes, make_fx on this call's inputs would fix them: PyTorch runs that graph, counted with why
+def test_a_graph_with_vmap_and_dynamic_sizes_is_compiled_once_for_every_size():
+    # with symbolic sizes, make_fx retraces the graph symbolically on Dynamo's fake values (its shape environment
+    # records what the batching rules assume); it used to run eagerly (the HF matrix's Mamba prompt graph)
     from fulmen.frontend.dynamo import backend_stats, reset_backend_stats
 
-    def f(x):
-        return torch.vmap(lambda r: r.sin() * 2)(x) + 1
+    def f(x, y):
+        return torch.vmap(lambda r, s: (r.sin() * s).cumsum(0))(x, y) + 1
 
     reset_backend_stats()
     torch._dynamo.reset()
-    compiled = torch.compile(f, backend="fulmen", dynamic=True)
-    for n in (3, 5):
-        x = torch.randn(n, 4)
-        torch.testing.assert_close(compiled(x), f(x), rtol=0, atol=0)
+    compiled = torch.compile(f, backend="fulmen", options={"executors": ["torch"]}, dynamic=True)
+    gen = torch.Generator().manual_seed(0)
+    for n in (3, 5, 9):
+        x = torch.randn(n, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+        y = torch.randn(n, 4, dtype=torch.float64, generator=gen)
+        x_eager = x.detach().clone().requires_grad_()
+        expected, got = f(x_eager, y), compiled(x, y)
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+        weights = torch.randn(n, 4, dtype=torch.float64, generator=gen)
+        (expected * weights).sum().backward()
+        (got * weights).sum().backward()
+        torch.testing.assert_close(x.grad, x_eager.grad, rtol=1e-12, atol=1e-12)
     stats = backend_stats()
-    assert stats.eager_graphs >= 1 and "_add_batch_dim" in stats.eager_reasons[0]
+    assert stats.graphs >= 1 and stats.eager_graphs == 0, stats.eager_reasons
+    assert stats.compilations == stats.graphs  # sizes symbolic from the first trace: no program per size
     torch._dynamo.reset()

@@ -136,16 +136,29 @@ def _functorch_calls(gm: torch.fx.GraphModule) -> list[str]:
 
 
 def _without_transforms(gm: torch.fx.GraphModule, example_inputs: list) -> torch.fx.GraphModule | None:
-    """``gm`` retraced by ``make_fx`` on fake copies of its inputs, which runs torch.func's batching rules and leaves
-    a graph of aten operations without transform primitives; None for a graph with symbolic sizes (``make_fx`` on
-    these example inputs would fix them). The user's tensors are not touched: only fake copies run."""
+    """``gm`` retraced by ``make_fx``, which runs torch.func's batching rules and leaves a graph of aten operations
+    without transform primitives. The user's tensors are not touched: only fake copies run. With static sizes the
+    copies come from a fake mode of its own; a graph Dynamo made dynamic is retraced symbolically on its
+    placeholders' fake values, in Dynamo's shape environment, so whatever the batching rules assume about a
+    symbolic size becomes one of Dynamo's guards for this graph (as Inductor's own retrace of it would)."""
     from torch._guards import tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    examples = [n.meta.get("example_value") for n in placeholders]
     if any(isinstance(x, torch.SymInt) for x in example_inputs) or any(
-            isinstance(s, torch.SymInt) for x in example_inputs if isinstance(x, torch.Tensor) for s in x.shape):
-        return None
+            isinstance(s, torch.SymInt) for x in examples if isinstance(x, torch.Tensor) for s in x.shape):
+        if len(examples) != len(example_inputs) or any(e is None for e in examples):
+            return None
+        try:
+            retraced = make_fx(gm, tracing_mode="symbolic")(*examples)
+        except Exception as e:  # noqa: BLE001 - the graph then runs as Dynamo captured it, counted as eager
+            log.info("fulmen: make_fx could not retrace a dynamic graph's transforms symbolically: %s", e)
+            return None
+        for node, example in zip((n for n in retraced.graph.nodes if n.op == "placeholder"), examples):
+            node.meta["example_value"] = example  # what _size_sources and _dynamic_dims read
+        return retraced
     with tracing(None):  # a fake mode of its own: Dynamo's shape environment must not see this trace
         mode = FakeTensorMode()
         fakes = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
@@ -157,7 +170,8 @@ def _traceable(gm: torch.fx.GraphModule, example_inputs: list) -> tuple[torch.fx
     """``(graph fulmen traces, the transform primitives left in it)``. vmap/grad levels inside a graph (Mamba's
     associative_scan runs torch's vmap) act on the tensors the graph passes them, which fulmen's traced tensors
     cannot stand for; the same graph with the batching rules applied (aten operations on unbatched tensors) can be
-    traced. A graph with symbolic sizes keeps its primitives (``_without_transforms``): PyTorch runs it."""
+    traced, with static or symbolic sizes (``_without_transforms``). A graph ``make_fx`` cannot retrace keeps its
+    primitives: PyTorch runs it (counted in ``backend_stats().eager_graphs``)."""
     transforms = _functorch_calls(gm)
     retraced = _without_transforms(gm, example_inputs) if transforms else None
     if retraced is None:
