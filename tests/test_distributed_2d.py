@@ -187,6 +187,7 @@ def _check_training(results: list[dict]) -> None:
     assert results[0]["sgd", "eager"] != results[2]["sgd", "eager"]
 
 
+@pytest.mark.slow  # 4 spawned ranks
 @pytest.mark.parametrize("options", [{"executors": ["torch"]}, {"compile": "sync"}], ids=["torch", "fusion"])
 def test_fsdp2_over_tensor_parallel_matches_eager(options):
     _check_training(run_on_ranks(_train, options, world_size=4, timeout=500))

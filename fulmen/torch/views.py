@@ -14,10 +14,11 @@ import weakref
 from collections.abc import Sequence
 
 import torch
+from torch._prims_common import compute_elementwise_output_strides
 
 from fulmen import clang, prims
 from fulmen.core.proxies import TensorProxy, _user_location
-from fulmen.core.symbol import BoundSymbol, Symbol
+from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 from fulmen.core.utils import canonicalize_dim, contiguous_strides
 from fulmen.torch.registry import link_views, register_function, set_lazy_bits, torchsymbol, with_lazy_bits
 
@@ -217,6 +218,9 @@ def follow_input_layout(bsym: BoundSymbol) -> None:
     tensors = [a for a in (*bsym.args, *bsym.kwargs.values()) if isinstance(a, TensorProxy)]
     if any(a is o for a in tensors for o in outs) or all(layout_of(a) is None for a in tensors):
         return
+    if OpTags.ELEMENTWISE in bsym.sym.tags and len(outs) == 1:
+        _set_strides(outs[0], _iterator_strides(tensors, tuple(outs[0].shape)))
+        return
     try:
         mout, _ = _on_meta(bsym.sym.torch_fns[0], bsym.args, bsym.kwargs)
     except Exception:  # an argument meta tensors cannot take: the result stays taken to be contiguous
@@ -226,6 +230,17 @@ def follow_input_layout(bsym: BoundSymbol) -> None:
                                        for m, o in zip(mouts, outs)):
         for m, o in zip(mouts, outs):
             _set_strides(o, m.stride())
+
+
+def _iterator_strides(tensors: list[TensorProxy], shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides eager's pointwise kernels (TensorIterator) give a result of ``shape`` from ``tensors``, in
+    argument order: the first operand whose strides order two dims decides, broadcast dims (stride 0) never do.
+    Not torch's meta function of the op, which for some ops (``copysign``: a ``where`` on the sign of its second
+    operand) is a decomposition that orders its operands otherwise."""
+    with torch._C.DisableTorchFunction():
+        metas = [torch.empty_strided(tuple(a.shape), strides_of(a), device="meta").broadcast_to(shape)
+                 for a in tensors if a.ndim]
+        return tuple(compute_elementwise_output_strides(*metas)) if metas else contiguous_strides(shape)
 
 
 follow_input_layout.layout_only = True  # a copy of a recorded call may stand in for it (fulmen.frontend.replay)
