@@ -105,3 +105,30 @@ def test_overlapping_communication_keeps_the_order_of_calls_whose_decomposition_
         scheduled = schedule_communication(trace)
     order = [b.sym.name for b in scheduled.bound_symbols if draws(b)]
     assert order == [b.sym.name for b in trace.bound_symbols if draws(b)] and len(order) == 2, order
+
+
+# an operator whose decomposition draws twice: first in an untagged operator, then in dropout
+_twice = _ex.register_operator(
+    "draws_test_twice",
+    like=lambda x, w: _noisy(x) * F.dropout(w, 0.5),
+    fn=lambda x, w: F.dropout(x, 0.5) * F.dropout(w, 0.5),
+)
+
+
+def test_a_checkpointed_call_drawing_twice_is_not_replayed_from_the_state_before_its_first_draw():
+    # the checkpoint replay counted only tagged draws: it drew dropout's mask again from the generator state before
+    # the call, which the untagged operator's draw had used, so w's gradient used other numbers than the forward's
+    from torch.utils.checkpoint import checkpoint
+
+    def program(block, x, w):
+        return checkpoint(block, x, w, use_reentrant=False).sum()
+
+    x, w = torch.randn(32), torch.randn(32, requires_grad=True)
+    jf = fulmen.jit(lambda x, w: program(_twice, x, w), executors=[_ex])
+    torch.manual_seed(0)
+    (got,) = torch.autograd.grad(jf(x, w), [w])
+    after = torch.rand(8)
+    torch.manual_seed(0)
+    (want,) = torch.autograd.grad(program(lambda x, w: F.dropout(x, 0.5) * F.dropout(w, 0.5), x, w), [w])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(after, torch.rand(8), rtol=0, atol=0)
