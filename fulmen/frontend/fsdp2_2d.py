@@ -220,12 +220,7 @@ class FSDP2DTensorProgram(DTensorProgram):
                 m, n = layout.places[0]
                 if m._parameters.get(n) is not layout.fsdp_param.sharded_param:
                     return f"{type(m).__name__}.{n} is not FSDP2's sharded parameter (unsharded, or replaced)"
-                if fsdp2_program._pending_grad(layout.fsdp_param):
-                    return "FSDP holds gradients accumulated without gradient sync"
-            for group in unit.groups:
-                if fsdp2_program._policy(group, unit.is_root) != fsdp2_program._DEFAULT_POLICY:
-                    return f"{type(unit.module).__name__}'s FSDP policy changed since the model was traced"
-        return None
+        return fsdp2_program.fsdp_state_changed(self.units)
 
     def __call__(self, *args, **kwargs):
         why = self._why_eager()

@@ -271,6 +271,20 @@ def _pending_grad(fsdp_param) -> bool:
     return fsdp_param.unsharded_accumulated_grad is not None or (unsharded is not None and unsharded.grad is not None)
 
 
+def fsdp_state_changed(units: list[_Unit]) -> str | None:
+    """Why FSDP's state is no longer the one the program was traced with (a policy changed, or gradients
+    accumulated without sync that FSDP would add in), or None."""
+    for unit in units:  # a backward without gradient sync left FSDP an unsharded gradient to add in
+        for layout in unit.layouts:
+            if _pending_grad(layout.fsdp_param):
+                return "FSDP holds gradients accumulated without gradient sync"
+    for unit in units:
+        for group in unit.groups:
+            if _policy(group, unit.is_root) != _DEFAULT_POLICY:
+                return f"{type(unit.module).__name__}'s FSDP policy changed since the model was traced"
+    return None
+
+
 class _ShardedState(_ModuleState):
     """The model's tensors, FSDP2's sharded parameters as their local shards (``to_local()``, through which the
     shards' gradients become DTensor gradients of the parameters), and whether each is still FSDP2's."""
@@ -332,17 +346,7 @@ class FSDP2Program(_ModuleProgram):
         if not state.check():
             with _Swaps.lock, self._lock:
                 state.revalidate()
-        if state.stale:
-            return state.stale
-        for unit in self.units:  # a backward without gradient sync left FSDP an unsharded gradient to add in
-            for layout in unit.layouts:
-                if _pending_grad(layout.fsdp_param):
-                    return "FSDP holds gradients accumulated without gradient sync"
-        for unit in self.units:
-            for group in unit.groups:
-                if _policy(group, unit.is_root) != _DEFAULT_POLICY:
-                    return f"{type(unit.module).__name__}'s FSDP policy changed since the model was traced"
-        return None
+        return state.stale or fsdp_state_changed(self.units)
 
     def __call__(self, *args, **kwargs):
         if not _Swaps.active:
