@@ -18,7 +18,7 @@ with FSDP2's part done inside it:
 - each FSDP parameter's local shard (``param.to_local()``: its backward makes the shard's gradient a DTensor with
   the parameter's 2-D spec, accumulated into ``param.grad`` as FSDP2 does) is an input of the program;
 - where a unit's forward begins (its FSDP pre-hook would run), the program pads, concatenates and all-gathers the
-  unit's shards over dp once, as FSDP2's copy-in and copy-out do (the layout of ``fulmen.frontend.fsdp2_program``),
+  unit's shards over dp once, as FSDP2's copy-in and copy-out do (``fsdp2_program.gather_unit``, the one layout),
   and wraps each TP parameter's gathered TP-local tensor into a DTensor with its TP spec (``DTensor.from_local``,
   whose backward redistributes the gradient to the TP placements as FSDP2's ``_get_grad_inner_tensor`` does);
 - the all-gather's gradient is FSDP2's reduction: a reduce-scatter averaged over the dp ranks.
@@ -37,11 +37,8 @@ with a log line.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import operator
-from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -53,22 +50,13 @@ from fulmen.frontend.fsdp2_program import _ParamLayout, _Unit
 log = logging.getLogger("fulmen")
 
 
-def _states(model: nn.Module, fsdp_module: type) -> list:
-    """Each FSDP2 state under ``model`` once (a ``fully_shard`` call of several modules shares one)."""
-    states = {}
-    for m in model.modules():
-        if isinstance(m, fsdp_module):
-            states.setdefault(id(m._get_fsdp_state()), (m, m._get_fsdp_state()))
-    return list(states.values())
-
-
 def is_two_d(model: nn.Module, fsdp_module: type) -> bool:
     """Whether ``model`` combines FSDP2 with DTensors of its own: a parameter that was a DTensor when
     ``fully_shard`` sharded it (2-D), or a DTensor parameter or buffer outside every FSDP2 unit."""
     from torch.distributed.tensor import DTensor
 
     shards = set()
-    for _, state in _states(model, fsdp_module):
+    for _, state in fsdp2_program.fsdp_states(model, fsdp_module):
         for group in state._fsdp_param_groups:
             for fsdp_param in group.fsdp_params:
                 if fsdp_param.is_dtensor:
@@ -90,11 +78,8 @@ def _refusal(model: nn.Module, why: str) -> NotImplementedError:
 def plan(model: nn.Module, fsdp_module: type) -> list[_Unit]:
     """The FSDP2 units of a 2-D model, each parameter's gather layout; raises naming the wrappers where a unit's
     policy is not the one traced."""
-    for _, state in _states(model, fsdp_module):
-        if state._is_root is None:  # FSDP's own first-forward setup (FQNs, the root's resharding): as in eager
-            state._lazy_init()
     units = []
-    for m, state in _states(model, fsdp_module):
+    for m, state in fsdp2_program.set_up(fsdp2_program.fsdp_states(model, fsdp_module)):
         for group in state._fsdp_param_groups:
             for fsdp_param in group.fsdp_params:
                 if fsdp_param.mesh_info.is_spmd_mesh:
@@ -122,26 +107,6 @@ class _GatherShards(torch.autograd.Function):
         return c10d.wait_tensor(c10d.reduce_scatter_tensor(grad.contiguous(), "avg", ctx.world, ctx.group)), None, None
 
 
-def _gather(layouts: list[_ParamLayout], shards: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each parameter's TP-local tensor (the whole parameter where it is not tensor-parallel) from this rank's
-    shards, as FSDP2 gathers a unit: each shard padded to the all-gathered chunk and flattened, all concatenated,
-    one all-gather over dp, and each parameter's columns of the (ranks, chunk) result reshaped to its rows."""
-    flat = []
-    for layout, shard in zip(layouts, shards):
-        missing = layout.padded_rows - layout.local_shape[0]
-        if missing:
-            shard = torch.nn.functional.pad(shard, (0, 0) * (shard.ndim - 1) + (0, missing))
-        flat.append(shard.reshape(-1))
-    sizes = [x.numel() for x in flat]
-    world, group = layouts[0].world, layouts[0].group
-    gathered = _GatherShards.apply(torch.cat(flat), world, group).view(world, sum(sizes))
-    fulls = []
-    for layout, piece in zip(layouts, torch.split(gathered, sizes, dim=1)):
-        full = piece.reshape(world * layout.padded_rows, *layout.local_shape[1:])
-        fulls.append(full if layout.full_rows == full.shape[0] else full.narrow(0, 0, layout.full_rows))
-    return fulls
-
-
 def _as_parameter(layout: _ParamLayout, full: torch.Tensor) -> torch.Tensor:
     """The gathered tensor as the module reads it: a DTensor with the TP spec for a tensor-parallel parameter."""
     spec = layout.fsdp_param._unsharded_dtensor_spec
@@ -152,41 +117,10 @@ def _as_parameter(layout: _ParamLayout, full: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(full, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
 
 
-def _pre_forward(unit: _Unit, shards: dict, module, args, kwargs) -> None:
-    by_group: dict[tuple, list[_ParamLayout]] = {}  # one all-gather per process group (FSDP2: one per unit)
-    for layout in unit.layouts:
-        module_, name = layout.places[0]
-        shards[id(layout)] = module_._parameters[name]
-        by_group.setdefault((layout.world, layout.group), []).append(layout)
-    for layouts in by_group.values():
-        for layout, full in zip(layouts, _gather(layouts, [shards[id(x)] for x in layouts])):
-            parameter = _as_parameter(layout, full)
-            for m, n in layout.places:
-                m._parameters[n] = parameter
-
-
-def _post_forward(unit: _Unit, shards: dict, module, args, output) -> None:
-    for layout in unit.layouts:  # outside the unit, the parameters are the shards again (as FSDP2 leaves them)
-        for m, n in layout.places:
-            m._parameters[n] = shards[id(layout)]
-
-
-@contextlib.contextmanager
-def _gathering(units: list[_Unit]) -> Iterator[None]:
-    """While AOTAutograd runs the model, FSDP's forward hooks on each unit are replaced by ones gathering the
-    unit's shards in the traced program; FSDP's own are put back after."""
-    saved = []
-    shards: dict = {}
-    try:
-        for unit in units:
-            pre, post = unit.module._forward_pre_hooks, unit.module._forward_hooks
-            saved += [(pre, unit.pre_id, pre[unit.pre_id]), (post, unit.post_id, post[unit.post_id])]
-            pre[unit.pre_id] = functools.partial(_pre_forward, unit, shards)
-            post[unit.post_id] = functools.partial(_post_forward, unit, shards)
-        yield
-    finally:
-        for hooks, key, hook in reversed(saved):
-            hooks[key] = hook
+#: FSDP2's gather layout (``fsdp2_program.gather_unit``) issued in AOTAutograd's program: c10d's functional
+#: all-gather with FSDP2's reduce-scatter as its gradient, shards as AOTAutograd's tensors, and each gathered
+#: TP-local tensor made a DTensor with its TP spec
+_AOT = fsdp2_program.GatherPath(_GatherShards.apply, torch.Tensor, _as_parameter)
 
 
 def _recompute_gathers(graph: torch.fx.Graph, groups: set[str]) -> None:
@@ -233,7 +167,8 @@ def _units_changed(model: nn.Module, units: list[_Unit]) -> str | None:
     from fulmen.frontend.fsdp2 import fsdp_module_class
 
     fsdp_module = fsdp_module_class(model)
-    current = {id(state) for _, state in _states(model, fsdp_module)} if fsdp_module is not None else set()
+    states = fsdp2_program.fsdp_states(model, fsdp_module) if fsdp_module is not None else []
+    current = {id(state) for _, state in states}
     if current != {id(unit.module._get_fsdp_state()) for unit in units}:
         return "its FSDP2 units changed since it was traced (fully_shard applied after fulmen.jit); jit it again"
     return None
@@ -271,7 +206,7 @@ class FSDP2DTensorProgram(DTensorProgram):
         return {k: t.to_local() if id(t) in shards else t for k, t in state.items()}, facts
 
     def _run_module(self, bound: dict, args: tuple, kwargs: dict):
-        with _gathering(self.units):
+        with fsdp2_program.gathering(self.units, _AOT):
             return super()._run_module(bound, args, kwargs)
 
     def _partition(self, joint: torch.fx.GraphModule, joint_inputs, **kwargs):
@@ -285,12 +220,7 @@ class FSDP2DTensorProgram(DTensorProgram):
                 m, n = layout.places[0]
                 if m._parameters.get(n) is not layout.fsdp_param.sharded_param:
                     return f"{type(m).__name__}.{n} is not FSDP2's sharded parameter (unsharded, or replaced)"
-                if fsdp2_program._pending_grad(layout.fsdp_param):
-                    return "FSDP holds gradients accumulated without gradient sync"
-            for group in unit.groups:
-                if fsdp2_program._policy(group, unit.is_root) != fsdp2_program._DEFAULT_POLICY:
-                    return f"{type(unit.module).__name__}'s FSDP policy changed since the model was traced"
-        return None
+        return fsdp2_program.fsdp_state_changed(self.units)
 
     def __call__(self, *args, **kwargs):
         why = self._why_eager()

@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -135,20 +135,32 @@ def _unit(module: nn.Module, state) -> _Unit | str:
     return _Unit(module, list(state._fsdp_param_groups), pre.id, post.id, layouts, bool(state._is_root))
 
 
-def plan(model: nn.Module, fsdp_module: type) -> list[_Unit] | str:
-    """The FSDP2 units of ``model`` whose collectives the trace holds, or why the model is not traced whole. Models
-    that also hold DTensors of their own (FSDP2 over tensor parallelism, 2-D) are ``fulmen.frontend.fsdp2_2d``'s."""
+def fsdp_states(model: nn.Module, fsdp_module: type) -> list[tuple[nn.Module, object]]:
+    """(module, FSDP2 state) of each ``fully_shard`` call under ``model`` once (a call of several modules shares
+    one state)."""
     states = {}
     for m in model.modules():
         if isinstance(m, fsdp_module):
             states.setdefault(id(m._get_fsdp_state()), (m, m._get_fsdp_state()))
+    return list(states.values())
+
+
+def set_up(states: list[tuple[nn.Module, object]]) -> list[tuple[nn.Module, object]]:
+    """``states``, FSDP's own first-forward setup (FQNs, the root's resharding) done as in eager where not yet."""
+    for _, state in states:
+        if state._is_root is None:
+            state._lazy_init()
+    return states
+
+
+def plan(model: nn.Module, fsdp_module: type) -> list[_Unit] | str:
+    """The FSDP2 units of ``model`` whose collectives the trace holds, or why the model is not traced whole. Models
+    that also hold DTensors of their own (FSDP2 over tensor parallelism, 2-D) are ``fulmen.frontend.fsdp2_2d``'s."""
+    states = set_up(fsdp_states(model, fsdp_module))
     if not states:
         return "no module is sharded"
-    for m, state in states.values():
-        if state._is_root is None:  # FSDP's own first-forward setup (FQNs, the root's resharding): as in eager
-            state._lazy_init()
     units = []
-    for m, state in states.values():
+    for m, state in states:
         unit = _unit(m, state)
         if isinstance(unit, str):
             return unit
@@ -156,10 +168,39 @@ def plan(model: nn.Module, fsdp_module: type) -> list[_Unit] | str:
     return units
 
 
-def _gather(layouts: list[_ParamLayout], shards: list[TensorProxy]) -> list:
-    """The full parameters from this rank's shards, in the trace, as FSDP2 gathers a unit: each shard padded to the
-    all-gathered chunk and flattened, all concatenated, one all-gather, and each parameter's columns of the
-    (ranks, chunk) result reshaped to its rows. The gradient takes the same path back: one reduce-scatter."""
+def traced_all_gather(flat: TensorProxy, world: int, group: str) -> TensorProxy:
+    """FSDP2's all-gather of a unit's flat shards as fulmen traces it (``param_all_gather``, ``RECOMPUTABLE``); its
+    gradient is FSDP2's averaged reduce-scatter (``collective_grads``)."""
+    return collectives.param_wait(collectives.param_all_gather(flat, world, group))
+
+
+def _as_is(layout: _ParamLayout, full):
+    return full
+
+
+@dataclass(frozen=True)
+class GatherPath:
+    """How a program issues FSDP2's gather of a unit; the layout itself (``gather_unit``) is one for every program.
+
+    ``all_gather(flat, world, group)``: the ``(world * flat.numel(),)`` gathered tensor, whose gradient is FSDP2's
+    averaged reduce-scatter (``traced_all_gather`` here; an autograd Function over c10d's ops where AOTAutograd
+    traces the program, ``fulmen.frontend.fsdp2_2d``). ``shard_type``: what a shard is while the program is traced,
+    checked with its shape before it is gathered. ``as_parameter(layout, full)``: what the unit's modules read in
+    the parameter's place (the full tensor; a DTensor with the tensor-parallel spec in 2-D)."""
+
+    all_gather: Callable
+    shard_type: type
+    as_parameter: Callable = _as_is
+
+
+TRACED = GatherPath(traced_all_gather, TensorProxy)
+
+
+def gather_unit(layouts: list[_ParamLayout], shards: list, all_gather: Callable) -> list:
+    """The full parameters (TP-local tensors in 2-D) from this rank's shards of one unit, as FSDP2's copy-in and
+    copy-out lay them out: each shard padded to the all-gathered chunk and flattened, all concatenated, one
+    all-gather (``GatherPath.all_gather``), and each parameter's columns of the (ranks, chunk) result reshaped to
+    its rows and narrowed to the parameter's. The gradient takes the same path back: one reduce-scatter."""
     flat = []
     for layout, shard in zip(layouts, shards):
         missing = layout.padded_rows - layout.local_shape[0]
@@ -169,7 +210,7 @@ def _gather(layouts: list[_ParamLayout], shards: list[TensorProxy]) -> list:
     sizes = [x.numel() for x in flat]
     world, group = layouts[0].world, layouts[0].group
     chunk = flat[0] if len(flat) == 1 else torch.cat(flat)
-    gathered = collectives.param_wait(collectives.param_all_gather(chunk, world, group)).view(world, sum(sizes))
+    gathered = all_gather(chunk, world, group).view(world, sum(sizes))
     fulls = []
     # split, not one slice per parameter: its gradient is one concatenation of the parameters' gradients
     for layout, piece in zip(layouts, torch.split(gathered, sizes, dim=1)):
@@ -178,11 +219,11 @@ def _gather(layouts: list[_ParamLayout], shards: list[TensorProxy]) -> list:
     return fulls
 
 
-def _pre_forward(unit: _Unit, shards: dict, module, args, kwargs) -> None:
+def _pre_forward(unit: _Unit, shards: dict, path: GatherPath, module, args, kwargs) -> None:
     for layout in unit.layouts:
         module_, name = layout.places[0]
         shard = module_._parameters[name]
-        if not isinstance(shard, TensorProxy) or tuple(shard.shape) != layout.local_shape:
+        if not isinstance(shard, path.shard_type) or tuple(shard.shape) != layout.local_shape:
             raise NotImplementedError(
                 f"fulmen.jit: {type(module_).__name__}.{name} is not FSDP2's sharded parameter while the FSDP2 model "
                 "is traced (replaced or unsharded); call the model without fulmen.jit, or reshard it first"
@@ -192,9 +233,10 @@ def _pre_forward(unit: _Unit, shards: dict, module, args, kwargs) -> None:
     for layout in unit.layouts:
         by_group.setdefault((layout.world, layout.group), []).append(layout)
     for layouts in by_group.values():
-        for layout, full in zip(layouts, _gather(layouts, [shards[id(x)] for x in layouts])):
+        for layout, full in zip(layouts, gather_unit(layouts, [shards[id(x)] for x in layouts], path.all_gather)):
+            parameter = path.as_parameter(layout, full)
             for m, n in layout.places:
-                m._parameters[n] = full
+                m._parameters[n] = parameter
 
 
 def _post_forward(unit: _Unit, shards: dict, module, args, output) -> None:
@@ -204,16 +246,17 @@ def _post_forward(unit: _Unit, shards: dict, module, args, output) -> None:
 
 
 @contextlib.contextmanager
-def gathering(units: list[_Unit]) -> Iterator[None]:
-    """While the model is traced (this thread holds the swap lock), FSDP's forward hooks on each unit are replaced by
-    ones recording the all-gathers above; FSDP's own are put back after."""
+def gathering(units: list[_Unit], path: GatherPath = TRACED) -> Iterator[None]:
+    """While the model is traced (this thread holds the swap lock, or AOTAutograd runs it), FSDP's forward hooks on
+    each unit are replaced by ones gathering the unit's shards in the program (``gather_unit``, issued as ``path``
+    says); FSDP's own are put back after."""
     saved = []
     shards: dict = {}
     try:
         for unit in units:
             pre, post = unit.module._forward_pre_hooks, unit.module._forward_hooks
             saved += [(pre, unit.pre_id, pre[unit.pre_id]), (post, unit.post_id, post[unit.post_id])]
-            pre[unit.pre_id] = functools.partial(_pre_forward, unit, shards)
+            pre[unit.pre_id] = functools.partial(_pre_forward, unit, shards, path)
             post[unit.post_id] = functools.partial(_post_forward, unit, shards)
         yield
     finally:
@@ -226,6 +269,20 @@ def _pending_grad(fsdp_param) -> bool:
     gradient sync; FSDP's ``post_backward`` reads the same two places)."""
     unsharded = getattr(fsdp_param, "_unsharded_param", None)
     return fsdp_param.unsharded_accumulated_grad is not None or (unsharded is not None and unsharded.grad is not None)
+
+
+def fsdp_state_changed(units: list[_Unit]) -> str | None:
+    """Why FSDP's state is no longer the one the program was traced with (a policy changed, or gradients
+    accumulated without sync that FSDP would add in), or None."""
+    for unit in units:  # a backward without gradient sync left FSDP an unsharded gradient to add in
+        for layout in unit.layouts:
+            if _pending_grad(layout.fsdp_param):
+                return "FSDP holds gradients accumulated without gradient sync"
+    for unit in units:
+        for group in unit.groups:
+            if _policy(group, unit.is_root) != _DEFAULT_POLICY:
+                return f"{type(unit.module).__name__}'s FSDP policy changed since the model was traced"
+    return None
 
 
 class _ShardedState(_ModuleState):
@@ -289,17 +346,7 @@ class FSDP2Program(_ModuleProgram):
         if not state.check():
             with _Swaps.lock, self._lock:
                 state.revalidate()
-        if state.stale:
-            return state.stale
-        for unit in self.units:  # a backward without gradient sync left FSDP an unsharded gradient to add in
-            for layout in unit.layouts:
-                if _pending_grad(layout.fsdp_param):
-                    return "FSDP holds gradients accumulated without gradient sync"
-        for unit in self.units:
-            for group in unit.groups:
-                if _policy(group, unit.is_root) != _DEFAULT_POLICY:
-                    return f"{type(unit.module).__name__}'s FSDP policy changed since the model was traced"
-        return None
+        return state.stale or fsdp_state_changed(self.units)
 
     def __call__(self, *args, **kwargs):
         if not _Swaps.active:

@@ -26,6 +26,7 @@ import torch
 
 from fulmen import prims
 from fulmen.core.devices import to_torch_device
+from fulmen.core.draws import draws
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 from fulmen.core.trace import Trace, tracectx
@@ -125,9 +126,11 @@ def replay_random_draws(nodes: list, recomputed: set[str], trace: Trace) -> dict
     i = 0
     while i < len(nodes):
         node = nodes[i]
-        draws = [leaf for leaf in node.leaves() if OpTags.RANDOM_OP in leaf.sym.tags]
-        if len(draws) == 1 and _replayable(draws[0], recomputed):
-            draw = draws[0]
+        # every leaf that draws counts (a user's composite among them): the state before the node is the state
+        # before its one draw only if nothing else in it draws
+        drawing = [leaf for leaf in node.leaves() if draws(leaf)]
+        if len(drawing) == 1 and _replayable(drawing[0], recomputed):
+            draw = drawing[0]
             scope: list[BoundSymbol] = []
             with tracectx(trace):
                 trace.scopes.append(scope)

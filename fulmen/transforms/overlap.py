@@ -7,8 +7,9 @@ dependencies -- so that every collective starts as soon as its input is computed
 nothing that does not need its result is left to run. The ranks' data travels while the computation runs.
 
 The order is ``fusion_groups``'s (``fulmen.executors.partition``), with the operations that must keep their order
-(random draws, opaque calls, in-place updates, side effects, the collectives themselves, which every rank must issue
-in the same order) kept in order, and every other operation free to move. Fusion sorts again with the same rules,
+(random draws, at any depth of a decomposition: ``fulmen.core.draws``; opaque calls, in-place updates, side effects,
+the collectives themselves, which every rank must issue in the same order) kept in order, and every other operation
+free to move. Fusion sorts again with the same rules,
 so fused regions neither swallow a wait nor hold up a collective's start.
 
 Collectives holding large buffers (FSDP2's parameter all-gathers and gradient reduce-scatters, tagged ``PREFETCH`` and
@@ -24,6 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
+from fulmen.core.draws import draws
 from fulmen.core.proxies import Proxy
 from fulmen.core.symbol import BoundSymbol, OpTags
 from fulmen.core.trace import Trace
@@ -58,7 +60,9 @@ def has_work(trace: Trace) -> bool:
 
 
 def _free(bsym: BoundSymbol) -> bool:
-    return not any(t in bsym.sym.tags for t in _ORDERED)
+    """Free to move: no tag that orders it, and no draw in its decomposition (a user's operator calling dropout
+    carries no random tag of its own, and eager's draws happen in program order)."""
+    return not any(t in bsym.sym.tags for t in _ORDERED) and not draws(bsym)
 
 
 def schedule_communication(trace: Trace) -> Trace:

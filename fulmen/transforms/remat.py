@@ -32,6 +32,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 
 from fulmen.core import dtypes
+from fulmen.core.draws import draws
 from fulmen.core.proxies import Proxy, TensorProxy
 from fulmen.core.symbol import BoundSymbol, OpTags
 from fulmen.core.symbolic import size_hint
@@ -50,6 +51,8 @@ _NEVER_TAGS = _ONCE_TAGS | _COSTLY_TAGS
 def is_recomputable(bsym: BoundSymbol) -> bool:
     """Cheap, deterministic operations the backward may run again instead of keeping their results."""
     sym = bsym.sym
+    if draws(bsym):  # a composite's own tags need not say so (a user's operator calling dropout)
+        return False
     if OpTags.RECOMPUTABLE in sym.tags:  # declared so by the op (FSDP2's parameter all-gather and its wait)
         return True
     if not _NEVER_TAGS.isdisjoint(sym.tags):
@@ -241,7 +244,7 @@ def choose_saved(leaves: Sequence[BoundSymbol], inputs: Iterable[Proxy], needed:
         """A checkpointed value: recomputed, never saved, if its producer may run again."""
         b = producer.get(name)
         return name in checkpointed and b is not None and name not in input_names and name not in pinned \
-            and _ONCE_TAGS.isdisjoint(b.sym.tags)
+            and _ONCE_TAGS.isdisjoint(b.sym.tags) and not draws(b)
 
     def cheap(name: str) -> bool:
         b = producer.get(name)
