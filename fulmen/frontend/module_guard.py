@@ -112,8 +112,16 @@ OBJECT_DEPTH = 3
 #: How many members (counting list and dict items) of one plain object a snapshot records at most; beyond that
 #: the object is recorded by identity only.
 OBJECT_ITEMS = 1024
-_NOT_PLAIN = (type, types.FunctionType, types.MethodType, types.ModuleType, functools.partial, nn.Module,
-              torch.Tensor, StandIn)
+_NOT_PLAIN = (
+    type,
+    types.FunctionType,
+    types.MethodType,
+    types.ModuleType,
+    functools.partial,
+    nn.Module,
+    torch.Tensor,
+    StandIn,
+)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -328,11 +336,14 @@ def differs_only_in(old: tuple, new: tuple, written: frozenset) -> bool:
     return True
 
 
+def _object_record(r: Any) -> bool:
+    return type(r) is tuple and len(r) == 4 and r[1] == "object" and type(r[3]) is tuple
+
+
 def _changed_member(path: str, old: Any, new: Any) -> str:
     """``path`` extended to the first member that differs, where both records are of the same plain object
     (``config.pad_token_id``)."""
-    while (type(old) is tuple and type(new) is tuple and len(old) == len(new) == 4 and old[1:3] == new[1:3]
-           and old[1] == "object" and type(old[3]) is tuple and type(new[3]) is tuple):
+    while _object_record(old) and _object_record(new) and old[2] == new[2]:
         before, after = dict(old[3]), dict(new[3])
         key = next((k for k in {**before, **after} if before.get(k) != after.get(k)), None)
         if key is None:
@@ -363,8 +374,8 @@ def describe_change(old: tuple | None, new: tuple) -> str:
                 if old_attrs.get(key) != new_attrs.get(key):
                     if key == "training":
                         return f"the train/eval mode of {name}"
-                    return f"attribute {_changed_member(key, old_attrs.get(key), new_attrs.get(key))!r} of {name} " \
-                        "changed"
+                    member = _changed_member(key, old_attrs.get(key), new_attrs.get(key))
+                    return f"attribute {member!r} of {name} changed"
         if before[5] != entry[5]:
             return f"a hook was added to or removed from {name}"
     return "a submodule was removed"

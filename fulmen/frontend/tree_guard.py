@@ -216,8 +216,9 @@ def _module_dicts(mod: nn.Module) -> list[tuple[str, Any]]:
     return [("__dict__", attrs)] + [(name, attrs.get(name)) for name in MODULE_DICTS]
 
 
-def build(modules: Sequence[nn.Module], previous: Callable[[], bool] | None = None,
-          objects: Sequence[dict] = ()) -> Callable[[], bool]:
+def build(
+    modules: Sequence[nn.Module], previous: Callable[[], bool] | None = None, objects: Sequence[dict] = ()
+) -> Callable[[], bool]:
     """A function saying whether ``modules`` (a tree's, each once) and the global module hooks are as they are now:
     the same types, and every dictionary unchanged. Call it before reading the tree, so a change made meanwhile
     fails it. ``previous``: the check it replaces, whose C++ guard tree it keeps where that still holds.
