@@ -124,15 +124,23 @@ _NOT_PLAIN = (
 )
 
 
-@functools.lru_cache(maxsize=1024)
+_plain_classes: dict[type, bool] = {}  # a dict, not lru_cache: a snapshot asks about every attribute of a tree
+
+
 def _plain_class(cls: type) -> bool:
     """Whether a snapshot records the members of instances of ``cls``: not containers, modules, tensors, functions
     or classes, and not torch's or fulmen's own objects (a ``DeviceMesh``, hook handles, distributed state), which
     are not configuration and may change as they run."""
-    if issubclass(cls, (*_NOT_PLAIN, dict, list, tuple, set, frozenset, enum.Enum)) or cls in _SIMPLE:
-        return False
-    module = getattr(cls, "__module__", None) or ""
-    return module.partition(".")[0] not in ("torch", "fulmen", "builtins")
+    known = _plain_classes.get(cls)
+    if known is None:
+        module = getattr(cls, "__module__", None) or ""
+        known = not (
+            issubclass(cls, (*_NOT_PLAIN, dict, list, tuple, set, frozenset, enum.Enum))
+            or cls in _SIMPLE
+            or module.partition(".")[0] in ("torch", "fulmen", "builtins")
+        )
+        _plain_classes[cls] = known
+    return known
 
 
 def plain_object_dict(v: Any) -> dict | None:
@@ -199,9 +207,11 @@ def object_dicts(modules: list[nn.Module]) -> list[dict]:
                 for x in list(attrs.values()):
                     visit(x, depth - 1)
 
+    known = _plain_classes.get
     for mod in modules:
         for v in list(mod.__dict__.values()):
-            if plain_object_dict(v) is not None:
+            t = type(v)
+            if known(t) or (t not in _plain_classes and _plain_class(t)):
                 visit(v, OBJECT_DEPTH - 1)
     return list(found.values())
 
