@@ -350,16 +350,19 @@ def _object_record(r: Any) -> bool:
     return type(r) is tuple and len(r) == 4 and r[1] == "object" and type(r[3]) is tuple
 
 
-def _changed_member(path: str, old: Any, new: Any) -> str:
-    """``path`` extended to the first member that differs, where both records are of the same plain object
-    (``config.pad_token_id``)."""
+def _changed_member(name: str, path: str, old: Any, new: Any) -> str:
+    """That attribute ``path`` of ``name`` changed, ``path`` extended to the first member that differs where both
+    records are of the same plain object, with the values when they are simple (``attribute
+    'config.pad_token_id' of the module changed from None to 3``)."""
     while _object_record(old) and _object_record(new) and old[2] == new[2]:
         before, after = dict(old[3]), dict(new[3])
         key = next((k for k in {**before, **after} if before.get(k) != after.get(k)), None)
         if key is None:
             break
         path, old, new = f"{path}.{key}", before.get(key), after.get(key)
-    return path
+    if "." in path and all(type(r) is tuple and len(r) == 2 and type(r[0]) is type for r in (old, new)):
+        return f"attribute {path!r} of {name} changed from {old[1]!r} to {new[1]!r}"
+    return f"attribute {path!r} of {name} changed"
 
 
 def describe_change(old: tuple | None, new: tuple) -> str:
@@ -384,8 +387,7 @@ def describe_change(old: tuple | None, new: tuple) -> str:
                 if old_attrs.get(key) != new_attrs.get(key):
                     if key == "training":
                         return f"the train/eval mode of {name}"
-                    member = _changed_member(key, old_attrs.get(key), new_attrs.get(key))
-                    return f"attribute {member!r} of {name} changed"
+                    return _changed_member(name, key, old_attrs.get(key), new_attrs.get(key))
         if before[5] != entry[5]:
             return f"a hook was added to or removed from {name}"
     return "a submodule was removed"
