@@ -15,10 +15,17 @@ What a snapshot holds, for every module in the tree: its identity and class, the
 buffers (which slots hold the same tensor, not the tensors themselves: a replaced parameter of the same
 shape reuses the program), its plain attributes of simple types (bool, int, float, str, bytes, None, enums,
 ``torch.dtype``/``torch.device``, classes, tuples of these; tensors, functions and modules by identity),
-``training``, and the ids of its forward and backward hooks; plus the global module hooks. Attributes that
-compiled programs assign on every call are outputs, not structure (``mark_program_output``). Not seen: a
-list, dict or other object changed in place (``self.sizes.append(3)``, ``self.config.dropout = 0.2``), and
-globals a ``forward`` reads (``fulmen.frontend.global_guard`` guards those).
+``training``, and the ids of its forward and backward hooks; plus the global module hooks. A plain object held as
+an attribute (a Hugging Face ``PretrainedConfig``, a dataclass: anything with a ``__dict__`` that is not a module,
+tensor, function or class) is recorded by identity and by its members, as above, with lists, tuples and dicts of
+those by value and the plain objects it holds in turn (``config.text_config``), up to ``OBJECT_DEPTH`` levels and
+``OBJECT_ITEMS`` members: library code such as a Hugging Face ``forward`` reads ``self.config.use_cache`` or
+``self.config.pad_token_id`` on every call, and ``global_guard`` does not follow library code. The check watches
+those objects' ``__dict__`` versions too, so ``config.pad_token_id = 3`` or ``set_attn_implementation("sdpa")``
+re-keys (a changed member the program never read recompiles too: sound, at the cost of one compile). Attributes
+that compiled programs assign on every call are outputs, not structure (``mark_program_output``). Not seen: a
+list or dict attribute of a module changed in place (``self.sizes.append(3)``), an object with ``__slots__`` only,
+members beyond those limits, and globals a ``forward`` reads (``fulmen.frontend.global_guard`` guards those).
 """
 
 from __future__ import annotations
@@ -100,12 +107,121 @@ class StandIn:
         raise NotImplementedError
 
 
+#: How many levels of plain objects held by a module a snapshot follows (a config, its sub-configs).
+OBJECT_DEPTH = 3
+#: How many members (counting list and dict items) of one plain object a snapshot records at most; beyond that
+#: the object is recorded by identity only.
+OBJECT_ITEMS = 1024
+_NOT_PLAIN = (
+    type,
+    types.FunctionType,
+    types.MethodType,
+    types.ModuleType,
+    functools.partial,
+    nn.Module,
+    torch.Tensor,
+    StandIn,
+)
+
+
+_plain_classes: dict[type, bool] = {}  # a dict, not lru_cache: a snapshot asks about every attribute of a tree
+
+
+def _plain_class(cls: type) -> bool:
+    """Whether a snapshot records the members of instances of ``cls``: not containers, modules, tensors, functions
+    or classes, and not torch's or fulmen's own objects (a ``DeviceMesh``, hook handles, distributed state), which
+    are not configuration and may change as they run."""
+    known = _plain_classes.get(cls)
+    if known is None:
+        module = getattr(cls, "__module__", None) or ""
+        known = not (
+            issubclass(cls, (*_NOT_PLAIN, dict, list, tuple, set, frozenset, enum.Enum))
+            or cls in _SIMPLE
+            or module.partition(".")[0] in ("torch", "fulmen", "builtins")
+        )
+        _plain_classes[cls] = known
+    return known
+
+
+def plain_object_dict(v: Any) -> dict | None:
+    """The ``__dict__`` of ``v`` when it is a plain object whose members a snapshot records (a config), else
+    None. Read without running ``__getattr__`` or properties."""
+    if not _plain_class(type(v)):
+        return None
+    try:
+        attrs = object.__getattribute__(v, "__dict__")
+    except (AttributeError, TypeError):
+        return None
+    return attrs if type(attrs) is dict else None
+
+
+def _member_value(v: Any, depth: int, budget: list[int]) -> Any:
+    """What a snapshot records of a member of a plain object: as ``attribute_value``, plus lists, tuples and dicts
+    of such values by value and plain objects by their members (``_MISSING`` where the budget ran out)."""
+    budget[0] -= 1
+    if budget[0] < 0:
+        return _MISSING
+    recorded = attribute_value(v)
+    if recorded is not _MISSING:
+        return recorded
+    t = type(v)
+    if t in (list, tuple):
+        items = tuple(_member_value(x, depth, budget) for x in v)
+        return _MISSING if _MISSING in items else (t, items)
+    if t is dict:
+        items = tuple((attribute_value(k), _member_value(x, depth, budget)) for k, x in v.items())
+        return _MISSING if any(_MISSING in kv for kv in items) else (dict, items)
+    attrs = plain_object_dict(v)
+    if attrs is None or depth <= 0:
+        return _MISSING
+    return _object_value(v, attrs, depth - 1, budget)
+
+
+def _object_value(v: Any, attrs: dict, depth: int, budget: list[int]) -> tuple:
+    members = []
+    for key, x in list(attrs.items()):
+        recorded = _member_value(x, depth, budget)
+        if budget[0] < 0:
+            return (type(v), "object", identity(v), "too large")
+        if recorded is not _MISSING:
+            members.append((key, recorded))
+    return (type(v), "object", identity(v), tuple(members))
+
+
+def object_dicts(modules: list[nn.Module]) -> list[dict]:
+    """The ``__dict__`` of every plain object a snapshot of ``modules`` records members of, each once."""
+    found: dict[int, dict] = {}
+
+    def visit(v: Any, depth: int) -> None:
+        t = type(v)
+        if t in (list, tuple):
+            for x in v:
+                visit(x, depth)
+        elif t is dict:
+            for x in v.values():
+                visit(x, depth)
+        else:
+            attrs = plain_object_dict(v)
+            if attrs is not None and id(attrs) not in found and depth >= 0:
+                found[id(attrs)] = attrs
+                for x in list(attrs.values()):
+                    visit(x, depth - 1)
+
+    known = _plain_classes.get
+    for mod in modules:
+        for v in list(mod.__dict__.values()):
+            t = type(v)
+            if known(t) or (t not in _plain_classes and _plain_class(t)):
+                visit(v, OBJECT_DEPTH - 1)
+    return list(found.values())
+
+
 def snapshot_records(v: Any) -> bool:
     """Whether a module's snapshot records a plain attribute holding ``v`` (so a change to it is seen)."""
     return attribute_value(v) is not _MISSING
 
 
-def _module_entry(name: str, mod: nn.Module, tensor_index: dict[int, int]) -> tuple:
+def _module_entry(name: str, mod: nn.Module, tensor_index: dict[int, int], objects: dict[int, tuple]) -> tuple:
     slots = []
     for dict_name in ("_parameters", "_buffers"):
         for key, t in getattr(mod, dict_name).items():
@@ -128,6 +244,13 @@ def _module_entry(name: str, mod: nn.Module, tensor_index: dict[int, int]) -> tu
             if v is tree_guard.MISSING_KEY:
                 continue
         recorded = attribute_value(v)
+        if recorded is _MISSING and (members := plain_object_dict(v)) is not None:
+            # a config shared by every layer is recorded in full once per snapshot, then by identity
+            recorded = objects.get(id(v))
+            if recorded is None:
+                recorded = objects[id(v)] = _object_value(v, members, OBJECT_DEPTH - 1, [OBJECT_ITEMS])
+            else:
+                recorded = recorded[:3]
         if recorded is not _MISSING:
             attrs.append((key, recorded))
     hooks = tuple(tuple(getattr(mod, h, ())) for h in _HOOK_DICTS)
@@ -186,7 +309,7 @@ def watch(root: nn.Module, previous: Callable[[], bool] | None = None) -> tuple[
     describes (``fulmen.frontend.tree_guard``; ``previous``: the check it replaces). The check records the tree as
     it is before the snapshot reads it: a change made while the snapshot is taken fails it."""
     modules = tree_modules(root)
-    check = tree_guard.build(modules, previous)
+    check = tree_guard.build(modules, previous, object_dicts(modules))
     taken = snapshot(root)
     if [id(m) for m in tree_modules(root)] != [id(m) for m in modules]:  # changed before the check recorded it
         check = tree_guard.never
@@ -196,12 +319,13 @@ def watch(root: nn.Module, previous: Callable[[], bool] | None = None) -> tuple[
 def snapshot(root: nn.Module) -> tuple:
     """Everything about ``root``'s tree a compiled program may depend on, beyond the tensors' own metadata."""
     tensor_index: dict[int, int] = {}
+    objects: dict[int, tuple] = {}
     entries = []
     for name, mod in root.named_modules(remove_duplicate=False):
-        entries.append(_module_entry(name, mod, tensor_index))
+        entries.append(_module_entry(name, mod, tensor_index, objects))
         inner = mod.__dict__.get("_fulmen_module")  # a fulmen.jit wrapper inside: its original's hooks count
         if isinstance(inner, nn.Module):
-            entries.append(_module_entry(name + ".<original>", inner, tensor_index))
+            entries.append(_module_entry(name + ".<original>", inner, tensor_index, objects))
     global_hooks = tuple(tuple(getattr(_torch_module, f"_global_{h[1:]}", ())) for h in _HOOK_DICTS)
     return (tuple(entries), global_hooks)
 
@@ -220,6 +344,25 @@ def differs_only_in(old: tuple, new: tuple, written: frozenset) -> bool:
                 if old_attrs.get(key) != new_attrs.get(key) and (after[1], key) not in written:
                     return False
     return True
+
+
+def _object_record(r: Any) -> bool:
+    return type(r) is tuple and len(r) == 4 and r[1] == "object" and type(r[3]) is tuple
+
+
+def _changed_member(name: str, path: str, old: Any, new: Any) -> str:
+    """That attribute ``path`` of ``name`` changed, ``path`` extended to the first member that differs where both
+    records are of the same plain object, with the values when they are simple (``attribute
+    'config.pad_token_id' of the module changed from None to 3``)."""
+    while _object_record(old) and _object_record(new) and old[2] == new[2]:
+        before, after = dict(old[3]), dict(new[3])
+        key = next((k for k in {**before, **after} if before.get(k) != after.get(k)), None)
+        if key is None:
+            break
+        path, old, new = f"{path}.{key}", before.get(key), after.get(key)
+    if "." in path and all(type(r) is tuple and len(r) == 2 and type(r[0]) is type for r in (old, new)):
+        return f"attribute {path!r} of {name} changed from {old[1]!r} to {new[1]!r}"
+    return f"attribute {path!r} of {name} changed"
 
 
 def describe_change(old: tuple | None, new: tuple) -> str:
@@ -244,7 +387,7 @@ def describe_change(old: tuple | None, new: tuple) -> str:
                 if old_attrs.get(key) != new_attrs.get(key):
                     if key == "training":
                         return f"the train/eval mode of {name}"
-                    return f"attribute {key!r} of {name} changed"
+                    return _changed_member(name, key, old_attrs.get(key), new_attrs.get(key))
         if before[5] != entry[5]:
             return f"a hook was added to or removed from {name}"
     return "a submodule was removed"

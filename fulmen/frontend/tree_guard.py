@@ -216,10 +216,13 @@ def _module_dicts(mod: nn.Module) -> list[tuple[str, Any]]:
     return [("__dict__", attrs)] + [(name, attrs.get(name)) for name in MODULE_DICTS]
 
 
-def build(modules: Sequence[nn.Module], previous: Callable[[], bool] | None = None) -> Callable[[], bool]:
+def build(
+    modules: Sequence[nn.Module], previous: Callable[[], bool] | None = None, objects: Sequence[dict] = ()
+) -> Callable[[], bool]:
     """A function saying whether ``modules`` (a tree's, each once) and the global module hooks are as they are now:
     the same types, and every dictionary unchanged. Call it before reading the tree, so a change made meanwhile
-    fails it. ``previous``: the check it replaces, whose C++ guard tree it keeps where that still holds."""
+    fails it. ``previous``: the check it replaces, whose C++ guard tree it keeps where that still holds.
+    ``objects``: the ``__dict__`` of each plain object the tree's snapshot records members of (a config)."""
     if _guards is None:
         return never
     dicts = [vars(_torch_module), *(getattr(_torch_module, name) for name in _GLOBAL_DICTS)]
@@ -236,6 +239,7 @@ def build(modules: Sequence[nn.Module], previous: Callable[[], bool] | None = No
                 if name in swaps:
                     swapped.append(len(dicts))
                 dicts.append(d)
+    dicts.extend(objects)
     previous = previous if isinstance(previous, TreeCheck) else None
     return TreeCheck(tuple(modules), tuple(dicts), owned_dicts, previous, frozenset(swapped))
 
