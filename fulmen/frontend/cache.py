@@ -402,11 +402,49 @@ def lazy_view_inputs(key: Any) -> list[int]:
 
 
 def args_key(args: tuple, kwargs: dict, flat: list[torch.Tensor]) -> tuple:
+    """The key of a call's arguments; their tensors are appended to ``flat``, each object once (``same_tensors``)."""
     seen: dict[int, int] = {}
+    start = len(flat)
     key = tuple(value_key(a, flat, seen) for a in args)
     if kwargs:
         key += (("kwargs",) + tuple((k, value_key(v, flat, seen)) for k, v in kwargs.items()),)
+    if len(flat) - start > 1 and len(set(map(id, flat[start:]))) < len(flat) - start:
+        key = same_tensors(key, flat, start)
     return key
+
+
+#: The key of a tensor argument that is the very object met before in the same call: ``(SAME, its flat index)``.
+SAME = "<same tensor>"
+
+
+def same_tensors(key: Any, flat: list[torch.Tensor], start: int) -> Any:
+    """A call passing one tensor object more than once (``f(a, a)``, ``mha(x, x, x)``): each repeat's key becomes
+    ``(SAME, index)`` of its first occurrence in ``flat``, from which the repeats are removed. Traced code then sees
+    one proxy (``x is y`` holds, a write through one is read through the other), and the prologue checks the
+    pattern: ``y is x`` for a repeat, all others distinct (``fulmen.frontend.prologue``)."""
+    first: dict[int, int] = {}
+    kept = flat[:start]
+    positions = iter(range(start, len(flat)))
+
+    def walk(k: Any) -> Any:
+        if is_tensor_key(k):
+            t = flat[next(positions)]
+            index = first.get(id(t))
+            if index is not None:
+                return (SAME, index)
+            first[id(t)] = len(kept)
+            kept.append(t)
+            return k
+        return tuple([walk(v) for v in k]) if type(k) is tuple else k
+
+    key = walk(key)
+    flat[:] = kept
+    return key
+
+
+def is_same_key(key: Any) -> bool:
+    """Whether ``key`` is a repeated tensor's (``same_tensors``)."""
+    return type(key) is tuple and len(key) == 2 and key[0] == SAME
 
 
 def written_inputs(trace: Trace) -> frozenset[int]:

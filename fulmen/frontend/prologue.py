@@ -41,6 +41,7 @@ from fulmen.frontend.cache import (
     content_key,
     default_device,
     functorch_active,
+    is_same_key,
     is_tensor_key,
     member_names,
     member_values,
@@ -143,6 +144,9 @@ class _Writer:
             return
         if type(key) is tuple and len(key) == 4 and key[0] == OBJECT:
             self.object(key, expr, label)
+            return
+        if is_same_key(key):
+            self.check(f"{expr} is {self.flat[key[1]]}", f"{label}: the tensor {self.flat[key[1]]} again")
             return
         if type(key) is tuple and len(key) == 2 and key[0] == ALIAS:
             self.check(f"{expr} is {self.holders[key[1]]}", f"{label}: the object {self.holders[key[1]]} again")
@@ -275,6 +279,19 @@ class _Writer:
         for condition, comment, *_ in checks:
             self.check(condition, comment, indent="    ")
         return fast
+
+    def distinct(self, start: int) -> None:
+        """The tensor inputs from ``start`` on (a call's, past a module's state) are distinct objects: the program
+        was traced with one proxy each, and a call passing one of them twice (``f(a, a)``) was traced otherwise
+        (``fulmen.frontend.cache.same_tensors``)."""
+        exprs = self.flat[start:]
+        if len(exprs) < 2:
+            return
+        if len(exprs) <= 4:
+            condition = " and ".join(f"{a} is not {b}" for i, a in enumerate(exprs) for b in exprs[i + 1:])
+        else:
+            condition = f"len({{{', '.join(f'id({e})' for e in exprs)}}}) == {len(exprs)}"
+        self.check(condition, f"the {len(exprs)} tensor arguments are distinct objects")
 
     def call(self, args_key: tuple, arg_names: list[str]) -> None:
         """The arguments of the call: ``args`` and ``kwargs``."""
@@ -417,8 +434,10 @@ def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, para
             w.lines.append(f"{', '.join(names)}{',' if len(names) == 1 else ''} = params")
         for k, name in zip(param_keys, names):
             w.tensor(k, name, name, bits=False, state=True)
+    n_state = len(w.flat)
     w.call(call_key, arg_names)
     fast = w.tensors(examples, fast)
+    w.distinct(n_state)
     w.global_state(state)
     flat = list(w.flat)
     if symbolic is not None:  # the relations tracing assumed between the dynamic sizes

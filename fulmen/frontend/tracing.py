@@ -133,11 +133,16 @@ def check_supported_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
 
 
 def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], sizes: list | None = None,
-            objects: ObjectSwaps | None = None) -> Any:
+            objects: ObjectSwaps | None = None, proxies: dict[int, TensorProxy] | None = None) -> Any:
     """Replace every tensor in ``value`` (tuples, lists, dicts) by a named TensorProxy input; ``sizes`` (by flat
     position) overrides the tensors' shapes with symbolic ones. ``objects`` swaps proxies into the instances of user
-    classes met (``fulmen.frontend.objects``), in the order the cache key walks them."""
+    classes met (``fulmen.frontend.objects``), in the order the cache key walks them. ``proxies`` (tensor id -> its
+    proxy) gives a tensor met again its first proxy, as the cache key does (``fulmen.frontend.cache.same_tensors``)."""
     if isinstance(value, torch.Tensor):
+        if proxies is not None:
+            p = proxies.get(id(value))
+            if p is not None:
+                return p
         kind = _unsupported_kind(value)
         if kind is not None:
             raise unsupported_tensor_error(f"argument {name}", kind)
@@ -148,14 +153,17 @@ def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], sizes:
             set_strides(p, value.stride())
         p.mark_input(leaf=value.requires_grad and value.is_leaf, param=isinstance(value, torch.nn.Parameter))
         flat.append(p)
+        if proxies is not None:
+            proxies[id(value)] = p
         return p
     if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
-        return type(value)(proxify(trace, v, f"{name}_{i}", flat, sizes, objects) for i, v in enumerate(value))
+        return type(value)(proxify(trace, v, f"{name}_{i}", flat, sizes, objects, proxies)
+                           for i, v in enumerate(value))
     if isinstance(value, tuple):  # namedtuple
-        return type(value)(*(proxify(trace, v, f"{name}_{f}", flat, sizes, objects)
+        return type(value)(*(proxify(trace, v, f"{name}_{f}", flat, sizes, objects, proxies)
                              for f, v in zip(value._fields, value)))
     if isinstance(value, dict):
-        items = {k: proxify(trace, v, f"{name}_{k}", flat, sizes, objects) for k, v in value.items()}
+        items = {k: proxify(trace, v, f"{name}_{k}", flat, sizes, objects, proxies) for k, v in value.items()}
         if type(value) is dict:
             return items
         try:  # a dict subclass keeps its class (a ModelOutput: encoder_outputs[0] works)
@@ -170,16 +178,18 @@ def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], sizes:
     return value
 
 
-def _real_tensors(value: Any, out: list[torch.Tensor]) -> None:
-    """The tensors in ``value`` in the order ``proxify`` makes them inputs."""
+def _real_tensors(value: Any, out: list[torch.Tensor], met: set[int]) -> None:
+    """The tensors in ``value`` in the order ``proxify`` makes them inputs, each once (``met``: their ids)."""
     if isinstance(value, torch.Tensor):
-        out.append(value)
+        if id(value) not in met:
+            met.add(id(value))
+            out.append(value)
     elif isinstance(value, (tuple, list)):
         for v in value:
-            _real_tensors(v, out)
+            _real_tensors(v, out, met)
     elif isinstance(value, dict):
         for v in value.values():
-            _real_tensors(v, out)
+            _real_tensors(v, out, met)
 
 
 class _Capture:
@@ -500,7 +510,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     proxy_args, proxy_kwargs, swaps = _proxify_inputs(trace, spec, args, kwargs, names, state, sizes)
     trace.args = list(spec.tensor_proxies)
     real = [t for _, t in state] if state is not None else []
-    _real_tensors((args, kwargs), real)
+    _real_tensors((args, kwargs), real, set())
     reader = ValueReader(trace, lambda: real + spec.captured)
     recorder = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
     tracer = UserTracer(trace, spec, reader=reader if split_points else None, on_user_call=recorder, replay=replay)
@@ -572,11 +582,13 @@ def _proxify_inputs(trace: Trace, spec: InputSpec, args: tuple, kwargs: dict, na
     flat = spec.tensor_proxies
     if state is not None:
         proxy_args.append([proxify(trace, t, name, flat, sizes) for name, t in state])
-    swaps = ObjectSwaps(lambda t, name: proxify(trace, t, name, flat, sizes))
+    proxies: dict[int, TensorProxy] = {}  # a tensor passed again gets its first proxy (the key's SAME)
+    swaps = ObjectSwaps(lambda t, name: proxify(trace, t, name, flat, sizes, proxies=proxies))
     try:
         for i, a in enumerate(args):
-            proxy_args.append(proxify(trace, a, names[i] if i < len(names) else f"t_{i}", flat, sizes, swaps))
-        proxy_kwargs = {k: proxify(trace, v, sanitize_name(k), flat, sizes, swaps) for k, v in kwargs.items()}
+            name = names[i] if i < len(names) else f"t_{i}"
+            proxy_args.append(proxify(trace, a, name, flat, sizes, swaps, proxies))
+        proxy_kwargs = {k: proxify(trace, v, sanitize_name(k), flat, sizes, swaps, proxies) for k, v in kwargs.items()}
         if sizes is not None and len(flat) != len(sizes):
             raise RuntimeError(f"symbolic sizes: found {len(flat)} tensor inputs, expected {len(sizes)}")
     except BaseException:
