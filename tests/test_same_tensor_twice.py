@@ -26,6 +26,7 @@ def test_identity_branch_alternating_calls_match_eager():
     for args in [(a, a), (a, b), (a, a), (b, b), (b, a)]:
         assert_close(f(*args), _branches(*args))
     assert fulmen.cache_misses(f) == 2  # one program per identity pattern, reused after
+    assert "same tensor object" in fulmen.compile_stats(f).recompile_reasons[-1]
 
 
 def test_identity_pattern_inside_containers_and_kwargs():

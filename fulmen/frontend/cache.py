@@ -141,6 +141,8 @@ def key_difference(a: Any, b: Any, path: str = "") -> tuple[str, Any, Any] | Non
 
 def describe_key_part(k: Any) -> str:
     """A part of a key in words: ``cpu float32[1, 6]`` for a tensor, the class and members of an object."""
+    if is_same_key(k):
+        return f"the same tensor object as tensor input {k[1]}"
     if is_tensor_key(k):
         dtype = k[1][0] if type(k[1]) is tuple else k[1]
         grad = ", requires_grad" if k[3] else ""
