@@ -110,3 +110,14 @@ def test_five_tensors_one_repeated():
     for args in [ts, ts[:4] + ts[:1], ts, ts[:4] + ts[1:2]]:
         assert_close(f(*args), fn(*args))
     assert fulmen.cache_misses(f) == 3
+
+
+def test_functional_grad_differentiates_each_position_as_torch_func():
+    def fn(a, b, c):
+        return (a * b).sum() + (c * c.sin()).sum()
+
+    a, b = torch.randn(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    grads = fulmen.grad(fn)(a, b, a)
+    expected = torch.func.grad(fn, argnums=(0, 1, 2))(a, b, a)
+    for g, e in zip(grads, expected):
+        assert_close(g, e)

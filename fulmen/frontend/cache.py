@@ -403,14 +403,15 @@ def lazy_view_inputs(key: Any) -> list[int]:
 
 
 
-def args_key(args: tuple, kwargs: dict, flat: list[torch.Tensor]) -> tuple:
-    """The key of a call's arguments; their tensors are appended to ``flat``, each object once (``same_tensors``)."""
+def args_key(args: tuple, kwargs: dict, flat: list[torch.Tensor], same: bool = True) -> tuple:
+    """The key of a call's arguments; their tensors are appended to ``flat``, each object once (``same_tensors``)
+    unless ``same`` is False."""
     seen: dict[int, int] = {}
     start = len(flat)
     key = tuple(value_key(a, flat, seen) for a in args)
     if kwargs:
         key += (("kwargs",) + tuple((k, value_key(v, flat, seen)) for k, v in kwargs.items()),)
-    if len(flat) - start > 1 and len(set(map(id, flat[start:]))) < len(flat) - start:
+    if same and len(flat) - start > 1 and len(set(map(id, flat[start:]))) < len(flat) - start:
         key = same_tensors(key, flat, start)
     return key
 

@@ -401,14 +401,16 @@ def tensor_guards(keys: list[tuple], dims: list[frozenset], states: list[bool], 
 
 def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, param_names: list[str] = (),
                    symbolic=None, guard=None, captured: list[torch.Tensor] = (), holders: tuple[int, ...] = (),
-                   examples: list[torch.Tensor] | None = None, fast: Any = None) -> Prologue:
+                   examples: list[torch.Tensor] | None = None, fast: Any = None, distinct: bool = True) -> Prologue:
     """The prologue of the entry compiled for ``key``. A function's is ``prologue(args, kwargs)``; a module's
     (``module=True``, key ``((version, parameter keys, call key), global state)``) is
     ``prologue(version, params, args, kwargs)``, ``param_names`` naming the parameters and buffers. ``symbolic``
     (dynamic sizes) replaces the exact dynamic sizes by its guards; ``guard`` checks the globals the code read;
     ``captured`` tensors are appended to the inputs, then the ``holders`` (their indices in the order the key's walk
     met them) that the program updates or returns (``fulmen.frontend.objects``). ``examples``: the tensors the key
-    was computed from, for the one C++ check of all tensors (``Prologue.fast`` keeps it; ``fast`` reuses one)."""
+    was computed from, for the one C++ check of all tensors (``Prologue.fast`` keeps it; ``fast`` reuses one).
+    ``distinct``: the program was traced with one tensor per object passed (``fulmen.frontend.cache.same_tensors``),
+    so the call's tensors that the key does not mark as repeats must be distinct objects."""
     w = _Writer(symbolic.dims if symbolic is not None else {})
     call_key, state = key
     preamble = ""
@@ -437,7 +439,8 @@ def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, para
     n_state = len(w.flat)
     w.call(call_key, arg_names)
     fast = w.tensors(examples, fast)
-    w.distinct(n_state)
+    if distinct:
+        w.distinct(n_state)
     w.global_state(state)
     flat = list(w.flat)
     if symbolic is not None:  # the relations tracing assumed between the dynamic sizes

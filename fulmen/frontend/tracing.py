@@ -178,11 +178,13 @@ def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], sizes:
     return value
 
 
-def _real_tensors(value: Any, out: list[torch.Tensor], met: set[int]) -> None:
-    """The tensors in ``value`` in the order ``proxify`` makes them inputs, each once (``met``: their ids)."""
+def _real_tensors(value: Any, out: list[torch.Tensor], met: set[int] | None) -> None:
+    """The tensors in ``value`` in the order ``proxify`` makes them inputs, each once (``met``: their ids) unless
+    ``met`` is None."""
     if isinstance(value, torch.Tensor):
-        if id(value) not in met:
-            met.add(id(value))
+        if met is None or id(value) not in met:
+            if met is not None:
+                met.add(id(value))
             out.append(value)
     elif isinstance(value, (tuple, list)):
         for v in value:
@@ -492,7 +494,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
                   state: list[tuple[str, torch.Tensor]] | None = None,
                   sizes: list | None = None, guard_reads: Callable | None = None,
                   own: Sequence[torch.nn.Module] = (), split_points: bool = False,
-                  replay: bool = True) -> tuple[Trace, InputSpec]:
+                  replay: bool = True, same_tensors: bool = True) -> tuple[Trace, InputSpec]:
     """Trace ``fn(*args, **kwargs)``: tensors become proxies, every torch call becomes a bound symbol.
 
     ``state`` (a module's parameters and buffers, by name) becomes the first inputs; ``fn`` then receives
@@ -502,15 +504,16 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     user's code read (``fulmen.frontend.global_guard``). ``own``: the jitted module's tree, whose parameters and
     buffers are inputs (writes to other modules: ``fulmen.frontend.module_writes``). With ``split_points``, Python
     that reads a tensor's value gets it from the call's tensors, guarded (``fulmen.frontend.split_points``; the
-    caller runs the branch a guard picks); without, it raises ``DataDependentError``.
+    caller runs the branch a guard picks); without, it raises ``DataDependentError``. ``same_tensors``: a tensor
+    object passed more than once is one input (``fulmen.frontend.cache.same_tensors``); without, one per position.
     """
     trace = Trace(fn_name)
     spec = InputSpec()
     names = arg_names or _arg_names(fn, args, kwargs)
-    proxy_args, proxy_kwargs, swaps = _proxify_inputs(trace, spec, args, kwargs, names, state, sizes)
+    proxy_args, proxy_kwargs, swaps = _proxify_inputs(trace, spec, args, kwargs, names, state, sizes, same_tensors)
     trace.args = list(spec.tensor_proxies)
     real = [t for _, t in state] if state is not None else []
-    _real_tensors((args, kwargs), real, set())
+    _real_tensors((args, kwargs), real, set() if same_tensors else None)
     reader = ValueReader(trace, lambda: real + spec.captured)
     recorder = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
     tracer = UserTracer(trace, spec, reader=reader if split_points else None, on_user_call=recorder, replay=replay)
@@ -575,14 +578,16 @@ def _grad_mode_left_changed(fn: Callable, grad_mode: bool) -> NotImplementedErro
 
 
 def _proxify_inputs(trace: Trace, spec: InputSpec, args: tuple, kwargs: dict, names: list[str],
-                    state: list[tuple[str, torch.Tensor]] | None, sizes: list | None) -> tuple[list, dict, ObjectSwaps]:
+                    state: list[tuple[str, torch.Tensor]] | None, sizes: list | None,
+                    same_tensors: bool = True) -> tuple[list, dict, ObjectSwaps]:
     """The arguments ``fn`` is traced with (``state`` first when given), their tensors made named inputs in
     ``spec.tensor_proxies``; the user objects swapped (``fulmen.frontend.objects``) are put back on failure."""
     proxy_args = []
     flat = spec.tensor_proxies
     if state is not None:
         proxy_args.append([proxify(trace, t, name, flat, sizes) for name, t in state])
-    proxies: dict[int, TensorProxy] = {}  # a tensor passed again gets its first proxy (the key's SAME)
+    # a tensor passed again gets its first proxy (the key's SAME)
+    proxies: dict[int, TensorProxy] | None = {} if same_tensors else None
     swaps = ObjectSwaps(lambda t, name: proxify(trace, t, name, flat, sizes, proxies=proxies))
     try:
         for i, a in enumerate(args):
