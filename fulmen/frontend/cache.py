@@ -5,9 +5,11 @@ values of non-tensor arguments, the structure of containers, and the global stat
 autocast, the default dtype and the default device. Tensors found along the way are collected in call order;
 they are the program's inputs.
 
-A key says nothing about inputs sharing memory: a program is traced as if they did not. For a program that
-writes to its inputs that matters (``f(x, x)`` writing to its first argument and reading its second), so such
-a program checks, per call, whether an input it writes to shares memory with another (``aliases_written_input``).
+A tensor object passed more than once (``f(x, x)``) is one input, its repeats keyed as such (``same_tensors``).
+Otherwise a key says nothing about inputs sharing memory: a program is traced as if distinct tensors did not. For
+a program that writes to its inputs that matters (``f(x, x[1:])`` writing to its first argument and reading its
+second), so such a program checks, per call, whether an input it writes to shares memory with another
+(``aliases_written_input``).
 """
 
 from __future__ import annotations
