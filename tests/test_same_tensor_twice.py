@@ -101,13 +101,14 @@ def test_multihead_attention_self_and_cross(need_weights):
     assert fulmen.cache_misses(jm) == 2
 
 
-def test_five_tensors_one_repeated():
-    def fn(a, b, c, d, e):
-        return a + b + c + d + e + (10.0 if e is a else 0.0)
+@pytest.mark.parametrize("n", [5, 12])  # the prologue compares pairs of a few tensors, a set of ids of more
+def test_many_tensors_one_repeated(n):
+    def fn(*ts):
+        return sum(ts) + (10.0 if ts[-1] is ts[0] else 0.0)
 
     f = fulmen.jit(fn, executors=["torch"])
-    ts = [torch.randn(2) for _ in range(5)]
-    for args in [ts, ts[:4] + ts[:1], ts, ts[:4] + ts[1:2]]:
+    ts = [torch.randn(2) for _ in range(n)]
+    for args in [ts, ts[:-1] + ts[:1], ts, ts[:-1] + ts[1:2]]:
         assert_close(f(*args), fn(*args))
     assert fulmen.cache_misses(f) == 3
 

@@ -287,7 +287,7 @@ class _Writer:
         exprs = self.flat[start:]
         if len(exprs) < 2:
             return
-        if len(exprs) <= 4:
+        if len(exprs) <= 10:  # pairwise `is not` is cheaper than a set of ids up to about ten tensors
             condition = " and ".join(f"{a} is not {b}" for i, a in enumerate(exprs) for b in exprs[i + 1:])
         else:
             condition = f"len({{{', '.join(f'id({e})' for e in exprs)}}}) == {len(exprs)}"
