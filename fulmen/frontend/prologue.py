@@ -409,8 +409,7 @@ def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, para
     ``captured`` tensors are appended to the inputs, then the ``holders`` (their indices in the order the key's walk
     met them) that the program updates or returns (``fulmen.frontend.objects``). ``examples``: the tensors the key
     was computed from, for the one C++ check of all tensors (``Prologue.fast`` keeps it; ``fast`` reuses one).
-    ``distinct``: the program was traced with one tensor per object passed (``fulmen.frontend.cache.same_tensors``),
-    so the call's tensors that the key does not mark as repeats must be distinct objects."""
+    ``distinct``: the call's tensors are checked to be distinct objects past its repeats (``_Writer.distinct``)."""
     w = _Writer(symbolic.dims if symbolic is not None else {})
     call_key, state = key
     preamble = ""
@@ -439,8 +438,7 @@ def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, para
     n_state = len(w.flat)
     w.call(call_key, arg_names)
     fast = w.tensors(examples, fast)
-    if distinct:
-        w.distinct(n_state)
+    w.distinct(n_state if distinct else len(w.flat))
     w.global_state(state)
     flat = list(w.flat)
     if symbolic is not None:  # the relations tracing assumed between the dynamic sizes

@@ -490,8 +490,7 @@ def _guard_what_was_read(trace: Trace, spec: InputSpec, recorder: ReadRecorder, 
 
 
 def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[str] | None = None,
-                  fn_name: str = "computation",
-                  state: list[tuple[str, torch.Tensor]] | None = None,
+                  fn_name: str = "computation", state: list[tuple[str, torch.Tensor]] | None = None,
                   sizes: list | None = None, guard_reads: Callable | None = None,
                   own: Sequence[torch.nn.Module] = (), split_points: bool = False,
                   replay: bool = True, same_tensors: bool = True) -> tuple[Trace, InputSpec]:
@@ -505,8 +504,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     buffers are inputs (writes to other modules: ``fulmen.frontend.module_writes``). With ``split_points``, Python
     that reads a tensor's value gets it from the call's tensors, guarded (``fulmen.frontend.split_points``; the
     caller runs the branch a guard picks); without, it raises ``DataDependentError``. ``same_tensors``: a tensor
-    object passed more than once is one input (``fulmen.frontend.cache.same_tensors``); without, one per position.
-    """
+    object passed more than once is one input (``fulmen.frontend.cache.same_tensors``); without, one per position."""
     trace = Trace(fn_name)
     spec = InputSpec()
     names = arg_names or _arg_names(fn, args, kwargs)
