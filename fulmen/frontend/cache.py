@@ -5,9 +5,11 @@ values of non-tensor arguments, the structure of containers, and the global stat
 autocast, the default dtype and the default device. Tensors found along the way are collected in call order;
 they are the program's inputs.
 
-A key says nothing about inputs sharing memory: a program is traced as if they did not. For a program that
-writes to its inputs that matters (``f(x, x)`` writing to its first argument and reading its second), so such
-a program checks, per call, whether an input it writes to shares memory with another (``aliases_written_input``).
+A tensor object passed more than once (``f(x, x)``) is one input, its repeats keyed as such (``same_tensors``).
+Otherwise a key says nothing about inputs sharing memory: a program is traced as if distinct tensors did not. For
+a program that writes to its inputs that matters (``f(x, x[1:])`` writing to its first argument and reading its
+second), so such a program checks, per call, whether an input it writes to shares memory with another
+(``aliases_written_input``).
 """
 
 from __future__ import annotations
@@ -145,6 +147,8 @@ def key_difference(a: Any, b: Any, path: str = "") -> tuple[str, Any, Any] | Non
 
 def describe_key_part(k: Any) -> str:
     """A part of a key in words: ``cpu float32[1, 6]`` for a tensor, the class and members of an object."""
+    if is_same_key(k):
+        return f"the same tensor object as tensor input {k[1]}"
     if is_tensor_key(k):
         dtype = k[1][0] if type(k[1]) is tuple else k[1]
         grad = ", requires_grad" if k[3] else ""
@@ -406,12 +410,51 @@ def lazy_view_inputs(key: Any) -> list[int]:
 
 
 
-def args_key(args: tuple, kwargs: dict, flat: list[torch.Tensor]) -> tuple:
+def args_key(args: tuple, kwargs: dict, flat: list[torch.Tensor], same: bool = True) -> tuple:
+    """The key of a call's arguments; their tensors are appended to ``flat``, each object once (``same_tensors``)
+    unless ``same`` is False."""
     seen: dict[int, int] = {}
+    start = len(flat)
     key = tuple(value_key(a, flat, seen) for a in args)
     if kwargs:
         key += (("kwargs",) + tuple((k, value_key(v, flat, seen)) for k, v in kwargs.items()),)
+    if same and len(flat) - start > 1 and len(set(map(id, flat[start:]))) < len(flat) - start:
+        key = same_tensors(key, flat, start)
     return key
+
+
+#: The key of a tensor argument that is the very object met before in the same call: ``(SAME, its flat index)``.
+SAME = "<same tensor>"
+
+
+def same_tensors(key: Any, flat: list[torch.Tensor], start: int) -> Any:
+    """A call passing one tensor object more than once (``f(a, a)``, ``mha(x, x, x)``): each repeat's key becomes
+    ``(SAME, index)`` of its first occurrence in ``flat``, from which the repeats are removed. Traced code then sees
+    one proxy (``x is y`` holds, a write through one is read through the other), and the prologue checks the
+    pattern: ``y is x`` for a repeat, all others distinct (``fulmen.frontend.prologue``)."""
+    first: dict[int, int] = {}
+    kept = flat[:start]
+    positions = iter(range(start, len(flat)))
+
+    def walk(k: Any) -> Any:
+        if is_tensor_key(k):
+            t = flat[next(positions)]
+            index = first.get(id(t))
+            if index is not None:
+                return (SAME, index)
+            first[id(t)] = len(kept)
+            kept.append(t)
+            return k
+        return tuple([walk(v) for v in k]) if type(k) is tuple else k
+
+    key = walk(key)
+    flat[:] = kept
+    return key
+
+
+def is_same_key(key: Any) -> bool:
+    """Whether ``key`` is a repeated tensor's (``same_tensors``)."""
+    return type(key) is tuple and len(key) == 2 and key[0] == SAME
 
 
 def written_inputs(trace: Trace) -> frozenset[int]:

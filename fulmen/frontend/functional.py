@@ -41,6 +41,8 @@ class _Transformed:
 
             functools.update_wrapper(traced, signature_of)  # argument names in traces come from fn
         self._fulmen_jitted = JittedFunction(traced, jit_executors, disable_torch_autograd=True)
+        # gradients by position, as torch.func.grad: f(a, a) differentiates each argument on its own
+        self._fulmen_jitted._same_tensors = False
         self.executors = self._fulmen_jitted.executors
         functools.update_wrapper(self, signature_of, updated=())
 

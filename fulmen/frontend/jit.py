@@ -131,6 +131,9 @@ class JittedFunction:
         # read tensor values Python needs at split points (the Dynamo backend: Dynamo breaks the graph there, and a
         # value its graph reads with .item() changes on every call, so the graph runs eagerly instead)
         self._split_points = True
+        # one tensor object passed as two arguments is traced as one tensor, as eager code sees it (``x is y``); the
+        # functional autodiff APIs (fulmen.frontend.functional) differentiate by position, as torch.func does
+        self._same_tensors = True
         # held while a cache entry is filled (a miss traces and compiles): two threads that miss at once compile once;
         # the hit path never takes it
         self._lock = threading.RLock()
@@ -167,7 +170,7 @@ class JittedFunction:
         if flat is None:
             key_flat: list[torch.Tensor] = []
             try:
-                key = (args_key(args, kwargs, key_flat), global_state_key())
+                key = (args_key(args, kwargs, key_flat, self._same_tensors), global_state_key())
             except RuntimeError:  # a nested tensor has no shape to key on
                 check_supported_tensors(self.fn, args, kwargs)
                 raise
@@ -211,7 +214,7 @@ class JittedFunction:
     def _call_key(self, args, kwargs) -> tuple[Any, list[torch.Tensor], tuple]:
         """(the call's cache key, its flat tensors, the arguments its prologue takes)."""
         flat: list[torch.Tensor] = []
-        return (args_key(args, kwargs, flat), global_state_key()), flat, (args, kwargs)
+        return (args_key(args, kwargs, flat, self._same_tensors), global_state_key()), flat, (args, kwargs)
 
     def _value_changed(self, changed: ValueChanged, entry: CacheEntry, args, kwargs):
         """Run the program of the branch the call's values take (``fulmen.frontend.split_points``): one compiled
@@ -344,7 +347,8 @@ class JittedFunction:
 
     def _trace(self, args, kwargs, sizes=None) -> tuple[Trace, InputSpec]:
         return trace_program(self.fn, args, kwargs, sizes=sizes, guard_reads=self.fn if self._guard_reads else None,
-                             split_points=self._split_points, replay=self.options.replay)
+                             split_points=self._split_points, replay=self.options.replay,
+                             same_tensors=self._same_tensors)
 
     def _globals_changed(self, key, entry: CacheEntry, args, kwargs, flat, inputs: tuple) -> CacheEntry:
         """The key matched but the entry's prologue failed: a global or closure variable the program's code read
@@ -556,7 +560,7 @@ class JittedFunction:
                                         symbolic=entry.symbolic, guard=entry.globals_guard,
                                         captured=entry.spec.captured,
                                         holders=entry.spec.objects.holders if entry.spec.objects is not None else (),
-                                        examples=flat, fast=fast)
+                                        examples=flat, fast=fast, distinct=self._same_tensors)
         entry.check = entry.prologue.check
         entry.n_guards = len(entry.symbolic.env.guards) if entry.symbolic is not None else 0
         if entry is self._stats_entry:

@@ -3,7 +3,7 @@ and the logs, and the argument whose changing value counts towards ``RECOMPILE_L
 
 from __future__ import annotations
 
-from fulmen.frontend.cache import describe_key_part, holds_objects, key_difference, tensor_keys
+from fulmen.frontend.cache import describe_key_part, holds_objects, is_same_key, key_difference, tensor_keys
 from fulmen.frontend.tracing import _arg_names
 
 
@@ -78,5 +78,5 @@ def argument_name(fn, args: tuple, kwargs: dict, changed: int | str) -> str:
 
 
 def short(k) -> str:
-    text = repr(k)
+    text = describe_key_part(k) if is_same_key(k) else repr(k)
     return text if len(text) < 120 else text[:117] + "..."

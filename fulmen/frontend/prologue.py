@@ -41,6 +41,7 @@ from fulmen.frontend.cache import (
     content_key,
     default_device,
     functorch_active,
+    is_same_key,
     is_tensor_key,
     member_names,
     member_values,
@@ -144,6 +145,9 @@ class _Writer:
             return
         if type(key) is tuple and len(key) == 4 and key[0] == OBJECT:
             self.object(key, expr, label)
+            return
+        if is_same_key(key):
+            self.check(f"{expr} is {self.flat[key[1]]}", f"{label}: the tensor {self.flat[key[1]]} again")
             return
         if type(key) is tuple and len(key) == 2 and key[0] == ALIAS:
             self.check(f"{expr} is {self.holders[key[1]]}", f"{label}: the object {self.holders[key[1]]} again")
@@ -286,6 +290,19 @@ class _Writer:
         if self.inference_checks:  # TensorGuards does not tell inference tensors from others
             self.check(" and ".join(self.inference_checks), "inference tensors where compiled for them, only there")
 
+    def distinct(self, start: int) -> None:
+        """The tensor inputs from ``start`` on (a call's, past a module's state) are distinct objects: the program
+        was traced with one proxy each, and a call passing one of them twice (``f(a, a)``) was traced otherwise
+        (``fulmen.frontend.cache.same_tensors``)."""
+        exprs = self.flat[start:]
+        if len(exprs) < 2:
+            return
+        if len(exprs) <= 10:  # pairwise `is not` is cheaper than a set of ids up to about ten tensors
+            condition = " and ".join(f"{a} is not {b}" for i, a in enumerate(exprs) for b in exprs[i + 1:])
+        else:
+            condition = f"len({{{', '.join(f'id({e})' for e in exprs)}}}) == {len(exprs)}"
+        self.check(condition, f"the {len(exprs)} tensor arguments are distinct objects")
+
     def call(self, args_key: tuple, arg_names: list[str]) -> None:
         """The arguments of the call: ``args`` and ``kwargs``."""
         kwargs_part = args_key[-1] if args_key and type(args_key[-1]) is tuple and args_key[-1][:1] == ("kwargs",) \
@@ -398,14 +415,15 @@ def tensor_guards(keys: list[tuple], dims: list[frozenset], states: list[bool], 
 
 def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, param_names: list[str] = (),
                    symbolic=None, guard=None, captured: list[torch.Tensor] = (), holders: tuple[int, ...] = (),
-                   examples: list[torch.Tensor] | None = None, fast: Any = None) -> Prologue:
+                   examples: list[torch.Tensor] | None = None, fast: Any = None, distinct: bool = True) -> Prologue:
     """The prologue of the entry compiled for ``key``. A function's is ``prologue(args, kwargs)``; a module's
     (``module=True``, key ``((version, parameter keys, call key), global state)``) is
     ``prologue(version, params, args, kwargs)``, ``param_names`` naming the parameters and buffers. ``symbolic``
     (dynamic sizes) replaces the exact dynamic sizes by its guards; ``guard`` checks the globals the code read;
     ``captured`` tensors are appended to the inputs, then the ``holders`` (their indices in the order the key's walk
     met them) that the program updates or returns (``fulmen.frontend.objects``). ``examples``: the tensors the key
-    was computed from, for the one C++ check of all tensors (``Prologue.fast`` keeps it; ``fast`` reuses one)."""
+    was computed from, for the one C++ check of all tensors (``Prologue.fast`` keeps it; ``fast`` reuses one).
+    ``distinct``: the call's tensors are checked to be distinct objects past its repeats (``_Writer.distinct``)."""
     w = _Writer(symbolic.dims if symbolic is not None else {})
     call_key, state = key
     preamble = ""
@@ -431,8 +449,10 @@ def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, para
             w.lines.append(f"{', '.join(names)}{',' if len(names) == 1 else ''} = params")
         for k, name in zip(param_keys, names):
             w.tensor(k, name, name, bits=False, state=True)
+    n_state = len(w.flat)
     w.call(call_key, arg_names)
     fast = w.tensors(examples, fast)
+    w.distinct(n_state if distinct else len(w.flat))
     w.global_state(state)
     flat = list(w.flat)
     if symbolic is not None:  # the relations tracing assumed between the dynamic sizes

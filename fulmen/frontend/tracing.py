@@ -134,11 +134,16 @@ def check_supported_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
 
 
 def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], sizes: list | None = None,
-            objects: ObjectSwaps | None = None) -> Any:
+            objects: ObjectSwaps | None = None, proxies: dict[int, TensorProxy] | None = None) -> Any:
     """Replace every tensor in ``value`` (tuples, lists, dicts) by a named TensorProxy input; ``sizes`` (by flat
     position) overrides the tensors' shapes with symbolic ones. ``objects`` swaps proxies into the instances of user
-    classes met (``fulmen.frontend.objects``), in the order the cache key walks them."""
+    classes met (``fulmen.frontend.objects``), in the order the cache key walks them. ``proxies`` (tensor id -> its
+    proxy) gives a tensor met again its first proxy, as the cache key does (``fulmen.frontend.cache.same_tensors``)."""
     if isinstance(value, torch.Tensor):
+        if proxies is not None:
+            p = proxies.get(id(value))
+            if p is not None:
+                return p
         kind = _unsupported_kind(value)
         if kind is not None:
             raise unsupported_tensor_error(f"argument {name}", kind)
@@ -151,14 +156,17 @@ def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], sizes:
             set_inference(p)
         p.mark_input(leaf=value.requires_grad and value.is_leaf, param=isinstance(value, torch.nn.Parameter))
         flat.append(p)
+        if proxies is not None:
+            proxies[id(value)] = p
         return p
     if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
-        return type(value)(proxify(trace, v, f"{name}_{i}", flat, sizes, objects) for i, v in enumerate(value))
+        return type(value)(proxify(trace, v, f"{name}_{i}", flat, sizes, objects, proxies)
+                           for i, v in enumerate(value))
     if isinstance(value, tuple):  # namedtuple
-        return type(value)(*(proxify(trace, v, f"{name}_{f}", flat, sizes, objects)
+        return type(value)(*(proxify(trace, v, f"{name}_{f}", flat, sizes, objects, proxies)
                              for f, v in zip(value._fields, value)))
     if isinstance(value, dict):
-        items = {k: proxify(trace, v, f"{name}_{k}", flat, sizes, objects) for k, v in value.items()}
+        items = {k: proxify(trace, v, f"{name}_{k}", flat, sizes, objects, proxies) for k, v in value.items()}
         if type(value) is dict:
             return items
         try:  # a dict subclass keeps its class (a ModelOutput: encoder_outputs[0] works)
@@ -173,16 +181,20 @@ def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], sizes:
     return value
 
 
-def _real_tensors(value: Any, out: list[torch.Tensor]) -> None:
-    """The tensors in ``value`` in the order ``proxify`` makes them inputs."""
+def _real_tensors(value: Any, out: list[torch.Tensor], met: set[int] | None) -> None:
+    """The tensors in ``value`` in the order ``proxify`` makes them inputs, each once (``met``: their ids) unless
+    ``met`` is None."""
     if isinstance(value, torch.Tensor):
-        out.append(value)
+        if met is None or id(value) not in met:
+            if met is not None:
+                met.add(id(value))
+            out.append(value)
     elif isinstance(value, (tuple, list)):
         for v in value:
-            _real_tensors(v, out)
+            _real_tensors(v, out, met)
     elif isinstance(value, dict):
         for v in value.values():
-            _real_tensors(v, out)
+            _real_tensors(v, out, met)
 
 
 class _Capture:
@@ -485,11 +497,10 @@ def _guard_what_was_read(trace: Trace, spec: InputSpec, recorder: ReadRecorder, 
 
 
 def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[str] | None = None,
-                  fn_name: str = "computation",
-                  state: list[tuple[str, torch.Tensor]] | None = None,
+                  fn_name: str = "computation", state: list[tuple[str, torch.Tensor]] | None = None,
                   sizes: list | None = None, guard_reads: Callable | None = None,
                   own: Sequence[torch.nn.Module] = (), split_points: bool = False,
-                  replay: bool = True) -> tuple[Trace, InputSpec]:
+                  replay: bool = True, same_tensors: bool = True) -> tuple[Trace, InputSpec]:
     """Trace ``fn(*args, **kwargs)``: tensors become proxies, every torch call becomes a bound symbol.
 
     ``state`` (a module's parameters and buffers, by name) becomes the first inputs; ``fn`` then receives
@@ -499,15 +510,15 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     user's code read (``fulmen.frontend.global_guard``). ``own``: the jitted module's tree, whose parameters and
     buffers are inputs (writes to other modules: ``fulmen.frontend.module_writes``). With ``split_points``, Python
     that reads a tensor's value gets it from the call's tensors, guarded (``fulmen.frontend.split_points``; the
-    caller runs the branch a guard picks); without, it raises ``DataDependentError``.
-    """
+    caller runs the branch a guard picks); without, it raises ``DataDependentError``. ``same_tensors``: a tensor
+    object passed more than once is one input (``fulmen.frontend.cache.same_tensors``); without, one per position."""
     trace = Trace(fn_name)
     spec = InputSpec()
     names = arg_names or _arg_names(fn, args, kwargs)
-    proxy_args, proxy_kwargs, swaps = _proxify_inputs(trace, spec, args, kwargs, names, state, sizes)
+    proxy_args, proxy_kwargs, swaps = _proxify_inputs(trace, spec, args, kwargs, names, state, sizes, same_tensors)
     trace.args = list(spec.tensor_proxies)
     real = [t for _, t in state] if state is not None else []
-    _real_tensors((args, kwargs), real)
+    _real_tensors((args, kwargs), real, set() if same_tensors else None)
     reader = ValueReader(trace, lambda: real + spec.captured)
     recorder = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
     tracer = UserTracer(trace, spec, reader=reader if split_points else None, on_user_call=recorder, replay=replay)
@@ -571,18 +582,22 @@ def _grad_mode_left_changed(fn: Callable, grad_mode: bool) -> NotImplementedErro
 
 
 def _proxify_inputs(trace: Trace, spec: InputSpec, args: tuple, kwargs: dict, names: list[str],
-                    state: list[tuple[str, torch.Tensor]] | None, sizes: list | None) -> tuple[list, dict, ObjectSwaps]:
+                    state: list[tuple[str, torch.Tensor]] | None, sizes: list | None,
+                    same_tensors: bool = True) -> tuple[list, dict, ObjectSwaps]:
     """The arguments ``fn`` is traced with (``state`` first when given), their tensors made named inputs in
     ``spec.tensor_proxies``; the user objects swapped (``fulmen.frontend.objects``) are put back on failure."""
     proxy_args = []
     flat = spec.tensor_proxies
     if state is not None:
         proxy_args.append([proxify(trace, t, name, flat, sizes) for name, t in state])
-    swaps = ObjectSwaps(lambda t, name: proxify(trace, t, name, flat, sizes))
+    # a tensor passed again gets its first proxy (the key's SAME)
+    proxies: dict[int, TensorProxy] | None = {} if same_tensors else None
+    swaps = ObjectSwaps(lambda t, name: proxify(trace, t, name, flat, sizes, proxies=proxies))
     try:
         for i, a in enumerate(args):
-            proxy_args.append(proxify(trace, a, names[i] if i < len(names) else f"t_{i}", flat, sizes, swaps))
-        proxy_kwargs = {k: proxify(trace, v, sanitize_name(k), flat, sizes, swaps) for k, v in kwargs.items()}
+            name = names[i] if i < len(names) else f"t_{i}"
+            proxy_args.append(proxify(trace, a, name, flat, sizes, swaps, proxies))
+        proxy_kwargs = {k: proxify(trace, v, sanitize_name(k), flat, sizes, swaps, proxies) for k, v in kwargs.items()}
         if sizes is not None and len(flat) != len(sizes):
             raise RuntimeError(f"symbolic sizes: found {len(flat)} tensor inputs, expected {len(sizes)}")
     except BaseException:
