@@ -91,7 +91,7 @@ def trace() -> Callable[..., ProgramTrace]:
     def trace_call(fn: Callable, *args, **kwargs) -> ProgramTrace:
         if not callable(fn):
             raise TypeError(f"fulmen.trace()(fn, *args) expects a callable, but got {type(fn).__name__}")
-        computation, _ = trace_program(fn, args, kwargs)
+        computation, _ = trace_program(fn, args, kwargs, same_tensors=False)  # one input per argument, as called
         return _program_trace(computation, sanitize_name(getattr(fn, "__name__", "computation")))
 
     return trace_call

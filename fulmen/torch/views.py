@@ -218,8 +218,9 @@ def follow_input_layout(bsym: BoundSymbol) -> None:
     tensors = [a for a in (*bsym.args, *bsym.kwargs.values()) if isinstance(a, TensorProxy)]
     if any(a is o for a in tensors for o in outs) or all(layout_of(a) is None for a in tensors):
         return
-    if OpTags.ELEMENTWISE in bsym.sym.tags and len(outs) == 1:
-        _set_strides(outs[0], _iterator_strides(tensors, tuple(outs[0].shape)))
+    strides = _iterator_strides(tensors, tuple(outs[0].shape)) if OpTags.ELEMENTWISE in bsym.sym.tags else None
+    if strides is not None and len(outs) == 1:
+        _set_strides(outs[0], strides)
         return
     try:
         mout, _ = _on_meta(bsym.sym.torch_fns[0], bsym.args, bsym.kwargs)
@@ -232,14 +233,18 @@ def follow_input_layout(bsym: BoundSymbol) -> None:
             _set_strides(o, m.stride())
 
 
-def _iterator_strides(tensors: list[TensorProxy], shape: tuple[int, ...]) -> tuple[int, ...]:
+def _iterator_strides(tensors: list[TensorProxy], shape: tuple[int, ...]) -> tuple[int, ...] | None:
     """The strides eager's pointwise kernels (TensorIterator) give a result of ``shape`` from ``tensors``, in
     argument order: the first operand whose strides order two dims decides, broadcast dims (stride 0) never do.
     Not torch's meta function of the op, which for some ops (``copysign``: a ``where`` on the sign of its second
-    operand) is a decomposition that orders its operands otherwise."""
+    operand) is a decomposition that orders its operands otherwise. None where an operand does not broadcast to
+    the result (``glu`` halves its input): the op is no pointwise iteration over its operands."""
     with torch._C.DisableTorchFunction():
-        metas = [torch.empty_strided(tuple(a.shape), strides_of(a), device="meta").broadcast_to(shape)
-                 for a in tensors if a.ndim]
+        try:
+            metas = [torch.empty_strided(tuple(a.shape), strides_of(a), device="meta").broadcast_to(shape)
+                     for a in tensors if a.ndim]
+        except RuntimeError:
+            return None
         return tuple(compute_elementwise_output_strides(*metas)) if metas else contiguous_strides(shape)
 
 
