@@ -84,6 +84,16 @@ _HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python (a builtin 
 
 
 @functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=4096)
+def code_names(code: types.CodeType) -> frozenset[str]:
+    """The global and attribute names a code object and the code nested in it (comprehensions, lambdas) use."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= code_names(const)
+    return frozenset(names)
+
+
 def is_user_class(cls: type) -> bool:
     """A class defined in the user's code (not in torch, fulmen, installed packages or C)."""
     if not cls.__flags__ & _HEAPTYPE:

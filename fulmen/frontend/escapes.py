@@ -23,7 +23,7 @@ import torch
 from torch.nn.modules import module as _torch_module
 
 from fulmen.core.proxies import Proxy
-from fulmen.frontend.attribute_lookup import is_user_class, is_user_function
+from fulmen.frontend.attribute_lookup import code_names, is_user_class, is_user_function
 
 log = logging.getLogger("fulmen")
 _warned: set = set()
@@ -125,7 +125,7 @@ class _Search:
         self.code(code, f.__globals__)
 
     def code(self, code: types.CodeType, globals_: dict) -> None:
-        for name in _names(code):
+        for name in code_names(code):
             if name in globals_:
                 self.value(f"{name!r} (a global read by {code.co_qualname})", globals_[name])
 
@@ -155,17 +155,23 @@ def _state(x: Any) -> tuple:
     return tuple((k, id(v)) for k, v in vars(x).items())
 
 
+def _searched(fns: Iterable[Callable], own: Iterable[torch.nn.Module]) -> _Search:
+    """The places reachable from torch's global module hooks, the jitted module tree and the traced functions."""
+    search = _Search()
+    search.hooks(vars(_torch_module), "global")
+    for mod in own:
+        search.module_tree(mod)
+    for fn in fns:
+        search.function(fn)
+    return search
+
+
 class ContainerStates:
     """The containers and objects that the traced function, the modules' forward hooks and the jitted module's
     list and dict attributes name, as they are before tracing: ``changed`` lists those the trace wrote to."""
 
     def __init__(self, fns: Iterable[Callable], own: Iterable[torch.nn.Module]):
-        search = _Search()
-        search.hooks(vars(_torch_module), "global")
-        for mod in own:
-            search.module_tree(mod)
-        for fn in fns:
-            search.function(fn)
+        search = _searched(fns, own)
         self._before = [(where, v, _state(v)) for where, v in search.places]
         self._caches = [(where, v, v.cache_info().currsize) for where, v in search.caches]
 
@@ -183,15 +189,6 @@ class ContainerStates:
                     "fulmen: emptied the cache of %s (functools.lru_cache): it stored values computed while tracing",
                     where,
                 )
-
-
-@functools.lru_cache(maxsize=4096)
-def _names(code: types.CodeType) -> frozenset[str]:
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _names(const)
-    return frozenset(names)
 
 
 def argument_containers(args: tuple, kwargs: dict, names: list[str]) -> list[tuple[str, Any, list]]:
@@ -224,12 +221,7 @@ def check_no_escapes(
     the program does not return: ``fns`` the traced function (and the user's function behind it), ``containers``
     the lists and dicts it received (``argument_containers``), ``codes`` the user code that ran with its globals,
     ``own`` the jitted module's tree."""
-    search = _Search()
-    search.hooks(vars(_torch_module), "global")
-    for mod in own:
-        search.module_tree(mod)
-    for fn in fns:
-        search.function(fn)
+    search = _searched(fns, own)
     for code, globals_ in codes:
         search.code(code, globals_)
     for name, a, before in containers:

@@ -60,6 +60,7 @@ from fulmen.frontend import module_guard
 from fulmen.frontend.attribute_lookup import (
     MISSING,
     SLOT,
+    code_names,
     is_user_class,
     is_user_file,
     is_user_function,
@@ -327,7 +328,7 @@ class _Collector:
             return
         self._codes.add(key)
         self._alive.append(instance)  # the id above names it only while it lives
-        names = _names(code)
+        names = code_names(code)
         attrs, absent = _attribute_names(code)
         module = globals_.get("__name__", "?")
         for name in sorted(names):
@@ -428,15 +429,6 @@ class _Collector:
         self.code(fn.__code__, fn.__globals__, owner, instance, cells, arguments)
 
 
-def _names(code: types.CodeType) -> frozenset[str]:
-    """The global and attribute names a code object and the code nested in it (comprehensions, lambdas) use."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _names(const)
-    return frozenset(names)
-
-
 _DYNAMIC_LOOKUPS = frozenset(("getattr", "hasattr", "get"))
 _warned_identity: set = set()
 
@@ -456,7 +448,7 @@ def _attribute_names(code: types.CodeType) -> tuple[frozenset[str], frozenset[st
     (``cfg.dropout``) and its identifier string constants (``getattr(cfg, "dropout", 0.0)``); and the constants
     alone when it calls ``getattr``, ``hasattr`` or a ``get`` method (names whose absence it may test), else
     nothing."""
-    names = _names(code)
+    names = code_names(code)
     constants = string_constants(code)
     return names | constants, constants if names & _DYNAMIC_LOOKUPS else frozenset()
 
