@@ -86,12 +86,15 @@ def _from_an_input(a: TensorProxy) -> bool:
     ``base[1:]``), which the program's key does not hold, so an absolute offset cannot be placed in it."""
     trace = get_tracectx()
     inputs = {id(p) for p in trace.args} if trace is not None else set()
-    t = a
-    while t is not None:
-        if id(t) in inputs:
-            return True
-        t = t.view_of[0] if t.view_of is not None else None
-    return False
+    return any(id(t) in inputs for t in _view_chain(a))
+
+
+def _view_chain(a: TensorProxy) -> list[TensorProxy]:
+    """``a``, the tensor it is a view of, and so on to the tensor that owns the storage (last)."""
+    chain = [a]
+    while chain[-1].view_of is not None:
+        chain.append(chain[-1].view_of[0])
+    return chain
 
 
 def link_to_storage(sym, out: TensorProxy, a: TensorProxy, size, stride, storage_offset) -> None:
@@ -106,9 +109,7 @@ def link_to_storage(sym, out: TensorProxy, a: TensorProxy, size, stride, storage
         owner, strides, offset = _offset_and_owner(a, tuple(size), tuple(stride), storage_offset)
     if owner is None:
         remake = _refusing_remake(a, strides)
-        owner = a
-        while owner.view_of is not None:
-            owner = owner.view_of[0]
+        owner = _view_chain(a)[-1]
     else:
         remake = _remake_from_storage(sym, tuple(owner.shape), strides, size, stride, offset)
     out.make_view_of(owner, remake)
