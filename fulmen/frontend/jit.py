@@ -167,7 +167,8 @@ class JittedFunction:
         stats.calls += 1
         entry = self._last_entry
         flat = entry.check(args, kwargs) if entry is not None else None  # the prologue of the last entry run
-        if flat is None:
+        # saved-tensor hooks are not in the key: _find runs such a call eagerly when its program records a backward
+        if flat is None or (entry.differentiates and saved_tensors_hooks() is not None):
             key_flat: list[torch.Tensor] = []
             try:
                 key = (args_key(args, kwargs, key_flat, self._same_tensors), global_state_key())

@@ -32,7 +32,7 @@ from fulmen.executors.inductor_compile import call_leaving_a_core
 from fulmen.frontend import dtensor_program, fsdp2, module_guard, tree_guard
 from fulmen.frontend.cache import aliases_written_input, args_key, global_state_key, state_key
 from fulmen.frontend.distributed_wrappers import refuse_traced_wrappers
-from fulmen.frontend.jit import JittedFunction
+from fulmen.frontend.jit import JittedFunction, saved_tensors_hooks
 from fulmen.frontend.key_changes import changed_value
 from fulmen.frontend.split_points import ValueChanged
 from fulmen.frontend.tracing import _arg_names, check_supported_tensors, trace_program
@@ -205,7 +205,8 @@ class _ModuleProgram(JittedFunction):
         self._stats.calls += 1
         entry = self._last_entry
         flat = entry.check(state.version, tensors, args, kwargs) if entry is not None else None
-        if flat is None:
+        # saved-tensor hooks are not in the key: _find runs such a call eagerly when its program records a backward
+        if flat is None or (entry.differentiates and saved_tensors_hooks() is not None):
             key_flat: list[torch.Tensor] = []
             try:
                 key = ((state.version, state_key(tensors, key_flat), args_key(args, kwargs, key_flat)),

@@ -84,6 +84,11 @@ def _arg_names(fn: Callable, args: tuple, kwargs: dict) -> list[str]:
 _UNSUPPORTED = {
     "nested": "pass its components (t.unbind()) or a padded tensor (t.to_padded_tensor(0.0)) instead",
     "quantized": "pass the dequantized tensor (t.dequantize()) instead",
+    # a proxy stands for a strided tensor: sparse operands would be traced as dense ones, and results eager returns
+    # sparse (s * 2, s + s) would come back dense, or a fused region would read the sparse storage as dense
+    "sparse": "pass the dense tensor (t.to_dense()) instead, or keep the sparse operations outside the jitted "
+              "function",
+    "mkldnn": "pass the dense tensor (t.to_dense()) instead",
     # a DTensor's operations run through DTensor's own dispatch (sharding propagation, collectives), which fulmen's
     # traced tensors do not stand for; FSDP2 hands a block's forward plain (all-gathered) parameters
     "distributed (DTensor)": "for FSDP2, apply fulmen.jit to each block before fully_shard (model.layers[i] = "
@@ -103,6 +108,8 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 def _unsupported_kind(t: torch.Tensor) -> str | None:
     if t.is_nested:
         return "nested"
+    if t.layout is not torch.strided:  # sparse COO, CSR, CSC, BSR, BSC (and mkldnn)
+        return "sparse" if t.layout is not torch._mkldnn else "mkldnn"
     return "quantized" if t.is_quantized else "distributed (DTensor)" if _is_dtensor(t) else None
 
 
@@ -114,7 +121,7 @@ def unsupported_tensor_error(what: str, kind: str) -> NotImplementedError:
 
 def check_supported_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
     """Raise a NotImplementedError naming the first argument of ``fn`` that is (or holds) a tensor kind fulmen does
-    not compile (nested, quantized); the call path asks when computing a cache key failed."""
+    not compile (nested, sparse, quantized); the call path asks when computing a cache key failed."""
     try:
         names = _arg_names(fn, args, kwargs)
     except Exception:  # names only improve the message

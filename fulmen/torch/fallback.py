@@ -55,6 +55,8 @@ def _fake_meta(func: Callable, name: str, views: bool = False) -> Callable:
             return args[0]  # eager returns its input itself (torch.atleast_1d of a matrix): under no_grad too
         if any(isinstance(x, torch.Tensor) and _is_dtensor(x) for x in tree_leaves(out)):
             raise _makes_dtensor(name)
+        if any(isinstance(x, torch.Tensor) and x.layout is not torch.strided for x in tree_leaves(out)):
+            raise _makes_sparse(name)
         if type(out).__module__ == "torch.return_types":  # keep .values / .indices, as eager does
             result = type(out)(tuple(tree_map(_as_proxy, x) for x in out))
         else:
@@ -86,6 +88,14 @@ def _makes_dtensor(name: str) -> NotImplementedError:
         f"through DTensor's own dispatch and collectives).\n  at {_user_location()}\nMake the DTensors outside: "
         "fulmen.jit(model) of a module holding DTensor parameters (parallelize_module first) traces its DTensor "
         "program whole, collectives included; or use torch.compile(model, backend=\"fulmen\").")
+
+
+def _makes_sparse(name: str) -> NotImplementedError:
+    # a traced tensor stands for a strided one: the operations after this one would be traced as dense ones, so
+    # is_sparse, the layout of results and what a fused region reads would differ from eager
+    return NotImplementedError(
+        f"{name} makes a sparse (or other non-strided) tensor inside a traced function, which fulmen.jit does not "
+        f"trace.\n  at {_user_location()}\nKeep the sparse operations outside the jitted function.")
 
 
 def _as_proxy(x):

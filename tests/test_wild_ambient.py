@@ -1,0 +1,111 @@
+"""Ambient state changed between calls, and less common tensor kinds: a jitted function called several times, with
+the state changed between calls, must match eager PyTorch on every call, or refuse with an error that says what to
+change.
+
+Every test here reproduces a silently wrong result (or an unclear failure) found by running such a program under
+``fulmen.jit``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fulmen
+
+
+def _sin_times_input(x):
+    return (x.sin() * x).sum()
+
+
+class _SinTimesInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return (y.sin() * y).sum()
+
+
+def _pack_to_half(log: list):
+    """A compressing hook, as activation-compression code writes one: gradients depend on what is saved."""
+
+    def pack(t):
+        log.append(t.shape)
+        return t.to(torch.float16)
+
+    return pack, lambda t: t.to(torch.float32)
+
+
+def test_saved_tensors_hooks_entered_after_compiled_calls_see_what_eager_saves():
+    """The first calls run compiled; a later call under a compressing ``saved_tensors_hooks`` must pack the tensors
+    eager's operations save (and so get eager's gradient), not the compiled program's one saved tensor."""
+    jitted = fulmen.jit(_sin_times_input, executors=["torch"])
+    x = torch.randn(8, requires_grad=True)
+    for _ in range(2):
+        jitted(x).backward()
+    results = []
+    for fn in (_sin_times_input, jitted, jitted):
+        log: list = []
+        x.grad = None
+        with torch.autograd.graph.saved_tensors_hooks(*_pack_to_half(log)):
+            fn(x).backward()
+        results.append((len(log), x.grad.clone()))
+    for packed, grad in results[1:]:
+        assert packed == results[0][0]
+        torch.testing.assert_close(grad, results[0][1], rtol=0, atol=0)
+
+
+def test_saved_tensors_hooks_around_a_jitted_module_after_compiled_calls():
+    torch.manual_seed(0)
+    model = _SinTimesInput()
+    jitted = fulmen.jit(model, executors=["torch"])
+    x = torch.randn(4, 3)
+    for _ in range(2):
+        jitted(x).backward()
+    results = []
+    for fn in (model, jitted):
+        log: list = []
+        model.zero_grad(set_to_none=True)
+        with torch.autograd.graph.saved_tensors_hooks(*_pack_to_half(log)):
+            fn(x).backward()
+        results.append((len(log), model.linear.weight.grad.clone()))
+    assert results[1][0] == results[0][0]
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=0)
+    model.zero_grad(set_to_none=True)
+    jitted(x).backward()  # outside the hooks again: compiled, with the same gradient up to rounding
+    assert fulmen.cache_hits(jitted) >= 2
+
+
+def _sparse_aware(s, d):
+    scale = 2.0 if s.layout is not torch.strided else 1.0  # library code branches on the layout
+    return d + s.to_dense() * scale
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr", "csc"])
+def test_sparse_argument_is_refused_naming_it(layout):
+    """A sparse COO argument was traced as a dense tensor, so ``s.layout`` read strided (a silently wrong result);
+    CSR and CSC arguments failed inside the cache key with PyTorch's own error."""
+    dense = torch.tensor([[0.0, 1.0], [2.0, 0.0]])
+    sparse = {"coo": dense.to_sparse, "csr": dense.to_sparse_csr, "csc": dense.to_sparse_csc}[layout]()
+    torch.testing.assert_close(_sparse_aware(sparse, dense), dense * 3)
+    jitted = fulmen.jit(_sparse_aware, executors=["torch"])
+    with pytest.raises(NotImplementedError, match="argument s is a sparse tensor.*to_dense"):
+        jitted(sparse, dense)
+    torch.testing.assert_close(jitted(dense, dense), dense * 2)  # dense arguments still compile
+
+
+def test_sparse_tensor_made_inside_is_refused_naming_the_line():
+    """``x.to_sparse()`` inside was traced as a dense tensor: ``(s + s).is_sparse`` read False where eager's is
+    True."""
+
+    def f(x):
+        s = x.to_sparse()
+        return x * (s + s).is_sparse
+
+    x = torch.tensor([0.0, 1.0, 2.0])
+    assert torch.equal(f(x), x)
+    with pytest.raises(NotImplementedError, match="to_sparse makes a sparse.*\n.*test_wild_ambient.py"):
+        fulmen.jit(f, executors=["torch"])(x)
