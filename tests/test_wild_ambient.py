@@ -109,3 +109,20 @@ def test_sparse_tensor_made_inside_is_refused_naming_the_line():
     assert torch.equal(f(x), x)
     with pytest.raises(NotImplementedError, match="to_sparse makes a sparse.*\n.*test_wild_ambient.py"):
         fulmen.jit(f, executors=["torch"])(x)
+
+
+def _batched_sin_exp(x):
+    return torch.func.vmap(lambda row: row.sin() * row.exp())(x)
+
+
+def test_vmap_inside_a_jitted_function_is_refused_naming_the_line():
+    """``torch.func.vmap`` inside: its batched tensors wrapped the proxies and the trace failed with an internal
+    error deep in functorch; now a clear refusal that names the line and the way out."""
+    x = torch.randn(3, 4)
+    jitted = fulmen.jit(_batched_sin_exp, executors=["torch"])
+    with pytest.raises(NotImplementedError, match="torch.func transform.*\n.*test_wild_ambient.py.*\nApply the"):
+        jitted(x)
+    # the way out the message gives: the transform outside the compiled function
+    torch.testing.assert_close(
+        torch.func.vmap(fulmen.jit(lambda r: r.sin() * r.exp(), executors=["torch"]))(x), x.sin() * x.exp()
+    )

@@ -21,7 +21,16 @@ from fulmen import prims
 from fulmen.core import langctx
 from fulmen.core.codeutils import sanitize_name
 from fulmen.core.draws import callable_draws
-from fulmen.core.proxies import Proxy, TensorProxy, call_with_out, has_proxy, is_library_file, is_proxy, latest
+from fulmen.core.proxies import (
+    Proxy,
+    TensorProxy,
+    _user_location,
+    call_with_out,
+    has_proxy,
+    is_library_file,
+    is_proxy,
+    latest,
+)
 from fulmen.core.shared_patch import SharedPatch
 from fulmen.core.symbol import Symbol
 from fulmen.core.trace import Trace, get_tracectx
@@ -263,6 +272,17 @@ def _called_by_fulmen() -> bool:
 
 
 _DATA_ARGUMENT = frozenset((torch.as_tensor, torch.tensor, torch.asarray))
+_functorch_active = torch._C._are_functorch_transforms_active
+
+
+def _transform_inside(func: Callable) -> NotImplementedError:
+    # vmap wraps the proxies in its batched tensors, whose operations fulmen's symbols would take for plain tensors
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+    return NotImplementedError(
+        f"a torch.func transform (vmap, jacrev, jvp, ...) runs {name} inside a function fulmen.jit compiles, which "
+        f"fulmen does not trace.\n  at {_user_location()}\nApply the transform outside the compiled function "
+        "(torch.func.vmap(fulmen.jit(f)) runs f eagerly, logged), or write the batched computation with the batch "
+        "dimension explicit (broadcasting, torch.bmm, einsum).")
 
 
 class _UserTorchCalls(TorchFunctionMode):
@@ -277,6 +297,8 @@ class _UserTorchCalls(TorchFunctionMode):
         kwargs = kwargs or {}
         trc = get_tracectx()
         if trc is self.trace and len(trc.scopes) == 1:  # user code, not a meta or a decomposition
+            if _functorch_active():  # tracing starts outside torch.func transforms (JittedFunction._find)
+                raise _transform_inside(func)
             fn = langctx.torch_functions.get(func)
             if has_proxy((args, kwargs)):
                 if fn is not None and func in _DATA_ARGUMENT:
