@@ -126,3 +126,64 @@ def test_vmap_inside_a_jitted_function_is_refused_naming_the_line():
     torch.testing.assert_close(
         torch.func.vmap(fulmen.jit(lambda r: r.sin() * r.exp(), executors=["torch"]))(x), x.sin() * x.exp()
     )
+
+
+class _SinMethodAsCos(torch.overrides.TorchFunctionMode):
+    """A rewriting mode keyed on the method users call (``x.sin()``), as patching and logging modes are."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.sin:
+            return torch.cos(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+class _SinAsSeven(torch.utils._python_dispatch.TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return torch.full_like(out, 7.0) if func is torch.ops.aten.sin.default else out
+
+
+def _sin_plus_one(x):
+    return (x.sin() + 1) * 2
+
+
+def test_torch_function_mode_around_compiled_calls_sees_what_eager_calls():
+    """The compiled program calls ``torch.sin``, not the ``Tensor.sin`` the user wrote, so a mode keyed on the
+    method never ran; such calls now run eagerly, under the mode, and compiled again once it is left."""
+    x = torch.randn(5)
+    jitted = fulmen.jit(_sin_plus_one, executors=["torch"])
+    for _ in range(2):
+        jitted(x)
+    for _ in range(2):
+        with _SinMethodAsCos():
+            expected = _sin_plus_one(x)
+            torch.testing.assert_close(jitted(x), expected, rtol=0, atol=0)
+        torch.testing.assert_close(expected, (x.cos() + 1) * 2)
+    hits = fulmen.cache_hits(jitted)
+    torch.testing.assert_close(jitted(x), _sin_plus_one(x))
+    assert fulmen.cache_hits(jitted) == hits + 1
+
+
+def test_a_with_device_block_still_runs_compiled():
+    """``with torch.device(...)`` is a function mode too, keyed as the default device: it does not count as the
+    user's mode."""
+    x = torch.randn(5)
+    jitted = fulmen.jit(_sin_plus_one, executors=["torch"])
+    with torch.device("cpu"):
+        for _ in range(3):
+            torch.testing.assert_close(jitted(x), _sin_plus_one(x))
+    assert fulmen.cache_hits(jitted) == 2
+
+
+@pytest.mark.slow
+def test_dispatch_mode_around_a_fused_program_sees_every_operation():
+    """Fused kernels never reach a ``TorchDispatchMode`` (a flop counter, a numerics checker): with fusion, the mode
+    saw no ``sin`` at all, first call or later."""
+    x = torch.randn(5)
+    jitted = fulmen.jit(_sin_plus_one, compile="sync")
+    jitted(x)
+    with _SinAsSeven():
+        expected = _sin_plus_one(x)
+        torch.testing.assert_close(jitted(x), expected, rtol=0, atol=0)
+        torch.testing.assert_close(fulmen.jit(_sin_plus_one, compile="sync")(x), expected, rtol=0, atol=0)
+    torch.testing.assert_close(expected, torch.full_like(x, 16.0))

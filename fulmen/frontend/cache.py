@@ -22,6 +22,8 @@ import sys
 from typing import Any
 
 import torch
+import torch.utils._python_dispatch as _python_dispatch
+from torch.utils._device import DeviceContext as _DeviceContext
 
 from fulmen.core.proxies import Proxy
 from fulmen.core.trace import Trace
@@ -46,6 +48,21 @@ def default_device() -> torch.device | None:
 #: Whether a torch.func transform (grad, vmap, ...) is running: its wrapped tensors pass every tensor check, but a
 #: compiled program's autograd.Function and kernels do not take them.
 functorch_active = torch._C._are_functorch_transforms_active
+
+_function_mode_stack = torch.overrides._get_current_function_mode_stack
+
+
+def user_modes_active() -> bool:
+    """Whether a ``TorchFunctionMode`` or ``TorchDispatchMode`` of the user's (a logging, counting or rewriting mode,
+    ``FlopCounterMode``) is active. Eager runs every operation through it; a compiled program's fused kernels never
+    reach it, so such calls run eagerly. A ``with torch.device(...)`` block (keyed as the default device) and
+    fulmen's own tracing mode do not count, nor do PyTorch's infrastructure modes (fake, functional tensors)."""
+    if _python_dispatch._is_in_non_infra_torch_dispatch_mode:
+        return True
+    if not _function_modes():
+        return False
+    return any(not isinstance(m, _DeviceContext) and not type(m).__module__.startswith("fulmen.")
+               for m in _function_mode_stack())
 
 
 def global_state_key() -> tuple:

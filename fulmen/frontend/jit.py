@@ -28,6 +28,7 @@ from fulmen.frontend.cache import (
     global_state_key,
     holds_objects,
     lazy_view_inputs,
+    user_modes_active,
     written_inputs,
 )
 from fulmen.frontend.compile import CompiledProgram, PipelineRun, compile_inference, computation_steps
@@ -273,6 +274,9 @@ class JittedFunction:
         if functorch_active():
             self._functorch_eagerly()
             return None, []
+        if user_modes_active():
+            self._modes_eagerly()
+            return None, []
         entry = self._cache.get(key)
         if entry is not None:
             checked = entry.check(*inputs)
@@ -330,6 +334,13 @@ class JittedFunction:
             log.warning("fulmen: %s is called inside a torch.func transform (grad, vmap, jacrev, ...); such calls "
                         "run the function eagerly (not compiled): the compiled program's autograd.Function and "
                         "kernels do not take functorch's wrapped tensors.", _display_name(self.fn))
+
+    def _modes_eagerly(self) -> None:
+        if not getattr(self, "_warned_modes", False):
+            self._warned_modes = True
+            log.warning("fulmen: %s is called under a TorchFunctionMode or TorchDispatchMode; such calls run the "
+                        "function eagerly (not compiled), so that the mode sees every operation as in eager (fused "
+                        "kernels never reach it).", _display_name(self.fn))
 
     def _call_eagerly(self, *args, **kwargs):
         return self.fn(*args, **kwargs)

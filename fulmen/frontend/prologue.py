@@ -45,6 +45,7 @@ from fulmen.frontend.cache import (
     is_tensor_key,
     member_names,
     member_values,
+    user_modes_active,
     value_key,
 )
 
@@ -330,10 +331,12 @@ class _Writer:
         env = self.env
         env.update(is_grad_enabled=torch.is_grad_enabled, get_default_dtype=torch.get_default_dtype,
                    is_autocast_enabled=torch.is_autocast_enabled, get_autocast_dtype=torch.get_autocast_dtype,
-                   functorch_active=functorch_active, is_inference_mode_enabled=torch.is_inference_mode_enabled)
-        # programs are compiled outside torch.func transforms only (JittedFunction._find runs the function there)
+                   functorch_active=functorch_active, is_inference_mode_enabled=torch.is_inference_mode_enabled,
+                   user_modes_active=user_modes_active)
+        # programs are compiled outside torch.func transforms and user modes only (JittedFunction._find runs the
+        # function eagerly there)
         terms = [f"is_grad_enabled() is {grad}", f"is_inference_mode_enabled() is {inference}",
-                 "not functorch_active()",
+                 "not functorch_active()", "not user_modes_active()",
                  f"get_default_dtype() is {self.const(default_dtype, str(default_dtype).removeprefix('torch.'))}",
                  f"is_autocast_enabled('cpu') is {cpu_ac}", f"is_autocast_enabled('cuda') is {cuda_ac}"]
         for device, enabled, dtype in (("cpu", cpu_ac, cpu_dtype), ("cuda", cuda_ac, cuda_dtype)):
@@ -343,8 +346,8 @@ class _Writer:
         env.update(default_device=default_device)
         terms.append("default_device() is None" if factory_device is None else
                      f"default_device() == {self.const(factory_device, f'{factory_device.type}_device')}")
-        self.check(" and ".join(terms), "global state: grad and inference mode, default dtype, autocast, default "
-                   "device")
+        self.check(" and ".join(terms), "global state: grad and inference mode, no torch.func transform or user "
+                   "mode, default dtype, autocast, default device")
 
 
 def _example_strides(t: torch.Tensor, key: tuple, dims: frozenset) -> list[int | None] | None:
