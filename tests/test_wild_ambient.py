@@ -187,3 +187,68 @@ def test_dispatch_mode_around_a_fused_program_sees_every_operation():
         torch.testing.assert_close(jitted(x), expected, rtol=0, atol=0)
         torch.testing.assert_close(fulmen.jit(_sin_plus_one, compile="sync")(x), expected, rtol=0, atol=0)
     torch.testing.assert_close(expected, torch.full_like(x, 16.0))
+
+
+def _scale_if_deterministic(x):
+    return x * (2.0 if torch.are_deterministic_algorithms_enabled() else 3.0)
+
+
+def _scale_by_precision(x):
+    return x * (2.0 if torch.get_float32_matmul_precision() == "highest" else 3.0)
+
+
+def _scale_if_cudnn_deterministic(x):
+    return x * (2.0 if torch.backends.cudnn.deterministic else 3.0)
+
+
+def _scale_if_fastpath(x):
+    return x * (2.0 if torch.backends.mha.get_fastpath_enabled() else 3.0)
+
+
+def _set_cudnn_deterministic(on: bool) -> None:
+    torch.backends.cudnn.deterministic = on
+
+
+_FLAG_CASES = {
+    "deterministic": (
+        _scale_if_deterministic,
+        torch.use_deterministic_algorithms,
+        (False, True),
+        "torch.are_deterministic_algorithms_enabled()",
+    ),
+    "matmul_precision": (
+        _scale_by_precision,
+        torch.set_float32_matmul_precision,
+        ("highest", "high"),
+        "torch.get_float32_matmul_precision()",
+    ),
+    "cudnn_deterministic": (
+        _scale_if_cudnn_deterministic,
+        _set_cudnn_deterministic,
+        (False, True),
+        "torch.backends.cudnn.deterministic",
+    ),
+    "mha_fastpath": (
+        _scale_if_fastpath,
+        torch.backends.mha.set_fastpath_enabled,
+        (True, False),
+        "torch.backends.mha.get_fastpath_enabled()",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_FLAG_CASES))
+def test_a_torch_flag_read_in_python_is_guarded(case):
+    """A branch on a process-wide torch flag was baked in at the first call: after the flag changed, the program
+    kept the old branch. Now the flag is checked with the globals, and a change recompiles, naming it."""
+    fn, set_flag, (first, second), where = _FLAG_CASES[case]
+    jitted = fulmen.jit(fn, executors=["torch"])
+    x = torch.ones(3)
+    try:
+        for value in (first, second, first, second):
+            set_flag(value)
+            torch.testing.assert_close(jitted(x), fn(x), rtol=0, atol=0)
+    finally:
+        set_flag(first)
+    assert where in fulmen.compile_stats(jitted).last_recompile_reason
+    assert fulmen.cache_misses(jitted) == 2  # each value compiled once, then reused

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from fulmen.frontend import module_guard
+from fulmen.frontend.ambient_flags import flags_named
 from fulmen.frontend.attribute_lookup import (
     MISSING,
     SLOT,
@@ -122,7 +123,8 @@ class ReadRecorder:
 
 class _Item:
     """One thing to check: where it is read from (``source``: a ``"key"`` of the dictionary ``holder`` -- module
-    globals, an object's ``__dict__`` --, a closure ``"cell"``, or the captured ``"tensor"`` itself), and ``how`` it
+    globals, an object's ``__dict__`` --, a closure ``"cell"``, the captured ``"tensor"`` itself, or a torch flag's
+    reader to ``"call"``, ``fulmen.frontend.ambient_flags``), and ``how`` it
     is compared with ``value``: ``"=="`` (type and value), ``"is"`` (identity), ``"module"`` (identity, and the
     module's structure and tensors: ``value`` is a ``_ModuleWatch``), ``"meta"`` (a tensor's metadata),
     ``"absent"`` (the key must stay missing) or ``"flat"`` (a long flat container: ``value`` is its type and a
@@ -143,6 +145,8 @@ class _Item:
                 return self.holder.cell_contents
             except ValueError:  # an empty cell
                 return MISSING
+        if self.source == "call":  # a torch flag's reader (fulmen.frontend.ambient_flags)
+            return self.holder()
         return _tensor_meta(self.holder)
 
     def holds(self) -> bool:
@@ -317,6 +321,15 @@ class _Collector:
                 self._keys.add(key)
                 self.items.append(_Item(f"the {kind} {attr} of {where}", "key", attrs, attr, None, "absent"))
 
+    def flags(self, names: frozenset[str]) -> None:
+        """Check the torch flags code using ``names`` may read (``torch.are_deterministic_algorithms_enabled()``),
+        by value: the branch it took on one is baked into the program."""
+        for where, reader in flags_named(names):
+            key = ("call", id(reader), where)
+            if key not in self._keys:
+                self._keys.add(key)
+                self.items.append(_Item(where, "call", reader, where, reader(), "=="))
+
     def code(self, code: types.CodeType, globals_: dict, owner: type | None, instance: Any = MISSING,
              cells: dict | None = None, arguments: dict | None = None) -> None:
         """What ``code`` can read: the globals it names, and every attribute chain it loads from a global, a
@@ -331,6 +344,7 @@ class _Collector:
         names = code_names(code)
         attrs, absent = _attribute_names(code)
         module = globals_.get("__name__", "?")
+        self.flags(names)
         for name in sorted(names):
             value = globals_.get(name, MISSING)
             if value is MISSING:
@@ -553,7 +567,7 @@ def _generate(items: list[_Item]) -> Callable[[], bool]:
         if key == f"n{i}":
             env[key] = item.name
         read = {"key": f"h{i}[{key}]", "cell": f"h{i}.cell_contents", "tensor": f"h{i}",
-                "slot": f"getattr(h{i}, {key})"}[item.source]
+                "slot": f"getattr(h{i}, {key})", "call": f"h{i}()"}[item.source]
         if item.how == "is":
             terms.append(f"{read} is v{i}")
         elif item.how == "absent":

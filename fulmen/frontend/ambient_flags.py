@@ -1,0 +1,74 @@
+"""Torch's process-wide flags that user code reads in Python while it is traced.
+
+``if torch.are_deterministic_algorithms_enabled(): ...`` or ``torch.backends.cudnn.deterministic`` read while
+tracing picks one branch, which the compiled program keeps; eager reads the flag again at every call. Grad mode,
+inference mode, autocast, the default dtype and device are part of every call's key (``cache.global_state_key``).
+The flags below are not: each costs a read per call, and few programs read them. So the guard on globals
+(``global_guard``) checks a flag only for programs whose code names it: ``flags_named(names)`` gives those whose
+names all appear among the global and attribute names of a code object the guard visits
+(``torch.backends.cudnn.deterministic`` names ``cudnn`` and ``deterministic``).
+
+Not covered: a flag read through an alias of its reader (``from torch import are_deterministic_algorithms_enabled
+as det``), or read by library code (its globals are not followed), and ``torch.get_num_threads()`` (fulmen itself
+lowers the thread count while its compiler works, see ``inductor_compile.program_threads``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def _cudnn(name: str) -> Callable[[], Any]:
+    return lambda: getattr(torch.backends.cudnn, name)
+
+
+def _cuda_matmul(name: str) -> Callable[[], Any]:
+    return lambda: getattr(torch.backends.cuda.matmul, name)
+
+
+#: (the names code reading the flag uses, how the flag reads in the guard's messages, its reader)
+FLAGS: tuple[tuple[frozenset[str], str, Callable[[], Any]], ...] = tuple(
+    (frozenset(names.split()), where, reader)
+    for names, where, reader in (
+        (
+            "are_deterministic_algorithms_enabled",
+            "torch.are_deterministic_algorithms_enabled()",
+            torch.are_deterministic_algorithms_enabled,
+        ),
+        (
+            "is_deterministic_algorithms_warn_only_enabled",
+            "torch.is_deterministic_algorithms_warn_only_enabled()",
+            torch.is_deterministic_algorithms_warn_only_enabled,
+        ),
+        ("get_deterministic_debug_mode", "torch.get_deterministic_debug_mode()", torch.get_deterministic_debug_mode),
+        ("get_float32_matmul_precision", "torch.get_float32_matmul_precision()", torch.get_float32_matmul_precision),
+        ("get_fastpath_enabled", "torch.backends.mha.get_fastpath_enabled()", torch.backends.mha.get_fastpath_enabled),
+        ("is_anomaly_enabled", "torch.is_anomaly_enabled()", torch.is_anomaly_enabled),
+        ("is_anomaly_check_nan_enabled", "torch.is_anomaly_check_nan_enabled()", torch.is_anomaly_check_nan_enabled),
+        ("cudnn deterministic", "torch.backends.cudnn.deterministic", _cudnn("deterministic")),
+        ("cudnn benchmark", "torch.backends.cudnn.benchmark", _cudnn("benchmark")),
+        ("cudnn enabled", "torch.backends.cudnn.enabled", _cudnn("enabled")),
+        ("cudnn allow_tf32", "torch.backends.cudnn.allow_tf32", _cudnn("allow_tf32")),
+        ("mkldnn enabled", "torch.backends.mkldnn.enabled", lambda: torch.backends.mkldnn.enabled),
+        ("opt_einsum enabled", "torch.backends.opt_einsum.enabled", lambda: torch.backends.opt_einsum.enabled),
+        ("matmul allow_tf32", "torch.backends.cuda.matmul.allow_tf32", _cuda_matmul("allow_tf32")),
+        (
+            "matmul allow_fp16_reduced_precision_reduction",
+            "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction",
+            _cuda_matmul("allow_fp16_reduced_precision_reduction"),
+        ),
+        (
+            "matmul allow_bf16_reduced_precision_reduction",
+            "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",
+            _cuda_matmul("allow_bf16_reduced_precision_reduction"),
+        ),
+    )
+)
+
+
+def flags_named(names: frozenset[str]) -> list[tuple[str, Callable[[], Any]]]:
+    """The flags (how each reads, its reader) that code using the global and attribute ``names`` may read."""
+    return [(where, reader) for needed, where, reader in FLAGS if needed <= names]
