@@ -252,3 +252,53 @@ def test_a_torch_flag_read_in_python_is_guarded(case):
         set_flag(first)
     assert where in fulmen.compile_stats(jitted).last_recompile_reason
     assert fulmen.cache_misses(jitted) == 2  # each value compiled once, then reused
+
+
+class _NegatedSum(torch.Tensor):
+    """A ``__torch_function__`` subclass keyed on the method users call, as logging and unit-carrying tensors are."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return -out if func is torch.Tensor.sum else out
+
+
+def _sum_plus_one(x):
+    return x.sum() + 1
+
+
+def test_a_torch_function_subclass_after_a_plain_tensor_is_refused():
+    """The subclass passed the prologue's checks as a tensor of the same shape: the program compiled for a plain
+    tensor ran, calling ``torch.sum`` where eager runs the subclass's ``Tensor.sum``."""
+    x = torch.randn(4)
+    jitted = fulmen.jit(_sum_plus_one, executors=["torch"])
+    for _ in range(2):
+        jitted(x)
+    sub = x.as_subclass(_NegatedSum)
+    torch.testing.assert_close(_sum_plus_one(sub).as_subclass(torch.Tensor), 1 - x.sum())
+    with pytest.raises(NotImplementedError, match="argument x is a _NegatedSum .*subclass.*as_subclass"):
+        jitted(sub)
+    with pytest.raises(NotImplementedError, match="argument xs\\[0\\] is a _NegatedSum"):
+        fulmen.jit(lambda xs: _sum_plus_one(xs[0]), executors=["torch"])([sub])
+    torch.testing.assert_close(jitted(x), x.sum() + 1)  # plain tensors still run compiled
+
+
+class _Offset(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("offset", torch.ones(4))
+
+    def forward(self, x):
+        return x + self.offset.sum()
+
+
+def test_a_module_buffer_replaced_by_a_subclass_is_refused():
+    model = _Offset()
+    jitted = fulmen.jit(model, executors=["torch"])
+    x = torch.randn(4)
+    for _ in range(2):
+        jitted(x)
+    model.offset = torch.ones(4).as_subclass(_NegatedSum)
+    torch.testing.assert_close(model(x).as_subclass(torch.Tensor), x - 4)
+    with pytest.raises(NotImplementedError, match="_NegatedSum"):
+        jitted(x)

@@ -38,6 +38,47 @@ log = logging.getLogger("fulmen")
 _function_modes = torch._C._len_torch_function_stack
 
 
+_disabled_torch_function = torch._C._disabled_torch_function_impl
+_tensor_torch_function = torch.Tensor.__torch_function__.__func__
+_disabled_torch_dispatch = torch._C._disabled_torch_dispatch_impl
+
+
+def overrides_torch(t: torch.Tensor) -> bool:
+    """Whether ``t``'s class is a tensor subclass with a ``__torch_function__`` or ``__torch_dispatch__`` of its
+    own (a parameter subclass without one, or a plain tensor, has neither): eager runs every operation on it through
+    that code, which a compiled program, traced with plain tensors, would not."""
+    cls = type(t)
+    function = cls.__torch_function__
+    overrides = (function is not _disabled_torch_function and getattr(function, "__func__", None) is not
+                 _tensor_torch_function) or cls.__torch_dispatch__ is not _disabled_torch_dispatch
+    return overrides and not _is_dtensor(t) and not _transparent(t)
+
+
+#: Subclasses that stand for a plain tensor (module, class): a collective's result that waits for its data on first
+#: use, PyTorch's fake and functional tensors (compilation's own). DTensor programs are traced whole instead
+#: (fulmen.frontend.dtensor_program).
+_TRANSPARENT = (("torch.distributed._functional_collectives", "AsyncCollectiveTensor"),
+                ("torch._subclasses.fake_tensor", "FakeTensor"),
+                ("torch._subclasses.functional_tensor", "FunctionalTensor"))
+
+
+def _transparent(t: torch.Tensor) -> bool:
+    # none of them exists unless its module was imported
+    for module, name in _TRANSPARENT:
+        module = sys.modules.get(module)
+        if module is not None and isinstance(t, getattr(module, name)):
+            return True
+    return False
+
+
+def subclass_error(t: torch.Tensor) -> NotImplementedError:
+    return NotImplementedError(
+        f"fulmen.jit: a {type(t).__qualname__} tensor is passed in, a subclass of torch.Tensor with its own "
+        "__torch_function__ or __torch_dispatch__, which fulmen does not trace (the compiled program would skip "
+        "it). Call the function without fulmen.jit for such inputs, or pass a plain tensor "
+        "(t.as_subclass(torch.Tensor)).")
+
+
 def default_device() -> torch.device | None:
     """The device of a ``with torch.device(...)`` block or ``torch.set_default_device``; None when neither is active
     (factory calls make CPU tensors). Such a context is a function mode, so with none on the stack the answer is
@@ -50,6 +91,12 @@ def default_device() -> torch.device | None:
 functorch_active = torch._C._are_functorch_transforms_active
 
 _function_mode_stack = torch.overrides._get_current_function_mode_stack
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    # no DTensor exists unless its module was imported
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def user_modes_active() -> bool:
@@ -88,6 +135,8 @@ def value_key(x: Any, flat: list[torch.Tensor], seen: dict[int, int] | None = No
     (``object_key``) met so far in the call, by id."""
     t = type(x)
     if t is _Tensor or t is _Parameter or (isinstance(x, _Tensor) and not isinstance(x, Proxy)):
+        if t is not _Tensor and t is not _Parameter and overrides_torch(x):
+            raise subclass_error(x)  # the call path names the argument (tracing.check_supported_tensors)
         flat.append(x)
         dtype = x.dtype
         # a lazy view (z.conj(), z.conj().imag) flips values with a bit that compiled code would ignore

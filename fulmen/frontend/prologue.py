@@ -45,6 +45,7 @@ from fulmen.frontend.cache import (
     is_tensor_key,
     member_names,
     member_values,
+    overrides_torch,
     user_modes_active,
     value_key,
 )
@@ -95,7 +96,7 @@ class _Writer:
     def __init__(self, dims: dict[int, frozenset]):
         self.dims = dims  # flat input -> its dynamic dims
         self.env: dict[str, Any] = {"Tensor": torch.Tensor, "math": math, "torch": torch, "Proxy": Proxy,
-                                    "_dict_keys": _dict_keys,
+                                    "overrides_torch": overrides_torch, "_dict_keys": _dict_keys,
                                     "_key_of": _key_of, "_member_names": member_names, "_member_values": member_values}
         self.holders: list[str] = []  # the expressions of the holders (objects, lists and dicts inside them) in order
         self._in_object = 0  # how many objects the walk is inside: their lists and dicts are holders too
@@ -244,7 +245,9 @@ class _Writer:
         dtype_name = self.const(dtype, str(dtype).removeprefix("torch."))
         device_name = self.const(device, f"{device.type}{device.index if device.index is not None else ''}")
         # a proxy is a Tensor too: a jitted function called inside another's trace runs its Python code on the proxies
-        terms = [f"isinstance({expr}, Tensor)", *([] if state else [f"not isinstance({expr}, Proxy)"]), shape_test,
+        # a subclass with its own __torch_function__ or __torch_dispatch__ is refused (fulmen.frontend.cache)
+        terms = [f"isinstance({expr}, Tensor)", *([] if state else [f"not isinstance({expr}, Proxy)"]),
+                 f"not overrides_torch({expr})", shape_test,
                  f"{expr}.dtype is {dtype_name}", f"{expr}.device == {device_name}",
                  f"{expr}.requires_grad is {bool(requires_grad)}",  # None: an inference tensor, which never does
                  f"{expr}.stride() == {tuple(strides[0])!r}" if strides else f"{expr}.is_contiguous()"]

@@ -37,7 +37,7 @@ from fulmen.core.trace import Trace, get_tracectx
 from fulmen.core.tracer import Tracer, record, resolve_latest, tracing
 from fulmen.core.unbacked import GuardOnDataDependentSymNode, data_dependent_guard
 from fulmen.frontend import checkpointing
-from fulmen.frontend.cache import is_holder
+from fulmen.frontend.cache import is_holder, overrides_torch
 from fulmen.frontend.escapes import PythonStateWatch
 from fulmen.frontend.global_guard import GlobalGuard, ReadRecorder, build_guard
 from fulmen.frontend.higher_order import routing_higher_order_ops
@@ -119,13 +119,20 @@ def _unsupported_kind(t: torch.Tensor) -> str | None:
         return "nested"
     if t.layout is not torch.strided:  # sparse COO, CSR, CSC, BSR, BSC (and mkldnn)
         return "sparse" if t.layout is not torch._mkldnn else "mkldnn"
-    return "quantized" if t.is_quantized else "distributed (DTensor)" if _is_dtensor(t) else None
+    if t.is_quantized:
+        return "quantized"
+    if _is_dtensor(t):
+        return "distributed (DTensor)"
+    if overrides_torch(t) and not isinstance(t, Proxy):  # eager runs its operations through the class's code
+        return f"{type(t).__qualname__} (a torch.Tensor subclass with its own __torch_function__ or __torch_dispatch__)"
+    return None
 
 
 def unsupported_tensor_error(what: str, kind: str) -> NotImplementedError:
+    way_out = _UNSUPPORTED.get(kind, "pass a plain tensor (t.as_subclass(torch.Tensor)) instead")
     return NotImplementedError(
         f"fulmen.jit: {what} is a {kind} tensor, which fulmen does not compile. Call the function without "
-        f"fulmen.jit for such inputs, or {_UNSUPPORTED[kind]}.")
+        f"fulmen.jit for such inputs, or {way_out}.")
 
 
 def check_supported_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
