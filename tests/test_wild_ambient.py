@@ -302,3 +302,61 @@ def test_a_module_buffer_replaced_by_a_subclass_is_refused():
     torch.testing.assert_close(model(x).as_subclass(torch.Tensor), x - 4)
     with pytest.raises(NotImplementedError, match="_NegatedSum"):
         jitted(x)
+
+
+class _CenterAndTrack(torch.autograd.Function):
+    """Centers its input and updates a running mean passed in, as custom normalization layers do."""
+
+    @staticmethod
+    def forward(ctx, x, running_mean):
+        mean = x.mean(0)
+        running_mean.mul_(0.9).add_(0.1 * mean)
+        return x - mean
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad - grad.mean(0), None
+
+
+class _AddOneInPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.mark_dirty(x)
+        return x.add_(1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 5
+
+
+def _centered_energy(x, running_mean):
+    return (_CenterAndTrack.apply(x, running_mean) ** 2).sum()
+
+
+def _bumped(x):
+    return _AddOneInPlace.apply(x * 2).sum()
+
+
+def test_autograd_function_writing_an_argument_updates_it_once_per_call():
+    """The backward of a user Function runs its forward again (for PyTorch's autograd to differentiate): that
+    second run updated the caller's running mean again on every compiled call."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    eager_mean, jitted_mean = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+    jitted = fulmen.jit(_centered_energy, executors=["torch"])
+    for _ in range(3):  # the first call runs on PyTorch's autograd (warm start), the later ones compiled
+        expected = torch.autograd.grad(_centered_energy(x, eager_mean), x)[0]
+        got = torch.autograd.grad(jitted(x, jitted_mean), x)[0]
+        torch.testing.assert_close(got, expected)
+        torch.testing.assert_close(jitted_mean, eager_mean)
+    assert fulmen.cache_hits(jitted) >= 1
+
+
+def test_autograd_function_marking_its_input_dirty_differentiates_on_compiled_calls():
+    """A ``mark_dirty`` forward run again in the backward wrote to a leaf and raised eager's "leaf Variable ...
+    in-place" error once the program was compiled."""
+    x = torch.randn(4, requires_grad=True)
+    jitted = fulmen.jit(_bumped, executors=["torch"])
+    for _ in range(3):
+        torch.testing.assert_close(torch.autograd.grad(jitted(x), x)[0], torch.full((4,), 10.0))
+    torch.testing.assert_close(torch.autograd.grad(_bumped(x), x)[0], torch.full((4,), 10.0))

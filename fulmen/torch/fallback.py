@@ -316,6 +316,7 @@ def autograd_function_symbol(cls: type, autocast: tuple = ()) -> Symbol:
         # the backward recomputes the forward (grad_rules.autograd_vjp): a Function that draws random numbers
         # must draw the same ones again, and nothing tells which Functions do
         apply.draws_random = True
+        apply.recomputes_user_code = True  # ... on copies of its tensors: the forward may write to them
         sym = Symbol(name=name, meta=_function_meta(apply, name), id=f"fallback:{cls.__module__}.{cls.__qualname__}",
                      is_prim=True, tags=(OpTags.FALLBACK,), torch_fns=(apply,), torch_impl=apply)
         _functions[key] = sym

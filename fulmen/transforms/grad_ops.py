@@ -319,6 +319,10 @@ def autograd_vjp(fn: Callable) -> Symbol:
     if sym is not None:
         return sym
 
+    # user code (a torch.autograd.Function's forward) may write to its arguments (a running statistic, mark_dirty):
+    # run again here, it must write to copies, or the caller's tensors would be updated twice
+    on_copies = getattr(fn, "recomputes_user_code", False)
+
     def impl(args, kwargs, cotangents, which, state):
         flat, spec = tree_flatten((args, kwargs))
         positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
@@ -327,8 +331,17 @@ def autograd_vjp(fn: Callable) -> Symbol:
             t = flat[positions[j]].detach()
             # an integer input (a PackedSequence's batch_sizes) reached from differentiable values gets zeros
             t = t.requires_grad_() if t.is_floating_point() or t.is_complex() else t
-            flat[positions[j]] = t
+            if on_copies:  # a clone of a leaf may be written (mark_dirty); backward runs with grad mode off
+                with torch.enable_grad():
+                    flat[positions[j]] = t.clone()
+            else:
+                flat[positions[j]] = t
             inputs.append(t)
+        if on_copies:
+            differentiated = {positions[j] for j in which}
+            for i in positions:
+                if i not in differentiated:
+                    flat[i] = flat[i].detach().clone()
         args, kwargs = tree_unflatten(flat, spec)
         device = inputs[0].device if inputs else None
         with torch.enable_grad(), _replaying_rng(state, device):
