@@ -3,7 +3,8 @@ trace (no run, no allocator).
 
 A tensor is counted from the operation that makes it to the ``del`` of its last name. Views (``OpTags.VIEW``), waits
 (``OpTags.WAIT``, whose result is the collective's buffer) and in-place updates return their first tensor argument's
-memory, so their results add nothing and keep that memory alive as long as any of its names is. A reshape that
+memory, so their results add nothing and keep that memory alive as long as any of its names is. A collective in
+flight holds its inputs until its wait, whatever the trace deletes before. A reshape that
 copies is counted as a view, so the figures are a lower bound; the trace's own inputs are not counted (the caller
 holds them), but what the trace unpacks from a list it is given (the backward's saved tensors, freed as the backward
 deletes them) is.
@@ -54,18 +55,35 @@ def peak_live(trace: Trace) -> Peak:
     owner: dict[str, str] = {}  # a name -> the name of the tensor whose memory it is
     names_of: dict[str, set[str]] = {}  # a memory -> its names alive
     size: dict[str, int] = {}
+    in_flight: dict[str, list[str]] = {}  # a collective's result -> the memories of its inputs, held until its wait
     alive = 0
     peak = Peak(0, -1, ())
+
+    def release(memory: str, name: str) -> None:
+        nonlocal alive
+        names_of[memory].discard(name)
+        if not names_of[memory]:
+            alive -= size.pop(memory)
+            del names_of[memory]
+
     for i, bsym in enumerate(trace.bound_symbols):
         if is_bookkeeping(bsym):  # ``del``: a memory is freed with its last name
             for p in bsym.flat_args:
                 memory = owner.pop(p.name, None) if isinstance(p, Proxy) else None
                 if memory is not None:
-                    names_of[memory].discard(p.name)
-                    if not names_of[memory]:
-                        alive -= size.pop(memory)
-                        del names_of[memory]
+                    release(memory, p.name)
             continue
+        tags = bsym.sym.tags
+        if OpTags.WAIT in tags:
+            for p in bsym.flat_args:
+                for memory in in_flight.pop(p.name, ()) if isinstance(p, Proxy) else ():
+                    release(memory, "in flight: " + p.name)
+        elif OpTags.COMMUNICATION in tags and bsym.flat_proxy_outs:
+            result = bsym.flat_proxy_outs[0].name
+            held = {owner[p.name] for p in bsym.flat_args if isinstance(p, TensorProxy) and p.name in owner}
+            in_flight[result] = sorted(held)
+            for memory in held:
+                names_of[memory].add("in flight: " + result)
         shared = _aliases(bsym, owner)
         for p in bsym.flat_proxy_outs:
             if not isinstance(p, TensorProxy) or p.name in owner:
