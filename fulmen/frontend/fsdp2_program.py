@@ -15,10 +15,10 @@ autograd hooks reduce-scatter the gradients. Here the model is traced once with 
   (``collective_grads``), giving each shard's gradient; ``to_local``'s backward makes it a DTensor with the
   parameter's placements, accumulated into ``param.grad`` as FSDP2 does;
 - the all-gather is ``RECOMPUTABLE``: rematerialization gathers again in the backward rather than saving full-size
-  parameters from the forward (FSDP2's ``reshard_after_forward=True``). Collectives stay where the program made
-  them unless ``overlap_communication=True`` is given: then each unit's all-gather starts while the unit before it
-  computes and each reduce-scatter while the next unit's gradients are computed, one of each in flight at a time
-  as in FSDP2 (``fulmen.transforms.overlap``), which holds one more unit's full-size parameters than without.
+  parameters from the forward (FSDP2's ``reshard_after_forward=True``). Each unit's all-gather starts while the
+  unit before it computes and each reduce-scatter while the next unit's gradients are computed, one of each in
+  flight at a time as FSDP2 prefetches (``fulmen.transforms.overlap``), which holds one more unit's full-size
+  parameters than without; ``overlap_communication=False`` keeps the collectives where the program made them.
 
 Only FSDP2's default policies are traced here (the 2-D program, ``fulmen.frontend.fsdp2_2d``, also traces
 ``reshard_after_forward=False`` and mixed precision, through ``_unit``'s ``traced``): one module per ``fully_shard``
@@ -393,8 +393,6 @@ class FSDP2Program(_ModuleProgram):
     doc): the whole model's program, FSDP2's collectives in it."""
 
     def __init__(self, module: nn.Module, executors, units: list[_Unit], **options):
-        if "options" not in options:  # (a rebuilt copy's options say it already)
-            options.setdefault("overlap_communication", False)
         super().__init__(module, executors, **options)
         self.units = units
         self.state = _ShardedState(module, units)
