@@ -132,7 +132,9 @@ def _layout(fsdp_param, traced: frozenset[str]) -> _ParamLayout | str:
     info = fsdp_param._module_info
     name = f"{type(info.module).__name__}.{info.param_name}"
     if type(fsdp_param.mesh_info) is not FSDPMeshInfo:
-        return f"{name} is sharded with {type(fsdp_param.mesh_info).__name__} (HSDP or replication)"
+        hsdp = fsdp_param.mesh_info.shard_mesh_dim is not None
+        how = "a (replicate, shard) mesh (HSDP)" if hsdp else "a replicate-only mesh"
+        return f"{name} is sharded over {how}: fulmen traces fully_shard on a 1-D mesh of the data-parallel ranks"
     if fsdp_param.fsdp_placement.dim != 0 or fsdp_param.offload_to_cpu:
         return f"{name} is sharded on dim {fsdp_param.fsdp_placement.dim} or offloaded to the CPU"
     param_dtype, reduce_dtype = fsdp_param.param_dtype, fsdp_param.reduce_dtype
