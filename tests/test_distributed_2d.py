@@ -323,7 +323,7 @@ def test_fsdp2_gathers_are_tagged_for_recomputation():
 def _two_d_policy(mesh, policy: str) -> Net:
     """``_two_d`` with a policy other than FSDP2's defaults: the blocks kept gathered after forward, or mixed
     precision (bfloat16 parameters and computation, float32 gradient reduction) on every unit, as FSDP2 needs it
-    on the root too (the head reads the blocks' bfloat16 outputs)."""
+    on the root too (the head reads the blocks' bfloat16 outputs), the root's output cast to float32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if policy == "no_reshard":
@@ -334,7 +334,8 @@ def _two_d_policy(mesh, policy: str) -> Net:
     for block in net.blocks:
         _tensor_parallel(block, mesh)
         fully_shard(block, mesh=mesh["dp"], mp_policy=mp)
-    fully_shard(net, mesh=mesh["dp"], mp_policy=mp)
+    root = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    fully_shard(net, mesh=mesh["dp"], mp_policy=root)  # the loss comes out in float32
     return net
 
 
@@ -349,8 +350,11 @@ def _policies(rank, world_size):
             model = fulmen.jit(net, executors=["torch"]) if order == "jit" else net
             out[policy, order] = _steps(model, net, _optimizer("sgd", net), rank, range(3), out, f"{policy}{order}")
             out[policy, order, "params"] = _full_params(net)
-        out[policy, "backward"] = str(fulmen.last_backward_traces(model)[-1])
-        out[policy, "forward"] = str(fulmen.last_traces(model)[-1])
+            if order == "jit":  # the training program's traces, before the call under no_grad traces another
+                out[policy, "backward"] = str(fulmen.last_backward_traces(model)[-1])
+                out[policy, "forward"] = str(fulmen.last_traces(model)[-1])
+            with torch.no_grad():
+                out[policy, order, "dtype"] = model(_batch(rank, 9)).dtype
     return out
 
 
@@ -366,6 +370,7 @@ def test_fsdp2_over_tensor_parallel_traces_no_reshard_and_mixed_precision():
             torch.testing.assert_close(out[policy, "jit"], out[policy, "eager"], **TOL)
             _assert_params_close(out[policy, "jit", "params"], out[policy, "eager", "params"])
             assert out[f"{policy}jit", "grads"] == out[f"{policy}eager", "grads"]
+            assert out[policy, "jit", "dtype"] == out[policy, "eager", "dtype"] == torch.float32
         # the blocks' parameters are read from the forward: only the root's head is gathered again
         gathers = [c for c in _collectives(out["no_reshard", "backward"]) if c[0] == "all_gather_into_tensor"]
         assert gathers == [("all_gather_into_tensor", "", dp)], gathers
