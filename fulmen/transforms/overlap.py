@@ -3,12 +3,13 @@
 A collective is two operations in a trace (``fulmen.torch.collectives``): one that starts it and ``wait_tensor``.
 Eager code usually waits at once (``dist.all_reduce(t)`` blocks). A trace compiler sees the whole program, so it
 can do better: ``schedule_communication`` reorders the trace -- another topological order of its data
-dependencies -- so that every collective starts as soon as its input is computed and every wait runs only when
-nothing that does not need its result is left to run. The ranks' data travels while the computation runs.
+dependencies -- so that every collective starts as soon as its input is computed and every wait runs just before
+the first reader of its result. The ranks' data travels while the computation runs.
 
-The order is the program's, with only the communication moved (``_list_schedule``): each collective starts as soon
-as its inputs exist, each wait runs just before its first reader, and the computation in between runs while the
-data travels. The computation itself keeps the program's order: running an operation early only because it is
+The order is the program's, with the communication moved (``_list_schedule``): each collective starts as soon as
+its inputs exist (what it needs is computed before the rest, in the program's order), each wait runs just before
+its first reader, and the computation in between runs while the data travels. The computation otherwise keeps the
+program's order: running an operation early only because it is
 ready (a recomputation from saved tensors, ready at the top of the backward) would hold its result, and every other
 such one's, until its reader, all at once. Operations that must keep their order (random draws, at any depth of a
 decomposition: ``fulmen.core.draws``; opaque calls, in-place updates, side effects, the collectives themselves,
@@ -42,7 +43,7 @@ enabled: ContextVar[bool] = ContextVar("fulmen_overlap_communication", default=T
 
 @contextmanager
 def overlapping(on: bool) -> Iterator[None]:
-    """Overlap communication (or not) in the pipeline steps run inside the block, fusion's ordering included."""
+    """Overlap communication (or not) in the pipeline steps run inside the block (``has_work``)."""
     token = enabled.set(bool(on))
     try:
         yield
