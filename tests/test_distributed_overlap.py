@@ -145,6 +145,26 @@ def _overlapped(rank, world_size, options):
         out[order, "params"] = _full_params(net)
     out["forward"] = _schedule(fulmen.last_traces(model)[-1])
     out["backward"] = _schedule(fulmen.last_backward_traces(model)[-1])
+    out["peaks"] = _backward_peaks(mesh, options)
+    return out
+
+
+def _backward_peaks(mesh, options) -> dict:
+    """The bytes the backward trace holds at its peak with overlap on and off, on a batch whose activations
+    outweigh a unit's parameters (a schedule computing every block's recomputed activations at once shows); and
+    the largest gathered unit and reduce-scatter input."""
+    import fulmen
+    from fulmen.core.symbol import OpTags
+    from fulmen.transforms.liveness import nbytes, peak_live
+
+    out = {}
+    for overlap in (True, False):
+        model = fulmen.jit(_sharded(mesh), overlap_communication=overlap, **options)
+        model(torch.randn(256, 8)).backward()
+        trace = fulmen.last_backward_traces(model)[-1]
+        out[overlap] = peak_live(trace).bytes
+    out["gathered"] = max(nbytes(b.flat_proxy_outs[0]) for b in trace.bound_symbols if OpTags.PREFETCH in b.sym.tags)
+    out["scattered"] = max(nbytes(b.flat_args[0]) for b in trace.bound_symbols if OpTags.ONE_IN_FLIGHT in b.sym.tags)
     return out
 
 
@@ -194,6 +214,10 @@ def _check(results: list[dict]) -> None:
         _assert_params_close(out["jit", "params"], out["eager", "params"])
         _check_forward(out["forward"])
         _check_backward(out["backward"])
+        # overlap costs one unit's gathered parameters and its shards' copy in flight, and one reduce-scatter's
+        # input and result in flight (each shard half its unit): no more
+        peaks = out["peaks"]
+        assert peaks[True] <= peaks[False] + 1.5 * (peaks["gathered"] + peaks["scattered"]), peaks
     _assert_params_close(results[0]["jit", "params"], results[1]["jit", "params"])
 
 
