@@ -15,7 +15,8 @@ time over the repeats, the peak memory (``fulmen.bench.memory``'s CPU measure: t
 this rank's shards, plus the step's peak allocations), and, from a profile of one step on the rank's main thread,
 where the communication went: the collectives started, the time some collective was in flight while the thread
 computed (communication hidden behind computation) and the time the thread was blocked in ``wait_tensor``
-(communication not hidden).
+(communication not hidden). For fulmen, "traces MB" is what rank 0's forward and backward execution traces hold at
+their peak (``fulmen.transforms.liveness.peak_live``: the schedule's own cost, without the allocator's noise).
 
     python benchmarks/bench_fsdp2_overlap.py
     python benchmarks/bench_fsdp2_overlap.py --repeats 15 --batch-size 4
@@ -55,7 +56,7 @@ def _make_step(overlap: bool | None, batch_size: int, rank: int):
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    return step, model, opt, (idx, targets)
+    return step, model, opt, (idx, targets), wrapped
 
 
 def _communication_profile(step) -> dict:
@@ -99,6 +100,16 @@ def _communication_profile(step) -> dict:
     return {"collectives": starts, "hidden_ms": hidden / 1e3, "blocked_ms": blocked / 1e3}
 
 
+def _schedule_peaks(wrapped) -> tuple[float, float]:
+    """MB the forward's and the backward's execution traces hold at their peak (``fulmen.transforms.liveness``):
+    what the schedule itself costs, read off the traces."""
+    import fulmen
+    from fulmen.transforms.liveness import peak_live
+
+    traces = (fulmen.last_traces(wrapped)[-1], fulmen.last_backward_traces(wrapped)[-1])
+    return tuple(peak_live(t).bytes / 2**20 for t in traces)
+
+
 def _rank(rank: int, world_size: int, opts: dict) -> dict:
     from fulmen.bench.memory import cpu_step_peak_bytes, state_tensors, tensor_bytes
     from fulmen.executors import inductor
@@ -117,7 +128,7 @@ def _rank(rank: int, world_size: int, opts: dict) -> dict:
             step()
             times[name].append((time.perf_counter() - start) * 1e3)
     out = {}
-    for name, (step, model, opt, inputs) in steps.items():
+    for name, (step, model, opt, inputs, wrapped) in steps.items():
         held = [t.to_local() if hasattr(t, "to_local") else t for t in state_tensors(model, opt, inputs)]
         torch.distributed.barrier()
         peak = tensor_bytes(held) + cpu_step_peak_bytes(step)
@@ -128,6 +139,7 @@ def _rank(rank: int, world_size: int, opts: dict) -> dict:
             "peak_mb": peak / 2**20,
             "loss": losses[name],
             "profile": profile,
+            "schedule_mb": _schedule_peaks(wrapped) if VARIANTS[name] is not None else None,
         }
     return out
 
@@ -146,7 +158,7 @@ def main() -> None:
         f"median ms over {opts['repeats']} steps, timed in turns"
     )
     print(
-        f"{'':20s} {'step ms (per rank)':>20s} {'peak MB (per rank)':>20s} {'loss':>8s}   "
+        f"{'':20s} {'step ms (per rank)':>20s} {'peak MB (per rank)':>20s} {'loss':>8s} {'traces MB':>12s}   "
         "collectives, ms in flight while computing / ms blocked in waits (per rank)"
     )
     for name in VARIANTS:
@@ -158,7 +170,9 @@ def main() -> None:
             comm = f"{rows[0]['profile']['collectives']}, " + " ; ".join(
                 f"{r['profile']['hidden_ms']:.1f} / {r['profile']['blocked_ms']:.1f}" for r in rows
             )
-        print(f"{name:20s} {step:>20s} {peak:>20s} {rows[0]['loss']:8.4f}   {comm}")
+        sched = rows[0]["schedule_mb"]
+        sched = f"{sched[0]:.1f} / {sched[1]:.1f}" if sched is not None else ""
+        print(f"{name:20s} {step:>20s} {peak:>20s} {rows[0]['loss']:8.4f} {sched:>12s}   {comm}")
     print(f"1-minute load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
 
 

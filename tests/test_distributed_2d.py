@@ -263,7 +263,8 @@ def _later(rank, world_size):
             out["hits"] = fulmen.cache_hits(jitted["later"])
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    out["refused"] = _refusal(mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    # float16 gradients: FSDP2 divides before and after the reduction, which the program does not trace
+    out["refused"] = _refusal(mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float16))
     return out
 
 
@@ -271,7 +272,7 @@ def _later(rank, world_size):
 def test_fsdp2_over_tensor_parallel_later_calls_match_eager():
     """Calls outside the traced FSDP state run through FSDP's hooks, and the program is used again after; a model
     with tensor parallelism and FSDP2 on different blocks is traced too; a policy fulmen does not trace (mixed
-    precision) is refused naming both wrappers and what works."""
+    precision reducing in float16) is refused naming both wrappers, the option and what works."""
     for out in run_on_ranks(_later, world_size=4, timeout=500):
         for name in ("later", "mixed", "after_jit"):
             torch.testing.assert_close(out[name, "jit"], out[name, "eager"], **TOL)
@@ -279,7 +280,7 @@ def test_fsdp2_over_tensor_parallel_later_calls_match_eager():
         assert out["hits"] >= 2  # the steps before the eager calls and the last one ran the traced program
         message = out["refused"]
         assert message is not None and "fully_shard" in message and "parallelize_module" in message
-        assert "mixed precision" in message and 'mesh["dp"]' in message
+        assert "reduced in torch.float16" in message and "reduce_dtype" in message and 'mesh["dp"]' in message
 
 
 def test_fsdp2_gathers_are_tagged_for_recomputation():
@@ -317,3 +318,62 @@ def test_fsdp2_gathers_are_tagged_for_recomputation():
     _recompute_gathers(g, {"dp"})
     tagged = [n for n in g.nodes if n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE]
     assert set(tagged) == set(expected), [n.name for n in tagged]
+
+
+def _two_d_policy(mesh, policy: str) -> Net:
+    """``_two_d`` with a policy other than FSDP2's defaults: the blocks kept gathered after forward, or mixed
+    precision (bfloat16 parameters and computation, float32 gradient reduction) on every unit, as FSDP2 needs it
+    on the root too (the head reads the blocks' bfloat16 outputs), the root's output cast to float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if policy == "no_reshard":
+        return _two_d(mesh, reshard_after_forward=False)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    torch.manual_seed(0)
+    net = Net()
+    for block in net.blocks:
+        _tensor_parallel(block, mesh)
+        fully_shard(block, mesh=mesh["dp"], mp_policy=mp)
+    root = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    fully_shard(net, mesh=mesh["dp"], mp_policy=root)  # the loss comes out in float32
+    return net
+
+
+def _policies(rank, world_size):
+    import fulmen
+
+    mesh = _mesh()
+    out = {"dp": mesh["dp"].get_group().group_name}
+    for policy in ("no_reshard", "mixed"):
+        for order in ("eager", "jit"):
+            net = _two_d_policy(mesh, policy)
+            model = fulmen.jit(net, executors=["torch"]) if order == "jit" else net
+            out[policy, order] = _steps(model, net, _optimizer("sgd", net), rank, range(3), out, f"{policy}{order}")
+            out[policy, order, "params"] = _full_params(net)
+            if order == "jit":  # the training program's traces, before the call under no_grad traces another
+                out[policy, "backward"] = str(fulmen.last_backward_traces(model)[-1])
+                out[policy, "forward"] = str(fulmen.last_traces(model)[-1])
+            with torch.no_grad():
+                out[policy, order, "dtype"] = model(_batch(rank, 9)).dtype
+    return out
+
+
+@pytest.mark.slow  # 4 spawned ranks
+def test_fsdp2_over_tensor_parallel_traces_no_reshard_and_mixed_precision():
+    """``reshard_after_forward=False`` and ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` on a
+    2-D model train as in eager 2-D (the same operations in the same dtypes: float32 tolerances on the float32
+    parameters); kept units are not gathered again in the backward; with mixed precision, the all-gathers carry
+    bfloat16 and the reduce-scatters float32, and the gradients keep eager's placements."""
+    for out in run_on_ranks(_policies, world_size=4, timeout=500):
+        dp = out["dp"]
+        for policy in ("no_reshard", "mixed"):
+            torch.testing.assert_close(out[policy, "jit"], out[policy, "eager"], **TOL)
+            _assert_params_close(out[policy, "jit", "params"], out[policy, "eager", "params"])
+            assert out[f"{policy}jit", "grads"] == out[f"{policy}eager", "grads"]
+            assert out[policy, "jit", "dtype"] == out[policy, "eager", "dtype"] == torch.float32
+        # the blocks' parameters are read from the forward: only the root's head is gathered again
+        gathers = [c for c in _collectives(out["no_reshard", "backward"]) if c[0] == "all_gather_into_tensor"]
+        assert gathers == [("all_gather_into_tensor", "", dp)], gathers
+        forward, backward = out["mixed", "forward"], out["mixed", "backward"]
+        assert re.search(r"all_gather_into_tensor\(.*\)\s+# \w+: \"cpu bf16", forward), forward
+        assert re.search(r"reduce_scatter_tensor\(.*\)\s+# \w+: \"cpu f32", backward), backward

@@ -144,14 +144,24 @@ def _count(trace: str, op: str) -> int:
     return sum(f"_c10d_functional.{op}(" in line for line in calls)
 
 
-def _gathers_at_unit_starts(trace: str) -> bool:
-    """Whether computation runs between each two blocks' all-gathers in the forward: each unit's parameters are
-    gathered where it begins, not all at the top of the program (which would hold every unit's parameters at once).
-    The root's all-gather (its head) comes first, right before the first block's."""
+def _gathers_one_unit_ahead(trace: str) -> bool:
+    """Whether each unit's parameters are gathered at most one unit ahead of where it begins, not all at the top of
+    the program (which would hold every unit's parameters at once): each all-gather starts after the previous one is
+    waited for, and computation runs between each two blocks' waits. The root's all-gather (its head) comes first,
+    right before the first block's."""
     lines = [line for line in trace.splitlines() if not line.lstrip().startswith("#")]
-    gathers = [i for i, line in enumerate(lines) if "all_gather_into_tensor(" in line][1:]
+    gathered = {}
+    for i, line in enumerate(lines):
+        m = re.search(r"(\w+) = torch\.ops\._c10d_functional\.all_gather_into_tensor\(", line)
+        if m:
+            gathered[m.group(1)] = i
+    waits = [
+        i for i, line in enumerate(lines) if (m := re.search(r"wait_tensor\((\w+)\)", line)) and m.group(1) in gathered
+    ]
+    starts = sorted(gathered.values())
     compute = re.compile(r"linear|matmul|inductor_fusion")
-    return all(any(compute.search(line) for line in lines[a:b]) for a, b in zip(gathers, gathers[1:]))
+    one_in_flight = all(w < g for w, g in zip(waits, starts[1:]))
+    return one_in_flight and all(any(compute.search(line) for line in lines[a:b]) for a, b in zip(waits[1:], waits[2:]))
 
 
 def _check(results: list[dict]) -> None:
@@ -160,10 +170,11 @@ def _check(results: list[dict]) -> None:
             torch.testing.assert_close(out[optimizer, "jit"], out[optimizer, "eager"], **TOL)
             _assert_params_close(out[optimizer, "jit", "params"], out[optimizer, "eager", "params"])
         assert out["grad_types"] == {"DTensor"}  # param.grad has the parameter's spec, as FSDP2 leaves it
-        # one all-gather per unit where its forward begins (the root's head, then each block's four parameters in
-        # one buffer); the backward reduce-scatters each unit's gradients, averaged over the ranks as FSDP2 does
+        # one all-gather per unit, at most one unit ahead of where its forward begins (the root's head, then each
+        # block's four parameters in one buffer); the backward reduce-scatters each unit's gradients, averaged over
+        # the ranks as FSDP2 does
         assert _count(out["forward"], "all_gather_into_tensor") == 3
-        assert _gathers_at_unit_starts(out["forward"]), out["forward"]
+        assert _gathers_one_unit_ahead(out["forward"]), out["forward"]
         assert _count(out["backward"], "reduce_scatter_tensor") == 3
         assert "'avg'" in out["backward"]
         # the blocks' weights are gathered again in the backward rather than saved from the forward

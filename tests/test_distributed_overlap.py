@@ -145,6 +145,26 @@ def _overlapped(rank, world_size, options):
         out[order, "params"] = _full_params(net)
     out["forward"] = _schedule(fulmen.last_traces(model)[-1])
     out["backward"] = _schedule(fulmen.last_backward_traces(model)[-1])
+    out["peaks"] = _backward_peaks(mesh, options)
+    return out
+
+
+def _backward_peaks(mesh, options) -> dict:
+    """The bytes the backward trace holds at its peak with overlap on and off, on a batch whose activations
+    outweigh a unit's parameters (a schedule computing every block's recomputed activations at once shows); and
+    the largest gathered unit and reduce-scatter input."""
+    import fulmen
+    from fulmen.core.symbol import OpTags
+    from fulmen.transforms.liveness import nbytes, peak_live
+
+    out = {}
+    for overlap in (True, False):
+        model = fulmen.jit(_sharded(mesh), overlap_communication=overlap, **options)
+        model(torch.randn(256, 8)).backward()
+        trace = fulmen.last_backward_traces(model)[-1]
+        out[overlap] = peak_live(trace).bytes
+    out["gathered"] = max(nbytes(b.flat_proxy_outs[0]) for b in trace.bound_symbols if OpTags.PREFETCH in b.sym.tags)
+    out["scattered"] = max(nbytes(b.flat_args[0]) for b in trace.bound_symbols if OpTags.ONE_IN_FLIGHT in b.sym.tags)
     return out
 
 
@@ -194,6 +214,10 @@ def _check(results: list[dict]) -> None:
         _assert_params_close(out["jit", "params"], out["eager", "params"])
         _check_forward(out["forward"])
         _check_backward(out["backward"])
+        # overlap costs one unit's gathered parameters and its shards' copy in flight, and one reduce-scatter's
+        # input and result in flight (each shard half its unit): no more
+        peaks = out["peaks"]
+        assert peaks[True] <= peaks[False] + 1.5 * (peaks["gathered"] + peaks["scattered"]), peaks
     _assert_params_close(results[0]["jit", "params"], results[1]["jit", "params"])
 
 
@@ -226,12 +250,17 @@ def _units(x, *shards):
 def _scheduled(fn, units: int = 4) -> list[str]:
     """The overlap step's order of ``fn``'s collectives and matmuls, by kind."""
     import fulmen
-    from fulmen.core.symbol import OpTags
     from fulmen.transforms.overlap import overlapping, schedule_communication
 
     trace = fulmen.trace()(fn, torch.randn(4, 4), *[torch.randn(2, 4) for _ in range(units)])
     with overlapping(True):
-        trace = schedule_communication(trace)
+        return _kinds(schedule_communication(trace))
+
+
+def _kinds(trace) -> list[str]:
+    """A trace's collectives and matmuls, by kind."""
+    from fulmen.core.symbol import OpTags
+
     kinds, gathered = [], set()
     for b in trace.bound_symbols:
         tags, outs = b.sym.tags, [p.name for p in b.flat_proxy_outs]
@@ -264,3 +293,62 @@ def test_schedule_prefetches_each_gather_while_the_unit_before_computes():
     unit = ["matmul", "matmul", "scatter", "gather_wait", "gather", "matmul", "matmul", "scatter_wait", "scatter"]
     assert kinds[3:12] == unit, kinds
     assert kinds[-2:] == ["scatter", "scatter_wait"], kinds  # the last one waited for at the end
+
+
+def _recomputing_units(x, *tensors):
+    """A backward as rematerialization leaves it: each unit gathers its parameters, recomputes an activation from a
+    tensor the forward saved (ready from the start, read only by this unit), computes with both and
+    reduce-scatters a gradient."""
+    from fulmen.torch import collectives as c
+
+    half = len(tensors) // 2
+    grads = []
+    for shard, saved in zip(tensors[:half], tensors[half:]):
+        full = c.param_wait(c.param_all_gather(shard.reshape(-1), 2, "g")).view(16, 16)
+        x = (x @ full) * torch.tanh(saved)
+        grads.append(c.wait_tensor(c.param_reduce_scatter((x.t() @ x).reshape(-1), "avg", 2, "g")))
+    return x, *grads
+
+
+def test_schedule_holds_at_most_one_more_unit_than_the_program():
+    # the scheduler ran every operation not waiting on a collective before the first wait: each unit's recomputed
+    # activation at the top of the backward, all alive together (what raised gpt-small's peak with overlap on)
+    import fulmen
+    from fulmen.core.symbol import OpTags
+    from fulmen.transforms.liveness import nbytes, peak_live
+    from fulmen.transforms.overlap import overlapping, schedule_communication
+    from fulmen.transforms.passes import del_last_used
+
+    units = 4
+    shards = [torch.randn(8, 16) for _ in range(units)]
+    saved = [torch.randn(256, 16) for _ in range(units)]  # each activation 16 KiB, the gathered parameters 1 KiB
+    trace = fulmen.trace()(_recomputing_units, torch.randn(256, 16), *shards, *saved)
+    with overlapping(True):
+        scheduled = schedule_communication(trace)
+    program, overlapped = peak_live(del_last_used(trace)), peak_live(del_last_used(scheduled))
+    gathered = [b.flat_proxy_outs[0] for b in trace.bound_symbols if OpTags.PREFETCH in b.sym.tags]
+    scattered = [b.flat_args[0] for b in trace.bound_symbols if OpTags.ONE_IN_FLIGHT in b.sym.tags]
+    # one unit's gathered parameters prefetched, and one reduce-scatter in flight (its input and result)
+    extra = nbytes(gathered[0]) + nbytes(scattered[0]) * 3 // 2
+    assert overlapped.bytes <= program.bytes + extra, (program, overlapped)
+    kinds = _kinds(scheduled)
+    assert _most_in_flight(kinds, "gather") == 1 and _most_in_flight(kinds, "scatter") == 1, kinds
+    # still overlapped: each gather after the first starts before the unit before it computes
+    assert kinds[:4] == ["gather", "gather_wait", "gather", "matmul"], kinds
+
+
+def test_peak_live_counts_views_once_and_holds_a_collectives_input_until_its_wait():
+    import fulmen
+    from fulmen.torch import collectives as c
+    from fulmen.transforms.liveness import peak_live
+    from fulmen.transforms.passes import del_last_used
+
+    def f(x):
+        y = (x * 2).view(-1)  # 4 KiB, and a view of it that adds nothing
+        started = c.all_reduce(y, "sum", "g")  # holds y (4 KiB) and its result (4 KiB) until the wait
+        z = torch.tanh(x)  # 4 KiB while both are held
+        return c.wait_tensor(started).sum() + z.sum()
+
+    trace = del_last_used(fulmen.trace()(f, torch.randn(32, 32)))
+    peak = peak_live(trace)
+    assert peak.bytes == 3 * 32 * 32 * 4, (peak, str(trace))

@@ -55,7 +55,6 @@ from fulmen.executors.partition import (
     split_repeats,
     sums_after_other_readers,
 )
-from fulmen.transforms import overlap
 from fulmen.transforms.grad_ops import unfold_backward
 from fulmen.transforms.passes import checks_values, del_last_used
 
@@ -377,7 +376,7 @@ class InductorExecutor(FusionExecutor):
         outputs = {p.name for p in outputs_of(trace.output)}
         unread = _unread_checks(trace, outputs)
         can_fuse = self.can_fuse if not unread else lambda b: id(b) not in unread and self.can_fuse(b)
-        groups = fusion_groups(trace.bound_symbols, can_fuse, overlap=overlap.enabled.get())
+        groups = fusion_groups(trace.bound_symbols, can_fuse)
         shared: dict[tuple, tuple] = {}  # structure key -> (unfused callable, its source, code key)
         new: list[BoundSymbol] = []
         for k, (fused, run) in enumerate(groups):

@@ -13,20 +13,12 @@ What the sort never changes:
   generator in eager's order; opaque operations and other executors' calls keep their order);
 - anything across a side effect (``OpTags.SIDE_EFFECT``): operations before it stay before it, those after
   stay after;
+- anything across a collective or its wait (``OpTags.COMMUNICATION``): where communication overlaps computation,
+  ``fulmen.transforms.overlap`` has placed them already (each collective started early, each wait late, the
+  computation in the program's order), and fusion keeps that; without overlap they stay where the program made
+  them (FSDP2's all-gathers at each unit's start would otherwise all run first, holding every unit's parameters at
+  once);
 - where comments are: each stays right before the operation it preceded.
-
-Communication (``OpTags.COMMUNICATION``) is scheduled for overlap: a collective that becomes ready ends the run of
-fusible operations in progress, so it starts as soon as its inputs exist, and a wait (``OpTags.WAIT``) runs only
-when nothing else is ready, so the computation that does not need its result runs while the data travels. Waits
-keep no order among the other unfused operations (they only block until their collective's data is there).
-When several waits are all that is ready, the one with the longest chain of operations after it runs first (the
-parameters a unit's computation reads before the gradients only the outputs read). Collectives that hold large
-buffers keep one of their symbol in flight, so the full-size buffers alive at once stay bounded: a ``PREFETCH`` one
-(FSDP2's parameter all-gather) starts after the previous one's wait, which stays as late as its readers allow, so
-each unit's gather runs while the unit before it computes; for a ``ONE_IN_FLIGHT`` one (FSDP2's gradient
-reduce-scatter) the previous one is waited for as soon as this one's input is computed, then it starts.
-Without overlap, collectives and waits stay where the program made them: like side effects, nothing crosses them
-(FSDP2's all-gathers at each unit's start would otherwise all run first, holding every unit's parameters at once).
 """
 
 from __future__ import annotations
@@ -39,57 +31,35 @@ from fulmen.core.symbol import BoundSymbol, OpTags
 from fulmen.prims import PrimIDs
 
 
-def fusion_groups(bsyms: Sequence[BoundSymbol], fusible: Callable[[BoundSymbol], bool], *,
-                  overlap: bool = True) -> list[tuple[bool, list[BoundSymbol]]]:
-    """``bsyms`` reordered into ``(is_fusible, operations)`` runs; fusible runs are the candidate regions. Without
-    ``overlap``, collectives and their waits are unfused operations like any other (see the module's doc)."""
+def fusion_groups(
+    bsyms: Sequence[BoundSymbol], fusible: Callable[[BoundSymbol], bool]
+) -> list[tuple[bool, list[BoundSymbol]]]:
+    """``bsyms`` reordered into ``(is_fusible, operations)`` runs; fusible runs are the candidate regions."""
     nodes, pending = _nodes(bsyms)
     n = len(nodes)
     kinds = [fusible(node[-1]) for node in nodes]
-    waits = [overlap and OpTags.WAIT in node[-1].sym.tags for node in nodes]
-    starts = [overlap and OpTags.COMMUNICATION in node[-1].sym.tags and not w for node, w in zip(nodes, waits)]
-    barrier_tags = (OpTags.SIDE_EFFECT,) if overlap else (OpTags.SIDE_EFFECT, OpTags.COMMUNICATION)
-    deps = _order_dependencies(nodes, kinds, waits, barrier_tags)
-    urgency = _wait_urgency(nodes, deps, waits, starts) if any(waits) else None
-
+    deps = _order_dependencies(nodes, kinds)
     users = _users(deps)
     missing = [len(d) for d in deps]
-    # (not fusible, fusible, waits), each a heap of trace positions (waits: (urgency, position))
-    ready: tuple[list[int], list[int], list[tuple[int, int]]] = ([], [], [])
-    ready_starts = 0
-
-    def push(i: int) -> None:
-        nonlocal ready_starts
-        if waits[i]:
-            heapq.heappush(ready[2], (urgency[i], i))
-        else:
-            heapq.heappush(ready[kinds[i]], i)
-        ready_starts += starts[i]
-
+    ready: tuple[list[int], list[int]] = ([], [])  # (not fusible, fusible), each a heap of trace positions
     for i in range(n):
         if not missing[i]:
-            push(i)
+            heapq.heappush(ready[kinds[i]], i)
 
     groups: list[tuple[bool, list[BoundSymbol]]] = []
     kind = False
-    while ready[0] or ready[1] or ready[2]:
-        if not ready[0] and not ready[1]:  # only waits are ready: the first one, then what it unblocks
-            ready[0].append(heapq.heappop(ready[2])[1])
-            kind = False
-        elif not ready[kind]:
+    while ready[0] or ready[1]:
+        if not ready[kind]:
             kind = not kind
         run: list[BoundSymbol] = []
         queue = ready[kind]
         while queue:
             i = heapq.heappop(queue)
-            ready_starts -= starts[i]
             run.extend(nodes[i])
             for u in users[i]:
                 missing[u] -= 1
                 if not missing[u]:
-                    push(u)
-            if kind and ready_starts:  # a collective can start: start it before more computation
-                break
+                    heapq.heappush(ready[kinds[u]], u)
         groups.append((kind, run))
         kind = not kind
     if sum(len(run) for _, run in groups) + len(pending) != len(bsyms):
@@ -97,59 +67,6 @@ def fusion_groups(bsyms: Sequence[BoundSymbol], fusible: Callable[[BoundSymbol],
     if pending:  # trailing comments
         groups.append((False, pending))
     return groups
-
-
-def _wait_urgency(nodes: list[list[BoundSymbol]], deps: list[set[int]], waits: list[bool],
-                  starts: list[bool]) -> list[int]:
-    """For each operation, minus the length of the longest chain of data users after it: among ready waits, the
-    lowest runs first. Also keeps one ``PREFETCH`` or ``ONE_IN_FLIGHT`` collective of each symbol in flight
-    (``_one_in_flight``), which changes ``deps``, ``waits`` and ``starts``."""
-    data_deps = _data_dependencies([node[-1] for node in nodes])
-    data_users = _users(data_deps)
-    _one_in_flight(nodes, deps, waits, starts, data_deps, data_users)
-    after = [0] * len(nodes)
-    for i in reversed(range(len(nodes))):
-        after[i] = 1 + max((after[u] for u in data_users[i]), default=0)
-    return [-a for a in after]
-
-
-def _one_in_flight(nodes: list[list[BoundSymbol]], deps: list[set[int]], waits: list[bool], starts: list[bool],
-                   data_deps: list[set[int]], data_users: list[list[int]]) -> None:
-    """Each ``PREFETCH`` or ``ONE_IN_FLIGHT`` collective starts after the wait of the previous one of its symbol
-    (where that adds no cycle). A ``PREFETCH`` one's input is computed after that wait too (the concatenation of a
-    unit's shards, not every unit's at the top). A ``ONE_IN_FLIGHT`` one's previous wait also waits for this one's
-    input and is then no longer put off: it runs, and this one starts, as soon as that input is computed."""
-    previous: dict[str, int] = {}
-    for i, node in enumerate(nodes):
-        sym = node[-1].sym
-        if waits[i] or not (OpTags.PREFETCH in sym.tags or OpTags.ONE_IN_FLIGHT in sym.tags):
-            continue
-        if sym.id in previous:
-            for w in data_users[previous[sym.id]]:
-                if not waits[w] or _reaches(deps, w, i):
-                    continue
-                deps[i].add(w)
-                if OpTags.PREFETCH in sym.tags:
-                    for j in data_deps[i]:
-                        if not (waits[j] or starts[j] or _reaches(deps, w, j)):
-                            deps[j].add(w)
-                else:
-                    deps[w].update(j for j in data_deps[i] if not _reaches(deps, j, w))
-                    waits[w], starts[w] = False, True  # runs when ready, and ends a fused run then
-        previous[sym.id] = i
-
-
-def _reaches(deps: list[set[int]], src: int, target: int) -> bool:
-    """Whether ``src`` depends on ``target``, directly or through other operations."""
-    seen, stack = {src}, [src]
-    while stack:
-        for j in deps[stack.pop()]:
-            if j == target:
-                return True
-            if j not in seen:
-                seen.add(j)
-                stack.append(j)
-    return False
 
 
 def _nodes(bsyms: Sequence[BoundSymbol]) -> tuple[list[list[BoundSymbol]], list[BoundSymbol]]:
@@ -164,21 +81,23 @@ def _nodes(bsyms: Sequence[BoundSymbol]) -> tuple[list[list[BoundSymbol]], list[
     return nodes, pending
 
 
-def _order_dependencies(nodes: list[list[BoundSymbol]], kinds: list[bool], waits: list[bool],
-                        barrier_tags: tuple = (OpTags.SIDE_EFFECT,)) -> list[set[int]]:
-    """Data dependencies, plus: unfused operations (but waits) keep their order, and nothing crosses an operation
-    tagged with one of ``barrier_tags`` (a side effect; without overlap, a collective too)."""
+_BARRIERS = (OpTags.SIDE_EFFECT, OpTags.COMMUNICATION)
+
+
+def _order_dependencies(nodes: list[list[BoundSymbol]], kinds: list[bool]) -> list[set[int]]:
+    """Data dependencies, plus: unfused operations keep their order, and nothing crosses a side effect or a
+    collective (``_BARRIERS``)."""
     deps = _data_dependencies([node[-1] for node in nodes])
     last_unfused = -1
     barrier = -1
     for i, node in enumerate(nodes):
         if barrier >= 0:
             deps[i].add(barrier)
-        if not kinds[i] and not waits[i]:
+        if not kinds[i]:
             if last_unfused >= 0:
                 deps[i].add(last_unfused)
             last_unfused = i
-        if any(t in node[-1].sym.tags for t in barrier_tags):
+        if any(t in node[-1].sym.tags for t in _BARRIERS):
             deps[i].update(range(barrier + 1, i))
             barrier = i
     return deps
@@ -214,8 +133,15 @@ def _signatures(ops: Sequence[BoundSymbol], period: int | None, phase: int = 0) 
     sigs = []
     for i, op in enumerate(ops):
         block_start = i - (i - phase) % period if period else 0
-        sigs.append(hash((op.sym.id, tuple(arg(a, i, block_start) for a in op.args),
-                          tuple((k, arg(v, i, block_start)) for k, v in op.kwargs.items()))))
+        sigs.append(
+            hash(
+                (
+                    op.sym.id,
+                    tuple(arg(a, i, block_start) for a in op.args),
+                    tuple((k, arg(v, i, block_start)) for k, v in op.kwargs.items()),
+                )
+            )
+        )
         for p in op.flat_proxy_outs:
             defined_at[p.name] = i
     return sigs
@@ -295,9 +221,9 @@ def split_repeats(ops: Sequence[BoundSymbol]) -> list[list[BoundSymbol]]:
         return [list(ops)]
     pieces = [list(ops[:start])] if start else []
     for k in range(start, start + covered, period):
-        pieces.append(list(ops[k:k + period]))
+        pieces.append(list(ops[k : k + period]))
     if start + covered < len(ops):
-        pieces.append(list(ops[start + covered:]))
+        pieces.append(list(ops[start + covered :]))
     return pieces
 
 
@@ -390,8 +316,12 @@ def sums_after_other_readers(ops: Sequence[BoundSymbol]) -> list[BoundSymbol]:
                 if u not in after:
                     after.add(u)
                     stack.append(u)
-        others = [j for name in _views_of(ops, op.flat_args[0].name) for j in readers.get(name, ())
-                  if j > i and j not in after and ops[j].sym.id is not PrimIDs.SUM]
+        others = [
+            j
+            for name in _views_of(ops, op.flat_args[0].name)
+            for j in readers.get(name, ())
+            if j > i and j not in after and ops[j].sym.id is not PrimIDs.SUM
+        ]
         if others:
             key[i] = max(others) + 0.5
     if key == sorted(key):

@@ -28,11 +28,17 @@ collectives, the dp all-gathers again and the dp reduce-scatters: the gathers ar
 AOTAutograd partitions the program (``_recompute_gathers``), so the forward saves the shards, not the gathered
 parameters, as FSDP2 reshards after forward.
 
-Only FSDP2's default policies are traced (``fsdp2_program._unit``) on a tp mesh separate from the dp mesh
-(``fully_shard(module, mesh=mesh["dp"])``); ``fully_shard`` on the whole 2-D mesh with ``dp_mesh_dims``, or any
-other policy, is refused with an error naming the wrappers and what works. A later call whose FSDP state is not the
-traced one (``unshard()``, gradients accumulated without sync, a policy changed) runs eagerly through FSDP's hooks,
-with a log line.
+Traced on a tp mesh separate from the dp mesh (``fully_shard(module, mesh=mesh["dp"])``): FSDP2's default policies
+(``fsdp2_program._unit``), and two others (``TRACED_POLICIES``): ``reshard_after_forward=False``, whose gathers are
+not tagged for recomputation, so the backward reads the parameters the forward gathered, as FSDP2 keeps them; and
+mixed precision (``MixedPrecisionPolicy``): each unit's shards cast to ``param_dtype`` before the all-gather, the
+gathered gradient cast to ``reduce_dtype`` before the reduce-scatter and the result back to the shard's dtype, the
+unit's floating-point inputs cast to ``param_dtype`` and its outputs to ``output_dtype``, as FSDP2's hooks do.
+``fully_shard`` on the whole 2-D mesh with ``dp_mesh_dims``, or any other policy (``reshard_after_forward`` an int
+resharding to a smaller group, gradients reduced in another dtype than float32 or bfloat16, a custom collective,
+...), is refused with an error naming the wrappers, the option and what works. A later call whose FSDP state is not
+the traced one (``unshard()``, gradients accumulated without sync, a policy changed) runs eagerly through FSDP's
+hooks, with a log line.
 """
 
 from __future__ import annotations
@@ -69,9 +75,11 @@ def is_two_d(model: nn.Module, fsdp_module: type) -> bool:
 def _refusal(model: nn.Module, why: str) -> NotImplementedError:
     return NotImplementedError(
         f"fulmen.jit({type(model).__name__}): the model combines fully_shard (FSDP2) with parallelize_module (tensor "
-        f"parallelism, 2-D), and {why}. fulmen.jit traces a 2-D model whose fully_shard calls use FSDP2's default "
-        'policies on the data-parallel sub-mesh (fully_shard(module, mesh=mesh["dp"])) after parallelize_module on '
-        'the tensor-parallel one (mesh["tp"]). Run this model without fulmen.jit, or use those policies.'
+        f"parallelism, 2-D), and {why}. fulmen.jit traces a 2-D model whose fully_shard calls shard on the "
+        'data-parallel sub-mesh (fully_shard(module, mesh=mesh["dp"])) after parallelize_module on the '
+        'tensor-parallel one (mesh["tp"]), with FSDP2\'s default policies, reshard_after_forward=False, or a '
+        "MixedPrecisionPolicy (param_dtype, reduce_dtype float32 or bfloat16, output_dtype). Run this model "
+        "without fulmen.jit, or use those policies."
     )
 
 
@@ -84,27 +92,40 @@ def plan(model: nn.Module, fsdp_module: type) -> list[_Unit]:
             for fsdp_param in group.fsdp_params:
                 if fsdp_param.mesh_info.is_spmd_mesh:
                     raise _refusal(model, f"{type(m).__name__} was sharded on the 2-D mesh itself (dp_mesh_dims)")
-        unit = fsdp2_program._unit(m, state)
+        unit = fsdp2_program._unit(m, state, TRACED_POLICIES)
         if isinstance(unit, str):
             raise _refusal(model, unit)
         units.append(unit)
     return units
 
 
+#: The FSDP2 policies the 2-D program traces besides the defaults: ``reshard_after_forward=False`` (the backward
+#: reads the parameters gathered in the forward, ``_recompute_gathers``) and mixed precision (``_GatherShards``)
+TRACED_POLICIES = frozenset({fsdp2_program.NO_RESHARD, fsdp2_program.MIXED_PRECISION})
+
+
 class _GatherShards(torch.autograd.Function):
-    """FSDP2's all-gather of a unit's flat shards over dp; its gradient is FSDP2's reduction of the gathered
-    gradient: a reduce-scatter averaged over the dp ranks (its default for float32 and bfloat16)."""
+    """FSDP2's all-gather of a unit's flat shards over dp, cast first to the mixed-precision ``param_dtype`` where
+    one is set (FSDP2's copy-in); its gradient is FSDP2's reduction of the gathered gradient: cast to
+    ``reduce_dtype`` where one is set, reduce-scattered averaged over the dp ranks (FSDP2's default for float32 and
+    bfloat16, the only reduction dtypes ``fsdp2_program._layout`` lets through), cast back to the shard's dtype."""
 
     @staticmethod
-    def forward(ctx, flat: torch.Tensor, world: int, group: str) -> torch.Tensor:
-        ctx.world, ctx.group = world, group
+    def forward(ctx, flat: torch.Tensor, world: int, group: str, param_dtype, reduce_dtype) -> torch.Tensor:
+        ctx.world, ctx.group, ctx.dtypes = world, group, (flat.dtype, reduce_dtype)
         c10d = torch.ops._c10d_functional
+        if param_dtype is not None:
+            flat = flat.to(param_dtype)
         return c10d.wait_tensor(c10d.all_gather_into_tensor(flat, world, group))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         c10d = torch.ops._c10d_functional
-        return c10d.wait_tensor(c10d.reduce_scatter_tensor(grad.contiguous(), "avg", ctx.world, ctx.group)), None, None
+        shard_dtype, reduce_dtype = ctx.dtypes
+        if reduce_dtype is not None:
+            grad = grad.to(reduce_dtype)
+        reduced = c10d.wait_tensor(c10d.reduce_scatter_tensor(grad.contiguous(), "avg", ctx.world, ctx.group))
+        return reduced.to(shard_dtype), None, None, None, None
 
 
 def _as_parameter(layout: _ParamLayout, full: torch.Tensor) -> torch.Tensor:
@@ -123,22 +144,29 @@ def _as_parameter(layout: _ParamLayout, full: torch.Tensor) -> torch.Tensor:
 _AOT = fsdp2_program.GatherPath(_GatherShards.apply, torch.Tensor, _as_parameter)
 
 
-def _recompute_gathers(graph: torch.fx.Graph, groups: set[str]) -> None:
+def _recompute_gathers(graph: torch.fx.Graph, groups: set[str], kept: frozenset[torch.fx.Node] = frozenset()) -> None:
     """Tags FSDP2's all-gathers over dp in AOTAutograd's joint graph, what builds their input from the shards and
     the views of their result, to be recomputed in the backward (``CheckpointPolicy.MUST_RECOMPUTE``, which the
     partitioner honours for collectives): the forward then saves the shards rather than the gathered parameters,
-    and the backward gathers them again, as FSDP2 reshards after forward. Sound because every rank runs the same
-    backward program, so the ranks issue the same collectives in the same order."""
+    and the backward gathers them again, as FSDP2 reshards after forward. The gathers of the shards in ``kept``
+    (placeholders: units with ``reshard_after_forward=False``) are left to the partitioner, which saves what the
+    backward reads of them, as FSDP2 keeps such a unit's parameters gathered until its backward. Sound because every
+    rank runs the same backward program, so the ranks issue the same collectives in the same order."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     c10d = torch.ops._c10d_functional
-    gathers = [n for n in graph.nodes if n.target is c10d.all_gather_into_tensor.default and n.args[2] in groups]
-    tagged, stack = set(), list(gathers)
-    while stack:  # upward: the padding, flattening and concatenation of the shards (placeholders)
-        node = stack.pop()
-        if node.op == "call_function" and node not in tagged:
-            tagged.add(node)
-            stack += node.all_input_nodes
+    gathers, tagged = [], set()
+    for node in graph.nodes:
+        if node.target is c10d.all_gather_into_tensor.default and node.args[2] in groups:
+            chain, stack = set(), [node]
+            while stack:  # upward: the padding, flattening and concatenation of the shards (placeholders)
+                n = stack.pop()
+                if n.op == "call_function" and n not in chain:
+                    chain.add(n)
+                    stack += n.all_input_nodes
+            if not any(p in kept for n in chain for p in n.all_input_nodes):
+                gathers.append(node)
+                tagged |= chain
     stack = [u for gather in gathers for u in gather.users if u.target is c10d.wait_tensor.default]
     while stack:  # downward: the views that take each parameter out of the gathered buffer
         node = stack.pop()
@@ -209,8 +237,16 @@ class FSDP2DTensorProgram(DTensorProgram):
         with fsdp2_program.gathering(self.units, _AOT):
             return super()._run_module(bound, args, kwargs)
 
+    def _trace(self, names: list[str]):
+        self._traced_names = names  # the state's names, in the order of the joint graph's first placeholders
+        return super()._trace(names)
+
     def _partition(self, joint: torch.fx.GraphModule, joint_inputs, **kwargs):
-        _recompute_gathers(joint.graph, {layout.group for unit in self.units for layout in unit.layouts})
+        state, _ = super()._state()
+        kept = {id(x.fsdp_param.sharded_param) for unit in self.units if not unit.reshard for x in unit.layouts}
+        primals = [n for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("primals")]
+        shards = frozenset(p for p, name in zip(primals, self._traced_names) if id(state.get(name)) in kept)
+        _recompute_gathers(joint.graph, {layout.group for unit in self.units for layout in unit.layouts}, shards)
         return super()._partition(joint, joint_inputs, **kwargs)
 
     def _why_eager(self) -> str | None:

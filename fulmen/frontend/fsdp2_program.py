@@ -15,17 +15,18 @@ autograd hooks reduce-scatter the gradients. Here the model is traced once with 
   (``collective_grads``), giving each shard's gradient; ``to_local``'s backward makes it a DTensor with the
   parameter's placements, accumulated into ``param.grad`` as FSDP2 does;
 - the all-gather is ``RECOMPUTABLE``: rematerialization gathers again in the backward rather than saving full-size
-  parameters from the forward (FSDP2's ``reshard_after_forward=True``). Collectives stay where the program made
-  them unless ``overlap_communication=True`` is given: then each unit's all-gather starts while the unit before it
-  computes and each reduce-scatter while the next unit's gradients are computed, one of each in flight at a time
-  as in FSDP2 (``fulmen.transforms.overlap``), which holds one more unit's full-size parameters than without.
+  parameters from the forward (FSDP2's ``reshard_after_forward=True``). Each unit's all-gather starts while the
+  unit before it computes and each reduce-scatter while the next unit's gradients are computed, one of each in
+  flight at a time as FSDP2 prefetches (``fulmen.transforms.overlap``), which holds one more unit's full-size
+  parameters than without; ``overlap_communication=False`` keeps the collectives where the program made them.
 
-Only FSDP2's default policies are traced: one module per ``fully_shard`` call, dim-0 shards of plain (non-DTensor)
-parameters, no mixed precision, no CPU offload, ``reshard_after_forward`` True (or the root's automatic False), the
-default gradient divide factor, gradient sync on. Other models keep the unit-wise path (``fulmen.frontend.fsdp2``),
-with a log line saying why; a policy changed later (``set_requires_gradient_sync(False)``,
-``set_gradient_divide_factor``) or parameters no longer FSDP2's sharded ones (``unshard()``, a replaced parameter)
-make the call run eagerly through FSDP's own hooks, with a log line.
+Only FSDP2's default policies are traced here (the 2-D program, ``fulmen.frontend.fsdp2_2d``, also traces
+``reshard_after_forward=False`` and mixed precision, through ``_unit``'s ``traced``): one module per ``fully_shard``
+call, dim-0 shards of plain (non-DTensor) parameters, no mixed precision, no CPU offload, ``reshard_after_forward``
+True (or the root's automatic False), the default gradient divide factor, gradient sync on. Other models keep the
+unit-wise path (``fulmen.frontend.fsdp2``), with a log line saying why; a policy changed later
+(``set_requires_gradient_sync(False)``, ``set_gradient_divide_factor``) or parameters no longer FSDP2's sharded ones
+(``unshard()``, a replaced parameter) make the call run eagerly through FSDP's own hooks, with a log line.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -45,15 +46,10 @@ from fulmen.torch import collectives
 
 log = logging.getLogger("fulmen")
 
-#: FSDP2's default policy of a parameter group (``_policy``): gradient divide factor, sum-only reduction, gradient
-#: sync, all-reduce (HSDP), no all-reduce hook, FSDP's own all-gather and reduce-scatter, resharding after forward to
-#: the same mesh (the root's automatic "no resharding" included)
-_DEFAULT_POLICY = (None, False, True, True, True, True, True, True)
-
 
 @dataclass(frozen=True)
 class _ParamLayout:
-    """One FSDP parameter: where modules read it, and how its shard is gathered (``FSDPParam``'s sizes)."""
+    """One FSDP parameter: where modules read it, and how its shard is gathered (``FSDPParam``'s sizes and dtypes)."""
 
     fsdp_param: object
     places: tuple[tuple[nn.Module, str], ...]  # (module, name): the parameter and the names it is tied to
@@ -62,11 +58,15 @@ class _ParamLayout:
     full_rows: int  # the parameter's rows (``_orig_size[0]``)
     world: int
     group: str
+    param_dtype: torch.dtype | None = None  # mixed precision: the dtype gathered and computed in (None: the shard's)
+    reduce_dtype: torch.dtype | None = None  # the dtype the gradient is reduced in (None: the gathered one's)
 
 
 @dataclass
 class _Unit:
-    """One ``fully_shard`` call: its module, the ids of FSDP's forward hooks on it and its parameters."""
+    """One ``fully_shard`` call: its module, the ids of FSDP's forward hooks on it and its parameters, and the
+    policies traced (each group's ``_policy``; whether the backward gathers again; the dtypes FSDP's forward hooks
+    cast the unit's inputs and outputs to)."""
 
     module: nn.Module
     groups: list
@@ -74,11 +74,35 @@ class _Unit:
     post_id: int
     layouts: list[_ParamLayout]
     is_root: bool
+    policies: list[tuple] = field(default_factory=list)
+    reshard: bool = True
+    input_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+
+
+#: The FSDP2 policies a program may trace besides the default ones (``_unit``'s ``traced``): keeping the gathered
+#: parameters for the backward, and mixed precision (``MixedPrecisionPolicy``: gathering and computing in
+#: ``param_dtype``, reducing gradients in ``reduce_dtype``)
+NO_RESHARD, MIXED_PRECISION = "reshard_after_forward=False", "mixed precision"
+
+#: Each entry of ``_policy``: its value under FSDP2's defaults, and the option a user set where it differs
+_POLICY = (
+    (None, "set_gradient_divide_factor"),
+    (False, "set_force_sum_reduction_for_comms(True)"),
+    (True, "set_requires_gradient_sync(False)"),
+    (True, "set_requires_all_reduce(False)"),
+    (True, "set_all_reduce_hook"),
+    (True, "set_custom_all_gather"),
+    (True, "set_custom_reduce_scatter"),
+    (False, "reshard_after_forward=<int> (resharding to a smaller group after forward)"),
+    (True, NO_RESHARD),
+)
 
 
 def _policy(group, is_root: bool) -> tuple:
-    """What of a parameter group's policy the traced program assumes (``_DEFAULT_POLICY``); read on every call, since
-    ``set_requires_gradient_sync`` and its siblings change it between steps."""
+    """The parameter group's policy as the traced program reads it (``_POLICY`` says what each entry is); read on
+    every call, since ``set_requires_gradient_sync`` and its siblings change it between steps. The root's automatic
+    "no resharding" counts as resharding: the backward gathers its parameters again, with the same values."""
     return (
         group.gradient_divide_factor,
         group.force_sum_reduction_for_comms,
@@ -87,22 +111,38 @@ def _policy(group, is_root: bool) -> tuple:
         group._all_reduce_hook is None,
         type(group._all_gather_comm).__name__ == "DefaultAllGather",
         type(group._reduce_scatter_comm).__name__ == "DefaultReduceScatter",
-        (is_root or group._reshard_after_forward) and not group._use_post_forward_mesh,
+        bool(group._use_post_forward_mesh),
+        bool(is_root or group._reshard_after_forward),
     )
 
 
-def _layout(fsdp_param) -> _ParamLayout | str:
+def _untraced(policy: tuple, traced: frozenset[str]) -> list[str]:
+    """The options set in ``policy`` that the program does not trace."""
+    return [
+        option
+        for value, (default, option) in zip(policy, _POLICY)
+        if value != default and not (option == NO_RESHARD and option in traced)
+    ]
+
+
+def _layout(fsdp_param, traced: frozenset[str]) -> _ParamLayout | str:
     """The parameter's layout, or why it is not traced."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 
     info = fsdp_param._module_info
     name = f"{type(info.module).__name__}.{info.param_name}"
     if type(fsdp_param.mesh_info) is not FSDPMeshInfo:
-        return f"{name} is sharded with {type(fsdp_param.mesh_info).__name__} (HSDP or replication)"
+        hsdp = fsdp_param.mesh_info.shard_mesh_dim is not None
+        how = "a (replicate, shard) mesh (HSDP)" if hsdp else "a replicate-only mesh"
+        return f"{name} is sharded over {how}: fulmen traces fully_shard on a 1-D mesh of the data-parallel ranks"
     if fsdp_param.fsdp_placement.dim != 0 or fsdp_param.offload_to_cpu:
         return f"{name} is sharded on dim {fsdp_param.fsdp_placement.dim} or offloaded to the CPU"
-    if fsdp_param.param_dtype is not None or fsdp_param.reduce_dtype is not None:
-        return f"{name} has a mixed precision policy"
+    param_dtype, reduce_dtype = fsdp_param.param_dtype, fsdp_param.reduce_dtype
+    if (param_dtype is not None or reduce_dtype is not None) and MIXED_PRECISION not in traced:
+        return f"{name} has a mixed precision policy (MixedPrecisionPolicy)"
+    reduced_in = reduce_dtype or param_dtype or fsdp_param.orig_dtype
+    if reduced_in not in (torch.float32, torch.bfloat16):  # FSDP2 then divides before and after the reduction
+        return f"{name}'s gradients are reduced in {reduced_in} (MixedPrecisionPolicy's reduce_dtype)"
     places = ((info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names))
     mesh = fsdp_param.mesh_info
     return _ParamLayout(
@@ -113,26 +153,43 @@ def _layout(fsdp_param) -> _ParamLayout | str:
         int(fsdp_param._orig_size[0]),
         mesh.shard_mesh_size,
         collectives.group_name(mesh.shard_process_group, "fully_shard"),
+        param_dtype,
+        reduce_dtype,
     )
 
 
-def _unit(module: nn.Module, state) -> _Unit | str:
+def _unit(module: nn.Module, state, traced: frozenset[str] = frozenset()) -> _Unit | str:
+    """The unit of one ``fully_shard`` call, or why it is not traced: a policy other than FSDP2's defaults and
+    those in ``traced`` (``NO_RESHARD``, ``MIXED_PRECISION``)."""
     if len(state._modules) != 1:
         return "a fully_shard call groups several modules"
     pre, post = state._pre_forward_hook_handle, state._post_forward_hook_handle
-    layouts = []
+    layouts, policies = [], []
     for group in state._fsdp_param_groups:
-        if _policy(group, bool(state._is_root)) != _DEFAULT_POLICY:
-            return (
-                f"{type(module).__name__}'s FSDP policy is not the default one (gradient divide factor, sum "
-                "reduction, gradient sync, hooks, custom collectives or resharding after forward)"
-            )
+        policies.append(_policy(group, bool(state._is_root)))
+        untraced = _untraced(policies[-1], traced)
+        if untraced:
+            return f"{type(module).__name__}'s FSDP policy sets {', '.join(untraced)}"
         for fsdp_param in group.fsdp_params:
-            layout = _layout(fsdp_param)
+            layout = _layout(fsdp_param, traced)
             if isinstance(layout, str):
                 return layout
             layouts.append(layout)
-    return _Unit(module, list(state._fsdp_param_groups), pre.id, post.id, layouts, bool(state._is_root))
+    if len({(x.param_dtype, x.reduce_dtype) for x in layouts}) > 1:
+        return f"{type(module).__name__}'s parameters are gathered or reduced in different dtypes"
+    mp = state._mp_policy
+    return _Unit(
+        module,
+        list(state._fsdp_param_groups),
+        pre.id,
+        post.id,
+        layouts,
+        bool(state._is_root),
+        policies,
+        reshard=all(p[-1] for p in policies),
+        input_dtype=mp.param_dtype if mp.cast_forward_inputs else None,
+        output_dtype=mp.output_dtype,
+    )
 
 
 def fsdp_states(model: nn.Module, fsdp_module: type) -> list[tuple[nn.Module, object]]:
@@ -168,9 +225,12 @@ def plan(model: nn.Module, fsdp_module: type) -> list[_Unit] | str:
     return units
 
 
-def traced_all_gather(flat: TensorProxy, world: int, group: str) -> TensorProxy:
+def traced_all_gather(flat: TensorProxy, world: int, group: str, param_dtype=None, reduce_dtype=None) -> TensorProxy:
     """FSDP2's all-gather of a unit's flat shards as fulmen traces it (``param_all_gather``, ``RECOMPUTABLE``); its
-    gradient is FSDP2's averaged reduce-scatter (``collective_grads``)."""
+    gradient is FSDP2's averaged reduce-scatter (``collective_grads``). No mixed precision: ``plan`` leaves such
+    units to the unit-wise path."""
+    if param_dtype is not None or reduce_dtype is not None:
+        raise AssertionError("fulmen's traced FSDP2 gather has no mixed precision; plan() should have said so")
     return collectives.param_wait(collectives.param_all_gather(flat, world, group))
 
 
@@ -182,9 +242,10 @@ def _as_is(layout: _ParamLayout, full):
 class GatherPath:
     """How a program issues FSDP2's gather of a unit; the layout itself (``gather_unit``) is one for every program.
 
-    ``all_gather(flat, world, group)``: the ``(world * flat.numel(),)`` gathered tensor, whose gradient is FSDP2's
-    averaged reduce-scatter (``traced_all_gather`` here; an autograd Function over c10d's ops where AOTAutograd
-    traces the program, ``fulmen.frontend.fsdp2_2d``). ``shard_type``: what a shard is while the program is traced,
+    ``all_gather(flat, world, group, param_dtype, reduce_dtype)``: the ``(world * flat.numel(),)`` gathered tensor
+    (in ``param_dtype`` where not None), whose gradient is FSDP2's averaged reduce-scatter (in ``reduce_dtype``,
+    then in ``flat``'s dtype): ``traced_all_gather`` here; an autograd Function over c10d's ops where AOTAutograd
+    traces the program, ``fulmen.frontend.fsdp2_2d``. ``shard_type``: what a shard is while the program is traced,
     checked with its shape before it is gathered. ``as_parameter(layout, full)``: what the unit's modules read in
     the parameter's place (the full tensor; a DTensor with the tensor-parallel spec in 2-D)."""
 
@@ -210,7 +271,7 @@ def gather_unit(layouts: list[_ParamLayout], shards: list, all_gather: Callable)
     sizes = [x.numel() for x in flat]
     world, group = layouts[0].world, layouts[0].group
     chunk = flat[0] if len(flat) == 1 else torch.cat(flat)
-    gathered = all_gather(chunk, world, group).view(world, sum(sizes))
+    gathered = all_gather(chunk, world, group, layouts[0].param_dtype, layouts[0].reduce_dtype).view(world, sum(sizes))
     fulls = []
     # split, not one slice per parameter: its gradient is one concatenation of the parameters' gradients
     for layout, piece in zip(layouts, torch.split(gathered, sizes, dim=1)):
@@ -219,7 +280,17 @@ def gather_unit(layouts: list[_ParamLayout], shards: list, all_gather: Callable)
     return fulls
 
 
-def _pre_forward(unit: _Unit, shards: dict, path: GatherPath, module, args, kwargs) -> None:
+def _cast_floats(tree, dtype: torch.dtype | None):
+    """``tree`` with its floating-point tensors cast to ``dtype`` (FSDP2's casts of a unit's inputs and outputs)."""
+    if dtype is None:
+        return tree
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _cast_fp_tensor
+    from torch.distributed.utils import _apply_to_tensors
+
+    return _apply_to_tensors(functools.partial(_cast_fp_tensor, dtype), tree)
+
+
+def _pre_forward(unit: _Unit, shards: dict, path: GatherPath, module, args, kwargs) -> tuple:
     for layout in unit.layouts:
         module_, name = layout.places[0]
         shard = module_._parameters[name]
@@ -237,12 +308,14 @@ def _pre_forward(unit: _Unit, shards: dict, path: GatherPath, module, args, kwar
             parameter = path.as_parameter(layout, full)
             for m, n in layout.places:
                 m._parameters[n] = parameter
+    return _cast_floats(args, unit.input_dtype), _cast_floats(kwargs, unit.input_dtype)
 
 
-def _post_forward(unit: _Unit, shards: dict, module, args, output) -> None:
+def _post_forward(unit: _Unit, shards: dict, module, args, output):
     for layout in unit.layouts:  # outside the unit, the parameters are the shards again (as FSDP2 leaves them)
         for m, n in layout.places:
             m._parameters[n] = shards[id(layout)]
+    return _cast_floats(output, unit.output_dtype)
 
 
 @contextlib.contextmanager
@@ -279,9 +352,8 @@ def fsdp_state_changed(units: list[_Unit]) -> str | None:
             if _pending_grad(layout.fsdp_param):
                 return "FSDP holds gradients accumulated without gradient sync"
     for unit in units:
-        for group in unit.groups:
-            if _policy(group, unit.is_root) != _DEFAULT_POLICY:
-                return f"{type(unit.module).__name__}'s FSDP policy changed since the model was traced"
+        if [_policy(group, unit.is_root) for group in unit.groups] != unit.policies:
+            return f"{type(unit.module).__name__}'s FSDP policy changed since the model was traced"
     return None
 
 
@@ -323,8 +395,6 @@ class FSDP2Program(_ModuleProgram):
     doc): the whole model's program, FSDP2's collectives in it."""
 
     def __init__(self, module: nn.Module, executors, units: list[_Unit], **options):
-        if "options" not in options:  # (a rebuilt copy's options say it already)
-            options.setdefault("overlap_communication", False)
         super().__init__(module, executors, **options)
         self.units = units
         self.state = _ShardedState(module, units)
