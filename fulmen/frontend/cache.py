@@ -410,15 +410,18 @@ def lazy_view_inputs(key: Any) -> list[int]:
 
 
 
-def args_key(args: tuple, kwargs: dict, flat: list[torch.Tensor], same: bool = True) -> tuple:
+def args_key(args: tuple, kwargs: dict, flat: list[torch.Tensor], same: bool = True,
+             state: frozenset[int] = frozenset()) -> tuple:
     """The key of a call's arguments; their tensors are appended to ``flat``, each object once (``same_tensors``)
-    unless ``same`` is False."""
+    unless ``same`` is False. ``state``: the ids of a module's parameters and buffers, already in ``flat``; an
+    argument that is one of them (``m(m.weight)``) is keyed as that input again."""
     seen: dict[int, int] = {}
     start = len(flat)
     key = tuple(value_key(a, flat, seen) for a in args)
     if kwargs:
         key += (("kwargs",) + tuple((k, value_key(v, flat, seen)) for k, v in kwargs.items()),)
-    if same and len(flat) - start > 1 and len(set(map(id, flat[start:]))) < len(flat) - start:
+    if same and len(flat) > start and (len(set(map(id, flat[start:]))) < len(flat) - start
+                                       or not state.isdisjoint(map(id, flat[start:]))):
         key = same_tensors(key, flat, start)
     return key
 
@@ -431,8 +434,9 @@ def same_tensors(key: Any, flat: list[torch.Tensor], start: int) -> Any:
     """A call passing one tensor object more than once (``f(a, a)``, ``mha(x, x, x)``): each repeat's key becomes
     ``(SAME, index)`` of its first occurrence in ``flat``, from which the repeats are removed. Traced code then sees
     one proxy (``x is y`` holds, a write through one is read through the other), and the prologue checks the
-    pattern: ``y is x`` for a repeat, all others distinct (``fulmen.frontend.prologue``)."""
-    first: dict[int, int] = {}
+    pattern: ``y is x`` for a repeat, all others distinct (``fulmen.frontend.prologue``). The tensors before
+    ``start`` (a module's parameters and buffers) count as met: an argument that is one of them is keyed as it."""
+    first: dict[int, int] = {id(t): i for i, t in enumerate(flat[:start])}
     kept = flat[:start]
     positions = iter(range(start, len(flat)))
 

@@ -549,6 +549,10 @@ class JittedFunction:
         """The names of a module's parameters and buffers, in the order of the flat inputs."""
         return []
 
+    def _state_ids(self) -> Callable[[list], frozenset[int]] | None:
+        """A module's: the ids of its parameters and buffers, given them (``build_prologue``'s ``state_ids``)."""
+        return None
+
     def _set_prologue(self, entry: CacheEntry, key, args, kwargs, flat: list[torch.Tensor] | None = None) -> None:
         """Generate the entry's prologue: the check, printed by ``last_prologue_traces``, that a call must pass.
         ``flat``: the tensors ``key`` was computed from, which its one C++ check of the tensors compares with (a
@@ -560,7 +564,8 @@ class JittedFunction:
                                         symbolic=entry.symbolic, guard=entry.globals_guard,
                                         captured=entry.spec.captured,
                                         holders=entry.spec.objects.holders if entry.spec.objects is not None else (),
-                                        examples=flat, fast=fast, distinct=self._same_tensors)
+                                        examples=flat, fast=fast, distinct=self._same_tensors,
+                                        state_ids=self._state_ids())
         entry.check = entry.prologue.check
         entry.n_guards = len(entry.symbolic.env.guards) if entry.symbolic is not None else 0
         if entry is self._stats_entry:

@@ -518,7 +518,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     proxy_args, proxy_kwargs, swaps = _proxify_inputs(trace, spec, args, kwargs, names, state, sizes, same_tensors)
     trace.args = list(spec.tensor_proxies)
     real = [t for _, t in state] if state is not None else []
-    _real_tensors((args, kwargs), real, set() if same_tensors else None)
+    _real_tensors((args, kwargs), real, set(map(id, real)) if same_tensors else None)
     reader = ValueReader(trace, lambda: real + spec.captured)
     recorder = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
     tracer = UserTracer(trace, spec, reader=reader if split_points else None, on_user_call=recorder, replay=replay)
@@ -590,8 +590,10 @@ def _proxify_inputs(trace: Trace, spec: InputSpec, args: tuple, kwargs: dict, na
     flat = spec.tensor_proxies
     if state is not None:
         proxy_args.append([proxify(trace, t, name, flat, sizes) for name, t in state])
-    # a tensor passed again gets its first proxy (the key's SAME)
+    # a tensor passed again gets its first proxy (the key's SAME), a module's own tensor (m(m.weight)) its proxy
     proxies: dict[int, TensorProxy] | None = {} if same_tensors else None
+    if proxies is not None and state is not None:
+        proxies.update((id(t), p) for (_, t), p in zip(state, proxy_args[0]))
     swaps = ObjectSwaps(lambda t, name: proxify(trace, t, name, flat, sizes, proxies=proxies))
     try:
         for i, a in enumerate(args):

@@ -1,0 +1,59 @@
+"""Frontend soundness: what a compiled program assumes about its caller's objects holds on every call, or the
+call recompiles, falls back, warns or raises, naming the line (never a silently stale or wrong result)."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fulmen
+
+
+# ---- an argument that is one of the module's own parameters or buffers (m(m.weight)) ----
+class _Linear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 3, dtype=torch.float64))
+
+    def forward(self, x):
+        return F.linear(x, self.weight), x is self.weight
+
+
+class _Stats(nn.Module):
+    """Updates its buffer in place, then reads its argument (and writes to the argument, then reads the buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("running", torch.arange(3.0))
+
+    def forward(self, x, write_arg: bool):
+        if write_arg:
+            x.add_(1)
+            return self.running * 2
+        self.running.mul_(3)
+        return x + 1
+
+
+def test_argument_that_is_a_parameter_is_that_input():
+    torch.manual_seed(0)
+    eager = _Linear()
+    m = _Linear()
+    m.load_state_dict(eager.state_dict())
+    jm = fulmen.jit(m, executors=["torch"])
+    x = torch.randn(2, 3, dtype=torch.float64)
+    for arg_of in (lambda mod: x, lambda mod: mod.weight, lambda mod: x, lambda mod: mod.weight):
+        out, same = jm(arg_of(m))
+        expected, expected_same = eager(arg_of(eager))
+        assert same is expected_same
+        torch.testing.assert_close(out, expected)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        torch.testing.assert_close(m.weight.grad, eager.weight.grad, rtol=1e-12, atol=1e-12)
+    assert fulmen.cache_misses(jm) == 2  # one program for an argument, one for the weight itself
+
+
+def test_write_through_argument_that_is_a_buffer_is_read_through_the_buffer():
+    eager, m = _Stats(), _Stats()
+    jm = fulmen.jit(m, executors=["torch"])
+    for write_arg in (True, False, True, False):
+        torch.testing.assert_close(jm(m.running, write_arg), eager(eager.running, write_arg))
+        torch.testing.assert_close(m.running, eager.running)
