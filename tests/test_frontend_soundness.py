@@ -57,3 +57,52 @@ def test_write_through_argument_that_is_a_buffer_is_read_through_the_buffer():
     for write_arg in (True, False, True, False):
         torch.testing.assert_close(jm(m.running, write_arg), eager(eager.running, write_arg))
         torch.testing.assert_close(m.running, eager.running)
+
+
+# ---- class attributes written or read by traced code ----
+class _Registry:
+    calls = 0
+    seen: dict = {}
+    scale = 2.0
+
+
+class _Counting(nn.Module):
+    instances_called = 0
+    factor = 3.0
+
+    def forward(self, x):
+        type(self).instances_called += 1
+        _Registry.seen["last"] = "forward"
+        return x * self.factor * type(self).factor + _Registry.scale
+
+
+def test_class_attribute_writes_warn_naming_the_attribute_and_line(caplog):
+    jm = fulmen.jit(_Counting(), executors=["torch"])
+    with caplog.at_level("WARNING", logger="fulmen"):
+        jm(torch.ones(2))
+    text = caplog.text
+    assert "_Counting.instances_called" in text and "test_frontend_soundness.py:" in text
+    assert "_Registry.seen" in text
+
+
+def _bump(x):
+    _Registry.calls += 1
+    return x + 1
+
+
+def test_class_attribute_counter_in_a_function_warns(caplog):
+    with caplog.at_level("WARNING", logger="fulmen"):
+        fulmen.jit(_bump, executors=["torch"])(torch.ones(2))
+    assert "the class attribute _Registry.calls" in caplog.text
+
+
+def test_class_attribute_read_that_changed_between_calls_recompiles():
+    m = _Counting()
+    jm = fulmen.jit(m, executors=["torch"])
+    x = torch.ones(2)
+    try:
+        for factor, scale in ((3.0, 2.0), (5.0, 2.0), (5.0, -1.0), (3.0, 2.0)):
+            _Counting.factor, _Registry.scale = factor, scale
+            torch.testing.assert_close(jm(x), m(x))
+    finally:
+        _Counting.factor, _Registry.scale = 3.0, 2.0
