@@ -1,6 +1,10 @@
 """Frontend soundness: what a compiled program assumes about its caller's objects holds on every call, or the
 call recompiles, falls back, warns or raises, naming the line (never a silently stale or wrong result)."""
 
+import os
+import sysconfig
+
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -106,3 +110,74 @@ def test_class_attribute_read_that_changed_between_calls_recompiles():
             torch.testing.assert_close(jm(x), m(x))
     finally:
         _Counting.factor, _Registry.scale = 3.0, 2.0
+
+
+# ---- configuration objects a library forward reads: __slots__, deep, large ----
+_LIBRARY_SOURCE = """
+import torch
+
+class Block(torch.nn.Module):
+    def __init__(self, config, path):
+        super().__init__()
+        self.config, self.path = config, path
+
+    def forward(self, x):
+        c = self.config
+        for name in self.path:
+            c = getattr(c, name)
+        return x * c
+"""
+
+
+def _library_block(config, path):
+    """A module whose forward is library code (fulmen's guard on globals does not follow it), reading
+    ``config.<path>``: only the module's own snapshot can see the value change."""
+    namespace: dict = {}
+    filename = os.path.join(sysconfig.get_paths()["purelib"], "fulmen_test_frontend_soundness_block.py")
+    exec(compile(_LIBRARY_SOURCE, filename, "exec"), namespace)
+    return namespace["Block"](config, tuple(path.split(".")))
+
+
+class _Slotted:
+    __slots__ = ("scale", "inner")
+
+    def __init__(self, scale=2.0, inner=None):
+        self.scale, self.inner = scale, inner
+
+
+class _Node:
+    def __init__(self, **members):
+        self.__dict__.update(members)
+
+
+def _deep(levels: int) -> _Node:
+    node = _Node(scale=2.0)
+    for _ in range(levels):
+        node = _Node(sub=node)
+    return node
+
+
+def _large() -> _Node:
+    return _Node(scale=2.0, **{f"m{i}": i for i in range(2000)})
+
+
+@pytest.mark.parametrize(
+    "config, path, change",
+    [
+        (_Slotted(), "scale", lambda c: setattr(c, "scale", -3.0)),
+        (_Node(cfg=_Slotted(inner=_Slotted())), "cfg.inner.scale", lambda c: setattr(c.cfg.inner, "scale", -3.0)),
+        (_deep(6), "sub.sub.sub.sub.sub.sub.scale", lambda c: setattr(c.sub.sub.sub.sub.sub.sub, "scale", -3.0)),
+        (_large(), "scale", lambda c: setattr(c, "scale", -3.0)),
+    ],
+    ids=["slots", "nested-slots", "deep", "large"],
+)
+def test_config_member_changed_between_calls_recompiles(config, path, change):
+    m = _library_block(config, path)
+    jm = fulmen.jit(m, executors=["torch"])
+    x = torch.randn(3)
+    for _ in range(20):  # past the calls after which the check of the tree is built in C++
+        torch.testing.assert_close(jm(x), m(x))
+    change(config)
+    torch.testing.assert_close(jm(x), m(x))
+    torch.testing.assert_close(jm(x), m(x))
+    assert fulmen.cache_misses(jm) == 2

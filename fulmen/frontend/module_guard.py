@@ -24,14 +24,19 @@ those by value and the plain objects it holds in turn (``config.text_config``), 
 those objects' ``__dict__`` versions too, so ``config.pad_token_id = 3`` or ``set_attn_implementation("sdpa")``
 re-keys (a changed member the program never read recompiles too: sound, at the cost of one compile). Attributes
 that compiled programs assign on every call are outputs, not structure (``mark_program_output``). Not seen: a
-list or dict attribute of a module changed in place (``self.sizes.append(3)``), an object with ``__slots__`` only,
-members beyond those limits, and globals a ``forward`` reads (``fulmen.frontend.global_guard`` guards those).
+list or dict attribute of a module changed in place (``self.sizes.append(3)``) and globals a ``forward`` reads
+(``fulmen.frontend.global_guard`` guards those). Members of ``__slots__`` count as members (the check compares
+them by identity on every call: a slot write changes no dict version). An object deeper or larger than those
+limits is recorded by the versions of the dicts (and the slot values) of every plain object it reaches, up to
+``WATCHED_OBJECTS``, and the check watches them all: a write anywhere in it recompiles; past that limit a warning
+says what is not seen.
 """
 
 from __future__ import annotations
 
 import enum
 import functools
+import logging
 import types
 import weakref
 from collections.abc import Callable
@@ -42,6 +47,8 @@ from torch import nn
 from torch.nn.modules import module as _torch_module
 
 from fulmen.frontend import tree_guard
+
+log = logging.getLogger("fulmen")
 
 # ---- snapshots (taken only when the check failed) ----
 
@@ -143,16 +150,21 @@ def _plain_class(cls: type) -> bool:
     return known
 
 
-def plain_object_dict(v: Any) -> dict | None:
-    """The ``__dict__`` of ``v`` when it is a plain object whose members a snapshot records (a config), else
-    None. Read without running ``__getattr__`` or properties."""
+def plain_object_members(v: Any) -> list[tuple[str, Any]] | None:
+    """The members of ``v`` (its ``__dict__``'s items, then its set ``__slots__`` members) when it is a plain
+    object whose members a snapshot records (a config), else None. Read without running ``__getattr__`` or
+    properties."""
     if not _plain_class(type(v)):
         return None
     try:
         attrs = object.__getattribute__(v, "__dict__")
     except (AttributeError, TypeError):
+        attrs = None
+    slots = tree_guard.slot_descriptors(type(v))
+    if type(attrs) is not dict and not slots:
         return None
-    return attrs if type(attrs) is dict else None
+    members = list(attrs.items()) if type(attrs) is dict else []
+    return members + tree_guard.slot_values(v, slots) if slots else members
 
 
 def _member_value(v: Any, depth: int, budget: list[int]) -> Any:
@@ -171,49 +183,87 @@ def _member_value(v: Any, depth: int, budget: list[int]) -> Any:
     if t is dict:
         items = tuple((attribute_value(k), _member_value(x, depth, budget)) for k, x in v.items())
         return _MISSING if any(_MISSING in kv for kv in items) else (dict, items)
-    attrs = plain_object_dict(v)
-    if attrs is None or depth <= 0:
+    members = plain_object_members(v)
+    if members is None:
         return _MISSING
-    return _object_value(v, attrs, depth - 1, budget)
+    if depth <= 0:  # deeper than recorded by value: by the versions of what it reaches, which the check watches
+        return _watched_record(v)
+    return _object_value(v, members, depth - 1, budget)
 
 
-def _object_value(v: Any, attrs: dict, depth: int, budget: list[int]) -> tuple:
-    members = []
-    for key, x in list(attrs.items()):
+def _object_value(v: Any, members: list[tuple[str, Any]], depth: int, budget: list[int]) -> tuple:
+    recorded_members = []
+    for key, x in members:
         recorded = _member_value(x, depth, budget)
         if budget[0] < 0:
-            return (type(v), "object", identity(v), "too large")
+            return _watched_record(v)
         if recorded is not _MISSING:
-            members.append((key, recorded))
-    return (type(v), "object", identity(v), tuple(members))
+            recorded_members.append((key, recorded))
+    return (type(v), "object", identity(v), tuple(recorded_members))
 
 
-def object_dicts(modules: list[nn.Module]) -> list[dict]:
-    """The ``__dict__`` of every plain object a snapshot of ``modules`` records members of, each once."""
-    found: dict[int, dict] = {}
+#: How many plain objects the check watches from one attribute of a module, at any depth (past OBJECT_DEPTH or
+#: OBJECT_ITEMS, by their dicts' versions and their slots' values); beyond that a change is not seen (logged).
+WATCHED_OBJECTS = 4096
+_warned_unwatched: set[type] = set()
 
-    def visit(v: Any, depth: int) -> None:
-        t = type(v)
+
+def _reachable(v: Any, found: dict[int, Any], limit: int) -> bool:
+    """Add to ``found`` (id -> object) the plain objects ``v`` reaches through members, lists, tuples and dicts,
+    ``v`` itself included; False where more than ``limit`` were found."""
+    stack = [v]
+    while stack:
+        x = stack.pop()
+        t = type(x)
         if t in (list, tuple):
-            for x in v:
-                visit(x, depth)
+            stack.extend(x)
         elif t is dict:
-            for x in v.values():
-                visit(x, depth)
-        else:
-            attrs = plain_object_dict(v)
-            if attrs is not None and id(attrs) not in found and depth >= 0:
-                found[id(attrs)] = attrs
-                for x in list(attrs.values()):
-                    visit(x, depth - 1)
+            stack.extend(x.values())
+        elif id(x) not in found and (members := plain_object_members(x)) is not None:
+            if len(found) >= limit:
+                return False
+            found[id(x)] = x
+            stack.extend(m for _, m in members)
+    return True
 
+
+def _watched_record(v: Any) -> tuple:
+    """A plain object too large or too deep to record by value: by the version of every dict and the values of
+    every ``__slots__`` member of the objects it reaches, so that any write to them makes another snapshot."""
+    found: dict[int, Any] = {}
+    if not _reachable(v, found, WATCHED_OBJECTS):
+        _warn_unwatched(v)
+    state = []
+    for x in found.values():
+        attrs = getattr(x, "__dict__", None)
+        state.append((tree_guard.dict_version(attrs) if type(attrs) is dict else None,
+                      tuple(id(m) for _, m in tree_guard.slot_values(x, tree_guard.slot_descriptors(type(x))))))
+    return (type(v), "object", identity(v), "watched by version", tuple(state))
+
+
+def _warn_unwatched(v: Any) -> None:
+    if type(v) not in _warned_unwatched:
+        _warned_unwatched.add(type(v))
+        log.warning("fulmen: a %s held by a jitted module reaches more than %d plain objects; changes beyond them "
+                    "between calls are not seen and keep the compiled program. Pass such values as arguments, or "
+                    "call fulmen.jit again after changing them.", type(v).__name__, WATCHED_OBJECTS)
+
+
+def object_dicts(modules: list[nn.Module]) -> tuple[list[dict], list[Any]]:
+    """The ``__dict__`` of every plain object a snapshot of ``modules`` records (a config, at any depth), each once,
+    and those of them with ``__slots__`` members (which the check compares by value)."""
+    found: dict[int, Any] = {}
     known = _plain_classes.get
     for mod in modules:
         for v in list(mod.__dict__.values()):
             t = type(v)
             if known(t) or (t not in _plain_classes and _plain_class(t)):
-                visit(v, OBJECT_DEPTH - 1)
-    return list(found.values())
+                reached: dict[int, Any] = {}
+                if not _reachable(v, reached, WATCHED_OBJECTS):
+                    _warn_unwatched(v)
+                found.update(reached)
+    dicts = [d for x in found.values() if type(d := getattr(x, "__dict__", None)) is dict]
+    return dicts, [x for x in found.values() if tree_guard.slot_descriptors(type(x))]
 
 
 def snapshot_records(v: Any) -> bool:
@@ -244,7 +294,7 @@ def _module_entry(name: str, mod: nn.Module, tensor_index: dict[int, int], objec
             if v is tree_guard.MISSING_KEY:
                 continue
         recorded = attribute_value(v)
-        if recorded is _MISSING and (members := plain_object_dict(v)) is not None:
+        if recorded is _MISSING and (members := plain_object_members(v)) is not None:
             # a config shared by every layer is recorded in full once per snapshot, then by identity
             recorded = objects.get(id(v))
             if recorded is None:
@@ -309,7 +359,7 @@ def watch(root: nn.Module, previous: Callable[[], bool] | None = None) -> tuple[
     describes (``fulmen.frontend.tree_guard``; ``previous``: the check it replaces). The check records the tree as
     it is before the snapshot reads it: a change made while the snapshot is taken fails it."""
     modules = tree_modules(root)
-    check = tree_guard.build(modules, previous, object_dicts(modules))
+    check = tree_guard.build(modules, previous, *object_dicts(modules))
     taken = snapshot(root)
     if [id(m) for m in tree_modules(root)] != [id(m) for m in modules]:  # changed before the check recorded it
         check = tree_guard.never
