@@ -181,3 +181,51 @@ def test_config_member_changed_between_calls_recompiles(config, path, change):
     torch.testing.assert_close(jm(x), m(x))
     torch.testing.assert_close(jm(x), m(x))
     assert fulmen.cache_misses(jm) == 2
+
+
+# ---- torch.inference_mode() entered inside the traced function ----
+def _inference_block(x, w):
+    with torch.inference_mode():
+        y = x * 2
+    return y, y.is_inference()
+
+
+def _inference_then_autograd(x, w):
+    with torch.inference_mode():
+        y = x * 2
+    return (y * w).sum()
+
+
+def _inference_then_inplace(x, w):
+    with torch.inference_mode():
+        y = x * 2
+    return y.add_(w)
+
+
+def test_values_made_under_inference_mode_inside_are_inference_tensors():
+    jf = fulmen.jit(_inference_block, executors=["torch"])
+    x, w = torch.randn(3), torch.randn(3)
+    for _ in range(2):
+        out, flag = jf(x, w)
+        expected, expected_flag = _inference_block(x, w)
+        assert flag is expected_flag is True
+        assert out.is_inference() and not out.requires_grad
+        torch.testing.assert_close(out, expected)
+    assert fulmen.cache_hits(jf) == 0  # such calls run eagerly
+    with torch.inference_mode():  # the mode is already on: entering it again changes nothing, and compiles
+        for _ in range(2):
+            out, flag = jf(x, w)
+            assert flag is True and out.is_inference()
+    assert fulmen.cache_hits(jf) == 1
+
+
+@pytest.mark.parametrize("fn, message", [(_inference_then_autograd, "Inference tensors cannot be saved for backward"),
+                                         (_inference_then_inplace, "Inplace update to inference tensor outside")])
+def test_misused_inference_values_raise_eagers_error(fn, message):
+    x, w = torch.randn(3), torch.randn(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match=message):
+        fn(x, w)
+    jf = fulmen.jit(fn, executors=["torch"])
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=message):
+            jf(x, w)

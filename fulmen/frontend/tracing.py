@@ -21,7 +21,16 @@ from fulmen import prims
 from fulmen.core import langctx
 from fulmen.core.codeutils import sanitize_name
 from fulmen.core.draws import callable_draws
-from fulmen.core.proxies import Proxy, TensorProxy, call_with_out, has_proxy, is_library_file, is_proxy, latest
+from fulmen.core.proxies import (
+    Proxy,
+    TensorProxy,
+    _user_location,
+    call_with_out,
+    has_proxy,
+    is_library_file,
+    is_proxy,
+    latest,
+)
 from fulmen.core.shared_patch import SharedPatch
 from fulmen.core.symbol import Symbol
 from fulmen.core.trace import Trace, get_tracectx
@@ -44,6 +53,11 @@ from fulmen.torch.numpy_values import numpy_data, numpy_scalar
 from fulmen.torch.shape import set_strides
 from fulmen.torch.views import set_inference
 from fulmen.transforms.autocast import current_policies
+
+
+class RunsEagerly(Exception):  # noqa: N818 (not an error: the call runs, eagerly)
+    """Raised while tracing where a program cannot compute what eager does; the caller runs the function eagerly
+    for calls with this key (``str(e)`` says why, naming the user's line)."""
 
 
 @dataclass
@@ -383,6 +397,7 @@ class UserTracer(Tracer):
         self._on_user_call = on_user_call
         self._autocast = _AutocastPolicies()
         self._replays = Replays(trace) if replay else None  # off: every call runs its decomposition
+        self._inference = torch.is_inference_mode_enabled()  # the call's, part of its key
 
     def process_symbol(self, sym: Symbol, args: tuple, kwargs: dict) -> Any:
         trace = self.trace
@@ -400,6 +415,8 @@ class UserTracer(Tracer):
         """A call the user's code made (not one inside a decomposition)."""
         if self._on_user_call is not None:
             self._on_user_call()
+        if torch.is_inference_mode_enabled() is not self._inference:
+            raise _inference_mode_entered(self._inference)
         # eager autocast casts at the outermost call only; the policies follow torch.autocast entered or left
         # inside the traced function
         for policy in self._autocast:
@@ -555,6 +572,15 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     spec.values, spec.value_lines = tuple(reader.values), tuple(reader.where)
     trace.output, trace.provenance = result, None
     return trace, spec
+
+
+def _inference_mode_entered(outer: bool) -> RunsEagerly:
+    # eager's values made under the mode are inference tensors (is_inference(); eager refuses to save them for
+    # backward or update them in place outside the mode); a program runs all its operations under the caller's mode
+    return RunsEagerly(
+        f"the function enters torch.inference_mode({not outer}) (a torch call under it at {_user_location()}); "
+        "its values are inference tensors only in eager, so such calls run eagerly (not compiled). Use "
+        "torch.no_grad() inside the function, or call it under torch.inference_mode(), to run compiled.")
 
 
 def _call_user(fn: Callable, args: tuple, kwargs: dict, swaps) -> Any:
