@@ -561,8 +561,8 @@ class JittedFunction:
         """The names of a module's parameters and buffers, in the order of the flat inputs."""
         return []
 
-    def _state_ids(self) -> Callable[[list], frozenset[int]] | None:
-        """A module's: the ids of its parameters and buffers, given them (``build_prologue``'s ``state_ids``)."""
+    def _state_ids(self) -> Any:
+        """A module's: what knows the ids of its parameters and buffers (``build_prologue``'s ``state_ids``)."""
         return None
 
     def _set_prologue(self, entry: CacheEntry, key, args, kwargs, flat: list[torch.Tensor] | None = None) -> None:

@@ -416,7 +416,7 @@ def tensor_guards(keys: list[tuple], dims: list[frozenset], states: list[bool], 
 def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, param_names: list[str] = (),
                    symbolic=None, guard=None, captured: list[torch.Tensor] = (), holders: tuple[int, ...] = (),
                    examples: list[torch.Tensor] | None = None, fast: Any = None, distinct: bool = True,
-                   state_ids: Callable[[list], frozenset[int]] | None = None) -> Prologue:
+                   state_ids: Any = None) -> Prologue:
     """The prologue of the entry compiled for ``key``. A function's is ``prologue(args, kwargs)``; a module's
     (``module=True``, key ``((version, parameter keys, call key), global state)``) is
     ``prologue(version, params, args, kwargs)``, ``param_names`` naming the parameters and buffers. ``symbolic``
@@ -425,7 +425,8 @@ def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, para
     met them) that the program updates or returns (``fulmen.frontend.objects``). ``examples``: the tensors the key
     was computed from, for the one C++ check of all tensors (``Prologue.fast`` keeps it; ``fast`` reuses one).
     ``distinct``: the call's tensors are checked to be distinct objects past its repeats (``_Writer.distinct``), and
-    none of a module's parameters and buffers (``state_ids(params)``: their ids), which were keyed as repeats."""
+    none of a module's parameters and buffers, which were keyed as repeats (``state_ids``: its ``known_ids``, else
+    ``ids(params)``, are their ids: ``fulmen.frontend.module``)."""
     w = _Writer(symbolic.dims if symbolic is not None else {})
     call_key, state = key
     preamble = ""
@@ -456,10 +457,11 @@ def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, para
     fast = w.tensors(examples, fast)
     w.distinct(n_state if distinct else len(w.flat))
     if distinct and state_ids is not None and 0 < n_state < len(w.flat):
-        w.env["state_ids"] = state_ids
-        w.names.add("state_ids")
+        w.env["state"] = state_ids
+        w.names |= {"state", "state_ids"}
         exprs = w.flat[n_state:]
-        w.check(f"state_ids(params).isdisjoint(({', '.join(f'id({e})' for e in exprs)},))",
+        w.lines.append("state_ids = state.known_ids or state.ids(params)")
+        w.check(" and ".join(f"id({e}) not in state_ids" for e in exprs),
                 f"the {len(exprs)} tensor argument(s) are none of the module's parameters and buffers")
     w.global_state(state)
     flat = list(w.flat)
