@@ -1,6 +1,7 @@
 """Frontend soundness: what a compiled program assumes about its caller's objects holds on every call, or the
 call recompiles, falls back, warns or raises, naming the line (never a silently stale or wrong result)."""
 
+import functools
 import os
 import sysconfig
 
@@ -229,3 +230,25 @@ def test_misused_inference_values_raise_eagers_error(fn, message):
     for _ in range(2):
         with pytest.raises(RuntimeError, match=message):
             jf(x, w)
+
+
+# ---- functools.partial: the bound arguments can change after the jit ----
+def _scaled(x, cfg, sizes, scale=1.0):
+    return x * cfg["s"] * sizes[0] * scale
+
+
+def test_partial_bound_arguments_changed_between_calls():
+    cfg, sizes = {"s": 2.0}, [3.0]
+    p = functools.partial(_scaled, cfg=cfg, sizes=sizes, scale=1.0)
+    jp = fulmen.jit(p, executors=["torch"])
+    x = torch.randn(3)
+    for change in (lambda: None, lambda: cfg.update(s=-1.0), lambda: sizes.__setitem__(0, 5.0),
+                   lambda: p.keywords.__setitem__("scale", 0.5), lambda: cfg.update(s=2.0)):
+        change()
+        torch.testing.assert_close(jp(x), p(x))
+    w = torch.randn(3)
+    q = functools.partial(torch.mul, w)  # a bound tensor is an input, not a constant
+    jq = fulmen.jit(q, executors=["torch"])
+    torch.testing.assert_close(jq(x), q(x))
+    w.mul_(3)
+    torch.testing.assert_close(jq(x), q(x))
