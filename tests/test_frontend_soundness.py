@@ -252,3 +252,40 @@ def test_partial_bound_arguments_changed_between_calls():
     torch.testing.assert_close(jq(x), q(x))
     w.mul_(3)
     torch.testing.assert_close(jq(x), q(x))
+
+
+# ---- module structure the tree check must see: held modules, class methods ----
+class _Holder(nn.Module):
+    def __init__(self, container):
+        super().__init__()
+        self.held = container(nn.Dropout(0.5))  # a plain container: not a submodule, but called by forward
+
+    def forward(self, x):
+        return self.held[0](x)
+
+
+@pytest.mark.parametrize("container", [lambda m: [m], lambda m: {0: m}], ids=["list", "dict"])
+def test_training_of_modules_held_in_plain_containers(container):
+    m = _Holder(container)
+    jm = fulmen.jit(m, executors=["torch"])
+    x = torch.randn(4, 8)
+    for mode in (False, True, False):
+        m.held[0].train(mode)
+        torch.manual_seed(0)
+        out = jm(x)
+        torch.manual_seed(0)
+        torch.testing.assert_close(out, m(x))
+
+
+def test_method_replaced_on_the_module_class():
+    class Block(nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    m = Block()
+    jm = fulmen.jit(m, executors=["torch"])
+    x = torch.randn(3)
+    torch.testing.assert_close(jm(x), m(x))
+    Block.forward = lambda self, x: x * 8
+    torch.testing.assert_close(jm(x), m(x))
+    assert "a method of" in fulmen.compile_stats(jm).last_recompile_reason

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import gc
 import logging
 import types
 import weakref
@@ -304,7 +305,48 @@ def _module_entry(name: str, mod: nn.Module, tensor_index: dict[int, int], objec
         if recorded is not _MISSING:
             attrs.append((key, recorded))
     hooks = tuple(tuple(getattr(mod, h, ())) for h in _HOOK_DICTS)
-    return (name, identity(mod), type(mod), tuple(slots), tuple(attrs), hooks)
+    return (name, identity(mod), (type(mod), _class_methods(type(mod))), tuple(slots), tuple(attrs), hooks)
+
+
+def _class_methods(cls: type) -> tuple:
+    """The methods (functions, properties, other descriptors) of ``cls`` and its bases below ``nn.Module``, by
+    identity: replacing one (``Block.forward = patched``) changes what a call runs. Plain class attributes are not
+    recorded (a counter written on every call would make every snapshot new); the guard on globals checks those
+    the user's code reads."""
+    classes = _module_classes(cls)
+    version = tuple(tree_guard.dict_version(_class_dict(c)) for c in classes)
+    cached = _methods.get(cls)
+    if cached is None or cached[0] != version or None in version:
+        methods = tuple((c.__qualname__, k, id(v)) for c in classes for k, v in vars(c).items()
+                        if callable(v) or hasattr(v, "__get__"))
+        cached = _methods[cls] = (version, methods)
+    return cached[1]
+
+
+_methods: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # class -> (its dict's version, its methods)
+
+
+def _class_dict(cls: type) -> dict:
+    """The dictionary behind ``cls.__dict__`` (a read-only view; the same dict for the class's life)."""
+    return next(d for d in gc.get_referents(cls.__dict__) if type(d) is dict)
+
+
+def _module_classes(cls: type) -> list[type]:
+    return [c for c in cls.__mro__ if c not in _FIXED_CLASSES and issubclass(c, nn.Module)]
+
+
+_FIXED_CLASSES = frozenset((nn.Module, object))
+
+
+def class_dicts(modules: list[nn.Module]) -> list[dict]:
+    """The dictionaries behind the ``__dict__`` of the modules' classes (``_class_methods``), each once: a write to
+    a class attribute changes its version."""
+    found: dict[int, dict] = {}
+    for cls in {type(m) for m in modules}:
+        for c in _module_classes(cls):
+            if id(c) not in found:
+                found[id(c)] = _class_dict(c)
+    return list(found.values())
 
 
 #: module -> {name: the tensor a program last assigned} for the plain attributes that compiled programs assign on
@@ -344,9 +386,10 @@ def assign_program_output(mod: nn.Module, outputs: dict, name: str, value: Any) 
 
 
 def tree_modules(root: nn.Module) -> list[nn.Module]:
-    """The modules of ``root``'s tree, each once, with the original inside each fulmen.jit wrapper in it."""
+    """The modules of ``root``'s tree, each once, with the original inside each fulmen.jit wrapper in it and the
+    modules held in plain lists, tuples and dicts (``held_modules``)."""
     seen: dict[int, nn.Module] = {}
-    for mod in root.modules():
+    for _, mod in named_tree(root, remove_duplicate=True):
         seen[id(mod)] = mod
         inner = mod.__dict__.get("_fulmen_module")
         if isinstance(inner, nn.Module):
@@ -354,12 +397,35 @@ def tree_modules(root: nn.Module) -> list[nn.Module]:
     return list(seen.values())
 
 
+def named_tree(root: nn.Module, remove_duplicate: bool = False) -> list[tuple[str, nn.Module]]:
+    """``root.named_modules()``, followed by the modules held in plain lists, tuples and dicts of the tree's
+    modules and their own trees (``self.blocks = [nn.Dropout()]``: not submodules, so ``root.train()`` does not
+    reach them, but ``forward`` calls them and reads their ``training``), named ``blocks[0]``."""
+    named = list(root.named_modules(remove_duplicate=remove_duplicate))
+    registered = {id(m) for _, m in named}
+    i = 0
+    while i < len(named):
+        name, mod = named[i]
+        i += 1
+        for attr, v in mod.__dict__.items():
+            if type(v) not in (list, tuple, dict) or attr.startswith("_"):
+                continue
+            for key, held in v.items() if type(v) is dict else enumerate(v):
+                if isinstance(held, nn.Module) and id(held) not in registered:
+                    prefix = f"{name}.{attr}[{key!r}]" if name else f"{attr}[{key!r}]"
+                    sub = list(held.named_modules(prefix=prefix, remove_duplicate=remove_duplicate))
+                    registered.update(id(m) for _, m in sub)
+                    named += sub
+    return named
+
+
 def watch(root: nn.Module, previous: Callable[[], bool] | None = None) -> tuple[tuple, Callable[[], bool]]:
     """``root``'s snapshot, and a check that is true on a later call while the tree is still the one the snapshot
     describes (``fulmen.frontend.tree_guard``; ``previous``: the check it replaces). The check records the tree as
     it is before the snapshot reads it: a change made while the snapshot is taken fails it."""
     modules = tree_modules(root)
-    check = tree_guard.build(modules, previous, *object_dicts(modules))
+    dicts, slotted = object_dicts(modules)
+    check = tree_guard.build(modules, previous, dicts + class_dicts(modules), slotted)
     taken = snapshot(root)
     if [id(m) for m in tree_modules(root)] != [id(m) for m in modules]:  # changed before the check recorded it
         check = tree_guard.never
@@ -371,7 +437,7 @@ def snapshot(root: nn.Module) -> tuple:
     tensor_index: dict[int, int] = {}
     objects: dict[int, tuple] = {}
     entries = []
-    for name, mod in root.named_modules(remove_duplicate=False):
+    for name, mod in named_tree(root):
         entries.append(_module_entry(name, mod, tensor_index, objects))
         inner = mod.__dict__.get("_fulmen_module")  # a fulmen.jit wrapper inside: its original's hooks count
         if isinstance(inner, nn.Module):
@@ -427,6 +493,8 @@ def describe_change(old: tuple | None, new: tuple) -> str:
         before = old_entries.get(entry[0])
         if before is None:
             return f"{name} was added"
+        if before[1] == entry[1] and before[2][0] is entry[2][0] and before[2] != entry[2]:
+            return f"a method of {entry[2][0].__qualname__} (the class of {name}) was replaced"
         if before[1:3] != entry[1:3]:
             return f"{name} was replaced" if entry[0] else "the module's class changed"
         if before[3] != entry[3]:
