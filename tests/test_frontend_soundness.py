@@ -289,3 +289,28 @@ def test_method_replaced_on_the_module_class():
     Block.forward = lambda self, x: x * 8
     torch.testing.assert_close(jm(x), m(x))
     assert "a method of" in fulmen.compile_stats(jm).last_recompile_reason
+
+
+class _Scaler:
+    def __call__(self, x):
+        return x * 2
+
+
+_scaler = _Scaler()
+
+
+def _calls_scaler(x):
+    return _scaler(x) + 1
+
+
+def test_call_method_replaced_on_a_global_objects_class():
+    jf = fulmen.jit(_calls_scaler, executors=["torch"])
+    x = torch.randn(3)
+    original = _Scaler.__call__
+    try:
+        torch.testing.assert_close(jf(x), _calls_scaler(x))
+        _Scaler.__call__ = lambda self, x: x * 8
+        torch.testing.assert_close(jf(x), _calls_scaler(x))
+    finally:
+        _Scaler.__call__ = original
+    torch.testing.assert_close(jf(x), _calls_scaler(x))

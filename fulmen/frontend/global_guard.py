@@ -250,6 +250,12 @@ def _plain_object(v: Any) -> bool:
         v, (type, types.FunctionType, types.MethodType, types.ModuleType, torch.nn.Module, torch.Tensor)))
 
 
+def _called_object(v: Any) -> bool:
+    """An instance of a user class other than a module (``nn.Module.__call__`` is torch's; the module's structure
+    check covers its ``forward``), as a callable the traced code may call."""
+    return not isinstance(v, (type, torch.nn.Module, types.FunctionType)) and is_user_class(type(v))
+
+
 def _holder_id(holder: Any, owner: Any) -> int:
     """What names the dictionary ``holder``: itself, or for a class's ``__dict__`` (a view made at each access) the
     class."""
@@ -405,6 +411,13 @@ class _Collector:
             value, instance = value.__func__, value.__self__
         elif isinstance(value, property):  # what the getter reads
             value = value.fget
+        elif _called_object(value):  # helper(x) runs type(helper).__call__, which a later call may find replaced
+            definer = next((k for k in type(value).__mro__ if "__call__" in k.__dict__), None)
+            if definer is not None and is_user_class(definer):
+                method = definer.__dict__["__call__"]
+                self.add(f"{definer.__qualname__}.__call__ (the method a call of a {type(value).__qualname__} runs)",
+                         "key", definer.__dict__, "__call__", method, frozenset(), owner=definer)
+                value, instance = method, value
         if is_user_function(value):
             self.function(value, instance)
 
