@@ -314,3 +314,18 @@ def test_call_method_replaced_on_a_global_objects_class():
     finally:
         _Scaler.__call__ = original
     torch.testing.assert_close(jf(x), _calls_scaler(x))
+
+
+def _default_list(x, scales=[2.0]):  # a mutable default, changed in place below
+    return x * scales[0]
+
+
+def test_mutable_default_argument_changed_in_place():
+    jf = fulmen.jit(_default_list, executors=["torch"])
+    x = torch.randn(3)
+    torch.testing.assert_close(jf(x), _default_list(x))
+    _default_list.__defaults__[0][0] = -4.0
+    try:
+        torch.testing.assert_close(jf(x), _default_list(x))
+    finally:
+        _default_list.__defaults__[0][0] = 2.0

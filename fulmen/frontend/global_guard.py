@@ -48,6 +48,7 @@ import enum
 import functools
 import logging
 import math
+import operator
 import random
 import sys
 import types
@@ -225,6 +226,9 @@ def _copy(v: Any) -> Any:
         return {k: _copy(x) for k, x in v.items()}
     if t is set:
         return set(v)
+    if t is tuple:  # a tuple holding a list or dict (``f.__defaults__ == ([2.0],)``): a copy of those
+        copied = tuple([_copy(x) for x in v])
+        return copied if any(map(operator.is_not, copied, v)) else v
     return v
 
 
