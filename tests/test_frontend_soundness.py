@@ -329,3 +329,53 @@ def test_mutable_default_argument_changed_in_place():
         torch.testing.assert_close(jf(x), _default_list(x))
     finally:
         _default_list.__defaults__[0][0] = 2.0
+
+
+# ---- modules reached through arguments, global containers and objects: their structure is watched ----
+def _call_module(x, m):
+    return m(x)
+
+
+_GLOBAL_LAYERS = [nn.Dropout(0.5)]
+
+
+def _call_global_layer(x):
+    return _GLOBAL_LAYERS[0](x)
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = 2.0
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def _same_draws(jf, f, *args):
+    torch.manual_seed(0)
+    out = jf(*args)
+    torch.manual_seed(0)
+    torch.testing.assert_close(out, f(*args))
+
+
+def test_module_argument_train_mode_and_attributes_changed():
+    jf = fulmen.jit(_call_module, executors=["torch"])
+    x, drop, scaled = torch.randn(4, 8), nn.Dropout(0.5), _Scaled()
+    for mode in (False, True, False):
+        drop.train(mode)
+        _same_draws(jf, _call_module, x, drop)
+    for scale in (2.0, -1.0):
+        scaled.scale = scale
+        _same_draws(jf, _call_module, x, scaled)
+
+
+def test_module_in_a_global_list_train_mode_changed():
+    jf = fulmen.jit(_call_global_layer, executors=["torch"])
+    x = torch.randn(4, 8)
+    try:
+        for mode in (False, True, False):
+            _GLOBAL_LAYERS[0].train(mode)
+            _same_draws(jf, _call_global_layer, x)
+    finally:
+        _GLOBAL_LAYERS[0].train()

@@ -26,6 +26,7 @@ import torch
 from fulmen.core.proxies import Proxy
 from fulmen.core.trace import Trace
 from fulmen.core.utils import IdentityRef
+from fulmen.frontend import module_guard
 from fulmen.transforms.passes import overwritten_inputs
 
 _Tensor = torch.Tensor
@@ -333,10 +334,13 @@ def _content(x: Any, budget: list[int], depth: int) -> Any:
         return (t, x.dtype.str, x.shape, x.tobytes())
     if isinstance(x, torch.nn.Module):
         # a module passed in: by identity, and by the submodules, parameters and buffers it holds now, which traced
-        # code reaches through nn.Module.__getattr__ and reads by identity (a parameter replaced recompiles)
+        # code reaches through nn.Module.__getattr__ and reads by identity (a parameter replaced recompiles), and by
+        # the rest of its tree's structure as a jitted module is (train/eval, plain attributes, configs, hooks:
+        # fulmen.frontend.module_guard)
         return (t, IdentityRef(x), tuple((name, IdentityRef(m)) for name, m in x.named_modules(remove_duplicate=False)),
                 tuple((name, IdentityRef(v)) for name, v in x.named_parameters(remove_duplicate=False)),
-                tuple((name, IdentityRef(v)) for name, v in x.named_buffers(remove_duplicate=False)))
+                tuple((name, IdentityRef(v)) for name, v in x.named_buffers(remove_duplicate=False)),
+                module_guard.structure(x))
     if t.__flags__ & _HEAPTYPE and not isinstance(x, type) and not _is_native(t):  # an instance of a user class
         attrs = getattr(x, "__dict__", None)
         items = [] if attrs is None else [(k, _content(v, budget, depth + 1)) for k, v in attrs.items()]

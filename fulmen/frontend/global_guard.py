@@ -136,6 +136,8 @@ class _Item:
 
     def read(self) -> Any:
         if self.source == "key":
+            if type(self.holder) in (list, tuple):  # an item of a list of modules (``_Collector.add``)
+                return self.holder[self.name] if self.name < len(self.holder) else MISSING
             return self.holder.get(self.name, MISSING)
         if self.source == "slot":  # a __slots__ member: its descriptor reads it, no user code runs
             return getattr(self.holder, self.name, MISSING)
@@ -312,6 +314,10 @@ class _Collector:
                 self.attributes(where, value, names, absent, kind="entry")
             elif type(value) in (list, tuple) and len(value) > MAX_FLAT_ITEMS:
                 _warn_identity_only(where, value)
+            if type(value) in (list, tuple, dict):  # LAYERS[0](x): each module held, watched as a global one is
+                for i, v in value.items() if type(value) is dict else enumerate(value):
+                    if isinstance(v, torch.nn.Module):
+                        self.add(f"{where}[{i!r}]", "key", value, i, v, frozenset())
 
     def attributes(self, where: str, attrs: dict, names: frozenset[str], absent: frozenset[str],
                    kind: str = "attribute") -> None:

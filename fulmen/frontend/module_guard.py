@@ -37,6 +37,7 @@ from __future__ import annotations
 import enum
 import functools
 import gc
+import itertools
 import logging
 import types
 import weakref
@@ -430,6 +431,41 @@ def watch(root: nn.Module, previous: Callable[[], bool] | None = None) -> tuple[
     if [id(m) for m in tree_modules(root)] != [id(m) for m in modules]:  # changed before the check recorded it
         check = tree_guard.never
     return taken, check
+
+
+class _StructureWatch:
+    """A module passed to a jitted function as an argument (or held in one): which structure it has now, as a
+    small number (the same for the same snapshot), the snapshot retaken only when its check fails."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.serial = next(_watch_serials)  # never reused: a key holding it never matches another watch's
+        self.versions: dict[tuple, int] = {}
+        self.check: Callable[[], bool] = tree_guard.never
+        self.version = -1
+
+    def current(self) -> int:
+        if not self.check():
+            taken, self.check = watch(self.module, self.check)
+            self.version = self.versions.setdefault(taken, len(self.versions))
+        return self.version
+
+
+_watch_serials = itertools.count()
+#: The modules whose structure was asked for last (``structure``), by id; bounded, as each holds its module
+_structures: dict[int, _StructureWatch] = {}
+_MAX_STRUCTURES = 64
+
+
+def structure(module: nn.Module) -> tuple[int, int]:
+    """A key part naming ``module``'s tree structure as a snapshot describes it (train/eval, plain attributes,
+    configs, hooks, tied tensors): equal for the same structure, checked by dictionary versions between calls."""
+    found = _structures.get(id(module))
+    if found is None or found.module is not module:
+        found = _structures[id(module)] = _StructureWatch(module)
+        while len(_structures) > _MAX_STRUCTURES:
+            _structures.pop(next(iter(_structures)), None)
+    return (found.serial, found.current())  # versions count per watch, which a new one restarts
 
 
 def snapshot(root: nn.Module) -> tuple:
