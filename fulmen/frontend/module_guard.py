@@ -158,15 +158,20 @@ def plain_object_members(v: Any) -> list[tuple[str, Any]] | None:
     properties."""
     if not _plain_class(type(v)):
         return None
-    try:
-        attrs = object.__getattribute__(v, "__dict__")
-    except (AttributeError, TypeError):
-        attrs = None
+    attrs = _instance_dict(v)
     slots = tree_guard.slot_descriptors(type(v))
     if type(attrs) is not dict and not slots:
         return None
     members = list(attrs.items()) if type(attrs) is dict else []
     return members + tree_guard.slot_values(v, slots) if slots else members
+
+
+def _instance_dict(v: Any) -> dict | None:
+    """``v.__dict__`` without running ``__getattr__`` (a ``__slots__`` object has none)."""
+    try:
+        return object.__getattribute__(v, "__dict__")
+    except (AttributeError, TypeError):
+        return None
 
 
 def _member_value(v: Any, depth: int, budget: list[int]) -> Any:
@@ -237,7 +242,7 @@ def _watched_record(v: Any) -> tuple:
         _warn_unwatched(v)
     state = []
     for x in found.values():
-        attrs = getattr(x, "__dict__", None)
+        attrs = _instance_dict(x)
         state.append((tree_guard.dict_version(attrs) if type(attrs) is dict else None,
                       tuple(id(m) for _, m in tree_guard.slot_values(x, tree_guard.slot_descriptors(type(x))))))
     return (type(v), "object", identity(v), "watched by version", tuple(state))
@@ -264,7 +269,7 @@ def object_dicts(modules: list[nn.Module]) -> tuple[list[dict], list[Any]]:
                 if not _reachable(v, reached, WATCHED_OBJECTS):
                     _warn_unwatched(v)
                 found.update(reached)
-    dicts = [d for x in found.values() if type(d := getattr(x, "__dict__", None)) is dict]
+    dicts = [d for x in found.values() if type(d := _instance_dict(x)) is dict]
     return dicts, [x for x in found.values() if tree_guard.slot_descriptors(type(x))]
 
 
