@@ -448,12 +448,25 @@ class _StructureWatch:
         self.versions: dict[tuple, int] = {}
         self.check: Callable[[], bool] = tree_guard.never
         self.version = -1
+        self.last: tuple | None = None  # the last snapshot taken
 
     def current(self) -> int:
         if not self.check():
             taken, self.check = watch(self.module, self.check)
-            self.version = self.versions.setdefault(taken, len(self.versions))
+            version = self.versions.get(taken)
+            if version is None:  # the same structure when only attributes no code reads were assigned by programs
+                last = self.last
+                same = last is not None and differs_only_in(last, taken, _unread_outputs(self.module))
+                version = self.versions[taken] = self.version if same else len(self.versions)
+            self.version, self.last = version, taken
         return self.version
+
+
+def _unread_outputs(root: nn.Module) -> frozenset:
+    """(identity of a module, attribute) for each attribute of ``root``'s tree that compiled programs assign and no
+    code reads (``mark_program_output``): its value is no part of the structure."""
+    return frozenset((identity(m), name) for m in tree_modules(root)
+                     for name, last in _program_outputs.get(m, {}).items() if last is _UNREAD)
 
 
 _watch_serials = itertools.count()
