@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import functools as _functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -101,6 +102,10 @@ def jit(fn: Callable | _pytorch.nn.Module, executors: Sequence[Executor | str] |
             return JittedDDP(fn, executors, **options)
         _wrappers.refuse_fsdp1_outside(fn)
         return JittedModule(fn, executors, **options)
+    if isinstance(fn, _functools.partial) and not isinstance(fn.func, _pytorch.nn.Module):
+        from fulmen.frontend.partials import JittedPartial  # its bound arguments are keyed as arguments
+
+        return JittedPartial(fn, executors, **options)
     return JittedFunction(fn, executors, **options)
 
 

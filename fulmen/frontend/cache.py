@@ -28,6 +28,7 @@ from torch.utils._device import DeviceContext as _DeviceContext
 from fulmen.core.proxies import Proxy
 from fulmen.core.trace import Trace
 from fulmen.core.utils import IdentityRef
+from fulmen.frontend import module_guard
 from fulmen.transforms.passes import overwritten_inputs
 
 _Tensor = torch.Tensor
@@ -399,10 +400,13 @@ def _content(x: Any, budget: list[int], depth: int) -> Any:
         return (t, x.dtype.str, x.shape, x.tobytes())
     if isinstance(x, torch.nn.Module):
         # a module passed in: by identity, and by the submodules, parameters and buffers it holds now, which traced
-        # code reaches through nn.Module.__getattr__ and reads by identity (a parameter replaced recompiles)
+        # code reaches through nn.Module.__getattr__ and reads by identity (a parameter replaced recompiles), and by
+        # the rest of its tree's structure as a jitted module is (train/eval, plain attributes, configs, hooks:
+        # fulmen.frontend.module_guard)
         return (t, IdentityRef(x), tuple((name, IdentityRef(m)) for name, m in x.named_modules(remove_duplicate=False)),
                 tuple((name, IdentityRef(v)) for name, v in x.named_parameters(remove_duplicate=False)),
-                tuple((name, IdentityRef(v)) for name, v in x.named_buffers(remove_duplicate=False)))
+                tuple((name, IdentityRef(v)) for name, v in x.named_buffers(remove_duplicate=False)),
+                module_guard.structure(x))
     if t.__flags__ & _HEAPTYPE and not isinstance(x, type) and not _is_native(t):  # an instance of a user class
         attrs = getattr(x, "__dict__", None)
         items = [] if attrs is None else [(k, _content(v, budget, depth + 1)) for k, v in attrs.items()]
@@ -476,15 +480,18 @@ def lazy_view_inputs(key: Any) -> list[int]:
 
 
 
-def args_key(args: tuple, kwargs: dict, flat: list[torch.Tensor], same: bool = True) -> tuple:
+def args_key(args: tuple, kwargs: dict, flat: list[torch.Tensor], same: bool = True,
+             state: frozenset[int] = frozenset()) -> tuple:
     """The key of a call's arguments; their tensors are appended to ``flat``, each object once (``same_tensors``)
-    unless ``same`` is False."""
+    unless ``same`` is False. ``state``: the ids of a module's parameters and buffers, already in ``flat``; an
+    argument that is one of them (``m(m.weight)``) is keyed as that input again."""
     seen: dict[int, int] = {}
     start = len(flat)
     key = tuple(value_key(a, flat, seen) for a in args)
     if kwargs:
         key += (("kwargs",) + tuple((k, value_key(v, flat, seen)) for k, v in kwargs.items()),)
-    if same and len(flat) - start > 1 and len(set(map(id, flat[start:]))) < len(flat) - start:
+    if same and len(flat) > start and (len(set(map(id, flat[start:]))) < len(flat) - start
+                                       or not state.isdisjoint(map(id, flat[start:]))):
         key = same_tensors(key, flat, start)
     return key
 
@@ -497,8 +504,9 @@ def same_tensors(key: Any, flat: list[torch.Tensor], start: int) -> Any:
     """A call passing one tensor object more than once (``f(a, a)``, ``mha(x, x, x)``): each repeat's key becomes
     ``(SAME, index)`` of its first occurrence in ``flat``, from which the repeats are removed. Traced code then sees
     one proxy (``x is y`` holds, a write through one is read through the other), and the prologue checks the
-    pattern: ``y is x`` for a repeat, all others distinct (``fulmen.frontend.prologue``)."""
-    first: dict[int, int] = {}
+    pattern: ``y is x`` for a repeat, all others distinct (``fulmen.frontend.prologue``). The tensors before
+    ``start`` (a module's parameters and buffers) count as met: an argument that is one of them is keyed as it."""
+    first: dict[int, int] = {id(t): i for i, t in enumerate(flat[:start])}
     kept = flat[:start]
     positions = iter(range(start, len(flat)))
 

@@ -13,6 +13,7 @@ result whose side effects differ from eager's.
 from __future__ import annotations
 
 import collections
+import dis
 import functools
 import logging
 import types
@@ -45,7 +46,7 @@ def _holds_proxy(x: Any, depth: int = 0) -> bool:
         return any(_holds_proxy(v, depth + 1) or isinstance(k, Proxy) for k, v in x.items())
     if isinstance(x, (list, tuple, set, frozenset, collections.deque)):
         return any(_holds_proxy(v, depth + 1) for v in x)
-    if _user_object(x):
+    if _user_object(x) or _user_class(x):
         return any(_holds_proxy(v, depth + 1) for v in vars(x).values())
     return False
 
@@ -56,6 +57,10 @@ def _user_object(x: Any) -> bool:
         and is_user_class(type(x))
         and isinstance(getattr(x, "__dict__", None), dict)
     )
+
+
+def _user_class(x: Any) -> bool:
+    return isinstance(x, type) and is_user_class(x)
 
 
 def _drop_proxies(x: Any) -> None:
@@ -71,7 +76,7 @@ def _drop_proxies(x: Any) -> None:
     elif isinstance(x, dict):
         for k in [k for k, v in x.items() if isinstance(v, Proxy) or isinstance(k, Proxy)]:
             del x[k]
-    elif _user_object(x):
+    elif _user_object(x) or _user_class(x):
         for k in [k for k, v in vars(x).items() if isinstance(v, Proxy)]:
             delattr(x, k)
 
@@ -84,6 +89,7 @@ class _Search:
         self.functions: set[int] = set()
         self.places: list[tuple[str, Any]] = []  # (how the code names it, the container or object)
         self.caches: list[tuple[str, Any]] = []  # functools.lru_cache / functools.cache wrappers named
+        self.classes: set[int] = set()  # user classes whose attributes are watched (``user_class``)
 
     def found(self) -> list[tuple[str, Any]]:
         return [(where, v) for where, v in self.places if _holds_proxy(v)]
@@ -99,8 +105,27 @@ class _Search:
         elif isinstance(v, _LRU_CACHE):
             self.caches.append((where, v))
             self.function(getattr(v, "__wrapped__", None))
-        elif isinstance(v, _CONTAINERS) or _user_object(v):
+        elif isinstance(v, _CONTAINERS):
             self.places.append((where, v))
+        elif _user_object(v):
+            self.places.append((where, v))
+            self.user_class(type(v))
+        elif _user_class(v):
+            self.user_class(v)
+
+    def user_class(self, cls: type) -> None:
+        """A user class and its user bases: their attributes (``type(self).n += 1``, ``Cls.cache[k] = v``) outlive
+        the call like globals do, and the list, dict and set attributes they hold."""
+        for c in cls.__mro__:
+            if not is_user_class(c) or id(c) in self.classes:
+                continue
+            self.classes.add(id(c))
+            self.seen.add(id(c))
+            self.places.append((f"the class {c.__qualname__}", c))
+            for name, v in vars(c).items():
+                if isinstance(v, _CONTAINERS) and id(v) not in self.seen:
+                    self.seen.add(id(v))
+                    self.places.append((f"{c.__qualname__}.{name} (a class attribute)", v))
 
     def function(self, f: Any) -> None:
         if isinstance(f, functools.partial):
@@ -132,6 +157,7 @@ class _Search:
     def module_tree(self, root: torch.nn.Module) -> None:
         for mod in root.modules():
             self.seen.add(id(mod))
+            self.user_class(type(mod))
             self.hooks(mod.__dict__, f"{type(mod).__name__}")
             for name, v in mod.__dict__.items():
                 if isinstance(v, _CONTAINERS) and not name.startswith("_") and id(v) not in self.seen:
@@ -175,8 +201,21 @@ class ContainerStates:
         self._before = [(where, v, _state(v)) for where, v in search.places]
         self._caches = [(where, v, v.cache_info().currsize) for where, v in search.caches]
 
-    def changed(self) -> list[str]:
-        return [where for where, v, state in self._before if _state(v) != state]
+    def changed(self, codes: Iterable[types.CodeType] = ()) -> list[str]:
+        """What the trace wrote to; a class by the attributes it set or deleted, with the line that did (found in
+        ``codes``, the user code that ran) where one names the attribute."""
+        out = []
+        for where, v, state in self._before:
+            now = _state(v)
+            if now == state:
+                continue
+            if not isinstance(v, type):
+                out.append(where)
+                continue
+            before, after = dict(state), dict(now)
+            for name in sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k)):
+                out.append(f"the class attribute {v.__qualname__}.{name}{_stored_at(codes, name)}")
+        return out
 
     def clear_grown_caches(self) -> None:
         """Empty the ``functools.lru_cache`` caches that grew while tracing: what they stored was computed on
@@ -189,6 +228,17 @@ class ContainerStates:
                     "fulmen: emptied the cache of %s (functools.lru_cache): it stored values computed while tracing",
                     where,
                 )
+
+
+def _stored_at(codes: Iterable[types.CodeType], name: str) -> str:
+    """`` (line FILE:N)`` of the first attribute store or delete of ``name`` in ``codes``."""
+    for code in codes:
+        if name not in code.co_names:
+            continue
+        for ins in dis.get_instructions(code):
+            if ins.opname in ("STORE_ATTR", "DELETE_ATTR") and ins.argval == name:
+                return f" (line {code.co_filename}:{ins.positions.lineno})"
+    return ""
 
 
 def argument_containers(args: tuple, kwargs: dict, names: list[str]) -> list[tuple[str, Any, list]]:
@@ -247,10 +297,11 @@ def check_no_escapes(
     )
 
 
-def warn_on_changes(fn: Callable, states: ContainerStates) -> None:
-    """Warn (once per function and containers) where the trace changed a list, dict, set or object without
-    leaving a traced tensor there (``stats.append(correct.item())``): a compiled program does not repeat it."""
-    changed = states.changed()
+def warn_on_changes(fn: Callable, states: ContainerStates, codes: Iterable[types.CodeType] = ()) -> None:
+    """Warn (once per function and containers) where the trace changed a list, dict, set, object or class without
+    leaving a traced tensor there (``stats.append(correct.item())``, ``type(self).calls += 1``): a compiled
+    program does not repeat it. ``codes``: the user code that ran, where the line that wrote is looked for."""
+    changed = states.changed(codes)
     name = getattr(fn, "__qualname__", type(fn).__name__)
     if changed and (name, tuple(changed)) not in _warned:
         _warned.add((name, tuple(changed)))
@@ -277,7 +328,8 @@ class PythonStateWatch:
     def check(self, codes: dict) -> None:
         pairs = [(code, globals_) for code, (globals_, _) in codes.items()]
         check_no_escapes(self.roots, self.containers, pairs, self.own)
-        warn_on_changes(self.roots[-1], self.states)
+        roots = [getattr(getattr(f, "__func__", f), "__code__", None) for f in self.roots]
+        warn_on_changes(self.roots[-1], self.states, [*codes, *filter(None, roots)])
 
     def clear_grown_caches(self) -> None:
         self.states.clear_grown_caches()

@@ -48,6 +48,7 @@ import enum
 import functools
 import logging
 import math
+import operator
 import random
 import sys
 import types
@@ -137,6 +138,8 @@ class _Item:
 
     def read(self) -> Any:
         if self.source == "key":
+            if type(self.holder) in (list, tuple):  # an item of a list of modules (``_Collector.add``)
+                return self.holder[self.name] if self.name < len(self.holder) else MISSING
             return self.holder.get(self.name, MISSING)
         if self.source == "slot":  # a __slots__ member: its descriptor reads it, no user code runs
             return getattr(self.holder, self.name, MISSING)
@@ -229,6 +232,9 @@ def _copy(v: Any) -> Any:
         return {k: _copy(x) for k, x in v.items()}
     if t is set:
         return set(v)
+    if t is tuple:  # a tuple holding a list or dict (``f.__defaults__ == ([2.0],)``): a copy of those
+        copied = tuple([_copy(x) for x in v])
+        return copied if any(map(operator.is_not, copied, v)) else v
     return v
 
 
@@ -252,6 +258,12 @@ def _plain_object(v: Any) -> bool:
     """A config-like object whose attributes are worth comparing (not a class, function, module or tensor)."""
     return (isinstance(getattr(v, "__dict__", None), dict) and not isinstance(
         v, (type, types.FunctionType, types.MethodType, types.ModuleType, torch.nn.Module, torch.Tensor)))
+
+
+def _called_object(v: Any) -> bool:
+    """An instance of a user class other than a module (``nn.Module.__call__`` is torch's; the module's structure
+    check covers its ``forward``), as a callable the traced code may call."""
+    return not isinstance(v, (type, torch.nn.Module, types.FunctionType)) and is_user_class(type(v))
 
 
 def _holder_id(holder: Any, owner: Any) -> int:
@@ -306,6 +318,10 @@ class _Collector:
                 self.attributes(where, value, names, absent, kind="entry")
             elif type(value) in (list, tuple) and len(value) > MAX_FLAT_ITEMS:
                 _warn_identity_only(where, value)
+            if type(value) in (list, tuple, dict):  # LAYERS[0](x): each module held, watched as a global one is
+                for i, v in value.items() if type(value) is dict else enumerate(value):
+                    if isinstance(v, torch.nn.Module):
+                        self.add(f"{where}[{i!r}]", "key", value, i, v, frozenset())
 
     def attributes(self, where: str, attrs: dict, names: frozenset[str], absent: frozenset[str],
                    kind: str = "attribute") -> None:
@@ -419,6 +435,13 @@ class _Collector:
             value, instance = value.__func__, value.__self__
         elif isinstance(value, property):  # what the getter reads
             value = value.fget
+        elif _called_object(value):  # helper(x) runs type(helper).__call__, which a later call may find replaced
+            definer = next((k for k in type(value).__mro__ if "__call__" in k.__dict__), None)
+            if definer is not None and is_user_class(definer):
+                method = definer.__dict__["__call__"]
+                self.add(f"{definer.__qualname__}.__call__ (the method a call of a {type(value).__qualname__} runs)",
+                         "key", definer.__dict__, "__call__", method, frozenset(), owner=definer)
+                value, instance = method, value
         if is_user_function(value):
             self.function(value, instance)
 

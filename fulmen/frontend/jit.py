@@ -49,7 +49,7 @@ from fulmen.frontend.prologue import Prologue, build_prologue
 from fulmen.frontend.runner import RunPlan, compose
 from fulmen.frontend.split_points import MAX_BRANCHES, ValueChanged, same_value
 from fulmen.frontend.stats import CompileStats, get_stats
-from fulmen.frontend.tracing import InputSpec, _arg_names, check_supported_tensors, trace_program
+from fulmen.frontend.tracing import InputSpec, RunsEagerly, _arg_names, check_supported_tensors, trace_program
 from fulmen.transforms.autocast import current_policies
 
 __all__ = ["CacheEntry", "CompileStats", "JittedFunction", "get_stats"]
@@ -128,6 +128,7 @@ class JittedFunction:
         self._warned_recompiles = False
         self._stats_entry: CacheEntry | None = None  # the compilation the statistics describe
         self._variants: dict[Any, list[CacheEntry]] = {}  # key -> entries compiled for other global values
+        self._eager_keys: dict[Any, None] = {}  # keys whose calls run eagerly (``RunsEagerly``), oldest first
         self._guard_reads = True  # check the globals and closures the code read (the Dynamo backend: Dynamo does)
         # read tensor values Python needs at split points (the Dynamo backend: Dynamo breaks the graph there, and a
         # value its graph reads with .item() changes on every call, so the graph runs eagerly instead)
@@ -422,7 +423,18 @@ class JittedFunction:
         if changed is not None and self._recompiles.get(changed, 0) >= RECOMPILE_LIMIT:
             self._warn_recompile_limit(changed, key, args, kwargs)
             return None
-        return self._compile(key, args, kwargs, flat, guard_failure)
+        if key in self._eager_keys:
+            return None
+        try:
+            return self._compile(key, args, kwargs, flat, guard_failure)
+        except RunsEagerly as e:  # this key's calls run the function eagerly from now on
+            self._eager_keys[key] = None
+            if len(self._eager_keys) > MAX_CACHE_ENTRIES:
+                del self._eager_keys[next(iter(self._eager_keys))]
+            self._stats.recompile_reasons.append(str(e))
+            log.log(logging.INFO if self._eager_keys.keys() - {key} else logging.WARNING, "fulmen: %s: %s",
+                    _display_name(self.fn), e)
+            return None
 
     def _changed_value(self, old, new) -> int | str | None:
         """The argument (position, or keyword) whose non-tensor value differs between two keys that agree
@@ -561,6 +573,10 @@ class JittedFunction:
         """The names of a module's parameters and buffers, in the order of the flat inputs."""
         return []
 
+    def _state_ids(self) -> Any:
+        """A module's: what knows the ids of its parameters and buffers (``build_prologue``'s ``state_ids``)."""
+        return None
+
     def _set_prologue(self, entry: CacheEntry, key, args, kwargs, flat: list[torch.Tensor] | None = None) -> None:
         """Generate the entry's prologue: the check, printed by ``last_prologue_traces``, that a call must pass.
         ``flat``: the tensors ``key`` was computed from, which its one C++ check of the tensors compares with (a
@@ -572,7 +588,8 @@ class JittedFunction:
                                         symbolic=entry.symbolic, guard=entry.globals_guard,
                                         captured=entry.spec.captured,
                                         holders=entry.spec.objects.holders if entry.spec.objects is not None else (),
-                                        examples=flat, fast=fast, distinct=self._same_tensors)
+                                        examples=flat, fast=fast, distinct=self._same_tensors,
+                                        state_ids=self._state_ids())
         entry.check = entry.prologue.check
         entry.n_guards = len(entry.symbolic.env.guards) if entry.symbolic is not None else 0
         if entry is self._stats_entry:

@@ -68,10 +68,13 @@ class _ModuleState:
         self.lazy = False  # a parameter or buffer is not initialized yet (a lazy module before its first call)
         self._versions: dict[tuple, int] = {}
         self.snapshots: list[tuple] = []  # by version, to say what changed
+        # the ids of the parameters and buffers while their dicts keep them (``ids``); prologues read it
+        self.known_ids: frozenset[int] | None = None
         self.refresh()
 
     def revalidate(self) -> None:
         """The check failed: take the snapshot again; a different one re-keys and refreshes the slots."""
+        self.known_ids = None  # a slot may hold another tensor of the same structure
         snapshot, check = module_guard.watch(self.root, self.check)
         if snapshot != self.snapshot:
             self.snapshot = snapshot
@@ -86,8 +89,19 @@ class _ModuleState:
     def invalidate(self) -> None:
         """The next call takes the snapshot again (the check is built anew: what it kept may no longer hold)."""
         self.check = tree_guard.never
+        self.known_ids = None
+
+    def ids(self, tensors: Sequence[torch.Tensor]) -> frozenset[int]:
+        """The ids of the parameters and buffers ``tensors`` (``tensors()``), kept while ``check`` passes: every
+        write to their dictionaries fails it, but fulmen's own (``rebind``), which forgets them. The cache key and
+        the prologue tell by them an argument that is one of the module's tensors (``m(m.weight)``)."""
+        ids = self.known_ids
+        if ids is None:
+            ids = self.known_ids = frozenset(map(id, tensors))
+        return ids
 
     def refresh(self) -> None:
+        self.known_ids = None
         slots, unique, first_slot, names = [], [], {}, []
         for mod_name, mod in self.root.named_modules(remove_duplicate=False):
             for dict_name in ("_parameters", "_buffers"):
@@ -154,6 +168,7 @@ class _ModuleState:
     def rebind(self, rebinds: tuple[tuple[int, bool], ...], result) -> Any:
         """After a call whose program returns ``(result, new buffer values)``: assign them, as eager did."""
         out, values = result
+        self.known_ids = None
         for (i, tied), t in zip(rebinds, values):
             mod, dict_name, key, _ = self.slots[i]
             tree_guard.write_owned(getattr(mod, dict_name), key, t)
@@ -209,8 +224,8 @@ class _ModuleProgram(JittedFunction):
         if flat is None or (entry.differentiates and saved_tensors_hooks() is not None):
             key_flat: list[torch.Tensor] = []
             try:
-                key = ((state.version, state_key(tensors, key_flat), args_key(args, kwargs, key_flat)),
-                       global_state_key())
+                key = ((state.version, state_key(tensors, key_flat),
+                        args_key(args, kwargs, key_flat, state=state.ids(tensors))), global_state_key())
             except RuntimeError:  # a nested tensor has no shape to key on
                 check_supported_tensors(self.module.forward, args, kwargs)
                 raise
@@ -230,7 +245,8 @@ class _ModuleProgram(JittedFunction):
         state = self.state
         tensors = state.tensors()
         flat: list[torch.Tensor] = []
-        key = ((state.version, state_key(tensors, flat), args_key(args, kwargs, flat)), global_state_key())
+        key = ((state.version, state_key(tensors, flat), args_key(args, kwargs, flat, state=state.ids(tensors))),
+               global_state_key())
         return key, flat, (state.version, tensors, args, kwargs)
 
     def _tensors_serialized(self) -> list[torch.Tensor] | None:
@@ -261,6 +277,9 @@ class _ModuleProgram(JittedFunction):
 
     def _state_names(self) -> list[str]:
         return self.state.names
+
+    def _state_ids(self):
+        return self.state
 
     def _changed_value(self, old, new):
         if old is None or old[1] != new[1] or old[0][:2] != new[0][:2]:  # global state, structure, parameters

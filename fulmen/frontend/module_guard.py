@@ -24,14 +24,21 @@ those by value and the plain objects it holds in turn (``config.text_config``), 
 those objects' ``__dict__`` versions too, so ``config.pad_token_id = 3`` or ``set_attn_implementation("sdpa")``
 re-keys (a changed member the program never read recompiles too: sound, at the cost of one compile). Attributes
 that compiled programs assign on every call are outputs, not structure (``mark_program_output``). Not seen: a
-list or dict attribute of a module changed in place (``self.sizes.append(3)``), an object with ``__slots__`` only,
-members beyond those limits, and globals a ``forward`` reads (``fulmen.frontend.global_guard`` guards those).
+list or dict attribute of a module changed in place (``self.sizes.append(3)``) and globals a ``forward`` reads
+(``fulmen.frontend.global_guard`` guards those). Members of ``__slots__`` count as members (the check compares
+them by identity on every call: a slot write changes no dict version). An object deeper or larger than those
+limits is recorded by the versions of the dicts (and the slot values) of every plain object it reaches, up to
+``WATCHED_OBJECTS``, and the check watches them all: a write anywhere in it recompiles; past that limit a warning
+says what is not seen.
 """
 
 from __future__ import annotations
 
 import enum
 import functools
+import gc
+import itertools
+import logging
 import types
 import weakref
 from collections.abc import Callable
@@ -42,6 +49,8 @@ from torch import nn
 from torch.nn.modules import module as _torch_module
 
 from fulmen.frontend import tree_guard
+
+log = logging.getLogger("fulmen")
 
 # ---- snapshots (taken only when the check failed) ----
 
@@ -143,16 +152,26 @@ def _plain_class(cls: type) -> bool:
     return known
 
 
-def plain_object_dict(v: Any) -> dict | None:
-    """The ``__dict__`` of ``v`` when it is a plain object whose members a snapshot records (a config), else
-    None. Read without running ``__getattr__`` or properties."""
+def plain_object_members(v: Any) -> list[tuple[str, Any]] | None:
+    """The members of ``v`` (its ``__dict__``'s items, then its set ``__slots__`` members) when it is a plain
+    object whose members a snapshot records (a config), else None. Read without running ``__getattr__`` or
+    properties."""
     if not _plain_class(type(v)):
         return None
+    attrs = _instance_dict(v)
+    slots = tree_guard.slot_descriptors(type(v))
+    if type(attrs) is not dict and not slots:
+        return None
+    members = list(attrs.items()) if type(attrs) is dict else []
+    return members + tree_guard.slot_values(v, slots) if slots else members
+
+
+def _instance_dict(v: Any) -> dict | None:
+    """``v.__dict__`` without running ``__getattr__`` (a ``__slots__`` object has none)."""
     try:
-        attrs = object.__getattribute__(v, "__dict__")
+        return object.__getattribute__(v, "__dict__")
     except (AttributeError, TypeError):
         return None
-    return attrs if type(attrs) is dict else None
 
 
 def _member_value(v: Any, depth: int, budget: list[int]) -> Any:
@@ -171,49 +190,87 @@ def _member_value(v: Any, depth: int, budget: list[int]) -> Any:
     if t is dict:
         items = tuple((attribute_value(k), _member_value(x, depth, budget)) for k, x in v.items())
         return _MISSING if any(_MISSING in kv for kv in items) else (dict, items)
-    attrs = plain_object_dict(v)
-    if attrs is None or depth <= 0:
+    members = plain_object_members(v)
+    if members is None:
         return _MISSING
-    return _object_value(v, attrs, depth - 1, budget)
+    if depth <= 0:  # deeper than recorded by value: by the versions of what it reaches, which the check watches
+        return _watched_record(v)
+    return _object_value(v, members, depth - 1, budget)
 
 
-def _object_value(v: Any, attrs: dict, depth: int, budget: list[int]) -> tuple:
-    members = []
-    for key, x in list(attrs.items()):
+def _object_value(v: Any, members: list[tuple[str, Any]], depth: int, budget: list[int]) -> tuple:
+    recorded_members = []
+    for key, x in members:
         recorded = _member_value(x, depth, budget)
         if budget[0] < 0:
-            return (type(v), "object", identity(v), "too large")
+            return _watched_record(v)
         if recorded is not _MISSING:
-            members.append((key, recorded))
-    return (type(v), "object", identity(v), tuple(members))
+            recorded_members.append((key, recorded))
+    return (type(v), "object", identity(v), tuple(recorded_members))
 
 
-def object_dicts(modules: list[nn.Module]) -> list[dict]:
-    """The ``__dict__`` of every plain object a snapshot of ``modules`` records members of, each once."""
-    found: dict[int, dict] = {}
+#: How many plain objects the check watches from one attribute of a module, at any depth (past OBJECT_DEPTH or
+#: OBJECT_ITEMS, by their dicts' versions and their slots' values); beyond that a change is not seen (logged).
+WATCHED_OBJECTS = 4096
+_warned_unwatched: set[type] = set()
 
-    def visit(v: Any, depth: int) -> None:
-        t = type(v)
+
+def _reachable(v: Any, found: dict[int, Any], limit: int) -> bool:
+    """Add to ``found`` (id -> object) the plain objects ``v`` reaches through members, lists, tuples and dicts,
+    ``v`` itself included; False where more than ``limit`` were found."""
+    stack = [v]
+    while stack:
+        x = stack.pop()
+        t = type(x)
         if t in (list, tuple):
-            for x in v:
-                visit(x, depth)
+            stack.extend(x)
         elif t is dict:
-            for x in v.values():
-                visit(x, depth)
-        else:
-            attrs = plain_object_dict(v)
-            if attrs is not None and id(attrs) not in found and depth >= 0:
-                found[id(attrs)] = attrs
-                for x in list(attrs.values()):
-                    visit(x, depth - 1)
+            stack.extend(x.values())
+        elif id(x) not in found and (members := plain_object_members(x)) is not None:
+            if len(found) >= limit:
+                return False
+            found[id(x)] = x
+            stack.extend(m for _, m in members)
+    return True
 
+
+def _watched_record(v: Any) -> tuple:
+    """A plain object too large or too deep to record by value: by the version of every dict and the values of
+    every ``__slots__`` member of the objects it reaches, so that any write to them makes another snapshot."""
+    found: dict[int, Any] = {}
+    if not _reachable(v, found, WATCHED_OBJECTS):
+        _warn_unwatched(v)
+    state = []
+    for x in found.values():
+        attrs = _instance_dict(x)
+        state.append((tree_guard.dict_version(attrs) if type(attrs) is dict else None,
+                      tuple(id(m) for _, m in tree_guard.slot_values(x, tree_guard.slot_descriptors(type(x))))))
+    return (type(v), "object", identity(v), "watched by version", tuple(state))
+
+
+def _warn_unwatched(v: Any) -> None:
+    if type(v) not in _warned_unwatched:
+        _warned_unwatched.add(type(v))
+        log.warning("fulmen: a %s held by a jitted module reaches more than %d plain objects; changes beyond them "
+                    "between calls are not seen and keep the compiled program. Pass such values as arguments, or "
+                    "call fulmen.jit again after changing them.", type(v).__name__, WATCHED_OBJECTS)
+
+
+def object_dicts(modules: list[nn.Module]) -> tuple[list[dict], list[Any]]:
+    """The ``__dict__`` of every plain object a snapshot of ``modules`` records (a config, at any depth), each once,
+    and those of them with ``__slots__`` members (which the check compares by value)."""
+    found: dict[int, Any] = {}
     known = _plain_classes.get
     for mod in modules:
         for v in list(mod.__dict__.values()):
             t = type(v)
             if known(t) or (t not in _plain_classes and _plain_class(t)):
-                visit(v, OBJECT_DEPTH - 1)
-    return list(found.values())
+                reached: dict[int, Any] = {}
+                if not _reachable(v, reached, WATCHED_OBJECTS):
+                    _warn_unwatched(v)
+                found.update(reached)
+    dicts = [d for x in found.values() if type(d := _instance_dict(x)) is dict]
+    return dicts, [x for x in found.values() if tree_guard.slot_descriptors(type(x))]
 
 
 def snapshot_records(v: Any) -> bool:
@@ -244,7 +301,7 @@ def _module_entry(name: str, mod: nn.Module, tensor_index: dict[int, int], objec
             if v is tree_guard.MISSING_KEY:
                 continue
         recorded = attribute_value(v)
-        if recorded is _MISSING and (members := plain_object_dict(v)) is not None:
+        if recorded is _MISSING and (members := plain_object_members(v)) is not None:
             # a config shared by every layer is recorded in full once per snapshot, then by identity
             recorded = objects.get(id(v))
             if recorded is None:
@@ -254,7 +311,48 @@ def _module_entry(name: str, mod: nn.Module, tensor_index: dict[int, int], objec
         if recorded is not _MISSING:
             attrs.append((key, recorded))
     hooks = tuple(tuple(getattr(mod, h, ())) for h in _HOOK_DICTS)
-    return (name, identity(mod), type(mod), tuple(slots), tuple(attrs), hooks)
+    return (name, identity(mod), (type(mod), _class_methods(type(mod))), tuple(slots), tuple(attrs), hooks)
+
+
+def _class_methods(cls: type) -> tuple:
+    """The methods (functions, properties, other descriptors) of ``cls`` and its bases below ``nn.Module``, by
+    identity: replacing one (``Block.forward = patched``) changes what a call runs. Plain class attributes are not
+    recorded (a counter written on every call would make every snapshot new); the guard on globals checks those
+    the user's code reads."""
+    classes = _module_classes(cls)
+    version = tuple(tree_guard.dict_version(_class_dict(c)) for c in classes)
+    cached = _methods.get(cls)
+    if cached is None or cached[0] != version or None in version:
+        methods = tuple((c.__qualname__, k, id(v)) for c in classes for k, v in vars(c).items()
+                        if callable(v) or hasattr(v, "__get__"))
+        cached = _methods[cls] = (version, methods)
+    return cached[1]
+
+
+_methods: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # class -> (its dict's version, its methods)
+
+
+def _class_dict(cls: type) -> dict:
+    """The dictionary behind ``cls.__dict__`` (a read-only view; the same dict for the class's life)."""
+    return next(d for d in gc.get_referents(cls.__dict__) if type(d) is dict)
+
+
+def _module_classes(cls: type) -> list[type]:
+    return [c for c in cls.__mro__ if c not in _FIXED_CLASSES and issubclass(c, nn.Module)]
+
+
+_FIXED_CLASSES = frozenset((nn.Module, object))
+
+
+def class_dicts(modules: list[nn.Module]) -> list[dict]:
+    """The dictionaries behind the ``__dict__`` of the modules' classes (``_class_methods``), each once: a write to
+    a class attribute changes its version."""
+    found: dict[int, dict] = {}
+    for cls in {type(m) for m in modules}:
+        for c in _module_classes(cls):
+            if id(c) not in found:
+                found[id(c)] = _class_dict(c)
+    return list(found.values())
 
 
 #: module -> {name: the tensor a program last assigned} for the plain attributes that compiled programs assign on
@@ -294,9 +392,10 @@ def assign_program_output(mod: nn.Module, outputs: dict, name: str, value: Any) 
 
 
 def tree_modules(root: nn.Module) -> list[nn.Module]:
-    """The modules of ``root``'s tree, each once, with the original inside each fulmen.jit wrapper in it."""
+    """The modules of ``root``'s tree, each once, with the original inside each fulmen.jit wrapper in it and the
+    modules held in plain lists, tuples and dicts (``held_modules``)."""
     seen: dict[int, nn.Module] = {}
-    for mod in root.modules():
+    for _, mod in named_tree(root, remove_duplicate=True):
         seen[id(mod)] = mod
         inner = mod.__dict__.get("_fulmen_module")
         if isinstance(inner, nn.Module):
@@ -304,16 +403,87 @@ def tree_modules(root: nn.Module) -> list[nn.Module]:
     return list(seen.values())
 
 
+def named_tree(root: nn.Module, remove_duplicate: bool = False) -> list[tuple[str, nn.Module]]:
+    """``root.named_modules()``, followed by the modules held in plain lists, tuples and dicts of the tree's
+    modules and their own trees (``self.blocks = [nn.Dropout()]``: not submodules, so ``root.train()`` does not
+    reach them, but ``forward`` calls them and reads their ``training``), named ``blocks[0]``."""
+    named = list(root.named_modules(remove_duplicate=remove_duplicate))
+    registered = {id(m) for _, m in named}
+    i = 0
+    while i < len(named):
+        name, mod = named[i]
+        i += 1
+        for attr, v in mod.__dict__.items():
+            if type(v) not in (list, tuple, dict) or attr.startswith("_"):
+                continue
+            for key, held in v.items() if type(v) is dict else enumerate(v):
+                if isinstance(held, nn.Module) and id(held) not in registered:
+                    prefix = f"{name}.{attr}[{key!r}]" if name else f"{attr}[{key!r}]"
+                    sub = list(held.named_modules(prefix=prefix, remove_duplicate=remove_duplicate))
+                    registered.update(id(m) for _, m in sub)
+                    named += sub
+    return named
+
+
 def watch(root: nn.Module, previous: Callable[[], bool] | None = None) -> tuple[tuple, Callable[[], bool]]:
     """``root``'s snapshot, and a check that is true on a later call while the tree is still the one the snapshot
     describes (``fulmen.frontend.tree_guard``; ``previous``: the check it replaces). The check records the tree as
     it is before the snapshot reads it: a change made while the snapshot is taken fails it."""
     modules = tree_modules(root)
-    check = tree_guard.build(modules, previous, object_dicts(modules))
+    dicts, slotted = object_dicts(modules)
+    check = tree_guard.build(modules, previous, dicts + class_dicts(modules), slotted)
     taken = snapshot(root)
     if [id(m) for m in tree_modules(root)] != [id(m) for m in modules]:  # changed before the check recorded it
         check = tree_guard.never
     return taken, check
+
+
+class _StructureWatch:
+    """A module passed to a jitted function as an argument (or held in one): which structure it has now, as a
+    small number (the same for the same snapshot), the snapshot retaken only when its check fails."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.serial = next(_watch_serials)  # never reused: a key holding it never matches another watch's
+        self.versions: dict[tuple, int] = {}
+        self.check: Callable[[], bool] = tree_guard.never
+        self.version = -1
+        self.last: tuple | None = None  # the last snapshot taken
+
+    def current(self) -> int:
+        if not self.check():
+            taken, self.check = watch(self.module, self.check)
+            version = self.versions.get(taken)
+            if version is None:  # the same structure when only attributes no code reads were assigned by programs
+                last = self.last
+                same = last is not None and differs_only_in(last, taken, _unread_outputs(self.module))
+                version = self.versions[taken] = self.version if same else len(self.versions)
+            self.version, self.last = version, taken
+        return self.version
+
+
+def _unread_outputs(root: nn.Module) -> frozenset:
+    """(identity of a module, attribute) for each attribute of ``root``'s tree that compiled programs assign and no
+    code reads (``mark_program_output``): its value is no part of the structure."""
+    return frozenset((identity(m), name) for m in tree_modules(root)
+                     for name, last in _program_outputs.get(m, {}).items() if last is _UNREAD)
+
+
+_watch_serials = itertools.count()
+#: The modules whose structure was asked for last (``structure``), by id; bounded, as each holds its module
+_structures: dict[int, _StructureWatch] = {}
+_MAX_STRUCTURES = 64
+
+
+def structure(module: nn.Module) -> tuple[int, int]:
+    """A key part naming ``module``'s tree structure as a snapshot describes it (train/eval, plain attributes,
+    configs, hooks, tied tensors): equal for the same structure, checked by dictionary versions between calls."""
+    found = _structures.get(id(module))
+    if found is None or found.module is not module:
+        found = _structures[id(module)] = _StructureWatch(module)
+        while len(_structures) > _MAX_STRUCTURES:
+            _structures.pop(next(iter(_structures)), None)
+    return (found.serial, found.current())  # versions count per watch, which a new one restarts
 
 
 def snapshot(root: nn.Module) -> tuple:
@@ -321,7 +491,7 @@ def snapshot(root: nn.Module) -> tuple:
     tensor_index: dict[int, int] = {}
     objects: dict[int, tuple] = {}
     entries = []
-    for name, mod in root.named_modules(remove_duplicate=False):
+    for name, mod in named_tree(root):
         entries.append(_module_entry(name, mod, tensor_index, objects))
         inner = mod.__dict__.get("_fulmen_module")  # a fulmen.jit wrapper inside: its original's hooks count
         if isinstance(inner, nn.Module):
@@ -377,6 +547,8 @@ def describe_change(old: tuple | None, new: tuple) -> str:
         before = old_entries.get(entry[0])
         if before is None:
             return f"{name} was added"
+        if before[1] == entry[1] and before[2][0] is entry[2][0] and before[2] != entry[2]:
+            return f"a method of {entry[2][0].__qualname__} (the class of {name}) was replaced"
         if before[1:3] != entry[1:3]:
             return f"{name} was replaced" if entry[0] else "the module's class changed"
         if before[3] != entry[3]:

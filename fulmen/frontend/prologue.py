@@ -307,6 +307,30 @@ class _Writer:
             condition = f"len({{{', '.join(f'id({e})' for e in exprs)}}}) == {len(exprs)}"
         self.check(condition, f"the {len(exprs)} tensor arguments are distinct objects")
 
+    def params(self, version: int, param_keys: tuple, param_names: list[str]) -> None:
+        """A module's structure ``version`` and its parameters and buffers: ``params``, named ``param_names``."""
+        self.check(f"version == {version}", "the module tree's structure (fulmen.frontend.module_guard) is the one "
+                   "traced")
+        self.check(f"len(params) == {len(param_keys)}", f"{len(param_keys)} parameter(s) and buffer(s)")
+        names = [self.name(param_names[i] if i < len(param_names) else f"p{i}") for i in range(len(param_keys))]
+        if names:
+            self.lines.append(f"{', '.join(names)}{',' if len(names) == 1 else ''} = params")
+        for k, name in zip(param_keys, names):
+            self.tensor(k, name, name, bits=False, state=True)
+
+    def none_of_state(self, start: int, state: Any) -> None:
+        """The tensor inputs from ``start`` on (a module call's arguments) are none of the module's parameters and
+        buffers (``params``), which a call passing one (``m(m.weight)``) was keyed and traced as. ``state`` knows
+        their ids (``fulmen.frontend.module``'s ``_ModuleState``: ``known_ids``, else ``ids(params)``)."""
+        exprs = self.flat[start:]
+        if not start or not exprs:
+            return
+        self.env["state"] = state
+        self.names |= {"state", "state_ids"}
+        self.lines.append("state_ids = state.known_ids or state.ids(params)")
+        self.check(" and ".join(f"id({e}) not in state_ids" for e in exprs),
+                   f"the {len(exprs)} tensor argument(s) are none of the module's parameters and buffers")
+
     def call(self, args_key: tuple, arg_names: list[str]) -> None:
         """The arguments of the call: ``args`` and ``kwargs``."""
         kwargs_part = args_key[-1] if args_key and type(args_key[-1]) is tuple and args_key[-1][:1] == ("kwargs",) \
@@ -421,7 +445,8 @@ def tensor_guards(keys: list[tuple], dims: list[frozenset], states: list[bool], 
 
 def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, param_names: list[str] = (),
                    symbolic=None, guard=None, captured: list[torch.Tensor] = (), holders: tuple[int, ...] = (),
-                   examples: list[torch.Tensor] | None = None, fast: Any = None, distinct: bool = True) -> Prologue:
+                   examples: list[torch.Tensor] | None = None, fast: Any = None, distinct: bool = True,
+                   state_ids: Any = None) -> Prologue:
     """The prologue of the entry compiled for ``key``. A function's is ``prologue(args, kwargs)``; a module's
     (``module=True``, key ``((version, parameter keys, call key), global state)``) is
     ``prologue(version, params, args, kwargs)``, ``param_names`` naming the parameters and buffers. ``symbolic``
@@ -429,7 +454,9 @@ def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, para
     ``captured`` tensors are appended to the inputs, then the ``holders`` (their indices in the order the key's walk
     met them) that the program updates or returns (``fulmen.frontend.objects``). ``examples``: the tensors the key
     was computed from, for the one C++ check of all tensors (``Prologue.fast`` keeps it; ``fast`` reuses one).
-    ``distinct``: the call's tensors are checked to be distinct objects past its repeats (``_Writer.distinct``)."""
+    ``distinct``: the call's tensors are checked to be distinct objects past its repeats (``_Writer.distinct``), and
+    none of a module's parameters and buffers, which were keyed as repeats (``state_ids``: its ``known_ids``, else
+    ``ids(params)``, are their ids: ``fulmen.frontend.module``)."""
     w = _Writer(symbolic.dims if symbolic is not None else {})
     call_key, state = key
     preamble = ""
@@ -448,17 +475,13 @@ def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, para
             preamble = "# check_globals() compares the globals and closure variables the traced code read:\n" + comment
     if module:
         version, param_keys, call_key = call_key
-        w.check(f"version == {version}", "the module tree's structure (fulmen.frontend.module_guard) is the one traced")
-        w.check(f"len(params) == {len(param_keys)}", f"{len(param_keys)} parameter(s) and buffer(s)")
-        names = [w.name(param_names[i] if i < len(param_names) else f"p{i}") for i in range(len(param_keys))]
-        if names:
-            w.lines.append(f"{', '.join(names)}{',' if len(names) == 1 else ''} = params")
-        for k, name in zip(param_keys, names):
-            w.tensor(k, name, name, bits=False, state=True)
+        w.params(version, param_keys, param_names)
     n_state = len(w.flat)
     w.call(call_key, arg_names)
     fast = w.tensors(examples, fast)
     w.distinct(n_state if distinct else len(w.flat))
+    if distinct and state_ids is not None:
+        w.none_of_state(n_state, state_ids)
     w.global_state(state)
     flat = list(w.flat)
     if symbolic is not None:  # the relations tracing assumed between the dynamic sizes

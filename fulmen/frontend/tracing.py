@@ -55,6 +55,11 @@ from fulmen.torch.views import set_inference
 from fulmen.transforms.autocast import current_policies
 
 
+class RunsEagerly(Exception):  # noqa: N818 (not an error: the call runs, eagerly)
+    """Raised while tracing where a program cannot compute what eager does; the caller runs the function eagerly
+    for calls with this key (``str(e)`` says why, naming the user's line)."""
+
+
 @dataclass
 class InputSpec:
     """How the flat tensor inputs of a trace are found in a call's arguments."""
@@ -419,6 +424,7 @@ class UserTracer(Tracer):
         self._on_user_call = on_user_call
         self._autocast = _AutocastPolicies()
         self._replays = Replays(trace) if replay else None  # off: every call runs its decomposition
+        self._inference = torch.is_inference_mode_enabled()  # the call's, part of its key
 
     def process_symbol(self, sym: Symbol, args: tuple, kwargs: dict) -> Any:
         trace = self.trace
@@ -436,6 +442,8 @@ class UserTracer(Tracer):
         """A call the user's code made (not one inside a decomposition)."""
         if self._on_user_call is not None:
             self._on_user_call()
+        if torch.is_inference_mode_enabled() is not self._inference:
+            raise _inference_mode_entered(self._inference)
         # eager autocast casts at the outermost call only; the policies follow torch.autocast entered or left
         # inside the traced function
         for policy in self._autocast:
@@ -554,7 +562,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     proxy_args, proxy_kwargs, swaps = _proxify_inputs(trace, spec, args, kwargs, names, state, sizes, same_tensors)
     trace.args = list(spec.tensor_proxies)
     real = [t for _, t in state] if state is not None else []
-    _real_tensors((args, kwargs), real, set() if same_tensors else None)
+    _real_tensors((args, kwargs), real, set(map(id, real)) if same_tensors else None)
     reader = ValueReader(trace, lambda: real + spec.captured)
     recorder = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
     tracer = UserTracer(trace, spec, reader=reader if split_points else None, on_user_call=recorder, replay=replay)
@@ -593,6 +601,15 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     return trace, spec
 
 
+def _inference_mode_entered(outer: bool) -> RunsEagerly:
+    # eager's values made under the mode are inference tensors (is_inference(); eager refuses to save them for
+    # backward or update them in place outside the mode); a program runs all its operations under the caller's mode
+    return RunsEagerly(
+        f"the function enters torch.inference_mode({not outer}) (a torch call under it at {_user_location()}); "
+        "its values are inference tensors only in eager, so such calls run eagerly (not compiled). Use "
+        "torch.no_grad() inside the function, or call it under torch.inference_mode(), to run compiled.")
+
+
 def _call_user(fn: Callable, args: tuple, kwargs: dict, swaps) -> Any:
     """``fn(*args, **kwargs)`` on proxies; on an error the caller's objects are put back as they were, and a
     function that leaves grad mode changed for its caller is refused (grad mode restored)."""
@@ -626,8 +643,10 @@ def _proxify_inputs(trace: Trace, spec: InputSpec, args: tuple, kwargs: dict, na
     flat = spec.tensor_proxies
     if state is not None:
         proxy_args.append([proxify(trace, t, name, flat, sizes) for name, t in state])
-    # a tensor passed again gets its first proxy (the key's SAME)
+    # a tensor passed again gets its first proxy (the key's SAME), a module's own tensor (m(m.weight)) its proxy
     proxies: dict[int, TensorProxy] | None = {} if same_tensors else None
+    if proxies is not None and state is not None:
+        proxies.update((id(t), p) for (_, t), p in zip(state, proxy_args[0]))
     swaps = ObjectSwaps(lambda t, name: proxify(trace, t, name, flat, sizes, proxies=proxies))
     try:
         for i, a in enumerate(args):

@@ -30,6 +30,7 @@ import logging
 import operator
 import sys
 import threading
+import types
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -208,6 +209,60 @@ def swap_owned(d: dict, key: str, value: Any) -> Any:
     return before
 
 
+def dict_version(d: dict) -> int | None:
+    """``d``'s version tag (PEP 509), None where this Python or torch cannot read it."""
+    return _dict_version(d) if _dict_version is not None else None
+
+
+# ---- objects with __slots__: no dict version to read, so their members are compared on every call ----
+
+_slot_descriptors: dict[type, tuple] = {}
+
+
+def slot_descriptors(cls: type) -> tuple[tuple[str, Any], ...]:
+    """(name, member descriptor) of every ``__slots__`` member of ``cls`` and its bases: reading one runs no user
+    code (a property of the same name would)."""
+    found = _slot_descriptors.get(cls)
+    if found is None:
+        pairs: dict[str, Any] = {}
+        for c in cls.__mro__:
+            slots = c.__dict__.get("__slots__", ())
+            for name in (slots,) if isinstance(slots, str) else slots:
+                if name.startswith("__") and not name.endswith("__"):  # a private name, stored mangled
+                    name = f"_{c.__name__.lstrip('_')}{name}"
+                desc = c.__dict__.get(name)
+                if type(desc) is types.MemberDescriptorType:
+                    pairs.setdefault(name, desc)
+        found = _slot_descriptors[cls] = tuple(pairs.items())
+    return found
+
+
+def slot_values(obj: Any, descriptors: tuple[tuple[str, Any], ...]) -> list[tuple[str, Any]]:
+    """(name, value) of ``obj``'s set ``__slots__`` members."""
+    out = []
+    for name, desc in descriptors:
+        try:
+            out.append((name, desc.__get__(obj)))
+        except AttributeError:  # not set
+            pass
+    return out
+
+
+class _SlotValues:
+    """What a check expects an object's ``__slots__`` members to hold, each by identity."""
+
+    __slots__ = ("obj", "descriptors", "values")
+
+    def __init__(self, obj: Any):
+        self.obj, self.descriptors = obj, slot_descriptors(type(obj))
+        self.values = [v for _, v in slot_values(obj, self.descriptors)], type(obj)
+
+    def holds(self) -> bool:
+        values, cls = self.values
+        obj = self.obj
+        return type(obj) is cls and all(map(operator.is_, [v for _, v in slot_values(obj, self.descriptors)], values))
+
+
 # ---- the check ----
 
 
@@ -217,12 +272,16 @@ def _module_dicts(mod: nn.Module) -> list[tuple[str, Any]]:
 
 
 def build(
-    modules: Sequence[nn.Module], previous: Callable[[], bool] | None = None, objects: Sequence[dict] = ()
+    modules: Sequence[nn.Module],
+    previous: Callable[[], bool] | None = None,
+    objects: Sequence[dict] = (),
+    slotted: Sequence[Any] = (),
 ) -> Callable[[], bool]:
     """A function saying whether ``modules`` (a tree's, each once) and the global module hooks are as they are now:
     the same types, and every dictionary unchanged. Call it before reading the tree, so a change made meanwhile
     fails it. ``previous``: the check it replaces, whose C++ guard tree it keeps where that still holds.
-    ``objects``: the ``__dict__`` of each plain object the tree's snapshot records members of (a config)."""
+    ``objects``: the ``__dict__`` of each plain object the tree's snapshot records members of (a config);
+    ``slotted``: such objects with ``__slots__`` members, compared member by member."""
     if _guards is None:
         return never
     dicts = [vars(_torch_module), *(getattr(_torch_module, name) for name in _GLOBAL_DICTS)]
@@ -241,7 +300,9 @@ def build(
                 dicts.append(d)
     dicts.extend(objects)
     previous = previous if isinstance(previous, TreeCheck) else None
-    return TreeCheck(tuple(modules), tuple(dicts), owned_dicts, previous, frozenset(swapped))
+    check = TreeCheck(tuple(modules), tuple(dicts), owned_dicts, previous, frozenset(swapped))
+    check.slots = tuple(map(_SlotValues, slotted))
+    return check
 
 
 class TreeCheck:
@@ -261,6 +322,7 @@ class TreeCheck:
         self.swapped = swapped  # dicts swap_owned writes: compared in Python, told each version it leaves
         if swapped:
             _watch_versions(self, [dicts[i] for i in swapped])
+        self.slots: tuple[_SlotValues, ...] = ()  # objects with __slots__ members (``build``)
         self.passed = 0
         self.promote = "torch._dynamo.guards" in sys.modules or len(dicts) > _PYTHON_CHECK_LIMIT
         self.changed: frozenset[int] = frozenset()  # dicts written since the previous check was built
@@ -288,6 +350,8 @@ class TreeCheck:
         if tuple(map(_dict_version, loose_dicts)) != loose_versions:
             return False
         if self.expected and not all(e.holds() for e in self.expected):
+            return False
+        if self.slots and not all(s.holds() for s in self.slots):
             return False
         if self.tree is None and self.promote:
             self.passed += 1

@@ -119,8 +119,8 @@ def set_inference(p: TensorProxy) -> None:
 def is_inference(a: TensorProxy) -> bool:
     """``Tensor.is_inference()``: an input that is an inference tensor, and any view of one, as eager's; a value
     the program computes (and its views) is one when the call runs under ``torch.inference_mode`` (which the cache
-    keys). One gap: a value computed inside a ``with torch.inference_mode():`` block of the traced function itself
-    reads as made under the mode in force where it is read."""
+    keys). A function that enters or leaves inference mode itself runs eagerly (``fulmen.frontend.tracing``'s
+    ``RunsEagerly``), so no value reads otherwise."""
     base = a
     while base.view_of is not None:
         base = base.view_of[0]
