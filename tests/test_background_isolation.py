@@ -421,7 +421,9 @@ def _programs_from_other_libraries():
                                   "gelu_tanh_softmax"])
 def test_the_region_graph_is_the_one_make_fx_makes(name):
     # fulmen records a region's aten graph without FX's Tracer.trace (which patches nn.Module process-wide); the
-    # graph handed to Inductor must be make_fx's: the same code, and the same values on the same inputs
+    # graph handed to Inductor must be make_fx's under the Python dispatcher (as AOTAutograd traces for
+    # torch.compile): the same code, and the same values on the same inputs
+    from torch._dispatch.python import enable_python_dispatcher
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from fulmen.executors.inductor_decomps import decomposition_table
@@ -430,7 +432,8 @@ def test_the_region_graph_is_the_one_make_fx_makes(name):
     fn, example = _programs_from_other_libraries()[name]
     table = decomposition_table()
     with torch.no_grad():
-        expected = make_fx(fn, decomposition_table=table, tracing_mode="fake")(*example)
+        with enable_python_dispatcher():
+            expected = make_fx(fn, decomposition_table=table, tracing_mode="fake")(*example)
         got = aten_graph(fn, example, table)
         assert got.code == expected.code
         for a, b in zip(torch.utils._pytree.tree_leaves(got(*example)),

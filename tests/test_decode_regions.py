@@ -7,7 +7,9 @@ import torch
 
 import fulmen
 from fulmen.executors import inductor_compile
+from fulmen.executors.inductor_decomps import decomposition_table
 from fulmen.executors.inductor_dynamic import varying_dims
+from fulmen.executors.inductor_graph import aten_graph, symbolic_aten_graph
 
 
 def _attention_step(q, k, v):
@@ -37,6 +39,35 @@ def test_a_growing_cache_compiles_a_bounded_number_of_kernels():
     last = (torch.Size([1, 2, 1, 16]), torch.Size([1, 2, 16, 16]))
     ran = [fn for key, fn in region.variants.items() if {s for s, _ in key} >= set(last)]
     assert ran == [region.dynamic.fn], "the last length should run on the symbolic kernel"
+
+
+def _attention_then_projection(q, k, v, w):
+    """A decoder layer's attention of one new token over its cache, then the output projection, as the graph
+    Dynamo hands the backend for a Hugging Face Llama writes it."""
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.25, enable_gqa=True)
+    out = out.reshape(q.shape[0], -1, 1, q.shape[-1]).transpose(1, 2).contiguous()
+    return torch.nn.functional.linear(out.reshape(q.shape[0], 1, -1), w)
+
+
+@pytest.mark.parametrize("symbolic", [False, True], ids=["static", "symbolic-cache-length"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_decode_steps_output_projection_is_one_mm_in_the_region_graph(batch, symbolic):
+    """Eager folds ``[B, 1, 64] @ W.t()`` into one ``mm``, and so does torch.compile's graph. The region's graph did
+    only if matmul's C++ fold check passed on fake tensors, whose view of attention's output has another stride in
+    its size-1 dim than the real one: it became a ``bmm`` over an expanded weight, which Inductor lowers into a
+    C++ reduction loop."""
+    torch.manual_seed(0)
+    query = torch.randn(batch, 1, 4, 16).transpose(1, 2)  # heads split off a projection, as a decoder makes it
+    example = [query, torch.randn(batch, 2, 9, 16), torch.randn(batch, 2, 9, 16), torch.randn(64, 64)]
+    if symbolic:
+        gm, _, _ = symbolic_aten_graph(
+            _attention_then_projection, example, decomposition_table(), frozenset({(1, 2), (2, 2)})
+        )
+    else:
+        gm = aten_graph(_attention_then_projection, example, decomposition_table())
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.mm.default in ops and torch.ops.aten.bmm.default not in ops, ops
+    torch.testing.assert_close(gm(*example), _attention_then_projection(*example))
 
 
 def test_the_symbolic_kernel_runs_only_layouts_it_was_compiled_for():

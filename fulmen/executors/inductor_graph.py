@@ -12,7 +12,7 @@ For a dispatch-level trace those patches do nothing: the recording tracer's ``ca
 its ``getattr`` returns the attribute, and the function it runs receives fake tensors, never FX proxies, so a
 wrapped function calls the original. ``_DispatchGraphTracer`` is make_fx's tracer with a ``trace`` that builds the
 same graph (the same placeholders, nodes and output) without them. Everything else a capture uses is per thread:
-dispatch and function modes, the fake mode, the autocast cache switch.
+dispatch and function modes, the fake mode, the Python dispatcher switch, the autocast cache switch.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch._dispatch.python import enable_python_dispatcher
 from torch._dynamo.source import ConstantSource
 from torch.fx.experimental.proxy_tensor import (
     ProxyTorchDispatchMode,
@@ -93,6 +94,11 @@ def _trace(fn: Callable, fake_mode, fakes: list, decompositions: Mapping, mode: 
     placeholders = tuple(torch.fx._symbolic_trace.PH for _ in fakes)
     with ExitStack() as stack:
         stack.enter_context(fake_mode)
+        # Composite operations decompose by PyTorch's Python rules, as under AOTAutograd (torch.compile): matmul's
+        # C++ rule folds a 3-D input into one mm only if its strides pass a check that fake views of size-1 dims
+        # can fail where the real tensors pass (attention's output at decode), giving a bmm Inductor unrolls
+        # into a loop; the Python rule skips size-1 dims. A per-thread switch.
+        stack.enter_context(enable_python_dispatcher())
         stack.enter_context(TorchFunctionMetadataMode(tracer))  # the torch call behind each node, in its meta
         stack.enter_context(ProxyTorchDispatchMode(tracer, mode, decomposition_table=table))
         # a cast's cached result would enter the graph as an untracked constant
