@@ -140,9 +140,6 @@ def test_generate_with_a_static_cache_writes_it_in_place_with_two_programs():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "DynamicSlidingWindowLayer.cumulative_length is a Python int the cache adds each step's length to, and fulmen "
-    "keys ints by value (no symbolic ints): one program per token, eager's tokens (the HF matrix's Mistral row)"))
 def test_generate_with_a_sliding_window_cache_compiles_the_prompt_and_one_decode_program():
     _check_generate(_mistral, do_sample=False)
 

@@ -47,6 +47,7 @@ from fulmen.frontend.cache import (
     member_values,
     value_key,
 )
+from fulmen.frontend.dynamic import int_carrier
 
 _LITERAL = (int, bool, type(None))
 _Parameter = torch.nn.Parameter
@@ -91,8 +92,11 @@ class Prologue:
 
 
 class _Writer:
-    def __init__(self, dims: dict[int, frozenset]):
+    def __init__(self, dims: dict[int, frozenset], int_slots: frozenset[int] = frozenset()):
         self.dims = dims  # flat input -> its dynamic dims
+        self.int_slots = int_slots  # the symbolic ints, by slot (fulmen.frontend.dynamic.map_call_ints)
+        self.n_ints = 0  # the ints of the arguments met so far (the next one's slot)
+        self.int_exprs: dict[int, str] = {}  # symbolic slot -> the expression reading it
         self.env: dict[str, Any] = {"Tensor": torch.Tensor, "math": math, "torch": torch, "Proxy": Proxy,
                                     "_dict_keys": _dict_keys,
                                     "_key_of": _key_of, "_member_names": member_names, "_member_values": member_values}
@@ -157,6 +161,12 @@ class _Writer:
             self.holders.append(expr)
         if type(key) is tuple and len(key) == 2 and isinstance(key[0], type):
             t, inner = key
+            if t is int and type(inner) is int:
+                slot, self.n_ints = self.n_ints, self.n_ints + 1
+                if slot in self.int_slots:  # symbolic: its value is bound below and checked by the guards
+                    self.int_exprs[slot] = expr
+                    self.check(f"type({expr}) is int", f"{label}: an int, symbolic (traced with {inner})")
+                    return
             if t in (int, bool, str, type(None)):
                 self.check(f"type({expr}) is {self.const(t)} and {expr} == {self.const(inner)}",
                            f"{label}: {_short(inner)}")
@@ -424,7 +434,10 @@ def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, para
     met them) that the program updates or returns (``fulmen.frontend.objects``). ``examples``: the tensors the key
     was computed from, for the one C++ check of all tensors (``Prologue.fast`` keeps it; ``fast`` reuses one).
     ``distinct``: the call's tensors are checked to be distinct objects past its repeats (``_Writer.distinct``)."""
-    w = _Writer(symbolic.dims if symbolic is not None else {})
+    w = _Writer(symbolic.dims if symbolic is not None else {}, symbolic.int_slots if symbolic is not None else
+                frozenset())
+    if symbolic is not None:  # the symbols are the guards' names: no value of the prologue may take one
+        w.names |= {str(sym) for sym, *_ in symbolic.symbols} | {str(sym) for sym, _ in symbolic.int_symbols}
     call_key, state = key
     preamble = ""
     if guard is not None:  # the globals and closure variables the traced code read (fulmen.frontend.global_guard)
@@ -455,10 +468,15 @@ def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, para
     w.distinct(n_state if distinct else len(w.flat))
     w.global_state(state)
     flat = list(w.flat)
-    if symbolic is not None:  # the relations tracing assumed between the dynamic sizes
+    if symbolic is not None:  # the relations tracing assumed between the dynamic sizes and ints
         for sym, i, d in symbolic.symbols:
             w.lines.append(f"{sym} = {flat[i]}.shape[{d}]")
-        w.check(symbolic.guard_source(), "the guards on the dynamic sizes")
+        for sym, slot in symbolic.int_symbols:
+            w.lines.append(f"{sym} = {w.int_exprs[slot]}")
+        w.check(symbolic.guard_source(), "the guards on the dynamic sizes and ints")
+        if symbolic.int_symbols:  # the program reads each symbolic int from an input of that size
+            carrier = w.const(int_carrier, "int_carrier")
+            flat += [f"{carrier}({sym})" for sym, _ in symbolic.int_symbols]
     if guard is not None:
         w.check("check_globals()", "the globals and closure variables the traced code read (above)")
     if captured:

@@ -24,11 +24,13 @@ from fulmen.core.draws import callable_draws
 from fulmen.core.proxies import Proxy, TensorProxy, call_with_out, has_proxy, is_library_file, is_proxy, latest
 from fulmen.core.shared_patch import SharedPatch
 from fulmen.core.symbol import Symbol
+from fulmen.core.symbolic import size_hint
 from fulmen.core.trace import Trace, get_tracectx
 from fulmen.core.tracer import Tracer, record, resolve_latest, tracing
 from fulmen.core.unbacked import GuardOnDataDependentSymNode, data_dependent_guard
 from fulmen.frontend import checkpointing
 from fulmen.frontend.cache import is_holder
+from fulmen.frontend.dynamic import IntInputs, int_carrier
 from fulmen.frontend.escapes import PythonStateWatch
 from fulmen.frontend.global_guard import GlobalGuard, ReadRecorder, build_guard
 from fulmen.frontend.higher_order import routing_higher_order_ops
@@ -134,11 +136,15 @@ def check_supported_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
 
 
 def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], sizes: list | None = None,
-            objects: ObjectSwaps | None = None, proxies: dict[int, TensorProxy] | None = None) -> Any:
+            objects: ObjectSwaps | None = None, proxies: dict[int, TensorProxy] | None = None,
+            ints: IntInputs | None = None) -> Any:
     """Replace every tensor in ``value`` (tuples, lists, dicts) by a named TensorProxy input; ``sizes`` (by flat
     position) overrides the tensors' shapes with symbolic ones. ``objects`` swaps proxies into the instances of user
     classes met (``fulmen.frontend.objects``), in the order the cache key walks them. ``proxies`` (tensor id -> its
-    proxy) gives a tensor met again its first proxy, as the cache key does (``fulmen.frontend.cache.same_tensors``)."""
+    proxy) gives a tensor met again its first proxy, as the cache key does (``fulmen.frontend.cache.same_tensors``).
+    ``ints`` numbers the ints met and puts the symbolic ones in their place (``fulmen.frontend.dynamic``)."""
+    if type(value) is int:
+        return ints(value, name) if ints is not None else value
     if isinstance(value, torch.Tensor):
         if proxies is not None:
             p = proxies.get(id(value))
@@ -159,14 +165,16 @@ def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], sizes:
         if proxies is not None:
             proxies[id(value)] = p
         return p
+    if type(value) is torch.Size:  # keyed by its contents, as a value: its ints are not the arguments' ints
+        return value
     if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
-        return type(value)(proxify(trace, v, f"{name}_{i}", flat, sizes, objects, proxies)
+        return type(value)(proxify(trace, v, f"{name}_{i}", flat, sizes, objects, proxies, ints)
                            for i, v in enumerate(value))
     if isinstance(value, tuple):  # namedtuple
-        return type(value)(*(proxify(trace, v, f"{name}_{f}", flat, sizes, objects, proxies)
+        return type(value)(*(proxify(trace, v, f"{name}_{f}", flat, sizes, objects, proxies, ints)
                              for f, v in zip(value._fields, value)))
     if isinstance(value, dict):
-        items = {k: proxify(trace, v, f"{name}_{k}", flat, sizes, objects, proxies) for k, v in value.items()}
+        items = {k: proxify(trace, v, f"{name}_{k}", flat, sizes, objects, proxies, ints) for k, v in value.items()}
         if type(value) is dict:
             return items
         try:  # a dict subclass keeps its class (a ModelOutput: encoder_outputs[0] works)
@@ -500,7 +508,8 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
                   fn_name: str = "computation", state: list[tuple[str, torch.Tensor]] | None = None,
                   sizes: list | None = None, guard_reads: Callable | None = None,
                   own: Sequence[torch.nn.Module] = (), split_points: bool = False,
-                  replay: bool = True, same_tensors: bool = True) -> tuple[Trace, InputSpec]:
+                  replay: bool = True, same_tensors: bool = True,
+                  ints: dict[int, torch.SymInt] | None = None) -> tuple[Trace, InputSpec]:
     """Trace ``fn(*args, **kwargs)``: tensors become proxies, every torch call becomes a bound symbol.
 
     ``state`` (a module's parameters and buffers, by name) becomes the first inputs; ``fn`` then receives
@@ -511,14 +520,20 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     buffers are inputs (writes to other modules: ``fulmen.frontend.module_writes``). With ``split_points``, Python
     that reads a tensor's value gets it from the call's tensors, guarded (``fulmen.frontend.split_points``; the
     caller runs the branch a guard picks); without, it raises ``DataDependentError``. ``same_tensors``: a tensor
-    object passed more than once is one input (``fulmen.frontend.cache.same_tensors``); without, one per position."""
+    object passed more than once is one input (``fulmen.frontend.cache.same_tensors``); without, one per position.
+    ``ints`` (int slot -> SymInt) traces those ints of the arguments as symbolic; each gets an input of its own after
+    the tensors, its carrier (``fulmen.frontend.dynamic``)."""
     trace = Trace(fn_name)
     spec = InputSpec()
     names = arg_names or _arg_names(fn, args, kwargs)
-    proxy_args, proxy_kwargs, swaps = _proxify_inputs(trace, spec, args, kwargs, names, state, sizes, same_tensors)
-    trace.args = list(spec.tensor_proxies)
+    int_inputs = IntInputs(ints)
+    proxy_args, proxy_kwargs, swaps = _proxify_inputs(trace, spec, args, kwargs, names, state, sizes, same_tensors,
+                                                      int_inputs)
+    carriers = _int_carriers(trace, int_inputs)
+    trace.args = list(spec.tensor_proxies) + carriers
     real = [t for _, t in state] if state is not None else []
     _real_tensors((args, kwargs), real, set() if same_tensors else None)
+    real += [int_carrier(size_hint(c.shape[0])) for c in carriers]
     reader = ValueReader(trace, lambda: real + spec.captured)
     recorder = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
     tracer = UserTracer(trace, spec, reader=reader if split_points else None, on_user_call=recorder, replay=replay)
@@ -581,9 +596,23 @@ def _grad_mode_left_changed(fn: Callable, grad_mode: bool) -> NotImplementedErro
         "function, or set the mode before calling it.")
 
 
+def _int_carriers(trace: Trace, ints: IntInputs) -> list[TensorProxy]:
+    """One input per symbolic int, of shape ``(n,)``, from which the program binds the int's symbol
+    (``fulmen.frontend.dynamic.int_carrier``), in slot order."""
+    if len(ints.names) != len(ints.symbols):
+        raise RuntimeError(f"symbolic ints: found {len(ints.names)} of the {len(ints.symbols)} ints expected")
+    carriers = []
+    for slot in sorted(ints.symbols):
+        p = TensorProxy(trace.add_name(ints.names[slot]), shape=torch.Size([ints.symbols[slot]]), dtype=torch.uint8,
+                        device=torch.device("cpu"), requires_grad=False)
+        p.mark_input(leaf=False, param=False)
+        carriers.append(p)
+    return carriers
+
+
 def _proxify_inputs(trace: Trace, spec: InputSpec, args: tuple, kwargs: dict, names: list[str],
                     state: list[tuple[str, torch.Tensor]] | None, sizes: list | None,
-                    same_tensors: bool = True) -> tuple[list, dict, ObjectSwaps]:
+                    same_tensors: bool = True, ints: IntInputs | None = None) -> tuple[list, dict, ObjectSwaps]:
     """The arguments ``fn`` is traced with (``state`` first when given), their tensors made named inputs in
     ``spec.tensor_proxies``; the user objects swapped (``fulmen.frontend.objects``) are put back on failure."""
     proxy_args = []
@@ -592,12 +621,13 @@ def _proxify_inputs(trace: Trace, spec: InputSpec, args: tuple, kwargs: dict, na
         proxy_args.append([proxify(trace, t, name, flat, sizes) for name, t in state])
     # a tensor passed again gets its first proxy (the key's SAME)
     proxies: dict[int, TensorProxy] | None = {} if same_tensors else None
-    swaps = ObjectSwaps(lambda t, name: proxify(trace, t, name, flat, sizes, proxies=proxies))
+    swaps = ObjectSwaps(lambda t, name: proxify(trace, t, name, flat, sizes, proxies=proxies), ints)
     try:
         for i, a in enumerate(args):
             name = names[i] if i < len(names) else f"t_{i}"
-            proxy_args.append(proxify(trace, a, name, flat, sizes, swaps, proxies))
-        proxy_kwargs = {k: proxify(trace, v, sanitize_name(k), flat, sizes, swaps, proxies) for k, v in kwargs.items()}
+            proxy_args.append(proxify(trace, a, name, flat, sizes, swaps, proxies, ints))
+        proxy_kwargs = {k: proxify(trace, v, sanitize_name(k), flat, sizes, swaps, proxies, ints)
+                        for k, v in kwargs.items()}
         if sizes is not None and len(flat) != len(sizes):
             raise RuntimeError(f"symbolic sizes: found {len(flat)} tensor inputs, expected {len(sizes)}")
     except BaseException:
