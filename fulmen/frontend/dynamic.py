@@ -101,6 +101,36 @@ def map_call_ints(call_key: tuple, fn: Callable[[tuple], Any]) -> tuple:
     return tuple(out)
 
 
+def _int_paths(key: Any, path: str, out: list[str]) -> None:
+    """The paths (``cache.layers[0].cumulative_length``) of the ints ``_map_ints`` walks, in the same order."""
+    if type(key) is not tuple or is_tensor_key(key):
+        return
+    if len(key) == 2 and key[0] is int and type(key[1]) is int:
+        out.append(path)
+    elif len(key) == 4 and key[0] == OBJECT:
+        for name, k in zip(key[2], key[3]):
+            _int_paths(k, f"{path}.{name}", out)
+    elif len(key) == 2 and isinstance(key[0], type) and type(key[1]) is tuple and key[0] is not torch.Size:
+        if issubclass(key[0], dict):
+            for k, v in key[1]:
+                _int_paths(v, f"{path}[{k!r}]", out)
+        elif issubclass(key[0], (tuple, list)):
+            for i, v in enumerate(key[1]):
+                _int_paths(v, f"{path}[{i}]", out)
+
+
+def int_paths(call_key: tuple, arg_names: list[str]) -> list[str]:
+    """Where each int of a call's key is, in slot order, for messages: ``n``, ``past_key_values.layers[0].x``."""
+    out: list[str] = []
+    for i, a in enumerate(call_key):
+        if type(a) is tuple and a[:1] == ("kwargs",):
+            for k, v in a[1:]:
+                _int_paths(v, k, out)
+        else:
+            _int_paths(a, arg_names[i] if i < len(arg_names) else f"argument {i}", out)
+    return out
+
+
 def call_ints(call_key: tuple) -> list[int]:
     """The int values of a call's key, in slot order (``map_call_ints``)."""
     values: list[int] = []
@@ -327,11 +357,11 @@ class SymbolicSizes:
 
 
 def describe_change(note: tuple, n_state: int, names: list[str] | None = None) -> str:
-    """``argument 0 (idx) dim 1 changed 32 -> 48`` (arguments counted among the tensor inputs); ``int 0 changed
-    6 -> 7`` for an int (slots counted in the order of ``map_call_ints``)."""
-    i, d, a, b = note
+    """``argument 0 (idx) dim 1 changed 32 -> 48`` (arguments counted among the tensor inputs); ``int
+    cache.layers[0].seen changed 6 -> 7`` for an int (a note with its path: ``int_paths``)."""
+    i, d, a, b, *where = note
     if i is None:
-        return f"int {d} of the arguments changed {a} -> {b}"
+        return f"int {where[0] if where else d} changed {a} -> {b}"
     what = f"argument {i - n_state}" if i >= n_state else f"parameter/buffer {i}"
     if names is not None and i < len(names):
         what += f" ({names[i]})"

@@ -38,6 +38,7 @@ from fulmen.frontend.dynamic import (
     describe_change,
     erase_ints,
     erase_sizes,
+    int_paths,
     key_sizes,
     strided_inputs,
     symbolic_dims,
@@ -453,7 +454,8 @@ class JittedFunction:
             key = self._with_call_part(key, erase_ints(call, symbolic.int_slots))
         return erase_sizes(key, symbolic.dims)
 
-    def _dynamic_dims(self, key, sizes, ints) -> tuple[dict[int, frozenset], frozenset[int], list[str]]:
+    def _dynamic_dims(self, key, sizes, ints, args=(), kwargs=None
+                      ) -> tuple[dict[int, frozenset], frozenset[int], list[str]]:
         """The dims and int slots to make symbolic for this call, and a note for each newly seen changing."""
         if self.dynamic is False:
             return {}, frozenset(), []
@@ -471,7 +473,7 @@ class JittedFunction:
                                    for i, ds in self._marked_dims.items() if i < len(sizes)}
             else:
                 return {}, frozenset(), []
-        notes = history.update(sizes, ints)
+        notes = self._name_ints(history.update(sizes, ints), key, args, kwargs or {})
         if history.failed:
             return {}, frozenset(), []
         names = history.names
@@ -479,6 +481,13 @@ class JittedFunction:
         texts = [describe_change(n, self._n_state(), names)
                  + (": kept exact (a non-contiguous tensor)" if n[0] in exact else ": marked dynamic") for n in notes]
         return symbolic_dims(history.changed, sizes, exact), symbolic_ints(history.changed_ints, ints), texts
+
+    def _name_ints(self, notes: list[tuple], key, args, kwargs) -> list[tuple]:
+        """The notes of ints (``SizeHistory.update``) with where each int is in the arguments."""
+        if not any(n[0] is None for n in notes):
+            return notes
+        paths = int_paths(self._call_part(key), _arg_names(self.fn, args, kwargs))
+        return [(*n, paths[n[1]]) if n[0] is None and n[1] < len(paths) else n for n in notes]
 
     def _carried_dims(self, key, args, kwargs, sizes, ints) -> tuple[dict[int, frozenset], frozenset[int], list[str]]:
         """A structure seen for the first time whose program rebinds tensors of the objects passed in to tensors of
@@ -501,7 +510,8 @@ class JittedFunction:
             i = index.get(name)
             if i is not None and len(old) == len(new):
                 notes += [(i, d, a, b) for d, (a, b) in enumerate(zip(old, new)) if a != b]
-        int_notes = [(None, slot, a, b) for slot, a, b in spec.objects.rebound_ints]
+        int_notes = self._name_ints([(None, slot, a, b) for slot, a, b in spec.objects.rebound_ints], key, args,
+                                    kwargs)
         if not notes and not int_notes:
             return none
         if notes:
@@ -524,7 +534,8 @@ class JittedFunction:
         stats = self._stats
         stats.cache_misses += 1
         sizes, ints = key_sizes(key), call_ints(self._call_part(key))
-        dims, int_slots, notes = self._dynamic_dims(key, sizes, ints) if flat is not None else ({}, frozenset(), [])
+        dims, int_slots, notes = ({}, frozenset(), []) if flat is None else self._dynamic_dims(key, sizes, ints, args,
+                                                                                               kwargs)
         if not dims and not int_slots and flat is not None and self.dynamic is None and self._compilations \
                 and holds_objects(key):
             dims, int_slots, notes = self._carried_dims(key, args, kwargs, sizes, ints)
