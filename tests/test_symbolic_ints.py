@@ -165,3 +165,31 @@ def test_gradients_through_a_symbolic_int_match_eager_and_a_returned_int_is_the_
         torch.testing.assert_close(x.grad, x_ref.grad)
         assert type(m) is int and m == m_ref
     assert fulmen.cache_misses(jf) == 2
+
+
+_SEEN = []
+
+
+def _remembers(x, n):
+    _SEEN.append(n)  # a Python side effect: done while tracing only, as fulmen warns
+    return x * n
+
+
+class _Remembers(torch.nn.Module):
+    def forward(self, x, n):
+        self.last = n * 2  # a plain attribute: set while tracing only, as fulmen warns
+        return x[:n]
+
+
+@pytest.mark.parametrize("where", ["global", "module attribute"])
+def test_a_symbolic_int_never_leaks_into_python_state_the_program_does_not_update(where):
+    # a SymInt stands for each call's value only inside the program; where the code leaves one elsewhere, the
+    # symbolic compilation gives up (logged) and ints stay exact: the state holds the ints tracing saw, as before
+    _SEEN.clear()
+    model = _Remembers()
+    jf, x = (_jit(_remembers), torch.randn(3)) if where == "global" else (_jit(model), torch.randn(6))
+    for n in (2, 3, 4):
+        want = _remembers(x, n) if where == "global" else x[:n]
+        torch.testing.assert_close(jf(x, n), want, rtol=0, atol=0)
+    left = _SEEN if where == "global" else [model.last]
+    assert left and all(type(v) is int for v in left), left
