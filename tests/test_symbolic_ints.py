@@ -193,3 +193,21 @@ def test_a_symbolic_int_never_leaks_into_python_state_the_program_does_not_updat
         torch.testing.assert_close(jf(x, n), want, rtol=0, atol=0)
     left = _SEEN if where == "global" else [model.last]
     assert left and all(type(v) is int for v in left), left
+
+
+def test_an_int_dynamo_made_dynamic_is_symbolic_in_the_backends_first_compilation():
+    import torch._dynamo
+
+    from fulmen.frontend.dynamo import backend_stats, reset_backend_stats
+
+    def fn(x, n):
+        return x[:n] * n
+
+    torch._dynamo.reset()
+    reset_backend_stats()
+    compiled = torch.compile(fn, backend="fulmen", options={"executors": ["torch"]})
+    x = torch.randn(10)
+    for n in range(3, 9):  # 3: Dynamo's static graph; 4: its graph with n a SymInt input, then reused
+        torch.testing.assert_close(compiled(x, n), fn(x, n), rtol=0, atol=0)
+    stats = backend_stats()
+    assert stats.graphs == 2 and stats.per_graph == [1, 1] and stats.eager_graphs == 0, stats

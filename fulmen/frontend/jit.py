@@ -468,9 +468,10 @@ class JittedFunction:
             if self.dynamic:
                 n_state = self._n_state()
                 history.changed = {i: set(range(len(s))) for i, s in enumerate(sizes) if i >= n_state}
-            elif self._marked_dims:
+            elif self._marked_dims or self._marked_ints:
                 history.changed = {i: {d for d in ds if d < len(sizes[i])}
                                    for i, ds in self._marked_dims.items() if i < len(sizes)}
+                history.changed_ints = {slot for slot in self._marked_ints if slot < len(ints)}
             else:
                 return {}, frozenset(), []
         notes = self._name_ints(history.update(sizes, ints), key, args, kwargs or {})
@@ -584,6 +585,9 @@ class JittedFunction:
     #: Dims symbolic from the first call (flat tensor index -> dims), as if already seen changing size: the Dynamo
     #: backend sets them to the dims Dynamo made dynamic, so that its dynamic graph compiles once, not twice.
     _marked_dims: dict[int, frozenset] = {}
+    #: Int slots (``fulmen.frontend.dynamic.map_call_ints``) symbolic from the first call, likewise: the Dynamo
+    #: backend sets them to the graph's SymInt inputs that no tensor's size gives.
+    _marked_ints: frozenset[int] = frozenset()
 
     def _state_names(self) -> list[str]:
         """The names of a module's parameters and buffers, in the order of the flat inputs."""
