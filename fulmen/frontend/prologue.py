@@ -92,9 +92,10 @@ class Prologue:
 
 
 class _Writer:
-    def __init__(self, dims: dict[int, frozenset], int_slots: frozenset[int] = frozenset()):
-        self.dims = dims  # flat input -> its dynamic dims
-        self.int_slots = int_slots  # the symbolic ints, by slot (fulmen.frontend.dynamic.map_call_ints)
+    def __init__(self, symbolic=None):
+        self.dims = symbolic.dims if symbolic is not None else {}  # flat input -> its dynamic dims
+        # the symbolic ints, by slot (fulmen.frontend.dynamic.map_call_ints)
+        self.int_slots = symbolic.int_slots if symbolic is not None else frozenset()
         self.n_ints = 0  # the ints of the arguments met so far (the next one's slot)
         self.int_exprs: dict[int, str] = {}  # symbolic slot -> the expression reading it
         self.env: dict[str, Any] = {"Tensor": torch.Tensor, "math": math, "torch": torch, "Proxy": Proxy,
@@ -111,6 +112,8 @@ class _Writer:
         self._consts: dict[Any, str] = {}
         self._keep: list[Any] = []
         self._n_unnamed = 0
+        if symbolic is not None:  # the symbols are the guards' names: no value of the prologue may take one
+            self.names |= {str(sym) for sym, *_ in symbolic.symbols} | {str(sym) for sym, _ in symbolic.int_symbols}
 
     def name(self, hint: str) -> str:
         base = sanitize_name(hint)
@@ -296,6 +299,19 @@ class _Writer:
         self._inference_check()
         return fast
 
+    def symbolic_guards(self, symbolic) -> list[str]:
+        """The relations tracing assumed between the dynamic sizes and ints (``fulmen.frontend.dynamic``); returns
+        the carriers the program reads each symbolic int from."""
+        for sym, i, d in symbolic.symbols:
+            self.lines.append(f"{sym} = {self.flat[i]}.shape[{d}]")
+        for sym, slot in symbolic.int_symbols:
+            self.lines.append(f"{sym} = {self.int_exprs[slot]}")
+        self.check(symbolic.guard_source(), "the guards on the dynamic sizes and ints")
+        if not symbolic.int_symbols:
+            return []
+        carrier = self.const(int_carrier, "int_carrier")
+        return [f"{carrier}({sym})" for sym, _ in symbolic.int_symbols]
+
     def _inference_check(self) -> None:
         if self.inference_checks:  # TensorGuards does not tell inference tensors from others
             self.check(" and ".join(self.inference_checks), "inference tensors where compiled for them, only there")
@@ -434,10 +450,7 @@ def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, para
     met them) that the program updates or returns (``fulmen.frontend.objects``). ``examples``: the tensors the key
     was computed from, for the one C++ check of all tensors (``Prologue.fast`` keeps it; ``fast`` reuses one).
     ``distinct``: the call's tensors are checked to be distinct objects past its repeats (``_Writer.distinct``)."""
-    w = _Writer(symbolic.dims if symbolic is not None else {}, symbolic.int_slots if symbolic is not None else
-                frozenset())
-    if symbolic is not None:  # the symbols are the guards' names: no value of the prologue may take one
-        w.names |= {str(sym) for sym, *_ in symbolic.symbols} | {str(sym) for sym, _ in symbolic.int_symbols}
+    w = _Writer(symbolic)
     call_key, state = key
     preamble = ""
     if guard is not None:  # the globals and closure variables the traced code read (fulmen.frontend.global_guard)
@@ -468,15 +481,8 @@ def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, para
     w.distinct(n_state if distinct else len(w.flat))
     w.global_state(state)
     flat = list(w.flat)
-    if symbolic is not None:  # the relations tracing assumed between the dynamic sizes and ints
-        for sym, i, d in symbolic.symbols:
-            w.lines.append(f"{sym} = {flat[i]}.shape[{d}]")
-        for sym, slot in symbolic.int_symbols:
-            w.lines.append(f"{sym} = {w.int_exprs[slot]}")
-        w.check(symbolic.guard_source(), "the guards on the dynamic sizes and ints")
-        if symbolic.int_symbols:  # the program reads each symbolic int from an input of that size
-            carrier = w.const(int_carrier, "int_carrier")
-            flat += [f"{carrier}({sym})" for sym, _ in symbolic.int_symbols]
+    if symbolic is not None:
+        flat += w.symbolic_guards(symbolic)
     if guard is not None:
         w.check("check_globals()", "the globals and closure variables the traced code read (above)")
     if captured:

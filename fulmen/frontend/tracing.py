@@ -508,8 +508,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
                   fn_name: str = "computation", state: list[tuple[str, torch.Tensor]] | None = None,
                   sizes: list | None = None, guard_reads: Callable | None = None,
                   own: Sequence[torch.nn.Module] = (), split_points: bool = False,
-                  replay: bool = True, same_tensors: bool = True,
-                  ints: dict[int, torch.SymInt] | None = None) -> tuple[Trace, InputSpec]:
+                  replay: bool = True, same_tensors: bool = True, ints: dict | None = None) -> tuple[Trace, InputSpec]:
     """Trace ``fn(*args, **kwargs)``: tensors become proxies, every torch call becomes a bound symbol.
 
     ``state`` (a module's parameters and buffers, by name) becomes the first inputs; ``fn`` then receives
@@ -521,19 +520,13 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     that reads a tensor's value gets it from the call's tensors, guarded (``fulmen.frontend.split_points``; the
     caller runs the branch a guard picks); without, it raises ``DataDependentError``. ``same_tensors``: a tensor
     object passed more than once is one input (``fulmen.frontend.cache.same_tensors``); without, one per position.
-    ``ints`` (int slot -> SymInt) traces those ints of the arguments as symbolic; each gets an input of its own after
-    the tensors, its carrier (``fulmen.frontend.dynamic``)."""
+    ``ints`` (slot -> SymInt): symbolic ints of the arguments, each read from an input (``fulmen.frontend.dynamic``)."""
     trace = Trace(fn_name)
     spec = InputSpec()
     names = arg_names or _arg_names(fn, args, kwargs)
-    int_inputs = IntInputs(ints)
     proxy_args, proxy_kwargs, swaps = _proxify_inputs(trace, spec, args, kwargs, names, state, sizes, same_tensors,
-                                                      int_inputs)
-    carriers = _int_carriers(trace, int_inputs)
-    trace.args = list(spec.tensor_proxies) + carriers
-    real = [t for _, t in state] if state is not None else []
-    _real_tensors((args, kwargs), real, set() if same_tensors else None)
-    real += [int_carrier(size_hint(c.shape[0])) for c in carriers]
+                                                      IntInputs(ints))
+    real = _real_inputs(args, kwargs, state, same_tensors, trace.args[len(spec.tensor_proxies):])
     reader = ValueReader(trace, lambda: real + spec.captured)
     recorder = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
     tracer = UserTracer(trace, spec, reader=reader if split_points else None, on_user_call=recorder, replay=replay)
@@ -572,6 +565,14 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     return trace, spec
 
 
+def _real_inputs(args: tuple, kwargs: dict, state, same_tensors: bool, carriers: list[TensorProxy]) -> list:
+    """The call's values of the trace's inputs before the captured ones: the module's state, the arguments' tensors
+    (each once with ``same_tensors``), the carriers of the symbolic ints."""
+    real = [t for _, t in state] if state is not None else []
+    _real_tensors((args, kwargs), real, set() if same_tensors else None)
+    return real + [int_carrier(size_hint(p.shape[0])) for p in carriers]
+
+
 def _call_user(fn: Callable, args: tuple, kwargs: dict, swaps) -> Any:
     """``fn(*args, **kwargs)`` on proxies; on an error the caller's objects are put back as they were, and a
     function that leaves grad mode changed for its caller is refused (grad mode restored)."""
@@ -596,9 +597,11 @@ def _grad_mode_left_changed(fn: Callable, grad_mode: bool) -> NotImplementedErro
         "function, or set the mode before calling it.")
 
 
-def _int_carriers(trace: Trace, ints: IntInputs) -> list[TensorProxy]:
+def _int_carriers(trace: Trace, ints: IntInputs | None) -> list[TensorProxy]:
     """One input per symbolic int, of shape ``(n,)``, from which the program binds the int's symbol
     (``fulmen.frontend.dynamic.int_carrier``), in slot order."""
+    if ints is None:
+        return []
     if len(ints.names) != len(ints.symbols):
         raise RuntimeError(f"symbolic ints: found {len(ints.names)} of the {len(ints.symbols)} ints expected")
     carriers = []
@@ -614,7 +617,8 @@ def _proxify_inputs(trace: Trace, spec: InputSpec, args: tuple, kwargs: dict, na
                     state: list[tuple[str, torch.Tensor]] | None, sizes: list | None,
                     same_tensors: bool = True, ints: IntInputs | None = None) -> tuple[list, dict, ObjectSwaps]:
     """The arguments ``fn`` is traced with (``state`` first when given), their tensors made named inputs in
-    ``spec.tensor_proxies``; the user objects swapped (``fulmen.frontend.objects``) are put back on failure."""
+    ``spec.tensor_proxies`` and, with the carriers of the symbolic ``ints``, the trace's first arguments; the user
+    objects swapped (``fulmen.frontend.objects``) are put back on failure."""
     proxy_args = []
     flat = spec.tensor_proxies
     if state is not None:
@@ -630,6 +634,7 @@ def _proxify_inputs(trace: Trace, spec: InputSpec, args: tuple, kwargs: dict, na
                         for k, v in kwargs.items()}
         if sizes is not None and len(flat) != len(sizes):
             raise RuntimeError(f"symbolic sizes: found {len(flat)} tensor inputs, expected {len(sizes)}")
+        trace.args = list(flat) + _int_carriers(trace, ints)  # the carriers of symbolic ints after the tensors
     except BaseException:
         swaps.restore()  # the caller's objects as they were
         raise
