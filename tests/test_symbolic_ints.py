@@ -211,3 +211,17 @@ def test_an_int_dynamo_made_dynamic_is_symbolic_in_the_backends_first_compilatio
         torch.testing.assert_close(compiled(x, n), fn(x, n), rtol=0, atol=0)
     stats = backend_stats()
     assert stats.graphs == 2 and stats.per_graph == [1, 1] and stats.eager_graphs == 0, stats
+
+
+def test_code_that_needs_a_plain_int_keeps_ints_exact_and_sizes_dynamic(caplog):
+    def fn(x, n):
+        return x + torch.tensor(n)  # torch.tensor takes Python numbers only: symbolic ints give up, logged
+
+    jf = _jit(fn)
+    with caplog.at_level(logging.WARNING, logger="fulmen"):
+        for n in (2, 3, 4):
+            torch.testing.assert_close(jf(torch.ones(5), n), fn(torch.ones(5), n), rtol=0, atol=0)
+        for size in (6, 7, 8):  # sizes still become dynamic: one more compilation, then none
+            torch.testing.assert_close(jf(torch.ones(size), 4), fn(torch.ones(size), 4), rtol=0, atol=0)
+    assert fulmen.cache_misses(jf) == 4
+    assert any("symbolic ints failed" in r.getMessage() for r in caplog.records)

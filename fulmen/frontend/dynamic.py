@@ -169,6 +169,7 @@ class SizeHistory:
     changed_ints: set[int] = dataclasses.field(default_factory=set)
     names: list[str] | None = None  # the inputs' names in the first trace, for messages
     failed: bool = False  # compiling with dynamic sizes failed once: exact sizes from then on
+    ints_failed: bool = False  # compiling with symbolic ints failed once: exact ints from then on
 
     def update(self, sizes: list[torch.Size], ints: list[int] = ()) -> list[tuple]:
         """Mark the dims and int slots that differ from the first values; returns a note for each newly marked one:

@@ -481,7 +481,8 @@ class JittedFunction:
         exact = strided_inputs(key)
         texts = [describe_change(n, self._n_state(), names)
                  + (": kept exact (a non-contiguous tensor)" if n[0] in exact else ": marked dynamic") for n in notes]
-        return symbolic_dims(history.changed, sizes, exact), symbolic_ints(history.changed_ints, ints), texts
+        int_slots = frozenset() if history.ints_failed else symbolic_ints(history.changed_ints, ints)
+        return symbolic_dims(history.changed, sizes, exact), int_slots, texts
 
     def _name_ints(self, notes: list[tuple], key, args, kwargs) -> list[tuple]:
         """The notes of ints (``SizeHistory.update``) with where each int is in the arguments."""
@@ -499,8 +500,8 @@ class JittedFunction:
         none = {}, frozenset(), []
         history = self._histories.get(self._structure(key))
         last = self._stats_entry
-        if history is None or history.changed or history.changed_ints or history.failed or last is None \
-                or last.spec.objects is None or not last.spec.objects.effects:
+        if history is None or history.changed or history.changed_ints or history.failed or history.ints_failed \
+                or last is None or last.spec.objects is None or not last.spec.objects.effects:
             return none  # only after a program that stored tensors in objects passed in
         trace, spec = self._trace(args, kwargs)
         if spec.objects is None or not (spec.objects.rebound or spec.objects.rebound_ints):
@@ -567,10 +568,7 @@ class JittedFunction:
             except Exception as e:  # never a crash because of dynamic sizes: compile for the exact sizes instead
                 if self.options.raise_on_dynamic_failure:
                     raise
-                self._histories[self._structure(key)].failed = True
-                log.warning("fulmen: compiling %s with dynamic sizes failed (%s: %s); compiling for the exact sizes "
-                            "instead, and for every new size of these arguments from now on",
-                            getattr(self.fn, "__name__", self.fn), type(e).__name__, str(e).split("\n")[0][:300])
+                self._dynamic_failed(key, e, bool(int_slots))
         if entry is None:
             entry = self._build(key, args, kwargs)
             history = self._histories.get(self._structure(key)) if self.dynamic is not False else None
@@ -580,6 +578,20 @@ class JittedFunction:
         self._remember(key, entry)
         self._last_key = key
         return entry
+
+    def _dynamic_failed(self, key, error: Exception, ints: bool) -> None:
+        """Compiling with symbolic sizes or ints failed: exact from now on for this structure of arguments, the ints
+        only when some were symbolic (code that needs a plain int: ``torch.tensor(n)``, ``x[:, n]``)."""
+        history = self._histories[self._structure(key)]
+        what = "symbolic ints" if ints else "dynamic sizes"
+        if ints:
+            history.ints_failed = True
+        else:
+            history.failed = True
+        log.warning("fulmen: compiling %s with %s failed (%s: %s); compiling for the exact %s instead, and for "
+                    "every new %s of these arguments from now on", getattr(self.fn, "__name__", self.fn), what,
+                    type(error).__name__, str(error).split("\n")[0][:300], "ints" if ints else "sizes",
+                    "int value" if ints else "size")
 
     _prologue_of_module = False
     #: Dims symbolic from the first call (flat tensor index -> dims), as if already seen changing size: the Dynamo
