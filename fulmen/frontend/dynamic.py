@@ -25,6 +25,7 @@ list.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -149,9 +150,11 @@ def erase_ints(call_key: tuple, slots: frozenset[int] | None) -> tuple:
     return map_call_ints(call_key, erase)
 
 
+@functools.lru_cache(maxsize=1024)
 def int_carrier(n: int) -> torch.Tensor:
     """The input through which a program reads the symbolic int ``n``: a tensor of shape ``(n,)`` that owns no
-    memory (a broadcast view of one byte); nothing in the program reads its elements."""
+    memory (a broadcast view of one byte); nothing in the program reads or writes its elements, so one carrier
+    per value serves every call (kept: making a view costs more than looking one up)."""
     return _CARRIER_BASE.expand(n)
 
 
