@@ -60,12 +60,23 @@ def _bart():
     return transformers.BartForConditionalGeneration(config)
 
 
-def _mistral():
-    # Mistral's default config (sliding_window=4096) makes a DynamicCache of DynamicSlidingWindowLayers
+def _mistral(**window):
+    # Mistral's default config (sliding_window=4096) makes a DynamicCache of DynamicSlidingWindowLayers, whose
+    # cumulative_length is a Python int the cache adds each step's length to: symbolic from the first decode step
     torch.manual_seed(0)
     config = transformers.MistralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        **window)
     return transformers.MistralForCausalLM(config)
+
+
+def _gemma2():
+    # sliding-window layers (DynamicSlidingWindowLayer) alternate with full-attention ones (DynamicLayer)
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                       max_position_embeddings=64)
+    return transformers.Gemma2ForCausalLM(config)
 
 
 def _prompt(batch: int = 1, seq: int = 6) -> torch.Tensor:
@@ -140,11 +151,22 @@ def test_generate_with_a_static_cache_writes_it_in_place_with_two_programs():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "DynamicSlidingWindowLayer.cumulative_length is a Python int the cache adds each step's length to, and fulmen "
-    "keys ints by value (no symbolic ints): one program per token, eager's tokens (the HF matrix's Mistral row)"))
-def test_generate_with_a_sliding_window_cache_compiles_the_prompt_and_one_decode_program():
-    _check_generate(_mistral, do_sample=False)
+@pytest.mark.parametrize("make", [_mistral, _gemma2], ids=["mistral", "gemma2"])
+def test_generate_with_a_sliding_window_cache_compiles_the_prompt_and_one_decode_program(make):
+    _check_generate(make, do_sample=False)
+
+
+@pytest.mark.slow
+def test_generate_past_a_sliding_window_matches_eager_and_recompiles_where_the_window_fills():
+    # a window of 8 fills at the third decode step (prompt of 6): the guard on cumulative_length >= sliding_window
+    # fails there and the branch taken changes, so the program is compiled again; the tokens stay eager's
+    model = _mistral(sliding_window=8).eval()
+    jitted = fulmen.jit(model, executors=["torch"])
+    want, got = _generate(model, jitted, do_sample=False)
+    assert torch.equal(got, want), (got, want)
+    reasons = fulmen.compile_stats(jitted).recompile_reasons
+    assert any("guards" in r for r in reasons), reasons
+    assert fulmen.cache_misses(jitted) <= 4, reasons
 
 
 @pytest.mark.slow

@@ -204,3 +204,25 @@ class SymbolBinder:
         if missing:
             raise RuntimeError(f"symbolic size(s) {sorted(map(str, missing))} used by {where} cannot be bound from "
                                "the sizes of the values defined before it")
+
+
+def symbolic_value(x: Any, inputs: Any):
+    """``value(flat)``: the int the symbolic ``x`` stands for in a call whose inputs ``flat`` are the values of the
+    proxies ``inputs``, from their sizes (a symbolic int a program returns as a Python value, outside its code).
+    NotImplementedError when an input does not carry one of its symbols bare."""
+    from torch.utils._sympy.printers import PythonPrinter
+
+    needed = set(expr_of(x).free_symbols)
+    binds = []
+    for i, p in enumerate(inputs):
+        for d, n in enumerate(getattr(p, "shape", ())):
+            sym = bare_symbol(n)
+            if sym in needed:
+                needed.discard(sym)
+                binds.append(f"    {symbol_name(sym)} = flat[{i}].shape[{d}]\n")
+    if needed:
+        missing = sorted(map(str, needed))
+        raise NotImplementedError(f"the symbolic value {x} is returned, but no input carries {missing}")
+    namespace: dict[str, Any] = {}
+    exec(f"def value(flat):\n{''.join(binds)}    return int({PythonPrinter().doprint(expr_of(x))})\n", namespace)
+    return namespace["value"]

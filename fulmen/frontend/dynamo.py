@@ -124,6 +124,20 @@ def _dynamic_dims(gm: torch.fx.GraphModule, kept: list[int]) -> dict[int, frozen
     return dims
 
 
+def _dynamic_ints(gm: torch.fx.GraphModule, kept: list[int]) -> frozenset[int]:
+    """The int inputs Dynamo made dynamic (a cache length no tensor's size gives), as int slots of the call among
+    the inputs kept (``fulmen.frontend.dynamic.map_call_ints``: the ints in argument order)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    slots, slot = set(), 0
+    for i in kept:
+        e = placeholders[i].meta.get("example_value") if i < len(placeholders) else None
+        if isinstance(e, torch.SymInt) or type(e) is int:
+            if isinstance(e, torch.SymInt) and e.node.expr.free_symbols:
+                slots.add(slot)
+            slot += 1
+    return frozenset(slots)
+
+
 def _functorch_calls(gm: torch.fx.GraphModule) -> list[str]:
     """The names of the functorch transform primitives (``_add_batch_dim``, ``_vmap_increment_nesting``, ...) that
     ``gm`` calls, in order, without repeats."""
@@ -196,6 +210,7 @@ def _jitted_graph(gm: torch.fx.GraphModule, n_inputs: int, sources: dict, kept: 
     jitted._guard_reads = False  # Dynamo guards the globals the user's code read; the graph's own are its constants
     if jitted.dynamic is None:  # the dims Dynamo compiled for every size are symbolic in fulmen's first compilation
         jitted._marked_dims = _dynamic_dims(gm, kept)
+        jitted._marked_ints = _dynamic_ints(gm, kept)
     jitted._split_points = False  # a value the graph reads (.item()) is a float Dynamo passes anew on each call
     return jitted
 
@@ -208,9 +223,9 @@ def fulmen_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict
     dictionary over as ``options``; keyword arguments (a backend made with ``functools.partial``) work too.
 
     When Dynamo hands over a graph with dynamic shapes, its size inputs (``s27: torch.SymInt``) are read from the
-    tensors inside the compiled function instead of being passed in: fulmen keys integers by value, so passing
-    them would compile a program per size, while a size read from a tensor follows fulmen's own dynamic sizes
-    (one more compilation when a dimension first changes, then none).
+    tensors inside the compiled function instead of being passed in, and the sizes and the other int inputs Dynamo
+    made dynamic (a cache's length) are symbolic in fulmen's first compilation of the graph (``_marked_dims``,
+    ``_marked_ints``): one program serves every size and value.
     """
     from fulmen.core.proxies import DataDependentError
     from fulmen.frontend import dynamo_dtensor

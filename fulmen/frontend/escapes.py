@@ -37,13 +37,18 @@ _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks")
 _GLOBAL_HOOK_TABLES = ("_global_forward_pre_hooks", "_global_forward_hooks")
 
 
+#: What must not outlive a trace: proxies, and the symbolic ints of one (``fulmen.frontend.dynamic``), which stand
+#: for each call's value only inside the program.
+_TRACED = (Proxy, torch.SymInt)
+
+
 def _holds_proxy(x: Any, depth: int = 0) -> bool:
-    if isinstance(x, Proxy):
+    if isinstance(x, _TRACED):
         return True
     if depth >= _MAX_DEPTH or isinstance(x, (str, bytes, int, float, bool, type(None), torch.Tensor)):
         return False
     if isinstance(x, dict):
-        return any(_holds_proxy(v, depth + 1) or isinstance(k, Proxy) for k, v in x.items())
+        return any(_holds_proxy(v, depth + 1) or isinstance(k, _TRACED) for k, v in x.items())
     if isinstance(x, (list, tuple, set, frozenset, collections.deque)):
         return any(_holds_proxy(v, depth + 1) for v in x)
     if _user_object(x) or _user_class(x):
@@ -66,18 +71,18 @@ def _user_class(x: Any) -> bool:
 def _drop_proxies(x: Any) -> None:
     """Take the proxies out of a container the user's code stored them in (they must not outlive the trace)."""
     if isinstance(x, list):
-        x[:] = [v for v in x if not isinstance(v, Proxy)]
+        x[:] = [v for v in x if not isinstance(v, _TRACED)]
     elif isinstance(x, collections.deque):
-        kept = [v for v in x if not isinstance(v, Proxy)]
+        kept = [v for v in x if not isinstance(v, _TRACED)]
         x.clear()
         x.extend(kept)
     elif isinstance(x, set):
-        x.difference_update([v for v in x if isinstance(v, Proxy)])
+        x.difference_update([v for v in x if isinstance(v, _TRACED)])
     elif isinstance(x, dict):
-        for k in [k for k, v in x.items() if isinstance(v, Proxy) or isinstance(k, Proxy)]:
+        for k in [k for k, v in x.items() if isinstance(v, _TRACED) or isinstance(k, _TRACED)]:
             del x[k]
     elif _user_object(x) or _user_class(x):
-        for k in [k for k, v in vars(x).items() if isinstance(v, Proxy)]:
+        for k in [k for k, v in vars(x).items() if isinstance(v, _TRACED)]:
             delattr(x, k)
 
 

@@ -35,11 +35,15 @@ from fulmen.frontend.compile import CompiledProgram, PipelineRun, compile_infere
 from fulmen.frontend.dynamic import (
     SizeHistory,
     SymbolicSizes,
+    call_ints,
     describe_change,
+    erase_ints,
     erase_sizes,
+    int_paths,
     key_sizes,
     strided_inputs,
     symbolic_dims,
+    symbolic_ints,
 )
 from fulmen.frontend.global_guard import GlobalGuard
 from fulmen.frontend.key_changes import argument_name, changed_value, describe_key_change
@@ -358,10 +362,10 @@ class JittedFunction:
             return False
         return torch.is_grad_enabled() or any(not b.no_grad and b.flat_proxy_outs for b in trace.bound_symbols)
 
-    def _trace(self, args, kwargs, sizes=None) -> tuple[Trace, InputSpec]:
+    def _trace(self, args, kwargs, sizes=None, ints=None) -> tuple[Trace, InputSpec]:
         return trace_program(self.fn, args, kwargs, sizes=sizes, guard_reads=self.fn if self._guard_reads else None,
                              split_points=self._split_points, replay=self.options.replay,
-                             same_tensors=self._same_tensors)
+                             same_tensors=self._same_tensors, ints=ints)
 
     def _globals_changed(self, key, entry: CacheEntry, args, kwargs, flat, inputs: tuple) -> CacheEntry:
         """The key matched but the entry's prologue failed: a global or closure variable the program's code read
@@ -404,7 +408,7 @@ class JittedFunction:
     def _miss_locked(self, key, args, kwargs, flat: list[torch.Tensor], inputs: tuple) -> CacheEntry | None:
         failed = None
         for entry in self._dynamic_entries:
-            if erase_sizes(key, entry.symbolic.dims) != entry.pattern:
+            if self._pattern(key, entry.symbolic) != entry.pattern:
                 continue
             if len(entry.symbolic.env.guards) != entry.n_guards:  # sizes compared after compilation: more guards
                 self._set_prologue(entry, entry.key, args, kwargs)
@@ -418,7 +422,7 @@ class JittedFunction:
         guard_failure = None
         if failed is not None:
             guard_failure = ("the guards of the entry compiled with dynamic sizes failed: "
-                             + failed.symbolic.explain(flat))
+                             + failed.symbolic.explain(flat, call_ints(self._call_part(key))))
         changed = self._changed_value(self._last_key, key)
         if changed is not None and self._recompiles.get(changed, 0) >= RECOMPILE_LIMIT:
             self._warn_recompile_limit(changed, key, args, kwargs)
@@ -455,74 +459,112 @@ class JittedFunction:
                     "a tensor (torch.tensor(value)) so that one compilation serves every value.",
                     _display_name(self.fn), self._recompiles[changed], name)
 
-    def _dynamic_dims(self, key, sizes) -> tuple[dict[int, frozenset], list[str]]:
-        """The dims to make symbolic for this call, and a note for each dim newly seen changing size."""
+    def _call_part(self, key) -> tuple:
+        """The part of a cache key that describes the call's arguments (``args_key``)."""
+        return key[0]
+
+    def _with_call_part(self, key, call: tuple) -> Any:
+        return (call, *key[1:])
+
+    def _structure(self, key) -> Any:
+        """The key with every size and int of the arguments erased: what calls that may share a program with
+        dynamic sizes and ints have in common (their ``SizeHistory``)."""
+        return erase_sizes(self._with_call_part(key, erase_ints(self._call_part(key), None)), None)
+
+    def _pattern(self, key, symbolic: SymbolicSizes) -> Any:
+        """The key with the sizes and ints ``symbolic`` made dynamic erased."""
+        call = self._call_part(key)
+        if symbolic.int_slots:
+            key = self._with_call_part(key, erase_ints(call, symbolic.int_slots))
+        return erase_sizes(key, symbolic.dims)
+
+    def _dynamic_dims(self, key, sizes, ints, args=(), kwargs=None
+                      ) -> tuple[dict[int, frozenset], frozenset[int], list[str]]:
+        """The dims and int slots to make symbolic for this call, and a note for each newly seen changing."""
         if self.dynamic is False:
-            return {}, []
-        structure = erase_sizes(key, None)
+            return {}, frozenset(), []
+        structure = self._structure(key)
         history = self._histories.get(structure)
         if history is None:
             if len(self._histories) >= MAX_CACHE_ENTRIES:  # bounded as the cache is: forget the oldest structure
                 del self._histories[next(iter(self._histories))]
-            history = self._histories[structure] = SizeHistory(list(sizes))
+            history = self._histories[structure] = SizeHistory(list(sizes), list(ints))
             if self.dynamic:
                 n_state = self._n_state()
                 history.changed = {i: set(range(len(s))) for i, s in enumerate(sizes) if i >= n_state}
-            elif self._marked_dims:
+            elif self._marked_dims or self._marked_ints:
                 history.changed = {i: {d for d in ds if d < len(sizes[i])}
                                    for i, ds in self._marked_dims.items() if i < len(sizes)}
+                history.changed_ints = {slot for slot in self._marked_ints if slot < len(ints)}
             else:
-                return {}, []
-        notes = history.update(sizes)
+                return {}, frozenset(), []
+        notes = self._name_ints(history.update(sizes, ints), key, args, kwargs or {})
         if history.failed:
-            return {}, []
+            return {}, frozenset(), []
         names = history.names
         exact = strided_inputs(key)
         texts = [describe_change(n, self._n_state(), names)
                  + (": kept exact (a non-contiguous tensor)" if n[0] in exact else ": marked dynamic") for n in notes]
-        return symbolic_dims(history.changed, sizes, exact), texts
+        int_slots = frozenset() if history.ints_failed else symbolic_ints(history.changed_ints, ints)
+        return symbolic_dims(history.changed, sizes, exact), int_slots, texts
 
-    def _carried_dims(self, key, args, kwargs, sizes) -> tuple[dict[int, frozenset], list[str]]:
+    def _name_ints(self, notes: list[tuple], key, args, kwargs) -> list[tuple]:
+        """The notes of ints (``SizeHistory.update``) with where each int is in the arguments."""
+        if not any(n[0] is None for n in notes):
+            return notes
+        paths = int_paths(self._call_part(key), _arg_names(self.fn, args, kwargs))
+        return [(*n, paths[n[1]]) if n[0] is None and n[1] < len(paths) else n for n in notes]
+
+    def _carried_dims(self, key, args, kwargs, sizes, ints) -> tuple[dict[int, frozenset], frozenset[int], list[str]]:
         """A structure seen for the first time whose program rebinds tensors of the objects passed in to tensors of
-        other sizes (a KV cache one token longer): the next call will bring those sizes, so they are dynamic from
-        this compilation on, with the sizes of the other inputs that differ from the last compilation's (the
-        attention mask that grows with the cache). Traces once more to find out (``fulmen.frontend.objects``)."""
-        history = self._histories.get(erase_sizes(key, None))
+        other sizes (a KV cache one token longer), or their ints to other values (its length): the next call will
+        bring those sizes and values, so they are dynamic from this compilation on, with the sizes of the other
+        inputs that differ from the last compilation's (the attention mask that grows with the cache). Traces once
+        more to find out (``fulmen.frontend.objects``)."""
+        none = {}, frozenset(), []
+        history = self._histories.get(self._structure(key))
         last = self._stats_entry
-        if history is None or history.changed or history.failed or last is None or last.spec.objects is None \
-                or not last.spec.objects.effects:  # only after a program that stored tensors in objects passed in
-            return {}, []
+        if history is None or history.changed or history.changed_ints or history.failed or history.ints_failed \
+                or last is None or last.spec.objects is None or not last.spec.objects.effects:
+            return none  # only after a program that stored tensors in objects passed in
         trace, spec = self._trace(args, kwargs)
-        if spec.objects is None or not spec.objects.rebound:
-            return {}, []
+        if spec.objects is None or not (spec.objects.rebound or spec.objects.rebound_ints):
+            return none
         index = {p.name: i for i, p in enumerate(trace.args)}
         notes = []
         for name, old, new in spec.objects.rebound:
             i = index.get(name)
             if i is not None and len(old) == len(new):
                 notes += [(i, d, a, b) for d, (a, b) in enumerate(zip(old, new)) if a != b]
-        if not notes:
-            return {}, []
-        before = {p.name: tuple(p.shape) for p in last.computation_trace.args}
-        for i, p in enumerate(trace.args[:len(sizes)]):
-            old = before.get(p.name)
-            if old is not None and len(old) == len(sizes[i]):
-                notes += [(i, d, a, b) for d, (a, b) in enumerate(zip(old, sizes[i])) if a != b]
+        int_notes = self._name_ints([(None, slot, a, b) for slot, a, b in spec.objects.rebound_ints], key, args,
+                                    kwargs)
+        if not notes and not int_notes:
+            return none
+        if notes:
+            before = {p.name: tuple(p.shape) for p in last.computation_trace.args}
+            for i, p in enumerate(trace.args[:len(sizes)]):
+                old = before.get(p.name)
+                if old is not None and len(old) == len(sizes[i]):
+                    notes += [(i, d, a, b) for d, (a, b) in enumerate(zip(old, sizes[i])) if a != b]
         for i, d, *_ in notes:
             history.changed.setdefault(i, set()).add(d)
+        history.changed_ints.update(slot for _, slot, *_ in int_notes)
         names = history.names = [p.name for p in trace.args]
         texts = [describe_change(n, self._n_state(), names) + ": marked dynamic (state carried between calls)"
-                 for n in notes]
-        return symbolic_dims(history.changed, sizes, strided_inputs(key)), texts
+                 for n in notes + int_notes]
+        return (symbolic_dims(history.changed, sizes, strided_inputs(key)),
+                symbolic_ints(history.changed_ints, ints), texts)
 
     def _compile(self, key, args, kwargs, flat: list[torch.Tensor] | None = None,
                  guard_failure: str | None = None, reason: str | None = None) -> CacheEntry:
         stats = self._stats
         stats.cache_misses += 1
-        sizes = key_sizes(key)
-        dims, notes = self._dynamic_dims(key, sizes) if flat is not None else ({}, [])
-        if not dims and flat is not None and self.dynamic is None and self._compilations and holds_objects(key):
-            dims, notes = self._carried_dims(key, args, kwargs, sizes)
+        sizes, ints = key_sizes(key), call_ints(self._call_part(key))
+        dims, int_slots, notes = ({}, frozenset(), []) if flat is None else self._dynamic_dims(key, sizes, ints, args,
+                                                                                               kwargs)
+        if not dims and not int_slots and flat is not None and self.dynamic is None and self._compilations \
+                and holds_objects(key):
+            dims, int_slots, notes = self._carried_dims(key, args, kwargs, sizes, ints)
         if self._compilations:
             reason = reason or self.__dict__.pop("_next_reason", None) or self._describe_key_change(
                 self._last_key, key, _arg_names(self.fn, args, kwargs))
@@ -544,19 +586,16 @@ class JittedFunction:
                             stats.last_recompile_reason, MAX_CACHE_ENTRIES)
         self._compilations += 1
         entry = None
-        if dims:
+        if dims or int_slots:
             try:
-                entry = self._compile_symbolic(key, args, kwargs, flat, sizes, dims)
+                entry = self._compile_symbolic(key, args, kwargs, flat, sizes, dims, ints, int_slots)
             except Exception as e:  # never a crash because of dynamic sizes: compile for the exact sizes instead
                 if self.options.raise_on_dynamic_failure:
                     raise
-                self._histories[erase_sizes(key, None)].failed = True
-                log.warning("fulmen: compiling %s with dynamic sizes failed (%s: %s); compiling for the exact sizes "
-                            "instead, and for every new size of these arguments from now on",
-                            getattr(self.fn, "__name__", self.fn), type(e).__name__, str(e).split("\n")[0][:300])
+                self._dynamic_failed(key, e, bool(int_slots))
         if entry is None:
             entry = self._build(key, args, kwargs)
-            history = self._histories.get(erase_sizes(key, None)) if self.dynamic is not False else None
+            history = self._histories.get(self._structure(key)) if self.dynamic is not False else None
             if history is not None and history.names is None:
                 history.names = [p.name for p in entry.computation_trace.args]
         self._set_prologue(entry, key, args, kwargs, flat)
@@ -564,10 +603,27 @@ class JittedFunction:
         self._last_key = key
         return entry
 
+    def _dynamic_failed(self, key, error: Exception, ints: bool) -> None:
+        """Compiling with symbolic sizes or ints failed: exact from now on for this structure of arguments, the ints
+        only when some were symbolic (code that needs a plain int: ``torch.tensor(n)``, ``x[:, n]``)."""
+        history = self._histories[self._structure(key)]
+        what = "symbolic ints" if ints else "dynamic sizes"
+        if ints:
+            history.ints_failed = True
+        else:
+            history.failed = True
+        log.warning("fulmen: compiling %s with %s failed (%s: %s); compiling for the exact %s instead, and for "
+                    "every new %s of these arguments from now on", getattr(self.fn, "__name__", self.fn), what,
+                    type(error).__name__, str(error).split("\n")[0][:300], "ints" if ints else "sizes",
+                    "int value" if ints else "size")
+
     _prologue_of_module = False
     #: Dims symbolic from the first call (flat tensor index -> dims), as if already seen changing size: the Dynamo
     #: backend sets them to the dims Dynamo made dynamic, so that its dynamic graph compiles once, not twice.
     _marked_dims: dict[int, frozenset] = {}
+    #: Int slots (``fulmen.frontend.dynamic.map_call_ints``) symbolic from the first call, likewise: the Dynamo
+    #: backend sets them to the graph's SymInt inputs that no tensor's size gives.
+    _marked_ints: frozenset[int] = frozenset()
 
     def _state_names(self) -> list[str]:
         """The names of a module's parameters and buffers, in the order of the flat inputs."""
@@ -622,21 +678,21 @@ class JittedFunction:
     def _describe_key_change(self, old, new, names: list[str] = ()) -> str:
         return describe_key_change(old, new, names)
 
-    def _compile_symbolic(self, key, args, kwargs, flat, sizes, dims) -> CacheEntry:
+    def _compile_symbolic(self, key, args, kwargs, flat, sizes, dims, ints, int_slots) -> CacheEntry:
         # A ShapeEnv imports parts of Dynamo, AOTAutograd and torch.export as it goes, which the background
         # compiler imports too: under the lock it imports them under, or one thread can meet the other's
         # half-imported module (an ImportError).
         with compiler_import_lock:
-            symbolic = SymbolicSizes(sizes, dims)
+            symbolic = SymbolicSizes(sizes, dims, ints, int_slots)
             entry = self._build(key, args, kwargs, symbolic)
             if entry.program.runtime is not None:
                 # the backward is otherwise compiled when it first runs: fail here, where exact sizes can take over
                 entry.program.backward_traces()
-            holds = symbolic.guard(flat)  # also builds the guard function, which may import more
+            holds = symbolic.guard(flat, ints)  # also builds the guard function, which may import more
         if not holds:
             raise RuntimeError("the guards recorded while tracing do not hold for the sizes traced")
         entry.symbolic = symbolic
-        entry.pattern = erase_sizes(key, symbolic.dims)
+        entry.pattern = self._pattern(key, symbolic)
         self._dynamic_entries.append(entry)
         return entry
 
@@ -649,7 +705,10 @@ class JittedFunction:
         stats = self._stats
         start = time.perf_counter()
         autocast_devices = tuple(p.device_type for p in current_policies())
-        trace, spec = self._trace(args, kwargs, sizes=symbolic.sizes if symbolic is not None else None)
+        if symbolic is not None and symbolic.ints:
+            trace, spec = self._trace(args, kwargs, sizes=symbolic.sizes, ints=symbolic.ints)
+        else:  # (a subclass's _trace may take no ints: fsdp2_program's)
+            trace, spec = self._trace(args, kwargs, sizes=symbolic.sizes if symbolic is not None else None)
         traced = time.perf_counter()
         leaves = makes_leaves(trace)  # then the program runs under PyTorch autograd (fulmen.frontend.leaves)
         run = PipelineRun([torchex.ex] if leaves else self.executors, self.options)

@@ -311,7 +311,13 @@ class _ModuleProgram(JittedFunction):
             old, new = (old_args, old[1]), (new_args, new[1])
         return super()._describe_key_change(old, new, names)
 
-    def _trace(self, args, kwargs, sizes=None):
+    def _call_part(self, key) -> tuple:
+        return key[0][2]  # ((version, parameter keys, call key), global state)
+
+    def _with_call_part(self, key, call: tuple):
+        return ((*key[0][:2], call), *key[1:])
+
+    def _trace(self, args, kwargs, sizes=None, ints=None):
         # the slots are those the call's key was computed from (revalidate refreshed them when the tree changed)
         state = self.state
         module_guard.check_no_backward_hooks(self.module)
@@ -339,7 +345,7 @@ class _ModuleProgram(JittedFunction):
         names = _arg_names(forward_fn, args, kwargs)
         return trace_program(forward, args, kwargs, state=named, fn_name="computation", arg_names=names,
                              sizes=sizes, guard_reads=forward_fn if self._guard_reads else None,
-                             own=own, split_points=self._split_points, replay=self.options.replay)
+                             own=own, split_points=self._split_points, replay=self.options.replay, ints=ints)
 
     def _build_entry(self, key, args, kwargs, symbolic):
         entry = super()._build_entry(key, args, kwargs, symbolic)  # assigns the module attributes on every call

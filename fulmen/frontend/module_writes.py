@@ -39,6 +39,7 @@ from torch import nn
 
 from fulmen.core.proxies import Proxy, TensorProxy, has_proxy
 from fulmen.core.shared_patch import SharedPatch
+from fulmen.core.symbolic import contains_symbolic
 from fulmen.frontend import module_guard
 from fulmen.frontend.global_guard import string_constants
 
@@ -239,6 +240,10 @@ class ModuleWrites:
                             "__init__; fulmen.jit(module) then updates the buffer on every call.")
                     outputs.append((mod, name, _may_read(type(mod), name, codes), new))
                     continue
+                if contains_symbolic(new, shapes=False):  # a symbolic int stands for each call's value only inside
+                    _put(mod, name, where, old)  # the program: this trace compiles no such program (exact ints)
+                    raise NotImplementedError(f"{writer} sets the attribute {name!r} of a {type(mod).__name__} to a "
+                                              "value computed from a symbolic int")
                 if state:
                     found, real = _with_real_state(new, state)
                     if found:  # built from the module's own parameters and buffers: what eager leaves, kept

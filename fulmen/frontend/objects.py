@@ -22,6 +22,7 @@ inputs, the call's objects the program updates or returns.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,9 @@ from typing import Any
 import torch
 
 from fulmen.core.proxies import Proxy, TensorProxy
+from fulmen.core.symbolic import SYMBOLIC_TYPES, is_symbolic
 from fulmen.frontend.cache import OBJECT, _slots, is_holder, is_tensor_key, member_names, member_values, value_key
+from fulmen.frontend.dynamic import IntInputs
 
 _HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined by Python code
 #: What a returned object is replaced by in the program's output; each call puts the rebuilt object back there.
@@ -41,7 +44,7 @@ _MAX_TEMPLATE = 100_000
 class _Holder:
     """One of the caller's objects, lists or dicts that held proxies while tracing: its state before and after."""
 
-    __slots__ = ("obj", "saved_dict", "saved_slots", "saved_items", "swapped")
+    __slots__ = ("obj", "saved_dict", "saved_slots", "saved_items", "swapped", "ints")
 
     def __init__(self, obj: Any):
         self.obj = obj
@@ -54,6 +57,7 @@ class _Holder:
             self.saved_dict = dict(attrs) if attrs is not None else None
             self.saved_slots = [(n, _slot(obj, n)) for n in _slots(type(obj))]
         self.swapped: list[tuple[Any, Any]] = []
+        self.ints: dict[Any, tuple[int, int]] = {}  # member -> (its int slot, its value), for ints it held
 
     def state(self) -> list[tuple[Any, Any]]:
         """(name, value) pairs: members of an object, (index, item) of a list, (key, value) of a dict."""
@@ -128,8 +132,10 @@ class ObjectSwaps:
     """While tracing: the caller's objects with proxies in place of their tensors, in the order the cache key's walk
     numbers them (``fulmen.frontend.cache.object_key``), so that the prologue can name the same ones."""
 
-    def __init__(self, tensor_proxy: Callable[[torch.Tensor, str], TensorProxy]):
+    def __init__(self, tensor_proxy: Callable[[torch.Tensor, str], TensorProxy],
+                 int_input: IntInputs | None = None):
         self.tensor_proxy = tensor_proxy  # makes the next flat input (tracing.proxify)
+        self.int_input = int_input if int_input is not None else IntInputs()  # numbers ints, gives symbolic ones
         self.holders: list[_Holder] = []
         self.seen: dict[int, int] = {}  # as the key's walk: id -> holder index
 
@@ -150,7 +156,11 @@ class ObjectSwaps:
         _, _, names, keys = key
         holder = self._register(x)
         values = member_values(x)
-        swapped = [self._member(v, k, f"{name}_{n}") for v, n, k in zip(values, names, keys)]
+        swapped = []
+        for v, n, k in zip(values, names, keys):
+            if type(v) is int and k == (int, v):
+                holder.ints[n] = (self.int_input.count, v)
+            swapped.append(self._member(v, k, f"{name}_{n}"))
         holder.swapped = list(zip(names, swapped))
         for n, v, s in zip(names, values, swapped):
             if s is not v:
@@ -161,6 +171,8 @@ class ObjectSwaps:
             return self.tensor_proxy(v, name)
         if type(k) is not tuple:
             return v
+        if type(v) is int and k == (int, v):
+            return self.int_input(v, name)
         if len(k) == 4 and k[0] == OBJECT:
             self._object(v, k, name)
             return v
@@ -204,7 +216,7 @@ class ObjectSwaps:
         objects are involved) and that description (None when none are)."""
         finals = self.restore()
         builder = _Templates({id(h.obj): i for i, h in enumerate(self.holders)})
-        effects, rebound = [], []
+        effects, rebound, rebound_ints = [], [], []
         for i, (h, final) in enumerate(zip(self.holders, finals)):
             if len(final) == len(h.swapped) and all(a[0] == b[0] and a[1] is b[1] for a, b in zip(final, h.swapped)):
                 continue
@@ -215,6 +227,8 @@ class ObjectSwaps:
                 removed = tuple(n for n in before if n not in dict(final))
                 rebound += [(before[n], v) for n, v in final
                             if isinstance(before.get(n), TensorProxy) and isinstance(v, TensorProxy)]
+                rebound_ints += [(h.ints[n][0], h.ints[n][1], v) for n, v in final
+                                 if n in h.ints and type(v) is int and v != h.ints[n][1]]
             else:  # a list or dict: refilled whole, in place
                 changed, removed = [(n, builder.node(v)) for n, v in final], ()
             effects.append((i, kind, changed, removed))
@@ -224,7 +238,8 @@ class ObjectSwaps:
             return result, None
         used = sorted(builder.holders_used | {i for i, *_ in effects})
         objects = ObjectResults(effects=effects, placed=placed, holders=tuple(used), n_tensors=len(builder.tensors),
-                                rebound=[(old.name, tuple(old.shape), tuple(new.shape)) for old, new in rebound])
+                                rebound=[(old.name, tuple(old.shape), tuple(new.shape)) for old, new in rebound],
+                                rebound_ints=rebound_ints)
         return (result, builder.tensors), objects
 
 
@@ -265,9 +280,13 @@ class _Templates:
             raise NotImplementedError(
                 "fulmen.jit: an object the function updates or returns reaches more than "
                 f"{_MAX_TEMPLATE} values; fulmen cannot rebuild it on every call. Return its tensors instead.")
-        if isinstance(v, TensorProxy):
+        if isinstance(v, TensorProxy) or (isinstance(v, torch.SymInt) and is_symbolic(v)):
+            # a symbolic int (``n + 1`` of a symbolic ``n``): returned by the program, the value of each call
             self.tensors.append(v)
             return ("tensor", len(self.tensors) - 1)
+        if isinstance(v, SYMBOLIC_TYPES):  # a known constant, or a SymFloat/SymBool: its value, guarded
+            return ("constant", int(v) if isinstance(v, torch.SymInt) else bool(v) if isinstance(v, torch.SymBool)
+                    else float(v))
         i = self.holder_ids.get(id(v))
         if i is not None:
             self.holders_used.add(i)
@@ -378,6 +397,9 @@ class ObjectResults:
     # (input name, its shape, the shape of the tensor the program rebinds its member to): state carried between
     # calls, such as a KV cache growing by one token per call (fulmen.frontend.jit makes such sizes dynamic)
     rebound: list[tuple[str, tuple, tuple]]
+    # (int slot, its value, the int the program rebinds its member to): a counter carried between calls, such as
+    # a sliding-window cache's cumulative_length (fulmen.frontend.jit makes such ints symbolic)
+    rebound_ints: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
 
 
     def finish(self, out: Any, holder_values) -> Any:

@@ -49,6 +49,7 @@ from fulmen.frontend.cache import (
     user_modes_active,
     value_key,
 )
+from fulmen.frontend.dynamic import int_carrier
 
 _LITERAL = (int, bool, type(None))
 _Parameter = torch.nn.Parameter
@@ -93,8 +94,12 @@ class Prologue:
 
 
 class _Writer:
-    def __init__(self, dims: dict[int, frozenset]):
-        self.dims = dims  # flat input -> its dynamic dims
+    def __init__(self, symbolic=None):
+        self.dims = symbolic.dims if symbolic is not None else {}  # flat input -> its dynamic dims
+        # the symbolic ints, by slot (fulmen.frontend.dynamic.map_call_ints)
+        self.int_slots = symbolic.int_slots if symbolic is not None else frozenset()
+        self.n_ints = 0  # the ints of the arguments met so far (the next one's slot)
+        self.int_exprs: dict[int, str] = {}  # symbolic slot -> the expression reading it
         self.env: dict[str, Any] = {"Tensor": torch.Tensor, "math": math, "torch": torch, "Proxy": Proxy,
                                     "overrides_torch": overrides_torch, "_dict_keys": _dict_keys,
                                     "_key_of": _key_of, "_member_names": member_names, "_member_values": member_values}
@@ -109,6 +114,8 @@ class _Writer:
         self._consts: dict[Any, str] = {}
         self._keep: list[Any] = []
         self._n_unnamed = 0
+        if symbolic is not None:  # the symbols are the guards' names: no value of the prologue may take one
+            self.names |= {str(sym) for sym, *_ in symbolic.symbols} | {str(sym) for sym, _ in symbolic.int_symbols}
 
     def name(self, hint: str) -> str:
         base = sanitize_name(hint)
@@ -159,6 +166,12 @@ class _Writer:
             self.holders.append(expr)
         if type(key) is tuple and len(key) == 2 and isinstance(key[0], type):
             t, inner = key
+            if t is int and type(inner) is int:
+                slot, self.n_ints = self.n_ints, self.n_ints + 1
+                if slot in self.int_slots:  # symbolic: its value is bound below and checked by the guards
+                    self.int_exprs[slot] = expr
+                    self.check(f"type({expr}) is int", f"{label}: an int, symbolic (traced with {inner})")
+                    return
             if t in (int, bool, str, type(None)):
                 self.check(f"type({expr}) is {self.const(t)} and {expr} == {self.const(inner)}",
                            f"{label}: {_short(inner)}")
@@ -289,6 +302,19 @@ class _Writer:
             self.check(condition, comment, indent="    ")
         self._inference_check()
         return fast
+
+    def symbolic_guards(self, symbolic) -> list[str]:
+        """The relations tracing assumed between the dynamic sizes and ints (``fulmen.frontend.dynamic``); returns
+        the carriers the program reads each symbolic int from."""
+        for sym, i, d in symbolic.symbols:
+            self.lines.append(f"{sym} = {self.flat[i]}.shape[{d}]")
+        for sym, slot in symbolic.int_symbols:
+            self.lines.append(f"{sym} = {self.int_exprs[slot]}")
+        self.check(symbolic.guard_source(), "the guards on the dynamic sizes and ints")
+        if not symbolic.int_symbols:
+            return []
+        carrier = self.const(int_carrier, "int_carrier")
+        return [f"{carrier}({sym})" for sym, _ in symbolic.int_symbols]
 
     def _inference_check(self) -> None:
         if self.inference_checks:  # TensorGuards does not tell inference tensors from others
@@ -457,7 +483,7 @@ def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, para
     ``distinct``: the call's tensors are checked to be distinct objects past its repeats (``_Writer.distinct``), and
     none of a module's parameters and buffers, which were keyed as repeats (``state_ids``: its ``known_ids``, else
     ``ids(params)``, are their ids: ``fulmen.frontend.module``)."""
-    w = _Writer(symbolic.dims if symbolic is not None else {})
+    w = _Writer(symbolic)
     call_key, state = key
     preamble = ""
     if guard is not None:  # the globals and closure variables the traced code read (fulmen.frontend.global_guard)
@@ -484,10 +510,8 @@ def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, para
         w.none_of_state(n_state, state_ids)
     w.global_state(state)
     flat = list(w.flat)
-    if symbolic is not None:  # the relations tracing assumed between the dynamic sizes
-        for sym, i, d in symbolic.symbols:
-            w.lines.append(f"{sym} = {flat[i]}.shape[{d}]")
-        w.check(symbolic.guard_source(), "the guards on the dynamic sizes")
+    if symbolic is not None:
+        flat += w.symbolic_guards(symbolic)
     if guard is not None:
         w.check("check_globals()", "the globals and closure variables the traced code read (above)")
     if captured:

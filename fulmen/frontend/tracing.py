@@ -33,11 +33,13 @@ from fulmen.core.proxies import (
 )
 from fulmen.core.shared_patch import SharedPatch
 from fulmen.core.symbol import Symbol
+from fulmen.core.symbolic import size_hint
 from fulmen.core.trace import Trace, get_tracectx
 from fulmen.core.tracer import Tracer, record, resolve_latest, tracing
 from fulmen.core.unbacked import GuardOnDataDependentSymNode, data_dependent_guard
 from fulmen.frontend import checkpointing
 from fulmen.frontend.cache import is_holder, overrides_torch
+from fulmen.frontend.dynamic import IntInputs, int_carrier
 from fulmen.frontend.escapes import PythonStateWatch
 from fulmen.frontend.global_guard import GlobalGuard, ReadRecorder, build_guard
 from fulmen.frontend.higher_order import routing_higher_order_ops
@@ -162,11 +164,15 @@ def check_supported_tensors(fn: Callable, args: tuple, kwargs: dict) -> None:
 
 
 def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], sizes: list | None = None,
-            objects: ObjectSwaps | None = None, proxies: dict[int, TensorProxy] | None = None) -> Any:
+            objects: ObjectSwaps | None = None, proxies: dict[int, TensorProxy] | None = None,
+            ints: IntInputs | None = None) -> Any:
     """Replace every tensor in ``value`` (tuples, lists, dicts) by a named TensorProxy input; ``sizes`` (by flat
     position) overrides the tensors' shapes with symbolic ones. ``objects`` swaps proxies into the instances of user
     classes met (``fulmen.frontend.objects``), in the order the cache key walks them. ``proxies`` (tensor id -> its
-    proxy) gives a tensor met again its first proxy, as the cache key does (``fulmen.frontend.cache.same_tensors``)."""
+    proxy) gives a tensor met again its first proxy, as the cache key does (``fulmen.frontend.cache.same_tensors``).
+    ``ints`` numbers the ints met and puts the symbolic ones in their place (``fulmen.frontend.dynamic``)."""
+    if type(value) is int:
+        return ints(value, name) if ints is not None else value
     if isinstance(value, torch.Tensor):
         if proxies is not None:
             p = proxies.get(id(value))
@@ -187,14 +193,16 @@ def proxify(trace: Trace, value: Any, name: str, flat: list[TensorProxy], sizes:
         if proxies is not None:
             proxies[id(value)] = p
         return p
+    if type(value) is torch.Size:  # keyed by its contents, as a value: its ints are not the arguments' ints
+        return value
     if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
-        return type(value)(proxify(trace, v, f"{name}_{i}", flat, sizes, objects, proxies)
+        return type(value)(proxify(trace, v, f"{name}_{i}", flat, sizes, objects, proxies, ints)
                            for i, v in enumerate(value))
     if isinstance(value, tuple):  # namedtuple
-        return type(value)(*(proxify(trace, v, f"{name}_{f}", flat, sizes, objects, proxies)
+        return type(value)(*(proxify(trace, v, f"{name}_{f}", flat, sizes, objects, proxies, ints)
                              for f, v in zip(value._fields, value)))
     if isinstance(value, dict):
-        items = {k: proxify(trace, v, f"{name}_{k}", flat, sizes, objects, proxies) for k, v in value.items()}
+        items = {k: proxify(trace, v, f"{name}_{k}", flat, sizes, objects, proxies, ints) for k, v in value.items()}
         if type(value) is dict:
             return items
         try:  # a dict subclass keeps its class (a ModelOutput: encoder_outputs[0] works)
@@ -544,7 +552,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
                   fn_name: str = "computation", state: list[tuple[str, torch.Tensor]] | None = None,
                   sizes: list | None = None, guard_reads: Callable | None = None,
                   own: Sequence[torch.nn.Module] = (), split_points: bool = False,
-                  replay: bool = True, same_tensors: bool = True) -> tuple[Trace, InputSpec]:
+                  replay: bool = True, same_tensors: bool = True, ints: dict | None = None) -> tuple[Trace, InputSpec]:
     """Trace ``fn(*args, **kwargs)``: tensors become proxies, every torch call becomes a bound symbol.
 
     ``state`` (a module's parameters and buffers, by name) becomes the first inputs; ``fn`` then receives
@@ -555,14 +563,14 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     buffers are inputs (writes to other modules: ``fulmen.frontend.module_writes``). With ``split_points``, Python
     that reads a tensor's value gets it from the call's tensors, guarded (``fulmen.frontend.split_points``; the
     caller runs the branch a guard picks); without, it raises ``DataDependentError``. ``same_tensors``: a tensor
-    object passed more than once is one input (``fulmen.frontend.cache.same_tensors``); without, one per position."""
+    object passed more than once is one input (``fulmen.frontend.cache.same_tensors``); without, one per position.
+    ``ints`` (slot -> SymInt): symbolic ints of the arguments, each read from an input (``fulmen.frontend.dynamic``)."""
     trace = Trace(fn_name)
     spec = InputSpec()
     names = arg_names or _arg_names(fn, args, kwargs)
-    proxy_args, proxy_kwargs, swaps = _proxify_inputs(trace, spec, args, kwargs, names, state, sizes, same_tensors)
-    trace.args = list(spec.tensor_proxies)
-    real = [t for _, t in state] if state is not None else []
-    _real_tensors((args, kwargs), real, set(map(id, real)) if same_tensors else None)
+    proxy_args, proxy_kwargs, swaps = _proxify_inputs(trace, spec, args, kwargs, names, state, sizes, same_tensors,
+                                                      IntInputs(ints))
+    real = _real_inputs(args, kwargs, state, same_tensors, trace.args[len(spec.tensor_proxies):])
     reader = ValueReader(trace, lambda: real + spec.captured)
     recorder = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
     tracer = UserTracer(trace, spec, reader=reader if split_points else None, on_user_call=recorder, replay=replay)
@@ -610,6 +618,14 @@ def _inference_mode_entered(outer: bool) -> RunsEagerly:
         "torch.no_grad() inside the function, or call it under torch.inference_mode(), to run compiled.")
 
 
+def _real_inputs(args: tuple, kwargs: dict, state, same_tensors: bool, carriers: list[TensorProxy]) -> list:
+    """The call's values of the trace's inputs before the captured ones: the module's state, the arguments' tensors
+    (each once with ``same_tensors``), the carriers of the symbolic ints."""
+    real = [t for _, t in state] if state is not None else []
+    _real_tensors((args, kwargs), real, set(map(id, real)) if same_tensors else None)
+    return real + [int_carrier(size_hint(p.shape[0])) for p in carriers]
+
+
 def _call_user(fn: Callable, args: tuple, kwargs: dict, swaps) -> Any:
     """``fn(*args, **kwargs)`` on proxies; on an error the caller's objects are put back as they were, and a
     function that leaves grad mode changed for its caller is refused (grad mode restored)."""
@@ -634,11 +650,28 @@ def _grad_mode_left_changed(fn: Callable, grad_mode: bool) -> NotImplementedErro
         "function, or set the mode before calling it.")
 
 
+def _int_carriers(trace: Trace, ints: IntInputs | None) -> list[TensorProxy]:
+    """One input per symbolic int, of shape ``(n,)``, from which the program binds the int's symbol
+    (``fulmen.frontend.dynamic.int_carrier``), in slot order."""
+    if ints is None:
+        return []
+    if len(ints.names) != len(ints.symbols):
+        raise RuntimeError(f"symbolic ints: found {len(ints.names)} of the {len(ints.symbols)} ints expected")
+    carriers = []
+    for slot in sorted(ints.symbols):
+        p = TensorProxy(trace.add_name(ints.names[slot]), shape=torch.Size([ints.symbols[slot]]), dtype=torch.uint8,
+                        device=torch.device("cpu"), requires_grad=False)
+        p.mark_input(leaf=False, param=False)
+        carriers.append(p)
+    return carriers
+
+
 def _proxify_inputs(trace: Trace, spec: InputSpec, args: tuple, kwargs: dict, names: list[str],
                     state: list[tuple[str, torch.Tensor]] | None, sizes: list | None,
-                    same_tensors: bool = True) -> tuple[list, dict, ObjectSwaps]:
+                    same_tensors: bool = True, ints: IntInputs | None = None) -> tuple[list, dict, ObjectSwaps]:
     """The arguments ``fn`` is traced with (``state`` first when given), their tensors made named inputs in
-    ``spec.tensor_proxies``; the user objects swapped (``fulmen.frontend.objects``) are put back on failure."""
+    ``spec.tensor_proxies`` and, with the carriers of the symbolic ``ints``, the trace's first arguments; the user
+    objects swapped (``fulmen.frontend.objects``) are put back on failure."""
     proxy_args = []
     flat = spec.tensor_proxies
     if state is not None:
@@ -647,14 +680,16 @@ def _proxify_inputs(trace: Trace, spec: InputSpec, args: tuple, kwargs: dict, na
     proxies: dict[int, TensorProxy] | None = {} if same_tensors else None
     if proxies is not None and state is not None:
         proxies.update((id(t), p) for (_, t), p in zip(state, proxy_args[0]))
-    swaps = ObjectSwaps(lambda t, name: proxify(trace, t, name, flat, sizes, proxies=proxies))
+    swaps = ObjectSwaps(lambda t, name: proxify(trace, t, name, flat, sizes, proxies=proxies), ints)
     try:
         for i, a in enumerate(args):
             name = names[i] if i < len(names) else f"t_{i}"
-            proxy_args.append(proxify(trace, a, name, flat, sizes, swaps, proxies))
-        proxy_kwargs = {k: proxify(trace, v, sanitize_name(k), flat, sizes, swaps, proxies) for k, v in kwargs.items()}
+            proxy_args.append(proxify(trace, a, name, flat, sizes, swaps, proxies, ints))
+        proxy_kwargs = {k: proxify(trace, v, sanitize_name(k), flat, sizes, swaps, proxies, ints)
+                        for k, v in kwargs.items()}
         if sizes is not None and len(flat) != len(sizes):
             raise RuntimeError(f"symbolic sizes: found {len(flat)} tensor inputs, expected {len(sizes)}")
+        trace.args = list(flat) + _int_carriers(trace, ints)  # the carriers of symbolic ints after the tensors
     except BaseException:
         swaps.restore()  # the caller's objects as they were
         raise

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fulmen.core.ambient import Ambient
 from fulmen.core.options import JitOptions
 from fulmen.core.proxies import TensorProxy
+from fulmen.core.symbolic import is_symbolic, symbolic_value
 from fulmen.core.trace import Trace
 from fulmen.executors.base import Executor
 from fulmen.executors.inductor_compile import call_leaving_a_core, compile_mode, compile_mode_set
@@ -280,11 +281,13 @@ def _output_builder(trace: Trace, fb: ForwardBackward):
     index = {p.name: i for i, p in enumerate(fb.outputs)}
 
     def slot(x):
+        if isinstance(x, torch.SymInt) and is_symbolic(x):  # n + 1, x.shape[0]: each call's value, from its inputs
+            return (None, None, None, symbolic_value(x, trace.args))
         if not isinstance(x, TensorProxy):
-            return (None, None, x)
+            return (None, None, x, None)
         if x.name in inputs:
-            return (None, inputs[x.name], None)
-        return (index[x.name], None, None)
+            return (None, inputs[x.name], None, None)
+        return (index[x.name], None, None, None)
 
     if isinstance(trace.output, TensorProxy) and slot(trace.output)[0] is not None:
         return lambda outs, flat: outs[0]
@@ -293,8 +296,8 @@ def _output_builder(trace: Trace, fb: ForwardBackward):
     slots = [slot(x) for x in leaves]
 
     def build(outs, flat):
-        return tree_unflatten([outs[i] if i is not None else (flat[j] if j is not None else v)
-                               for i, j, v in slots], spec)
+        return tree_unflatten([outs[i] if i is not None else flat[j] if j is not None else v if f is None else f(flat)
+                               for i, j, v, f in slots], spec)
 
     return build
 

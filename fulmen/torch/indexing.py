@@ -194,8 +194,9 @@ def is_basic_key(key) -> bool:
 
 def _slice_bounds(s: slice, n: int) -> tuple[int, int, int]:
     for part in (s.start, s.stop, s.step):
-        check(part is None or isinstance(part, Integral), lambda: f"slice indices must be integers or None, got "
-              f"{type(part).__name__}", TypeError if not isinstance(part, TensorProxy) else NotImplementedError)
+        check(part is None or isinstance(part, (Integral, torch.SymInt)),
+              lambda: f"slice indices must be integers or None, got {type(part).__name__}",
+              TypeError if not isinstance(part, TensorProxy) else NotImplementedError)
     check(s.step is None or s.step > 0, lambda: "step must be greater than zero", ValueError)
     if isinstance(n, torch.SymInt) or any(isinstance(v, torch.SymInt) for v in (s.start, s.stop, s.step)):
         start, stop, step = _symbolic_indices(s, n)

@@ -17,8 +17,10 @@ import torch
 from torch._prims_common import compute_elementwise_output_strides
 
 from fulmen import clang, prims
+from fulmen.core import symbolic
 from fulmen.core.proxies import TensorProxy, _user_location
 from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
+from fulmen.core.symbolic import contains_symbolic
 from fulmen.core.utils import canonicalize_dim, contiguous_strides
 from fulmen.torch.registry import link_views, register_function, set_lazy_bits, torchsymbol, with_lazy_bits
 
@@ -259,6 +261,9 @@ def _view_hook(bsym: BoundSymbol, unview=None) -> None:
     sym = bsym.sym
     fn = sym.view_meta_fn or sym.torch_fns[0]
     try:
+        if symbolic.in_use and contains_symbolic((bsym.args[1:], bsym.kwargs), shapes=False):
+            # a symbolic int among the arguments (x[:n]): a meta tensor of exact sizes would specialize it
+            raise ValueError("symbolic arguments")
         out, mbase = _on_meta(fn, bsym.args, bsym.kwargs)
     except Exception:  # eager layout unknown (e.g. an argument meta tensors cannot take): assume a plain view
         link_views(sym, bsym.args, bsym.kwargs, bsym.output, unview=unview)

@@ -16,6 +16,7 @@ autograd moves its history onto the function as it does for an eager in-place op
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -376,9 +377,15 @@ def split_forward_backward(trace: Trace, executors: Sequence, *, recompute: bool
     needed += _size_carriers(body, cts, needed, trace.args, leaves)
     exact = remat.bit_exact_reads(body)
     remat_leaves = [replays.get(id(b), b) for b in _leaves(joint.nodes)] if replays else leaves
-    fb.saved, producers = remat.choose_saved(remat_leaves, trace.args, needed, recompute=recompute,
-                                             overwritten=written, exact=exact, checkpointed=checkpointed, kept=kept,
-                                             returned=_returned_free(fb, leaves, written))
+    choose = functools.partial(remat.choose_saved, remat_leaves, trace.args, recompute=recompute,
+                               overwritten=written, exact=exact, checkpointed=checkpointed, kept=kept,
+                               returned=_returned_free(fb, leaves, written))
+    fb.saved, producers = choose(needed)
+    # a value needed only for a symbol its shape carried may have been chosen for recomputation: then the backward
+    # binds that symbol from another (a symbolic int's carrier, fulmen.frontend.dynamic)
+    lost = _size_carriers(body, cts, [p.name for p in fb.saved], trace.args, leaves)
+    if lost:
+        fb.saved, producers = choose(needed + lost)
     fb.producers = remat.coarsen(joint.nodes, [p.name for p in fb.saved], producers, exact)
     fb.views = _view_outputs(fb, leaves)
     bsyms = emit_forward(joint.nodes, {p.name for p in fb.saved})

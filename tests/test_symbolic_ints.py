@@ -1,0 +1,227 @@
+"""Ints of the arguments that change between calls are traced as symbolic ints (fulmen.frontend.dynamic): one more
+compilation serves every value the traced code's guards accept, and every call matches eager."""
+
+import logging
+
+import pytest
+import torch
+
+import fulmen
+
+
+def _jit(fn, **options):
+    return fulmen.jit(fn, executors=["torch"], **options)
+
+
+def _grows(x, n):
+    return x[:n] * n + x[-n:].sum() + torch.zeros(n, dtype=x.dtype)
+
+
+def test_an_int_argument_that_grows_every_call_compiles_twice_and_matches_eager():
+    jf, x = _jit(_grows), torch.randn(12)
+    for n in range(2, 10):
+        torch.testing.assert_close(jf(x, n), _grows(x, n), rtol=0, atol=0)
+    assert fulmen.cache_misses(jf) == 2
+    assert fulmen.compile_stats(jf).recompile_reasons[0] == "int n changed 2 -> 3: marked dynamic"
+    # the program reads the int from its input: no value of it is baked in
+    assert "n.shape[0]" in str(fulmen.last_traces(jf)[-1])
+
+
+def test_a_keyword_int_and_ints_in_containers_become_symbolic():
+    def fn(x, sizes, *, offset):
+        return x[offset : offset + sizes[0]] * sizes[1]
+
+    jf, x = _jit(fn), torch.randn(20)
+    for i in range(2, 7):
+        torch.testing.assert_close(jf(x, [i, i + 1], offset=i), fn(x, [i, i + 1], offset=i), rtol=0, atol=0)
+    assert fulmen.cache_misses(jf) == 2
+
+
+def test_an_int_in_python_control_flow_is_guarded_and_a_failed_guard_recompiles(caplog):
+    def fn(x, n):
+        if n > 4:  # a guard on n, never the value traced baked in
+            return x * 2
+        return x * 3
+
+    jf, x = _jit(fn), torch.randn(3)
+    with caplog.at_level(logging.INFO, logger="fulmen"):
+        for n in (2, 3, 4, 5, 6, 3):
+            torch.testing.assert_close(jf(x, n), fn(x, n), rtol=0, atol=0)
+    # 2: exact; 3: symbolic with n <= 4 (serves 4 and 3); 5: that guard fails, symbolic with n > 4 (serves 6)
+    assert fulmen.cache_misses(jf) == 3
+    reasons = fulmen.compile_stats(jf).recompile_reasons
+    assert "guards of the entry compiled with dynamic sizes failed" in reasons[-1], reasons
+    assert any("recompiling" in r.getMessage() and "guards" in r.getMessage() for r in caplog.records)
+
+
+def test_a_range_over_an_int_specializes_it_and_each_value_still_matches_eager():
+    def fn(x, n):
+        out = x
+        for i in range(n):  # range() needs the value: a guard that n equals it
+            out = out + i
+        return out
+
+    jf, x = _jit(fn), torch.randn(3)
+    for n in (2, 3, 4, 3):
+        torch.testing.assert_close(jf(x, n), fn(x, n), rtol=0, atol=0)
+    assert fulmen.cache_misses(jf) == 3  # 3 hits the program compiled for it
+
+
+def test_an_int_used_as_a_size_and_returned_is_the_calls_own_value():
+    def fn(x, n):
+        y = x.new_ones(n, 2) * x.sum()
+        return y.reshape(-1), n * 2 + 1, y.shape[0]
+
+    jf, x = _jit(fn), torch.randn(4)
+    for n in (3, 5, 8):
+        got, want = jf(x, n), fn(x, n)
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+        assert got[1:] == want[1:] and all(type(v) is int for v in got[1:])
+    assert fulmen.cache_misses(jf) == 2
+
+
+class _Window:
+    """A counter kept beside a tensor, as a sliding-window cache keeps cumulative_length."""
+
+    def __init__(self, keys: torch.Tensor, seen: int):
+        self.keys = keys
+        self.seen = seen
+
+
+def _step(x, window):
+    window.seen += x.shape[0]
+    window.keys = torch.cat([window.keys, x])[-3:]
+    return window.keys.sum() * window.seen
+
+
+def test_an_int_the_program_writes_back_into_an_object_gets_each_calls_value():
+    jf = _jit(_step)
+    eager, compiled = _Window(torch.zeros(3), 2), _Window(torch.zeros(3), 2)
+    for i in range(6):
+        x = torch.full((1,), float(i))
+        torch.testing.assert_close(jf(x, compiled), _step(x, eager), rtol=0, atol=0)
+        assert type(compiled.seen) is int and compiled.seen == eager.seen
+        torch.testing.assert_close(compiled.keys, eager.keys, rtol=0, atol=0)
+    assert fulmen.cache_misses(jf) == 2
+    assert eager.seen == 8
+
+
+class _Head(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, n):
+        return self.lin(x)[:n]
+
+
+def test_a_modules_int_argument_becomes_symbolic():
+    model = _Head()
+    jm, x = _jit(model), torch.randn(6, 4)
+    with torch.no_grad():
+        for n in (2, 3, 4, 5):
+            torch.testing.assert_close(jm(x, n), model(x, n), rtol=0, atol=0)
+    assert fulmen.cache_misses(jm) == 2
+
+
+def test_dynamic_false_keeps_ints_exact():
+    jf, x = _jit(_grows, dynamic=False), torch.randn(12)
+    for n in (2, 3, 4):
+        torch.testing.assert_close(jf(x, n), _grows(x, n), rtol=0, atol=0)
+    assert fulmen.cache_misses(jf) == 3
+
+
+@pytest.mark.parametrize("values", [(2.0, 3.0, 4.0), (True, False, True)], ids=["floats", "bools"])
+def test_floats_and_bools_keep_value_keys(values):
+    jf, x = _jit(lambda x, v: x * v), torch.randn(3)
+    for v in values:
+        torch.testing.assert_close(jf(x, v), x * v, rtol=0, atol=0)
+    assert fulmen.cache_misses(jf) == len(set(values))
+    assert "n.shape" not in str(fulmen.last_traces(jf)[-1])
+
+
+def test_ints_of_zero_and_one_specialize():
+    jf, x = _jit(_grows), torch.randn(12)
+    for n in (1, 2, 1):  # 2 after 1: symbolic; 1 again: the program compiled for it
+        torch.testing.assert_close(jf(x, n), _grows(x, n), rtol=0, atol=0)
+    assert fulmen.cache_misses(jf) == 2
+    torch.testing.assert_close(jf(x, 5), _grows(x, 5), rtol=0, atol=0)
+    assert fulmen.cache_misses(jf) == 2
+
+
+def test_gradients_through_a_symbolic_int_match_eager_and_a_returned_int_is_the_calls_own():
+    def fn(x, n):
+        return (x[:n] * n).sin().sum() + x[-n:].pow(2).sum(), n + 1
+
+    jf = _jit(fn)
+    for n in (2, 3, 5):
+        x = torch.randn(10, dtype=torch.float64, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        out, m = jf(x, n)
+        want, m_ref = fn(x_ref, n)
+        out.backward()
+        want.backward()
+        torch.testing.assert_close(out, want)
+        torch.testing.assert_close(x.grad, x_ref.grad)
+        assert type(m) is int and m == m_ref
+    assert fulmen.cache_misses(jf) == 2
+
+
+_SEEN = []
+
+
+def _remembers(x, n):
+    _SEEN.append(n)  # a Python side effect: done while tracing only, as fulmen warns
+    return x * n
+
+
+class _Remembers(torch.nn.Module):
+    def forward(self, x, n):
+        self.last = n * 2  # a plain attribute: set while tracing only, as fulmen warns
+        return x[:n]
+
+
+@pytest.mark.parametrize("where", ["global", "module attribute"])
+def test_a_symbolic_int_never_leaks_into_python_state_the_program_does_not_update(where):
+    # a SymInt stands for each call's value only inside the program; where the code leaves one elsewhere, the
+    # symbolic compilation gives up (logged) and ints stay exact: the state holds the ints tracing saw, as before
+    _SEEN.clear()
+    model = _Remembers()
+    jf, x = (_jit(_remembers), torch.randn(3)) if where == "global" else (_jit(model), torch.randn(6))
+    for n in (2, 3, 4):
+        want = _remembers(x, n) if where == "global" else x[:n]
+        torch.testing.assert_close(jf(x, n), want, rtol=0, atol=0)
+    left = _SEEN if where == "global" else [model.last]
+    assert left and all(type(v) is int for v in left), left
+
+
+def test_an_int_dynamo_made_dynamic_is_symbolic_in_the_backends_first_compilation():
+    import torch._dynamo
+
+    from fulmen.frontend.dynamo import backend_stats, reset_backend_stats
+
+    def fn(x, n):
+        return x[:n] * n
+
+    torch._dynamo.reset()
+    reset_backend_stats()
+    compiled = torch.compile(fn, backend="fulmen", options={"executors": ["torch"]})
+    x = torch.randn(10)
+    for n in range(3, 9):  # 3: Dynamo's static graph; 4: its graph with n a SymInt input, then reused
+        torch.testing.assert_close(compiled(x, n), fn(x, n), rtol=0, atol=0)
+    stats = backend_stats()
+    assert stats.graphs == 2 and stats.per_graph == [1, 1] and stats.eager_graphs == 0, stats
+
+
+def test_code_that_needs_a_plain_int_keeps_ints_exact_and_sizes_dynamic(caplog):
+    def fn(x, n):
+        return x + torch.tensor(n)  # torch.tensor takes Python numbers only: symbolic ints give up, logged
+
+    jf = _jit(fn)
+    with caplog.at_level(logging.WARNING, logger="fulmen"):
+        for n in (2, 3, 4):
+            torch.testing.assert_close(jf(torch.ones(5), n), fn(torch.ones(5), n), rtol=0, atol=0)
+        for size in (6, 7, 8):  # sizes still become dynamic: one more compilation, then none
+            torch.testing.assert_close(jf(torch.ones(size), 4), fn(torch.ones(size), 4), rtol=0, atol=0)
+    assert fulmen.cache_misses(jf) == 4
+    assert any("symbolic ints failed" in r.getMessage() for r in caplog.records)
