@@ -62,3 +62,35 @@ def test_wide_fuzz_seeds_with_take_along_dim_and_fill_match_eager(seed, extended
 
     m = check(generate(seed, 6, extended=extended, wide=True), "torch")
     assert m is None, f"{m}\n{m.program.script('torch')}"
+
+
+# ---- strides of views made by opaque ops, and of narrow with a tensor start ----
+
+_OPAQUE_VIEWS = {
+    "linalg_diagonal": lambda x: torch.linalg.diagonal(x),
+    "atleast_3d": lambda x: torch.atleast_3d(x),
+    "vsplit": lambda x: torch.vsplit(x, 2)[0],
+    "hsplit": lambda x: torch.hsplit(x, 2)[1],
+    "meshgrid": lambda x: torch.meshgrid(x[0], indexing="ij")[0],
+    "unsafe_chunk": lambda x: x.unsafe_chunk(2)[0],
+    "narrow_tensor_start": lambda x: x.narrow(1, torch.tensor(-3), 2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_OPAQUE_VIEWS))
+def test_views_of_a_transposed_input_have_eagers_strides_inside_the_trace(case):
+    # the views were linked to their base (a write reached it) but read as contiguous: stride(), is_contiguous()
+    # and a later .view() inside the traced function answered otherwise than eager's
+    view = _OPAQUE_VIEWS[case]
+
+    def program(x):
+        v = view(x)
+        facts = v.stride(), v.is_contiguous()
+        v.mul_(10)
+        return v * 1, facts
+
+    x_eager, x_fulmen = (torch.arange(36.0).reshape(6, 6).t() for _ in range(2))
+    want, got = program(x_eager), fulmen.jit(program, executors=["torch"])(x_fulmen)
+    assert got[1] == want[1]
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    torch.testing.assert_close(x_fulmen, x_eager, rtol=0, atol=0)

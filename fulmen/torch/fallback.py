@@ -64,9 +64,9 @@ def _fake_meta(func: Callable, name: str, views: bool = False) -> Callable:
             for fake, proxy in zip(tree_leaves(out), tree_leaves(result)):
                 if isinstance(fake, torch.Tensor) and isinstance(proxy, TensorProxy):
                     set_lazy_bits(proxy, fake.is_conj(), fake.is_neg())
-        for fake, proxy in zip(tree_leaves(out), tree_leaves(result)):  # a new tensor's layout, as eager's
-            if (isinstance(fake, torch.Tensor) and isinstance(proxy, TensorProxy) and proxy.view_of is None
-                    and all(type(n) is int for n in (*fake.shape, *fake.stride())) and not fake.is_contiguous()):
+        for fake, proxy in zip(tree_leaves(out), tree_leaves(result)):  # a result's layout (a view's too), as eager's
+            if (isinstance(fake, torch.Tensor) and isinstance(proxy, TensorProxy)
+                    and all(type(n) is int for n in (*fake.shape, *fake.stride()))):
                 set_strides(proxy, fake.stride())
         return result
 
