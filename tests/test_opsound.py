@@ -94,3 +94,32 @@ def test_views_of_a_transposed_input_have_eagers_strides_inside_the_trace(case):
     assert got[1] == want[1]
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
     torch.testing.assert_close(x_fulmen, x_eager, rtol=0, atol=0)
+
+
+def test_an_op_returning_a_sparse_tensor_inside_the_trace_is_refused_naming_the_line():
+    # the op_db layout sweep: x.to_sparse() was traced as a strided tensor, so is_sparse read False where eager's
+    # reads True (and .layout, and every later op, took it for a dense tensor)
+    def program(x):
+        s = x.to_sparse()
+        return s.to_dense() * 2 if s.is_sparse else x
+
+    with pytest.raises(NotImplementedError, match=r"(?s)to_sparse returns a sparse_coo tensor.*test_opsound"):
+        fulmen.jit(program, executors=["torch"])(torch.randn(3, 3))
+
+
+def _fill_a_view_of_itself(c):
+    v = c[None]
+    v.mul_(0.5)
+    v[:1] = c  # eager fills v[:1] with the 0-d c (TensorIndexing's copy_to): no overlap check
+    w = (c * 1)[None, None]
+    w[0] = w[0, 0]
+    return v, w, c * 1
+
+
+def test_setitem_of_a_0d_cpu_value_that_is_the_target_itself_runs_as_eager():
+    # wide fuzz (extended, seed 3529): fulmen raised eager's overlap error for v[:1] = c with v a view of c
+    c = torch.randn((), dtype=torch.float64, generator=_gen(6))
+    c_eager, c_fulmen = c.clone(), c.clone()
+    want, got = _fill_a_view_of_itself(c_eager), fulmen.jit(_fill_a_view_of_itself, executors=["torch"])(c_fulmen)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(c_fulmen, c_eager, rtol=0, atol=0)

@@ -24,6 +24,7 @@ from fulmen.core.proxies import DataDependentError, TensorProxy, _user_location
 from fulmen.core.symbol import OpTags, Symbol
 from fulmen.core.trace import get_tracectx
 from fulmen.core.unbacked import GuardOnDataDependentSymNode, data_dependent_guard, shape_env_of, trace_shape_env
+from fulmen.torch import kernel_layouts
 from fulmen.torch.registry import link_views, set_lazy_bits, torch_id, with_lazy_bits
 from fulmen.torch.views import set_strides, strides_of
 
@@ -55,6 +56,9 @@ def _fake_meta(func: Callable, name: str, views: bool = False) -> Callable:
             return args[0]  # eager returns its input itself (torch.atleast_1d of a matrix): under no_grad too
         if any(isinstance(x, torch.Tensor) and _is_dtensor(x) for x in tree_leaves(out)):
             raise _makes_dtensor(name)
+        layouts = {x.layout for x in tree_leaves(out) if isinstance(x, torch.Tensor)} - {torch.strided}
+        if layouts:
+            raise _makes_layout(name, layouts.pop())
         if type(out).__module__ == "torch.return_types":  # keep .values / .indices, as eager does
             result = type(out)(tuple(tree_map(_as_proxy, x) for x in out))
         else:
@@ -68,9 +72,19 @@ def _fake_meta(func: Callable, name: str, views: bool = False) -> Callable:
             if (isinstance(fake, torch.Tensor) and isinstance(proxy, TensorProxy)
                     and all(type(n) is int for n in (*fake.shape, *fake.stride()))):
                 set_strides(proxy, fake.stride())
+        _apply_kernel_rule(func, args, result)
         return result
 
     return meta
+
+
+def _apply_kernel_rule(func: Callable, args: tuple, result) -> None:
+    """Results laid out by the kernel's own rule where the fake kernel keeps another layout (batch norm on CPU)."""
+    proxies = [p for p in tree_leaves(result) if isinstance(p, TensorProxy) and p.view_of is None]
+    ruled = kernel_layouts.rule_strides((func,), args, [tuple(p.shape) for p in proxies], strides_of)
+    for p, strides in zip(proxies, ruled or ()):
+        if strides is not None:
+            set_strides(p, strides)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -86,6 +100,14 @@ def _makes_dtensor(name: str) -> NotImplementedError:
         f"through DTensor's own dispatch and collectives).\n  at {_user_location()}\nMake the DTensors outside: "
         "fulmen.jit(model) of a module holding DTensor parameters (parallelize_module first) traces its DTensor "
         "program whole, collectives included; or use torch.compile(model, backend=\"fulmen\").")
+
+
+def _makes_layout(name: str, layout: torch.layout) -> NotImplementedError:
+    # a traced tensor is strided: is_sparse, .layout and every later operation would be traced as a dense tensor's
+    return NotImplementedError(
+        f"{name} returns a {str(layout).removeprefix('torch.')} tensor inside a traced function; fulmen.jit traces "
+        f"strided tensors only.\n  at {_user_location()}\nMake it outside the compiled function, or use "
+        "torch.compile(model, backend=\"fulmen\"), which runs it eagerly.")
 
 
 def _as_proxy(x):
