@@ -80,8 +80,11 @@ def _laid_out(rule: str, args: tuple, shape: tuple[int, ...], strides_of: Callab
             fmt = suggest_memory_format(torch.empty_strided(tuple(args[0].shape), strides_of(args[0]), device="meta"))
             return torch.empty(shape, device="meta", memory_format=fmt).stride()
         try:
-            metas = [torch.empty_strided(tuple(a.shape), strides_of(a), device="meta").broadcast_to(shape)
-                     for a in args if isinstance(a, TensorProxy) and a.ndim]
+            metas = [
+                torch.empty_strided(tuple(a.shape), strides_of(a), device="meta").broadcast_to(shape)
+                for a in args
+                if isinstance(a, TensorProxy) and a.ndim
+            ]
         except RuntimeError:  # an operand that does not broadcast to this result: no layout said for it
             return None
         return tuple(compute_elementwise_output_strides(*metas)) if metas else contiguous_strides(shape)
@@ -100,7 +103,12 @@ def on_fake(fn: Callable, args: tuple, kwargs: dict, strides_of: Callable, lazy_
     """``fn`` run on fake tensors on the proxies' own devices, laid out as ``strides_of`` says."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with torch._C.DisableTorchFunction(), torch.inference_mode(False), FakeTensorMode(allow_non_fake_inputs=True), \
-            torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+    with (
+        torch._C.DisableTorchFunction(),
+        torch.inference_mode(False),
+        FakeTensorMode(allow_non_fake_inputs=True),
+        torch.autocast("cpu", enabled=False),
+        torch.autocast("cuda", enabled=False),
+    ):
         fargs = [_to_fake(a, strides_of, lazy_bits) for a in args]
         return fn(*fargs, **{k: _to_fake(v, strides_of, lazy_bits) for k, v in kwargs.items()})
