@@ -123,3 +123,23 @@ def test_setitem_of_a_0d_cpu_value_that_is_the_target_itself_runs_as_eager():
     want, got = _fill_a_view_of_itself(c_eager), fulmen.jit(_fill_a_view_of_itself, executors=["torch"])(c_fulmen)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(c_fulmen, c_eager, rtol=0, atol=0)
+
+
+def _normal_in_place(x):
+    return x.normal_(2.0, 3.0) * 1
+
+
+def test_normal_in_place_of_a_gapped_input_draws_eagers_numbers():
+    # op_db with rearranged inputs (normal.in_place, sliced): the opaque in-place op ran on x.clone(), which is
+    # contiguous for a gapped x; eager's CPU normal_ draws another sequence into a non-contiguous tensor (serial, not
+    # the 16-wide Box-Muller fill), so every number differed
+    def gapped():
+        return torch.zeros(5, 11, dtype=torch.float64)[:, 1::2][:, :5]
+
+    x_eager, x_fulmen = gapped(), gapped()
+    torch.manual_seed(0)
+    want = _normal_in_place(x_eager)
+    torch.manual_seed(0)
+    got = fulmen.jit(_normal_in_place, executors=["torch"])(x_fulmen)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(x_fulmen, x_eager, rtol=0, atol=0)

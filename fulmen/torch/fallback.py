@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.utils._pytree import tree_leaves, tree_map
 
 from fulmen.core import langctx
@@ -393,11 +394,23 @@ def record(func: Callable) -> Callable:
 _out_of_place_cache: dict = {}
 
 
+def _laid_out_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its strides, gaps included (``clone`` makes a gapped tensor contiguous): an in-place
+    kernel may pick its algorithm by the layout it writes (CPU ``normal_`` draws another sequence into a
+    non-contiguous tensor), so the copy it runs on is laid out as eager's tensor. Overlapping tensors are cloned."""
+    if isinstance(t, TensorProxy) or not isinstance(t, torch.Tensor) or is_non_overlapping_and_dense_or_false(t):
+        return t.clone()
+    try:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+    except RuntimeError:  # overlapping memory: no copy can keep the layout
+        return t.clone()
+
+
 def _out_of_place(func: Callable) -> Callable:
     fn = _out_of_place_cache.get(func)
     if fn is None:
         def fn(self, *args, **kwargs):
-            return func(self.clone(), *args, **kwargs)
+            return func(_laid_out_copy(self), *args, **kwargs)
 
         fn.__name__ = func.__name__.rstrip("_") + "_out_of_place"
         fn.__qualname__ = fn.__name__
