@@ -20,10 +20,6 @@ from fulmen.testing import clone_args
 
 #: op_db entries whose layout fulmen cannot match, with the reason (full_name -> why)
 KNOWN = {
-    "nn.functional.pad.reflect": "3-D padding of a 4-D channels_last input: the fake kernel's layout (contiguous) is "
-    "not the CPU kernel's; no CPU-independent rule written yet",
-    "nn.functional.pad.replicate": "as nn.functional.pad.reflect",
-    "nn.functional.pad.replicate_negative": "as nn.functional.pad.reflect",
     # eager's layout here depends on the machine: oneDNN's 3-d convolutions of a channels_last_3d input give a
     # channels_last_3d result, the fallback kernels (a CPU or build without oneDNN) a contiguous one; fulmen keeps the
     # fake kernel's answer (channels_last_3d), which is no reference a test can hold on every CPU
@@ -134,6 +130,9 @@ _CASES = {
     "hsplit": lambda x: torch.hsplit(x, 2),
     "layer_norm": lambda x: F.layer_norm(x, (5,)),
     "sort": lambda x: torch.sort(x, 1),
+    "pad_reflect_3d": lambda x: F.pad(x[0], (1, 1, 1, 1, 1, 1), mode="reflect"),
+    "pad_replicate": lambda x: F.pad(x, (1, 2, 1, 0), mode="replicate"),
+    "pad_circular": lambda x: F.pad(x, (1, 1, 1, 1), mode="circular"),
 }
 
 

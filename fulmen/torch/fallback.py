@@ -73,16 +73,16 @@ def _fake_meta(func: Callable, name: str, views: bool = False) -> Callable:
             if (isinstance(fake, torch.Tensor) and isinstance(proxy, TensorProxy)
                     and all(type(n) is int for n in (*fake.shape, *fake.stride()))):
                 set_strides(proxy, fake.stride())
-        _apply_kernel_rule(func, args, result)
+        _apply_kernel_rule(func, args, kwargs, result)
         return result
 
     return meta
 
 
-def _apply_kernel_rule(func: Callable, args: tuple, result) -> None:
+def _apply_kernel_rule(func: Callable, args: tuple, kwargs: dict, result) -> None:
     """Results laid out by the kernel's own rule where the fake kernel keeps another layout (batch norm on CPU)."""
     proxies = [p for p in tree_leaves(result) if isinstance(p, TensorProxy) and p.view_of is None]
-    ruled = kernel_layouts.rule_strides((func,), args, [tuple(p.shape) for p in proxies], strides_of)
+    ruled = kernel_layouts.rule_strides((func,), args, kwargs, [tuple(p.shape) for p in proxies], strides_of)
     for p, strides in zip(proxies, ruled or ()):
         if strides is not None:
             set_strides(p, strides)

@@ -35,8 +35,17 @@ SUGGESTED = "suggested"
 #: the kernel is a pointwise iteration over its tensor arguments (TensorIterator), though its fake kernel is not
 POINTWISE = "pointwise"
 
-#: torch callable (or torch-language symbol id) -> {device type: rule}, for results of its first argument's rank
-KERNEL_RULES: dict[Callable | str, dict[str, str]] = {
+
+def _pad_rule(input, pad=None, mode: str = "constant", value=None) -> str:
+    # ATen's CPU constant, reflection and replication pads allocate in the input's suggested format; circular
+    # padding is a contiguous result assembled from slices
+    return CONTIGUOUS if mode == "circular" else SUGGESTED
+
+
+#: torch callable (or torch-language symbol id) -> {device type: rule, or a function of the op's arguments giving
+#: it}, for results of its first argument's rank
+KERNEL_RULES: dict[Callable | str, dict[str, str | Callable]] = {
+    F.pad: {"cpu": _pad_rule},
     F.logsigmoid: {"cpu": CONTIGUOUS},
     F.rrelu: {"cpu": CONTIGUOUS},
     torch.rrelu: {"cpu": CONTIGUOUS},
@@ -58,7 +67,7 @@ KERNEL_RULES: dict[Callable | str, dict[str, str]] = {
 }
 
 
-def rule_strides(fns: tuple, args: tuple, out_shapes: list[tuple], strides_of: Callable) -> list | None:
+def rule_strides(fns: tuple, args: tuple, kwargs: dict, out_shapes: list[tuple], strides_of: Callable) -> list | None:
     """The strides ``KERNEL_RULES`` give each result of the op ``fns`` name (torch callables or a symbol id; None
     for a result of another rank than its first argument), or None when no rule holds for this op on this
     device."""
@@ -67,6 +76,8 @@ def rule_strides(fns: tuple, args: tuple, out_shapes: list[tuple], strides_of: C
         return None
     device = to_torch_device(first.device).type
     rule = next((KERNEL_RULES[fn][device] for fn in fns if device in KERNEL_RULES.get(fn, ())), None)
+    if callable(rule):
+        rule = rule(*args, **kwargs)
     if rule is None:
         return None
     return [_laid_out(rule, args, s, strides_of) if len(s) == first.ndim else None for s in out_shapes]

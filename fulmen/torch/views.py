@@ -222,7 +222,7 @@ def follow_input_layout(bsym: BoundSymbol) -> None:
     if any(a is o for a in tensors for o in outs) or all(layout_of(a) is None for a in tensors):
         return
     fns = (*bsym.sym.torch_fns, bsym.sym.id)
-    ruled = kernel_layouts.rule_strides(fns, bsym.args, [tuple(o.shape) for o in outs], strides_of)
+    ruled = kernel_layouts.rule_strides(fns, bsym.args, bsym.kwargs, [tuple(o.shape) for o in outs], strides_of)
     if ruled is not None:  # a kernel with a layout rule of its own (fulmen.torch.kernel_layouts)
         for o, strides in zip(outs, ruled):
             if strides is not None:
