@@ -110,7 +110,8 @@ def _gen(seed: int) -> torch.Generator:
 
 _W = torch.randn(4, 3, 3, 3, generator=_gen(0))
 _M = torch.rand(2, 3, 4, 5, generator=_gen(1)) > 0.5
-#: ops whose layout rule was wrong once: the kernels' own rules, fake kernels per device, views of opaque ops
+#: ops whose layout rule was wrong once (the kernels' own rules, fake kernels per device, views of opaque ops), and
+#: some whose rule held (layer_norm, sort, instance_norm, circular pad), as controls
 _CASES = {
     "rrelu_eval": lambda x: F.rrelu(x, training=False),
     "logsigmoid": F.logsigmoid,
@@ -130,7 +131,7 @@ _CASES = {
     "hsplit": lambda x: torch.hsplit(x, 2),
     "layer_norm": lambda x: F.layer_norm(x, (5,)),
     "sort": lambda x: torch.sort(x, 1),
-    "pad_reflect_3d": lambda x: F.pad(x[0], (1, 1, 1, 1, 1, 1), mode="reflect"),
+    "pad_reflect_3d": lambda x: F.pad(x, (1, 1, 1, 1, 1, 1), mode="reflect"),  # (C, D, H, W): unbatched 3-d
     "pad_replicate": lambda x: F.pad(x, (1, 2, 1, 0), mode="replicate"),
     "pad_circular": lambda x: F.pad(x, (1, 1, 1, 1), mode="circular"),
 }
