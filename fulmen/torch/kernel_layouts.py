@@ -7,9 +7,9 @@ Two sources, in order:
   kernels do not follow. ATen's CPU kernels of ``logsigmoid`` and ``rrelu`` write a contiguous result whatever the
   input's layout, and its CPU batch norm one in the input's suggested memory format (channels_last stays, a
   transposed input gives a contiguous result), as are its CPU pads but circular ones, where the fake kernels keep the
-  input's strides or make a contiguous result. Each rule names the
-  device types it holds for, and depends only on the op and its inputs' sizes and strides, never on the machine
-  (which instruction set or library a CPU kernel happens to use).
+  input's strides or make a contiguous result. Each rule names the device types it holds for, and depends only on
+  the op, its arguments and its inputs' sizes and strides, never on the machine (which instruction set or library a
+  CPU kernel happens to use).
 - the op run on fake tensors on the inputs' own device, rather than on the meta device: fake kernels are written
   per device (a CPU convolution of a channels_last input or weight is channels_last, as is CPU group norm of a
   channels_last input), while the meta device takes none of those branches.
