@@ -143,3 +143,29 @@ def test_normal_in_place_of_a_gapped_input_draws_eagers_numbers():
     got = fulmen.jit(_normal_in_place, executors=["torch"])(x_fulmen)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(x_fulmen, x_eager, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"length": 90}, {"hop_length": 5}])
+def test_istft_runs_and_differentiates_as_eager(kwargs):
+    # op_db ops without a float dtype: istft was refused as data-dependent (its fake kernel stops at eager's check
+    # of the window's overlap-add envelope, a value); its length depends on the arguments only
+    window = torch.hann_window(16, dtype=torch.float64)
+    spec = torch.stft(
+        torch.randn(2, 100, dtype=torch.float64, generator=_gen(7)),
+        16,
+        hop_length=4,
+        window=window,
+        return_complex=True,
+    ).requires_grad_()
+
+    def program(s, w):
+        return torch.istft(s, 16, window=w, **({"hop_length": 4} | kwargs)) * 2
+
+    want, got = program(spec, window), fulmen.jit(program, executors=["torch"])(spec, window)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    ct = torch.randn(want.shape, dtype=torch.float64, generator=_gen(8))
+    torch.testing.assert_close(
+        torch.autograd.grad(got, spec, ct), torch.autograd.grad(want, spec, ct), rtol=1e-12, atol=1e-12
+    )
+    with pytest.raises(RuntimeError, match="window overlap add min"):  # eager's check of the window still holds
+        fulmen.jit(lambda s, w: torch.istft(s, 16, hop_length=4, window=w, center=False))(spec, window)

@@ -18,7 +18,7 @@ import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.utils._pytree import tree_leaves, tree_map
 
-from fulmen.core import langctx
+from fulmen.core import dtypes, langctx
 from fulmen.core.devices import to_torch_device
 from fulmen.core.draws import callable_draws
 from fulmen.core.proxies import DataDependentError, TensorProxy, _user_location
@@ -174,11 +174,25 @@ def _ctc_loss_meta(log_probs, targets, input_lengths, target_lengths, blank=0, r
                        requires_grad=log_probs.requires_grad)
 
 
+def _istft_meta(input, n_fft, hop_length=None, win_length=None, window=None, center=True, normalized=False,
+                onesided=None, length=None, return_complex=False):
+    # the fake kernel stops at eager's check of the window's overlap-add envelope (a value); the length is not one
+    frames = input.shape[-1]
+    if length is None:
+        length = n_fft + (n_fft // 4 if hop_length is None else hop_length) * (frames - 1)
+        length -= 2 * (n_fft // 2) if center else 0
+    dtype = input.dtype if return_complex else dtypes.corresponding_real_dtype(input.dtype)
+    return TensorProxy(shape=(*input.shape[:-2], length), dtype=dtype, device=input.device,
+                       requires_grad=input.requires_grad or getattr(window, "requires_grad", False))
+
+
 #: Results of ops whose fake-tensor kernels refuse data-dependent sizes they only use inside (ctc_loss's alignment
 #: table is as long as the longest target) although the result's shape does not depend on the data; the torch
 #: executor runs the op and checks its arguments, and PyTorch's autograd differentiates it.
 STATIC_RESULT_METAS: dict[Callable, Callable] = {
     torch.nn.functional.ctc_loss: _ctc_loss_meta,
+    torch.istft: _istft_meta,
+    torch.Tensor.istft: _istft_meta,
 }
 
 
