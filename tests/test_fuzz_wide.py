@@ -10,17 +10,10 @@ import torch
 import fulmen
 from fulmen.fuzz import check, generate
 
-# Seeds of the slices whose programs hit a known false refusal (each tracked by the strict xfail below).
-KNOWN = {
-    1300: "backward refused: an int index saved by take_along_dim, then filled in place (eager saved none)",
-}
-
 
 def _mismatches(seeds, executors: str, extended: bool = False, max_ops: int = 6) -> list[str]:
     found = []
     for seed in seeds:
-        if seed in KNOWN:
-            continue
         m = check(generate(seed, max_ops, extended=extended, wide=True), executors)
         if m is not None:
             found.append(f"seed {seed}: {m}\n{m.program.script(executors)}")
@@ -37,14 +30,6 @@ def test_wide_fuzz_slice_torch_executor():
 def test_wide_fuzz_bigger_slice_torch_executor(extended):
     found = _mismatches(range(1000, 1400), "torch", extended=extended)
     assert not found, "\n\n".join(found)
-
-
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="known false refusals (KNOWN): fulmen raises where eager runs")
-@pytest.mark.parametrize("seed", sorted(KNOWN))
-def test_wide_fuzz_known_false_refusals(seed):
-    m = check(generate(seed, 6, wide=True), "torch")
-    assert m is None, str(m)
 
 
 @pytest.mark.slow

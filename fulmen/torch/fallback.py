@@ -15,15 +15,17 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.utils._pytree import tree_leaves, tree_map
 
-from fulmen.core import langctx
+from fulmen.core import dtypes, langctx
 from fulmen.core.devices import to_torch_device
 from fulmen.core.draws import callable_draws
 from fulmen.core.proxies import DataDependentError, TensorProxy, _user_location
 from fulmen.core.symbol import OpTags, Symbol
 from fulmen.core.trace import get_tracectx
 from fulmen.core.unbacked import GuardOnDataDependentSymNode, data_dependent_guard, shape_env_of, trace_shape_env
+from fulmen.torch import kernel_layouts
 from fulmen.torch.registry import link_views, set_lazy_bits, torch_id, with_lazy_bits
 from fulmen.torch.views import set_strides, strides_of
 
@@ -55,8 +57,9 @@ def _fake_meta(func: Callable, name: str, views: bool = False) -> Callable:
             return args[0]  # eager returns its input itself (torch.atleast_1d of a matrix): under no_grad too
         if any(isinstance(x, torch.Tensor) and _is_dtensor(x) for x in tree_leaves(out)):
             raise _makes_dtensor(name)
-        if any(isinstance(x, torch.Tensor) and x.layout is not torch.strided for x in tree_leaves(out)):
-            raise _makes_sparse(name)
+        layouts = {x.layout for x in tree_leaves(out) if isinstance(x, torch.Tensor)} - {torch.strided}
+        if layouts:
+            raise _makes_layout(name, layouts.pop())
         if type(out).__module__ == "torch.return_types":  # keep .values / .indices, as eager does
             result = type(out)(tuple(tree_map(_as_proxy, x) for x in out))
         else:
@@ -66,13 +69,23 @@ def _fake_meta(func: Callable, name: str, views: bool = False) -> Callable:
             for fake, proxy in zip(tree_leaves(out), tree_leaves(result)):
                 if isinstance(fake, torch.Tensor) and isinstance(proxy, TensorProxy):
                     set_lazy_bits(proxy, fake.is_conj(), fake.is_neg())
-        for fake, proxy in zip(tree_leaves(out), tree_leaves(result)):  # a new tensor's layout, as eager's
-            if (isinstance(fake, torch.Tensor) and isinstance(proxy, TensorProxy) and proxy.view_of is None
-                    and all(type(n) is int for n in (*fake.shape, *fake.stride())) and not fake.is_contiguous()):
+        for fake, proxy in zip(tree_leaves(out), tree_leaves(result)):  # a result's layout (a view's too), as eager's
+            if (isinstance(fake, torch.Tensor) and isinstance(proxy, TensorProxy)
+                    and all(type(n) is int for n in (*fake.shape, *fake.stride()))):
                 set_strides(proxy, fake.stride())
+        _apply_kernel_rule(func, args, kwargs, result)
         return result
 
     return meta
+
+
+def _apply_kernel_rule(func: Callable, args: tuple, kwargs: dict, result) -> None:
+    """Results laid out by the kernel's own rule where the fake kernel keeps another layout (batch norm on CPU)."""
+    proxies = [p for p in tree_leaves(result) if isinstance(p, TensorProxy) and p.view_of is None]
+    ruled = kernel_layouts.rule_strides((func,), args, kwargs, [tuple(p.shape) for p in proxies], strides_of)
+    for p, strides in zip(proxies, ruled or ()):
+        if strides is not None:
+            set_strides(p, strides)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -90,12 +103,12 @@ def _makes_dtensor(name: str) -> NotImplementedError:
         "program whole, collectives included; or use torch.compile(model, backend=\"fulmen\").")
 
 
-def _makes_sparse(name: str) -> NotImplementedError:
-    # a traced tensor stands for a strided one: the operations after this one would be traced as dense ones, so
-    # is_sparse, the layout of results and what a fused region reads would differ from eager
+def _makes_layout(name: str, layout: torch.layout) -> NotImplementedError:
+    # a traced tensor is strided: is_sparse, .layout and every later operation would be traced as a dense tensor's
     return NotImplementedError(
-        f"{name} makes a sparse (or other non-strided) tensor inside a traced function, which fulmen.jit does not "
-        f"trace.\n  at {_user_location()}\nKeep the sparse operations outside the jitted function.")
+        f"{name} returns a {str(layout).removeprefix('torch.')} tensor inside a traced function; fulmen.jit traces "
+        f"strided tensors only.\n  at {_user_location()}\nMake it outside the compiled function, or use "
+        "torch.compile(model, backend=\"fulmen\"), which runs it eagerly.")
 
 
 def _as_proxy(x):
@@ -161,11 +174,25 @@ def _ctc_loss_meta(log_probs, targets, input_lengths, target_lengths, blank=0, r
                        requires_grad=log_probs.requires_grad)
 
 
+def _istft_meta(input, n_fft, hop_length=None, win_length=None, window=None, center=True, normalized=False,
+                onesided=None, length=None, return_complex=False):
+    # the fake kernel stops at eager's check of the window's overlap-add envelope (a value); the length is not one
+    frames = input.shape[-1]
+    if length is None:
+        length = n_fft + (n_fft // 4 if hop_length is None else hop_length) * (frames - 1)
+        length -= 2 * (n_fft // 2) if center else 0
+    dtype = input.dtype if return_complex else dtypes.corresponding_real_dtype(input.dtype)
+    return TensorProxy(shape=(*input.shape[:-2], length), dtype=dtype, device=input.device,
+                       requires_grad=input.requires_grad or getattr(window, "requires_grad", False))
+
+
 #: Results of ops whose fake-tensor kernels refuse data-dependent sizes they only use inside (ctc_loss's alignment
 #: table is as long as the longest target) although the result's shape does not depend on the data; the torch
 #: executor runs the op and checks its arguments, and PyTorch's autograd differentiates it.
 STATIC_RESULT_METAS: dict[Callable, Callable] = {
     torch.nn.functional.ctc_loss: _ctc_loss_meta,
+    torch.istft: _istft_meta,
+    torch.Tensor.istft: _istft_meta,
 }
 
 
@@ -382,11 +409,23 @@ def record(func: Callable) -> Callable:
 _out_of_place_cache: dict = {}
 
 
+def _laid_out_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its strides, gaps included (``clone`` makes a gapped tensor contiguous): an in-place
+    kernel may pick its algorithm by the layout it writes (CPU ``normal_`` draws another sequence into a
+    non-contiguous tensor), so the copy it runs on is laid out as eager's tensor. Overlapping tensors are cloned."""
+    if isinstance(t, TensorProxy) or not isinstance(t, torch.Tensor) or is_non_overlapping_and_dense_or_false(t):
+        return t.clone()
+    try:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+    except RuntimeError:  # overlapping memory: no copy can keep the layout
+        return t.clone()
+
+
 def _out_of_place(func: Callable) -> Callable:
     fn = _out_of_place_cache.get(func)
     if fn is None:
         def fn(self, *args, **kwargs):
-            return func(self.clone(), *args, **kwargs)
+            return func(_laid_out_copy(self), *args, **kwargs)
 
         fn.__name__ = func.__name__.rstrip("_") + "_out_of_place"
         fn.__qualname__ = fn.__name__

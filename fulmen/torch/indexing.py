@@ -508,6 +508,10 @@ def take_along_dim(a, indices, dim=None):
     common = list(clang.broadcast_shapes(a_shape, i_shape))
     a = clang.expand_to(a, common[:dim] + [a.shape[dim]] + common[dim + 1:])
     indices = clang.expand_to(indices, common[:dim] + [indices.shape[dim]] + common[dim + 1:])
+    # eager wraps the index into [0, size) first (index -1 is the last entry, 4 of a size-4 dim the first), so its
+    # gather reads, and its backward saves, that new tensor: a later in-place write of the caller's index changes
+    # neither the result nor the gradient
+    indices = _int_op(indices, a.shape[dim], prims.remainder)
     return prims.take_along_axis(a, indices, dim)
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from fulmen import clang, prims
+from fulmen.core.devices import to_torch_device
 from fulmen.core.proxies import TensorProxy, _user_location, latest
 from fulmen.core.symbol import OpTags, Symbol
 from fulmen.core.trace import get_tracectx
@@ -214,7 +215,11 @@ def setitem(a: TensorProxy, key, value) -> None:
     if isinstance(value, TensorProxy) and (value.view_of is not None or current.view_of is not None):
         # eager refuses a value overlapping the part written: a view of the target, or the base the target views
         target = getitem(current, key)  # recorded only to be compared; dead code elimination drops it
-        check_no_partial_overlap("", target if target.view_of is not None else a, value)
+        # a 0-d CPU value of another shape than the part written is filled in (TensorIndexing's copy_to): eager
+        # reads it once, before writing, and checks no overlap
+        fills = value.ndim == 0 and to_torch_device(value.device).type == "cpu" and tuple(target.shape) != ()
+        if not fills:
+            check_no_partial_overlap("", target if target.view_of is not None else a, value)
     if current.view_of is not None and _shares_elements(current):
         # the view's elements share memory (an expand): only those the key picks are written, straight into the
         # base; a new value of the whole view would also carry the others' old values to the same base elements

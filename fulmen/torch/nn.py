@@ -782,8 +782,8 @@ def _feature_dropout_entry(name: str, dims: tuple[int, int]):
         unbatched = name != "dropout2d" and input.ndim != dims[1]
         if not training or p == 0 or input.numel() == 0:  # the input itself, as eager returns it
             return input
-        out = feature_dropout(clang.unsqueeze(input, 0) if unbatched else input, p, training)
-        out = clang.squeeze(out, (0,)) if unbatched else out
+        out = feature_dropout(input.unsqueeze(0) if unbatched else input, p, training)  # views keep the layout
+        out = out.squeeze(0) if unbatched else out
         return mutate(input, out) if inplace else out
 
     entry.__name__ = name

@@ -500,7 +500,13 @@ def _narrow_at(a, dim: int, start: TensorProxy, length: int):
     return prims.take(a, rows, dim)
 
 
-@view_symbol(torch.Tensor.narrow, torch.narrow, id="torch.narrow", method_name="narrow", tags=_SHAPE)
+def _narrow_layout(a, dim, start, length):
+    # a view's strides do not depend on where it starts: meta tensors cannot read a tensor start (eager's .item())
+    return torch.narrow(a, dim, 0 if isinstance(start, torch.Tensor) else start, length)
+
+
+@view_symbol(torch.Tensor.narrow, torch.narrow, id="torch.narrow", method_name="narrow", tags=_SHAPE,
+             meta_fn=_narrow_layout)
 def narrow(a, dim: int, start: int, length: int):
     check(a.ndim > 0, lambda: "narrow() cannot be applied to a 0-dim tensor.", RuntimeError)
     check(length >= 0, lambda: "narrow(): length must be non-negative.", RuntimeError)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 from torch._prims_common import compute_elementwise_output_strides
+from torch.utils._pytree import tree_leaves
 
 from fulmen import clang, prims
 from fulmen.core import symbolic
@@ -22,6 +23,7 @@ from fulmen.core.proxies import TensorProxy, _user_location
 from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 from fulmen.core.symbolic import contains_symbolic
 from fulmen.core.utils import canonicalize_dim, contiguous_strides
+from fulmen.torch import kernel_layouts
 from fulmen.torch.registry import link_views, register_function, set_lazy_bits, torchsymbol, with_lazy_bits
 
 #: id(proxy) -> (weak reference to it, the strides eager gives it); proxies not listed are contiguous.
@@ -217,16 +219,24 @@ def follow_input_layout(bsym: BoundSymbol) -> None:
     if not all(isinstance(o, TensorProxy) and o.view_of is None and all(type(n) is int for n in o.shape)
                for o in outs):
         return
-    tensors = [a for a in (*bsym.args, *bsym.kwargs.values()) if isinstance(a, TensorProxy)]
+    # in argument order, lists included (torch.cat of channels_last tensors is channels_last)
+    tensors = [a for a in tree_leaves((bsym.args, bsym.kwargs)) if isinstance(a, TensorProxy)]
     if any(a is o for a in tensors for o in outs) or all(layout_of(a) is None for a in tensors):
+        return
+    fns = (*bsym.sym.torch_fns, bsym.sym.id)
+    ruled = kernel_layouts.rule_strides(fns, bsym.args, bsym.kwargs, [tuple(o.shape) for o in outs], strides_of)
+    if ruled is not None:  # a kernel with a layout rule of its own (fulmen.torch.kernel_layouts)
+        for o, strides in zip(outs, ruled):
+            if strides is not None:
+                _set_strides(o, strides)
         return
     strides = _iterator_strides(tensors, tuple(outs[0].shape)) if OpTags.ELEMENTWISE in bsym.sym.tags else None
     if strides is not None and len(outs) == 1:
         _set_strides(outs[0], strides)
         return
-    try:
-        mout, _ = _on_meta(bsym.sym.torch_fns[0], bsym.args, bsym.kwargs)
-    except Exception:  # an argument meta tensors cannot take: the result stays taken to be contiguous
+    try:  # fake kernels on the inputs' devices: they lay out results per device, as eager's kernels do
+        mout = kernel_layouts.on_fake(bsym.sym.torch_fns[0], bsym.args, bsym.kwargs, strides_of, with_lazy_bits)
+    except Exception:  # an argument fake tensors cannot take: the result stays taken to be contiguous
         return
     mouts = mout if isinstance(mout, tuple) else (mout,)
     if len(mouts) == len(outs) and all(isinstance(m, torch.Tensor) and tuple(m.shape) == tuple(o.shape)
