@@ -32,6 +32,7 @@ import torch
 from fulmen.core.ambient import Ambient, switches
 from fulmen.core.options import COMPILE_MODES, env_seconds
 from fulmen.core.utils import compiler_import_lock
+from fulmen.executors import inductor_graph_cache as graph_cache
 from fulmen.executors.fx_isolation import fx_tracing_kept_to_this_thread
 from fulmen.executors.inductor_cpp import MergedBuild, merged_cpp_build, prefetch_header
 from fulmen.executors.inductor_decomps import decomposition_table
@@ -274,15 +275,88 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
         # another thread, which would see FX's wrappers. The C++ build after it runs without the lock. Threads that
         # are only running code meanwhile (a torch.compile'd step) see FX's traces neither (fx_isolation).
         with compile_lock, fx_tracing_kept_to_this_thread():
-            gm, fake_mode, fakes = _region_graph(fn, example, decompositions, dims)
-            keep_output_strides(gm)
-            with merged_cpp_build(cpp), tracing(TracingContext(fake_mode)), index_shortcut():
-                compiled = compile_fx_inner(gm, fakes)
+            key = graph_cache.region_key(fn, example, decompositions, dims)
+            found = _cached_compilation(key, example, cpp) if key is not None else None
+            if found is not None:
+                gm, compiled = found
+            else:
+                gm, fake_mode, fakes = _region_graph(fn, example, decompositions, dims)
+                keep_output_strides(gm)
+                with merged_cpp_build(cpp), tracing(TracingContext(fake_mode)), index_shortcut():
+                    compiled = compile_fx_inner(gm, fakes)
+                if key is not None:
+                    _keep_graph(key, gm, fakes)
         call = getattr(compiled, "current_callable", compiled)
         if dims:
             check_output_strides(compiled, gm)
             return call, LayoutCheck(fakes, fake_mode.shape_env)
         return with_eager_strides(call, compiled, gm, fn, example)
+
+
+class _NotInInductorCache(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _only_from_inductor_cache():
+    """Inside the block, ``compile_fx_inner`` returns a compilation from Inductor's FX graph cache or raises
+    ``_NotInInductorCache`` instead of lowering the graph. Scoped to the caller's lowering, which holds Dynamo's
+    compile lock (every other Inductor compilation of the process waits for it)."""
+    import torch._inductor.compile_fx as compile_fx
+
+    def refuse(*args, **kwargs):
+        raise _NotInInductorCache
+
+    original = compile_fx.fx_codegen_and_compile
+    compile_fx.fx_codegen_and_compile = refuse
+    try:
+        yield
+    finally:
+        compile_fx.fx_codegen_and_compile = original
+
+
+def _cached_compilation(key: str, example: list[torch.Tensor], cpp: MergedBuild) -> tuple | None:
+    """``(graph, compilation)`` of a region whose graph ``graph_cache`` kept under ``key`` and whose compilation
+    Inductor's FX graph cache holds; ``None`` otherwise (the region is then captured and lowered)."""
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    from fulmen.executors.inductor_sympy import shortcut_here as index_shortcut
+
+    entry = graph_cache.load(key)
+    if entry is None:
+        return None
+    fake_mode = _fake_mode()
+    fakes = [fake_mode.from_tensor(a) for a in example]
+    gm = graph_cache.rebuild(entry, fake_mode)
+    if gm is None:
+        return None
+    keep_output_strides(gm)
+    try:
+        with _only_from_inductor_cache(), merged_cpp_build(cpp), tracing(TracingContext(fake_mode)), index_shortcut():
+            return gm, compile_fx_inner(gm, fakes)
+    except _NotInInductorCache:
+        return None
+
+
+def _keep_graph(key: str, gm, fakes: list) -> None:
+    """Keep ``gm`` under ``key`` if the graph rebuilt from what is kept gives Inductor's cache the same key."""
+    from torch._inductor.codecache import compiled_fx_graph_hash
+
+    entry = graph_cache.graph_entry(gm)
+    if entry is None:
+        return
+    rebuilt = graph_cache.rebuild(entry, fakes[0].fake_mode if fakes else _fake_mode())
+    try:
+        same = rebuilt is not None and (
+            compiled_fx_graph_hash(rebuilt, fakes, {}, [])[0] == compiled_fx_graph_hash(gm, fakes, {}, [])[0])
+    except Exception as e:  # Inductor cannot key it: nothing to find it by later
+        log.debug("fulmen: a region's graph is not kept (%s: %s)", type(e).__name__, e)
+        return
+    if same:
+        graph_cache.store(key, entry)
+    else:
+        log.debug("fulmen: a region's graph is not kept: rebuilt, it keys Inductor's cache differently")
 
 
 def _region_graph(fn: Callable, example: list[torch.Tensor], decompositions, dims) -> tuple:
