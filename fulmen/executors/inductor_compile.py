@@ -282,10 +282,12 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
             else:
                 gm, fake_mode, fakes = _region_graph(fn, example, decompositions, dims)
                 keep_output_strides(gm)
+                # taken before Inductor's passes rewrite the graph in place
+                entry = _entry_to_keep(gm, fakes) if key is not None else None
                 with merged_cpp_build(cpp), tracing(TracingContext(fake_mode)), index_shortcut():
                     compiled = compile_fx_inner(gm, fakes)
-                if key is not None:
-                    _keep_graph(key, gm, fakes)
+                if entry is not None:
+                    graph_cache.store(key, entry)
         call = getattr(compiled, "current_callable", compiled)
         if dims:
             check_output_strides(compiled, gm)
@@ -335,28 +337,30 @@ def _cached_compilation(key: str, example: list[torch.Tensor], cpp: MergedBuild)
     try:
         with _only_from_inductor_cache(), merged_cpp_build(cpp), tracing(TracingContext(fake_mode)), index_shortcut():
             return gm, compile_fx_inner(gm, fakes)
-    except _NotInInductorCache:
-        return None
+    except Exception as e:  # Inductor wraps what its lowering raised
+        if isinstance(e, _NotInInductorCache) or isinstance(getattr(e, "inner_exception", None), _NotInInductorCache):
+            return None
+        raise
 
 
-def _keep_graph(key: str, gm, fakes: list) -> None:
-    """Keep ``gm`` under ``key`` if the graph rebuilt from what is kept gives Inductor's cache the same key."""
+def _entry_to_keep(gm, fakes: list) -> dict | None:
+    """``gm`` as ``graph_cache`` keeps it, if the graph rebuilt from that gives Inductor's cache the same key."""
     from torch._inductor.codecache import compiled_fx_graph_hash
 
     entry = graph_cache.graph_entry(gm)
     if entry is None:
-        return
+        return None
     rebuilt = graph_cache.rebuild(entry, fakes[0].fake_mode if fakes else _fake_mode())
     try:
-        same = rebuilt is not None and (
-            compiled_fx_graph_hash(rebuilt, fakes, {}, [])[0] == compiled_fx_graph_hash(gm, fakes, {}, [])[0])
+        if rebuilt is not None and (
+            compiled_fx_graph_hash(rebuilt, fakes, {}, [])[0] == compiled_fx_graph_hash(gm, fakes, {}, [])[0]
+        ):
+            return entry
     except Exception as e:  # Inductor cannot key it: nothing to find it by later
         log.debug("fulmen: a region's graph is not kept (%s: %s)", type(e).__name__, e)
-        return
-    if same:
-        graph_cache.store(key, entry)
-    else:
-        log.debug("fulmen: a region's graph is not kept: rebuilt, it keys Inductor's cache differently")
+        return None
+    log.debug("fulmen: a region's graph is not kept: rebuilt, it keys Inductor's cache differently")
+    return None
 
 
 def _region_graph(fn: Callable, example: list[torch.Tensor], decompositions, dims) -> tuple:

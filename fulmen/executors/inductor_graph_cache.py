@@ -343,18 +343,21 @@ def rebuild(entry: dict, fake_mode) -> fx.GraphModule | None:
             return {k: value(x) for k, x in v.items()}
         return v
 
-    for op, name, target, args, kwargs, layout in entry["nodes"]:
-        node = graph.create_node(op, _resolve(target), value(args), value(kwargs), name=name)
-        if node.name != name:
-            return None
-        if layout is not None:
-            shape, stride, offset, dtype, device = layout
-            with fake_mode:
-                node.meta["val"] = torch.empty_strided(shape, stride, dtype=dtype, device=device)
-                if offset:
-                    node.meta["val"] = node.meta["val"].as_strided(shape, stride, offset)
-        env[name] = node
-    gm = fx._lazy_graph_module._make_graph_module(torch.nn.Module(), graph, entry["name"])
+    try:
+        for op, name, target, args, kwargs, layout in entry["nodes"]:
+            node = graph.create_node(op, _resolve(target), value(args), value(kwargs), name=name)
+            if node.name != name:
+                return None
+            if layout is not None:
+                shape, stride, offset, dtype, device = layout
+                with fake_mode:
+                    node.meta["val"] = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                    if offset:
+                        node.meta["val"] = node.meta["val"].as_strided(shape, stride, offset)
+            env[name] = node
+        gm = fx._lazy_graph_module._make_graph_module(torch.nn.Module(), graph, entry["name"])
+    except (KeyError, AttributeError, TypeError, ValueError, RuntimeError):  # an entry of another fulmen or torch
+        return None
     return gm if gm.code == entry["code"] else None
 
 
