@@ -7,7 +7,7 @@ so that the step returns fully compiled. Timers around fulmen's and Inductor's e
 - ``aten_graph``: fulmen's ``make_fx``-style capture of each region's aten graph (``inductor_graph``);
 - ``graph_cache``: fulmen's cache of those graphs (``inductor_graph_cache``: key, load, store), where present;
 - ``inductor``: ``compile_fx_inner`` (Inductor's FX graph cache lookup, and on a miss its lowering and codegen),
-  less the two below;
+  less the two below where they run inside it (each timer excludes the timed calls inside it);
 - ``isa_probe``: Inductor's vector-instruction probes (``cpu_vec_isa``);
 - ``cpp_build``: the C++ build of the batch's kernels (``inductor_cpp.MergedBuild.build``);
 - ``other``: the step's rest: fulmen's tracing and transforms, running the step, imports on first use.
@@ -37,16 +37,22 @@ import fulmen
 from fulmen.bench.models import build, size_overrides
 from fulmen.executors import inductor_compile, inductor_cpp, inductor_graph
 
-spent = {}
+spent, counts, stack = {}, {}, []
 
 def timed(owner, name, phase):
+    # time spent in owner.name, less the time of the timed calls inside it (each second counts once)
     original = getattr(owner, name)
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
+        stack.append(0.0)
         try:
             return original(*args, **kwargs)
         finally:
-            spent[phase] = spent.get(phase, 0.0) + time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            spent[phase] = spent.get(phase, 0.0) + elapsed - stack.pop()
+            counts[phase] = counts.get(phase, 0) + 1
+            if stack:
+                stack[-1] += elapsed
     setattr(owner, name, wrapper)
 
 timed(inductor_graph, "aten_graph", "aten_graph")
@@ -54,12 +60,13 @@ timed(inductor_graph, "symbolic_aten_graph", "aten_graph")
 timed(inductor_cpp.MergedBuild, "build", "cpp_build")
 try:
     from fulmen.executors import inductor_graph_cache
-    for name in ("region_key", "load", "store"):
+    for name in ("region_key", "load", "store", "rebuild"):
         timed(inductor_graph_cache, name, "graph_cache")
+    timed(inductor_compile, "_entry_to_keep", "graph_cache")
 except ImportError:
     pass
 import torch._inductor.compile_fx as compile_fx, torch._inductor.cpu_vec_isa as vec_isa
-timed(compile_fx, "compile_fx_inner", "compile_fx_inner")
+timed(compile_fx, "compile_fx_inner", "inductor")
 timed(vec_isa.VecISA, "check_build", "isa_probe")
 
 name, n_layer, width, seq_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -75,7 +82,7 @@ optimizer.step()
 total = time.perf_counter() - start
 stats = fulmen.executors.inductor.fusion_stats()
 row = {"total_s": total, "regions": stats["regions"], "kernels": stats["kernels"],
-       "compiled": stats["kernels_compiled"], **spent}
+       "compiled": stats["kernels_compiled"], "captures": counts.get("aten_graph", 0), **spent}
 print("FULMEN_PHASES_ROW " + json.dumps(row))
 """
 
@@ -99,14 +106,9 @@ def run_once(args: argparse.Namespace, cache_dir: str | None) -> dict:
 
 
 def _phases(row: dict) -> dict:
-    inner = row.pop("compile_fx_inner", 0.0)
-    row.setdefault("aten_graph", 0.0)
-    row.setdefault("graph_cache", 0.0)
-    row.setdefault("isa_probe", 0.0)
-    row.setdefault("cpp_build", 0.0)
-    # the probes and (outside a merged build) C++ builds run inside compile_fx_inner; the merged build after it
-    row["inductor"] = max(inner - row["isa_probe"], 0.0)
-    row["other"] = row["total_s"] - sum(row[p] for p in PHASES if p != "other")
+    for phase in PHASES[:-1]:
+        row.setdefault(phase, 0.0)
+    row["other"] = row["total_s"] - sum(row[p] for p in PHASES[:-1])
     return row
 
 
@@ -118,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--cache", choices=("cold", "warm"), default="warm")
     parser.add_argument("--runs", type=int, default=1)
-    parser.add_argument("--cache-dir", help="with --cache warm: the cache directory to reuse (default: a new one, "
-                                            "filled by an untimed run first)")
+    parser.add_argument(
+        "--cache-dir",
+        help="with --cache warm: the cache directory to reuse (default: a new one, filled by an untimed run first)",
+    )
     parser.add_argument("--json", metavar="FILE", help="also write the raw figures to FILE")
     args = parser.parse_args(argv)
 
@@ -131,14 +135,19 @@ def main(argv: list[str] | None = None) -> int:
             if not args.cache_dir:
                 print("filling the cache ...", file=sys.stderr, flush=True)
                 fill = run_once(args, cache_dir)
-                print("  filling run (empty Inductor cache, the usual precompiled headers): "
-                      + ", ".join(f"{p} {fill[p]:.2f} s" for p in ("total_s", *PHASES)), flush=True)
+                print(
+                    "  filling run (empty Inductor cache, the usual precompiled headers): "
+                    + ", ".join(f"{p} {fill[p]:.2f} s" for p in ("total_s", *PHASES)),
+                    flush=True,
+                )
         for i in range(args.runs):
             print(f"run {i + 1}/{args.runs} ...", file=sys.stderr, flush=True)
             rows.append(run_once(args, cache_dir))
-    print(f"{args.model} ({args.n_layer} layers, width {args.width}, {args.seq_len} tokens, bf16 autocast) training "
-          f"step, compile='sync', {args.cache} cache, median of {args.runs} fresh processes; "
-          f"{rows[0]['regions']} regions, {rows[0]['kernels']} kernels")
+    print(
+        f"{args.model} ({args.n_layer} layers, width {args.width}, {args.seq_len} tokens, bf16 autocast) training "
+        f"step, compile='sync', {args.cache} cache, median of {args.runs} fresh processes; "
+        f"{rows[0]['regions']} regions, {rows[0]['kernels']} kernels, {rows[0]['captures']} graphs captured"
+    )
     for phase in ("total_s", *PHASES):
         print(f"  {phase:12s} {statistics.median(r[phase] for r in rows):7.2f} s")
     if args.json:

@@ -1,0 +1,125 @@
+"""The host cost of each compiled region call of a training step, split into fulmen's dispatch and the rest.
+
+Trains llama-1b's code at toy size (default 2 layers, width 128, 64 tokens, batch 2, bf16 autocast, one thread)
+under ``fulmen.jit(model, compile="sync")``, records one call's arguments of every fused region, then times each
+region, medians of ``--calls`` calls, in turns:
+
+- ``region``: the call as the program makes it (``FusedRegion.__call__``: the layout check, then the compiled
+  callable);
+- ``compiled``: the compiled callable alone (Inductor's ``call``: its input checks, allocations and kernels);
+- ``dispatch``: ``region - compiled``, fulmen's own cost per call;
+- ``size_checks``: what the compiled callable's ``assert_size_stride`` lines cost (the callable timed with them
+  replaced by a function that does nothing, subtracted from ``compiled``), with how many it runs.
+
+    python benchmarks/bench_region_calls.py
+    python benchmarks/bench_region_calls.py --n-layer 4 --width 256 --calls 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+
+def _median_us(fn, calls: int) -> float:
+    samples = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples) * 1e6
+
+
+def _record_calls(regions) -> dict:
+    """Swap each region's class ``__call__`` for one that records the region's first arguments."""
+    from fulmen.executors.inductor import FusedRegion
+
+    seen: dict = {}
+    real = FusedRegion.__call__
+
+    def recording(self, *args):
+        seen.setdefault(self, args)
+        return real(self, *args)
+
+    FusedRegion.__call__ = recording
+    return seen, lambda: setattr(FusedRegion, "__call__", real)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n-layer", type=int, default=2)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--calls", type=int, default=200)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+
+    import fulmen
+    from fulmen.bench.models import build, size_overrides
+    from fulmen.executors.inductor import ex
+
+    model, make_inputs = build("llama-1b", seed=0, **size_overrides("llama-1b", args.n_layer, args.width, args.seq_len))
+    inputs = make_inputs(2, targets=True)
+    jitted = fulmen.jit(model, compile="sync")
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = jitted(*inputs)
+        loss.backward()
+
+    step()
+    seen, restore = _record_calls(ex.regions)
+    step()
+    restore()
+    print(
+        f"llama-1b code, {args.n_layer} layers, width {args.width}, {args.seq_len} tokens, bf16 autocast; "
+        f"medians of {args.calls} calls in turns, us"
+    )
+    print(f"{'region':24s} {'inputs':>6s} {'region':>9s} {'compiled':>9s} {'dispatch':>9s} {'size_checks':>12s}")
+    for region, call_args in sorted(seen.items(), key=lambda kv: kv[0].name):
+        fn = next(iter(region.variants.values()), None)
+        if fn is None:
+            continue
+        inner = getattr(fn, "__wrapped__", fn)
+        scope = getattr(getattr(inner, "__func__", inner), "__globals__", {})
+        checks = scope.get("assert_size_stride")
+        count = _asserts(inner)
+        with torch.no_grad():
+            for _ in range(3):
+                region(*call_args)
+            t_region = _median_us(lambda: region(*call_args), args.calls)
+            t_compiled = _median_us(lambda: fn(list(call_args)), args.calls)
+            if checks is not None:
+                scope["assert_size_stride"] = _nothing
+                try:
+                    t_unchecked = _median_us(lambda: fn(list(call_args)), args.calls)
+                finally:
+                    scope["assert_size_stride"] = checks
+            else:
+                t_unchecked = t_compiled
+        print(
+            f"{region.name:24s} {len(call_args):6d} {t_region:9.1f} {t_compiled:9.1f} {t_region - t_compiled:9.1f} "
+            f"{t_compiled - t_unchecked:8.1f} ({count})"
+        )
+    return 0
+
+
+def _nothing(*args) -> None:
+    return None
+
+
+def _asserts(fn) -> int:
+    import inspect
+
+    try:
+        return inspect.getsource(fn).count("assert_size_stride(")
+    except (OSError, TypeError):
+        return -1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
