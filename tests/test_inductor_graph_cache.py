@@ -83,10 +83,13 @@ def test_keys_differ_where_the_captured_graph_could():
     assert len(set(other.values())) == len(other)
 
 
-def test_symbolic_sizes_and_user_functions_are_not_cached():
+def test_symbolic_sizes_and_user_functions_are_not_cached(monkeypatch):
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     region = _region(_scaled, x, y)
     assert graph_cache.region_key(region.eager, [x, y], decomposition_table(), frozenset({(0, 0)})) is None
+    monkeypatch.setattr(graph_cache, "ENABLED", False)  # FULMEN_GRAPH_CACHE=0
+    assert graph_cache.region_key(region.eager, [x, y], decomposition_table()) is None
+    monkeypatch.setattr(graph_cache, "ENABLED", True)
 
     def user_helper(t):  # its code is not covered by the key: a later process may run another version
         return t * 2

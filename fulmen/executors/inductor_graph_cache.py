@@ -18,6 +18,9 @@ decomposition table, fulmen's and torch's sources (a digest of fulmen's files, t
 the capture reads: default dtype and device, grad and inference mode, autocast, deterministic algorithms, the
 attention backends, and the configurations of Inductor, functorch, Dynamo and FX. A region with symbolic sizes
 is not cached (its graph comes with shape guards).
+
+What the key cannot see: a torch or fulmen function replaced inside the process (``torch.relu = ...``) and called
+by another, rather than by the region's code. ``FULMEN_GRAPH_CACHE=0`` turns the cache off.
 """
 
 from __future__ import annotations
@@ -37,8 +40,12 @@ from typing import Any
 import torch
 from torch import fx
 
+from fulmen.core.options import env_flag
+
 log = logging.getLogger("fulmen.inductor")
 
+#: Whether regions' graphs are kept and looked up (the environment variable FULMEN_GRAPH_CACHE sets it).
+ENABLED = env_flag("FULMEN_GRAPH_CACHE", True)
 #: Bumped when the entry format or the key's contents change.
 FORMAT_VERSION = 1
 #: Where a region's callables may come from to be described by module and name: code whose text is covered by the
@@ -225,7 +232,7 @@ def region_key(
     """The key of the graph ``aten_graph(fn, example, decompositions)`` captures now, or ``None`` where the region
     cannot be cached (symbolic sizes, or code calling objects that cannot be described across processes)."""
     source = getattr(fn, "__fulmen_source__", None)
-    if dims or source is None:
+    if dims or source is None or not ENABLED:
         return None
     try:
         parts = (
