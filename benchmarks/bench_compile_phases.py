@@ -81,7 +81,7 @@ loss.backward()
 optimizer.step()
 total = time.perf_counter() - start
 stats = fulmen.executors.inductor.fusion_stats()
-row = {"total_s": total, "regions": stats["regions"], "kernels": stats["kernels"],
+row = {"fulmen": fulmen.__file__, "total_s": total, "regions": stats["regions"], "kernels": stats["kernels"],
        "compiled": stats["kernels_compiled"], "captures": counts.get("aten_graph", 0), **spent}
 print("FULMEN_PHASES_ROW " + json.dumps(row))
 """
@@ -98,7 +98,8 @@ def run_once(args: argparse.Namespace, cache_dir: str | None) -> dict:
             env["TMPDIR"] = os.path.join(scratch, "tmp")
             os.makedirs(env["TMPDIR"])
         argv = [sys.executable, "-c", _CHILD, args.model, str(args.n_layer), str(args.width), str(args.seq_len)]
-        done = subprocess.run(argv, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
+        # run outside the checkout: ``python -c`` puts the working directory ahead of PYTHONPATH on sys.path
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, cwd=scratch)
         for line in done.stdout.splitlines():
             if line.startswith("FULMEN_PHASES_ROW "):
                 return _phases(json.loads(line.split(" ", 1)[1]))
