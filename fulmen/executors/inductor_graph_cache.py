@@ -14,7 +14,7 @@ on a hit does the rebuilt graph stand in for a capture. On a miss the region is 
 A wrong graph under a key would be a silent wrong result, so the key holds what ``make_fx``'s output depends on:
 the region's code and the objects it calls (described by module and name, with closures and defaults; a region
 calling anything else, a tensor constant or a user's function, is not cached), the inputs' layouts, the
-decomposition table, fulmen's and torch's sources (a digest of fulmen's files, torch's version), and the settings
+decomposition table, fulmen's and torch's sources (digests of their files), and the settings
 the capture reads: default dtype and device, grad and inference mode, autocast, deterministic algorithms, the
 attention backends, and the configurations of Inductor, functorch, Dynamo and FX. A region with symbolic sizes
 is not cached (its graph comes with shape guards).
@@ -168,13 +168,14 @@ def _ambient() -> tuple:
     from torch._dynamo import config as dynamo_config
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
+    from torch._inductor.codecache import torch_key
     from torch.fx.experimental import _config as fx_config
 
     cuda = torch.backends.cuda
     return (
         sys.version,
         torch.__version__,
-        torch.version.git_version,
+        torch_key(),  # a digest of torch's sources, which Inductor's own key computes in every compiling process
         fulmen_digest(),
         str(torch.get_default_dtype()),
         str(torch.get_default_device()),
@@ -248,6 +249,9 @@ def region_key(
         )
     except _Uncacheable as e:
         log.debug("fulmen: the graph of %s is not cached across processes (it calls %s)", fn.__name__, e)
+        return None
+    except Exception as e:  # the cache only saves time: a region it cannot key compiles as before
+        log.debug("fulmen: the graph of %s is not cached across processes (%s: %s)", fn.__name__, type(e).__name__, e)
         return None
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
@@ -324,7 +328,7 @@ def graph_entry(gm: fx.GraphModule) -> dict | None:
         nodes = [
             (n.op, n.name, _target(n), _plain_args(n.args), _plain_args(n.kwargs), _layout(n)) for n in gm.graph.nodes
         ]
-    except _Uncacheable as e:
+    except (_Uncacheable, ImportError, AttributeError) as e:
         log.debug("fulmen: a region's graph is not cached across processes (it holds %s)", e)
         return None
     return {"version": FORMAT_VERSION, "nodes": nodes, "code": gm.code, "name": gm.__class__.__name__}
@@ -400,5 +404,5 @@ def store(key: str, entry: dict) -> None:
         with open(tmp, "wb") as f:
             pickle.dump(entry, f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(tmp, os.path.join(directory, key + ".pkl"))
-    except OSError as e:  # an optimization only: a later process captures the graph again
+    except (OSError, pickle.PicklingError, TypeError, AttributeError) as e:  # a later process captures it again
         log.info("fulmen: could not keep a region's graph (%s)", e)
