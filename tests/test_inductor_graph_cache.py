@@ -203,9 +203,13 @@ def test_a_later_process_compiles_without_capturing_and_matches_eager(tmp_path):
     """)
     env = dict(os.environ, TMPDIR=str(tmp_path), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     env.pop("FULMEN_COMPILE", None)
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
     runs = []
-    for _ in range(2):
-        done = subprocess.run([sys.executable, "-c", script], env=env, timeout=300, capture_output=True, text=True)
+    for where in ("a", "b"):  # in other working directories (some of torch's settings hold paths under it)
+        (tmp_path / where).mkdir()
+        done = subprocess.run(
+            [sys.executable, "-c", script], env=env, timeout=300, capture_output=True, text=True, cwd=tmp_path / where
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     assert runs[0]["captures"] == 1 and runs[1]["captures"] == 0, runs

@@ -16,7 +16,7 @@ the region's code and the objects it calls (described by module and name, with c
 calling anything else, a tensor constant or a user's function, is not cached), the inputs' layouts, the
 decomposition table, fulmen's and torch's sources (digests of their files), and the settings
 the capture reads: default dtype and device, grad and inference mode, autocast, deterministic algorithms, the
-attention backends, and the configurations of Inductor, functorch, Dynamo and FX. A region with symbolic sizes
+attention backends, and the configurations of Inductor, functorch and FX. A region with symbolic sizes
 is not cached (its graph comes with shape guards).
 
 What the key cannot see: a torch or fulmen function replaced inside the process (``torch.relu = ...``) and called
@@ -165,7 +165,6 @@ def _code_objects(fn: Callable, source: str) -> tuple:
 
 def _ambient() -> tuple:
     """The process's and thread's settings a capture reads."""
-    from torch._dynamo import config as dynamo_config
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
     from torch._inductor.codecache import torch_key
@@ -189,7 +188,8 @@ def _ambient() -> tuple:
         torch.get_float32_matmul_precision(),
         torch.backends.mkldnn.enabled,
         torch.backends.cudnn.enabled,
-        *(_stable(c.save_config_portable()) for c in (inductor_config, functorch_config, dynamo_config, fx_config)),
+        # (not Dynamo's, which a capture does not read and which holds paths under the working directory)
+        *(_stable(c.save_config_portable()) for c in (inductor_config, functorch_config, fx_config)),
     )
 
 
