@@ -25,13 +25,23 @@ import time
 import torch
 
 
-def _median_us(fn, calls: int) -> float:
-    samples = []
+def _interleaved_us(variants: dict, calls: int) -> dict[str, float]:
+    """The median time of each variant in microseconds, the variants called in turns (so load changes hit all)."""
+    samples: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples) * 1e6
+        for name, run in variants.items():
+            t0 = time.perf_counter()
+            run()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(s) * 1e6 for name, s in samples.items()}
+
+
+def _unchecked(fn, call_args, scope: dict, checks) -> None:
+    scope["assert_size_stride"] = _nothing
+    try:
+        fn(list(call_args))
+    finally:
+        scope["assert_size_stride"] = checks
 
 
 def _record_calls(regions) -> dict:
@@ -88,19 +98,15 @@ def main(argv: list[str] | None = None) -> int:
         scope = getattr(getattr(inner, "__func__", inner), "__globals__", {})
         checks = scope.get("assert_size_stride")
         count = _asserts(inner)
+        variants = {"region": lambda: region(*call_args), "compiled": lambda: fn(list(call_args))}
+        if checks is not None:
+            variants["unchecked"] = lambda: _unchecked(fn, call_args, scope, checks)
         with torch.no_grad():
-            for _ in range(3):
-                region(*call_args)
-            t_region = _median_us(lambda: region(*call_args), args.calls)
-            t_compiled = _median_us(lambda: fn(list(call_args)), args.calls)
-            if checks is not None:
-                scope["assert_size_stride"] = _nothing
-                try:
-                    t_unchecked = _median_us(lambda: fn(list(call_args)), args.calls)
-                finally:
-                    scope["assert_size_stride"] = checks
-            else:
-                t_unchecked = t_compiled
+            for run in variants.values():
+                run()
+            t = _interleaved_us(variants, args.calls)
+        t_region, t_compiled = t["region"], t["compiled"]
+        t_unchecked = t.get("unchecked", t_compiled)
         print(
             f"{region.name:24s} {len(call_args):6d} {t_region:9.1f} {t_compiled:9.1f} {t_region - t_compiled:9.1f} "
             f"{t_compiled - t_unchecked:8.1f} ({count})"
