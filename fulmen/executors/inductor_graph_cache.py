@@ -170,6 +170,8 @@ def _ambient() -> tuple:
     from torch._inductor.codecache import torch_key
     from torch.fx.experimental import _config as fx_config
 
+    from fulmen.executors import inductor_decomps
+
     cuda = torch.backends.cuda
     return (
         sys.version,
@@ -188,6 +190,8 @@ def _ambient() -> tuple:
         torch.get_float32_matmul_precision(),
         torch.backends.mkldnn.enabled,
         torch.backends.cudnn.enabled,
+        # where fulmen's own decompositions apply (module settings their code reads)
+        _stable((inductor_decomps.GELU_DEVICES, inductor_decomps.CROSS_ENTROPY_DTYPES)),
         # (not Dynamo's, which a capture does not read and which holds paths under the working directory)
         *(_stable(c.save_config_portable()) for c in (inductor_config, functorch_config, fx_config)),
     )
