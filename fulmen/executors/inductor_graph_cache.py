@@ -14,10 +14,10 @@ on a hit does the rebuilt graph stand in for a capture. On a miss the region is 
 A wrong graph under a key would be a silent wrong result, so the key holds what ``make_fx``'s output depends on:
 the region's code and the objects it calls (described by module and name, with closures and defaults; a region
 calling anything else, a tensor constant or a user's function, is not cached), the inputs' layouts, the
-decomposition table, fulmen's and torch's sources (digests of their files), and the settings
-the capture reads: default dtype and device, grad and inference mode, autocast, deterministic algorithms, the
-attention backends, and the configurations of Inductor, functorch and FX. A region with symbolic sizes
-is not cached (its graph comes with shape guards).
+decomposition table and where fulmen's own decompositions apply, fulmen's and torch's sources (digests of their
+files), and the settings the capture reads: default dtype and device, grad and inference mode, autocast,
+deterministic algorithms, the attention backends, and the configurations of Inductor, functorch and FX. A region
+with symbolic sizes is not cached (its graph comes with shape guards).
 
 What the key cannot see: a torch or fulmen function replaced inside the process (``torch.relu = ...``) and called
 by another, rather than by the region's code. ``FULMEN_GRAPH_CACHE=0`` turns the cache off.
