@@ -9,7 +9,10 @@ region, medians of ``--calls`` calls, in turns:
 - ``compiled``: the compiled callable alone (Inductor's ``call``: its input checks, allocations and kernels);
 - ``dispatch``: ``region - compiled``, fulmen's own cost per call;
 - ``size_checks``: what the compiled callable's ``assert_size_stride`` lines cost (the callable timed with them
-  replaced by a function that does nothing, subtracted from ``compiled``), with how many it runs.
+  replaced by a function that does nothing, subtracted from ``compiled``), with how many it runs;
+- ``guard`` and ``assert``: alone, the region's steady-layout check (``FusedRegion.fast``: one C++ check of every
+  input) and one ``assert_size_stride`` of its first input, which on a loaded machine resolve what the differences
+  of whole calls above cannot (a kernel of a millisecond varies by tens of microseconds).
 
     python benchmarks/bench_region_calls.py
     python benchmarks/bench_region_calls.py --n-layer 4 --width 256 --calls 300
@@ -89,9 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         f"llama-1b code, {args.n_layer} layers, width {args.width}, {args.seq_len} tokens, bf16 autocast; "
         f"medians of {args.calls} calls in turns, us"
     )
-    print(f"{'region':24s} {'inputs':>6s} {'region':>9s} {'compiled':>9s} {'dispatch':>9s} {'size_checks':>12s}")
+    head = ("region", "inputs", "region", "compiled", "dispatch", "size_checks", "guard", "assert")
+    print(f"{head[0]:24s} " + " ".join(f"{h:>9s}" for h in head[1:]))
     for region, call_args in sorted(seen.items(), key=lambda kv: kv[0].name):
-        fn = next(iter(region.variants.values()), None)
+        fn = region.fast[1] if region.fast is not None else next(iter(region.variants.values()), None)
         if fn is None:
             continue
         inner = getattr(fn, "__wrapped__", fn)
@@ -107,9 +111,15 @@ def main(argv: list[str] | None = None) -> int:
             t = _interleaved_us(variants, args.calls)
         t_region, t_compiled = t["region"], t["compiled"]
         t_unchecked = t.get("unchecked", t_compiled)
+        first = call_args[0]
+        alone = {"assert": lambda: checks(first, tuple(first.shape), first.stride(), "input")} if checks else {}
+        if region.fast is not None:
+            alone["guard"] = lambda: region.fast[0].check(*call_args)
+        t_alone = _interleaved_us(alone, args.calls * 10) if alone else {}
         print(
             f"{region.name:24s} {len(call_args):6d} {t_region:9.1f} {t_compiled:9.1f} {t_region - t_compiled:9.1f} "
-            f"{t_compiled - t_unchecked:8.1f} ({count})"
+            f"{t_compiled - t_unchecked:8.1f} ({count}) {t_alone.get('guard', float('nan')):7.2f} "
+            f"{t_alone.get('assert', float('nan')):7.2f}"
         )
     return 0
 
