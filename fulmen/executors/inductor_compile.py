@@ -260,12 +260,12 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
             prefetch_header()  # before the rest of Inductor's imports, which then run beside the header's check
         with compiler_import_lock:
             from torch._dynamo.convert_frame import compile_lock
-            from torch._guards import TracingContext, tracing
-            from torch._inductor.compile_fx import compile_fx_inner
+            from torch._guards import TracingContext, tracing  # noqa: F401  (imported under the lock)
+            from torch._inductor.compile_fx import compile_fx_inner  # noqa: F401  (imported under the lock)
 
             from fulmen.executors.inductor_dynamic import LayoutCheck, check_output_strides
             from fulmen.executors.inductor_graph import aten_graph  # noqa: F401  (imported under the lock)
-            from fulmen.executors.inductor_sympy import shortcut_here as index_shortcut  # imports sympy
+            from fulmen.executors.inductor_sympy import shortcut_here  # noqa: F401  (imports sympy)
 
             decompositions = decomposition_table()
         # Inductor's compilation has process-wide moments: its own passes trace with FX (pattern replacements,
@@ -277,22 +277,31 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
         with compile_lock, fx_tracing_kept_to_this_thread():
             key = graph_cache.region_key(fn, example, decompositions, dims)
             found = _cached_compilation(key, example, cpp) if key is not None else None
-            if found is not None:
-                gm, compiled = found
-            else:
-                gm, fake_mode, fakes = _region_graph(fn, example, decompositions, dims)
-                keep_output_strides(gm)
-                # taken before Inductor's passes rewrite the graph in place
-                entry = _entry_to_keep(gm, fakes) if key is not None else None
-                with merged_cpp_build(cpp), tracing(TracingContext(fake_mode)), index_shortcut():
-                    compiled = compile_fx_inner(gm, fakes)
-                if entry is not None:
-                    graph_cache.store(key, entry)
+            gm, compiled, fake_mode, fakes = found or _captured_compilation(fn, example, decompositions, dims, cpp, key)
         call = getattr(compiled, "current_callable", compiled)
         if dims:
             check_output_strides(compiled, gm)
             return call, LayoutCheck(fakes, fake_mode.shape_env)
         return with_eager_strides(call, compiled, gm, fn, example)
+
+
+def _captured_compilation(fn: Callable, example: list[torch.Tensor], decompositions, dims, cpp: MergedBuild,
+                          key: str | None) -> tuple:
+    """``(graph, compilation, fake mode, fake inputs)`` of ``fn``'s region, its graph captured now; kept in
+    ``graph_cache`` under ``key`` (unless ``None``)."""
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    from fulmen.executors.inductor_sympy import shortcut_here as index_shortcut
+
+    gm, fake_mode, fakes = _region_graph(fn, example, decompositions, dims)
+    keep_output_strides(gm)
+    entry = _entry_to_keep(gm, fakes) if key is not None else None  # before Inductor's passes rewrite gm in place
+    with merged_cpp_build(cpp), tracing(TracingContext(fake_mode)), index_shortcut():
+        compiled = compile_fx_inner(gm, fakes)
+    if entry is not None:
+        graph_cache.store(key, entry)
+    return gm, compiled, fake_mode, fakes
 
 
 class _NotInInductorCache(Exception):
@@ -318,8 +327,9 @@ def _only_from_inductor_cache():
 
 
 def _cached_compilation(key: str, example: list[torch.Tensor], cpp: MergedBuild) -> tuple | None:
-    """``(graph, compilation)`` of a region whose graph ``graph_cache`` kept under ``key`` and whose compilation
-    Inductor's FX graph cache holds; ``None`` otherwise (the region is then captured and lowered)."""
+    """``(graph, compilation, fake mode, fake inputs)`` of a region whose graph ``graph_cache`` kept under ``key``
+    and whose compilation Inductor's FX graph cache holds; ``None`` otherwise (the region is then captured and
+    lowered)."""
     from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx_inner
 
@@ -336,7 +346,7 @@ def _cached_compilation(key: str, example: list[torch.Tensor], cpp: MergedBuild)
     keep_output_strides(gm)
     try:
         with _only_from_inductor_cache(), merged_cpp_build(cpp), tracing(TracingContext(fake_mode)), index_shortcut():
-            return gm, compile_fx_inner(gm, fakes)
+            return gm, compile_fx_inner(gm, fakes), fake_mode, fakes
     except Exception as e:  # Inductor wraps what its lowering raised
         if isinstance(e, _NotInInductorCache) or isinstance(getattr(e, "inner_exception", None), _NotInInductorCache):
             return None
