@@ -294,3 +294,32 @@ def test_kernels_compile_for_the_programs_threads_not_the_compilers(builds, monk
 
     assert "#pragma omp parallel" not in compile_in_a_one_thread_thread(None), "a one-thread program: serial"
     assert "#pragma omp parallel" in compile_in_a_one_thread_thread(2)
+
+
+def test_vector_isa_probes_that_loaded_are_remembered_across_processes(monkeypatch, tmp_path):
+    from torch._inductor.cpu_vec_isa import VecAVX2, VecISA
+
+    from fulmen.executors.inductor_isa import remembered_probe_loads
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    loads = []
+
+    def child_process_load(self, path):  # stands in for Inductor's dlopen in a child Python
+        loads.append(os.path.basename(path))
+        return path.endswith("ok.so")
+
+    monkeypatch.setattr(VecISA, "_probe_load", child_process_load)
+    ok, bad = tmp_path / "ok.so", tmp_path / "bad.so"
+    ok.write_bytes(b"probe")
+    bad.write_bytes(b"probe")
+    isa = VecAVX2()
+    with remembered_probe_loads():
+        assert VecISA._probe_load(isa, str(ok)) and not VecISA._probe_load(isa, str(bad))
+    with remembered_probe_loads():  # a later process: the load that worked is remembered, the failure is not
+        assert VecISA._probe_load(isa, str(ok)) and not VecISA._probe_load(isa, str(bad))
+    assert loads == ["ok.so", "bad.so", "bad.so"]
+    ok.write_bytes(b"another probe")  # rebuilt: loaded again
+    with remembered_probe_loads():
+        assert VecISA._probe_load(isa, str(ok))
+    assert loads[-1] == "ok.so" and len(loads) == 4
+    assert VecISA._probe_load is child_process_load, "the patch lasts as long as the block"

@@ -32,6 +32,7 @@ import torch
 from fulmen.core.ambient import Ambient, switches
 from fulmen.core.options import COMPILE_MODES, env_seconds
 from fulmen.core.utils import compiler_import_lock
+from fulmen.executors import inductor_graph_cache as graph_cache
 from fulmen.executors.fx_isolation import fx_tracing_kept_to_this_thread
 from fulmen.executors.inductor_cpp import MergedBuild, merged_cpp_build, prefetch_header
 from fulmen.executors.inductor_decomps import decomposition_table
@@ -259,12 +260,12 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
             prefetch_header()  # before the rest of Inductor's imports, which then run beside the header's check
         with compiler_import_lock:
             from torch._dynamo.convert_frame import compile_lock
-            from torch._guards import TracingContext, tracing
-            from torch._inductor.compile_fx import compile_fx_inner
+            from torch._guards import TracingContext, tracing  # noqa: F401  (imported under the lock)
+            from torch._inductor.compile_fx import compile_fx_inner  # noqa: F401  (imported under the lock)
 
             from fulmen.executors.inductor_dynamic import LayoutCheck, check_output_strides
             from fulmen.executors.inductor_graph import aten_graph  # noqa: F401  (imported under the lock)
-            from fulmen.executors.inductor_sympy import shortcut_here as index_shortcut  # imports sympy
+            from fulmen.executors.inductor_sympy import shortcut_here  # noqa: F401  (imports sympy)
 
             decompositions = decomposition_table()
         # Inductor's compilation has process-wide moments: its own passes trace with FX (pattern replacements,
@@ -274,15 +275,102 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
         # another thread, which would see FX's wrappers. The C++ build after it runs without the lock. Threads that
         # are only running code meanwhile (a torch.compile'd step) see FX's traces neither (fx_isolation).
         with compile_lock, fx_tracing_kept_to_this_thread():
-            gm, fake_mode, fakes = _region_graph(fn, example, decompositions, dims)
-            keep_output_strides(gm)
-            with merged_cpp_build(cpp), tracing(TracingContext(fake_mode)), index_shortcut():
-                compiled = compile_fx_inner(gm, fakes)
+            key = graph_cache.region_key(fn, example, decompositions, dims)
+            found = _cached_compilation(key, example, cpp) if key is not None else None
+            gm, compiled, fake_mode, fakes = found or _captured_compilation(fn, example, decompositions, dims, cpp, key)
         call = getattr(compiled, "current_callable", compiled)
         if dims:
             check_output_strides(compiled, gm)
             return call, LayoutCheck(fakes, fake_mode.shape_env)
         return with_eager_strides(call, compiled, gm, fn, example)
+
+
+def _captured_compilation(fn: Callable, example: list[torch.Tensor], decompositions, dims, cpp: MergedBuild,
+                          key: str | None) -> tuple:
+    """``(graph, compilation, fake mode, fake inputs)`` of ``fn``'s region, its graph captured now; kept in
+    ``graph_cache`` under ``key`` (unless ``None``)."""
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    from fulmen.executors.inductor_sympy import shortcut_here as index_shortcut
+
+    gm, fake_mode, fakes = _region_graph(fn, example, decompositions, dims)
+    keep_output_strides(gm)
+    entry = _entry_to_keep(gm, fakes) if key is not None else None  # before Inductor's passes rewrite gm in place
+    with merged_cpp_build(cpp), tracing(TracingContext(fake_mode)), index_shortcut():
+        compiled = compile_fx_inner(gm, fakes)
+    if entry is not None:
+        graph_cache.store(key, entry)
+    return gm, compiled, fake_mode, fakes
+
+
+class _NotInInductorCache(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _only_from_inductor_cache():
+    """Inside the block, ``compile_fx_inner`` returns a compilation from Inductor's FX graph cache or raises
+    ``_NotInInductorCache`` instead of lowering the graph. Scoped to the caller's lowering, which holds Dynamo's
+    compile lock (every other Inductor compilation of the process waits for it)."""
+    import torch._inductor.compile_fx as compile_fx
+
+    def refuse(*args, **kwargs):
+        raise _NotInInductorCache
+
+    original = compile_fx.fx_codegen_and_compile
+    compile_fx.fx_codegen_and_compile = refuse
+    try:
+        yield
+    finally:
+        compile_fx.fx_codegen_and_compile = original
+
+
+def _cached_compilation(key: str, example: list[torch.Tensor], cpp: MergedBuild) -> tuple | None:
+    """``(graph, compilation, fake mode, fake inputs)`` of a region whose graph ``graph_cache`` kept under ``key``
+    and whose compilation Inductor's FX graph cache holds; ``None`` otherwise (the region is then captured and
+    lowered)."""
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    from fulmen.executors.inductor_sympy import shortcut_here as index_shortcut
+
+    entry = graph_cache.load(key)
+    if entry is None:
+        return None
+    fake_mode = _fake_mode()
+    fakes = [fake_mode.from_tensor(a) for a in example]
+    gm = graph_cache.rebuild(entry, fake_mode)
+    if gm is None:
+        return None
+    keep_output_strides(gm)
+    try:
+        with _only_from_inductor_cache(), merged_cpp_build(cpp), tracing(TracingContext(fake_mode)), index_shortcut():
+            return gm, compile_fx_inner(gm, fakes), fake_mode, fakes
+    except Exception as e:  # Inductor wraps what its lowering raised
+        if isinstance(e, _NotInInductorCache) or isinstance(getattr(e, "inner_exception", None), _NotInInductorCache):
+            return None
+        raise
+
+
+def _entry_to_keep(gm, fakes: list) -> dict | None:
+    """``gm`` as ``graph_cache`` keeps it, if the graph rebuilt from that gives Inductor's cache the same key."""
+    from torch._inductor.codecache import compiled_fx_graph_hash
+
+    entry = graph_cache.graph_entry(gm)
+    if entry is None:
+        return None
+    rebuilt = graph_cache.rebuild(entry, fakes[0].fake_mode if fakes else _fake_mode())
+    try:
+        if rebuilt is not None and (
+            compiled_fx_graph_hash(rebuilt, fakes, {}, [])[0] == compiled_fx_graph_hash(gm, fakes, {}, [])[0]
+        ):
+            return entry
+    except Exception as e:  # Inductor cannot key it: nothing to find it by later
+        log.debug("fulmen: a region's graph is not kept (%s: %s)", type(e).__name__, e)
+        return None
+    log.debug("fulmen: a region's graph is not kept: rebuilt, it keys Inductor's cache differently")
+    return None
 
 
 def _region_graph(fn: Callable, example: list[torch.Tensor], decompositions, dims) -> tuple:

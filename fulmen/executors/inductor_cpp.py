@@ -35,6 +35,7 @@ from typing import Any
 
 from fulmen.core.shared_patch import SharedPatch
 from fulmen.core.utils import compiler_import_lock
+from fulmen.executors.inductor_isa import remembered_probe_loads
 
 log = logging.getLogger("fulmen.inductor")
 
@@ -167,7 +168,9 @@ def _build_fingerprint() -> str:
         from torch._inductor.cpp_builder import CppBuilder, CppTorchDeviceOptions
         from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-        options = CppTorchDeviceOptions(vec_isa=pick_vec_isa(), device_type="cpu",
+        with remembered_probe_loads():
+            vec_isa = pick_vec_isa()
+        options = CppTorchDeviceOptions(vec_isa=vec_isa, device_type="cpu",
                                         **CppPythonBindingsCodeCache.cpp_compile_command_flags)
         command = CppBuilder(name="o", sources="i", BuildOption=options).get_command_line()
         _fingerprint = "\n".join([torch.__version__, str(_BINDING_VERSION), command,
@@ -402,7 +405,8 @@ def prefetch_header() -> None:
 
         if not config.cpp_cache_precompile_headers:
             return
-        pick_vec_isa()  # settles (and caches) the vector instructions under the caller's configuration
+        with remembered_probe_loads():
+            pick_vec_isa()  # settles (and caches) the vector instructions under the caller's configuration
     except Exception as e:  # an optimization only
         log.info("fulmen: not prefetching Inductor's precompiled header (%s: %s)", type(e).__name__, e)
         return
