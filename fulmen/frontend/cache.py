@@ -92,6 +92,7 @@ def default_device() -> torch.device | None:
 functorch_active = torch._C._are_functorch_transforms_active
 
 _function_mode_stack = torch.overrides._get_current_function_mode_stack
+_dispatch_mode_stack = _python_dispatch._get_current_dispatch_mode_stack
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -105,12 +106,18 @@ def user_modes_active() -> bool:
     ``FlopCounterMode``) is active. Eager runs every operation through it; a compiled program's fused kernels never
     reach it, so such calls run eagerly. A ``with torch.device(...)`` block (keyed as the default device) and
     fulmen's own tracing mode do not count, nor do PyTorch's infrastructure modes (fake, functional tensors)."""
-    if _python_dispatch._is_in_non_infra_torch_dispatch_mode:
+    if _python_dispatch._is_in_non_infra_torch_dispatch_mode and _users(_dispatch_mode_stack()):
         return True
-    if not _function_modes():
-        return False
-    return any(not isinstance(m, _DeviceContext) and not type(m).__module__.startswith("fulmen.")
-               for m in _function_mode_stack())
+    return bool(_function_modes()) and _users(_function_mode_stack())
+
+
+# PyTorch's private machinery (AOTAutograd's runtime wrappers run a compiled graph under a mode of theirs) and
+# fulmen's own modes; public torch modes (FlopCounterMode) are the user's
+_NOT_USERS = ("fulmen.", "torch._")
+
+
+def _users(modes) -> bool:
+    return any(not isinstance(m, _DeviceContext) and not type(m).__module__.startswith(_NOT_USERS) for m in modes)
 
 
 def global_state_key() -> tuple:

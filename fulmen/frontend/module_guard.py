@@ -45,6 +45,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
@@ -491,7 +492,13 @@ def snapshot(root: nn.Module) -> tuple:
     tensor_index: dict[int, int] = {}
     objects: dict[int, tuple] = {}
     entries = []
-    for name, mod in named_tree(root):
+    tree = named_tree(root)
+    for _, mod in tree:
+        if isinstance(mod, _LazyGraphModule):
+            # a lazy GraphModule puts its generated forward on its class at its first call, which eager would do at
+            # this call too: generated now, the class's methods are recorded as every later call sees them
+            mod.real_recompile()
+    for name, mod in tree:
         entries.append(_module_entry(name, mod, tensor_index, objects))
         inner = mod.__dict__.get("_fulmen_module")  # a fulmen.jit wrapper inside: its original's hooks count
         if isinstance(inner, nn.Module):
