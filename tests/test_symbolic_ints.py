@@ -303,3 +303,16 @@ def test_the_value_of_a_symbolic_int_that_never_becomes_text_is_not_guarded():
     for n in (2, 3, 4):
         jf(x, n)
     assert fulmen.cache_misses(jf) == 2  # the check against the exact trace costs no compilation
+
+
+@pytest.mark.parametrize("check", ["isinstance", "type is"])
+def test_a_type_check_on_a_dynamic_size_takes_eagers_branch_for_every_size(check):
+    def fn(x):
+        n = x.shape[0]
+        is_int = isinstance(n, int) if check == "isinstance" else type(n) is int
+        return x.sum() if is_int else x.mean()
+
+    jf = _jit(fn)
+    for size in (3, 4, 5, 6):
+        x = torch.randn(size)
+        torch.testing.assert_close(jf(x), fn(x), rtol=0, atol=0)

@@ -51,7 +51,7 @@ from fulmen.frontend.leaves import makes_leaves
 from fulmen.frontend.module_writes import assigner
 from fulmen.frontend.prologue import Prologue, build_prologue
 from fulmen.frontend.runner import RunPlan, compose
-from fulmen.frontend.same_program import check_symbolic_ints
+from fulmen.frontend.same_program import check_symbolic_trace
 from fulmen.frontend.split_points import MAX_BRANCHES, ValueChanged, same_value
 from fulmen.frontend.stats import CompileStats, get_stats
 from fulmen.frontend.tracing import InputSpec, RunsEagerly, _arg_names, check_supported_tensors, trace_program
@@ -600,7 +600,7 @@ class JittedFunction:
             history = self._histories.get(self._structure(key)) if self.dynamic is not False else None
             if history is not None and history.names is None:
                 history.names = [p.name for p in entry.computation_trace.args]
-            if history is not None and ints and not history.ints_checked and entry.program.steps[:1] == ["trace"]:
+            if history is not None and not history.checked and entry.program.steps[:1] == ["trace"]:
                 history.exact = (ints, sizes, entry.program.traces[0], entry.spec)
         self._set_prologue(entry, key, args, kwargs, flat)
         self._remember(key, entry)
@@ -684,8 +684,8 @@ class JittedFunction:
             holds = symbolic.guard(flat, ints)  # also builds the guard function, which may import more
         if not holds:
             raise RuntimeError("the guards recorded while tracing do not hold for the sizes traced")
-        if int_slots:  # Python that asks an int's type sees a SymInt: the same program as an exact trace?
-            check_symbolic_ints(self._histories[self._structure(key)], symbolic, entry, (ints, sizes),
+        if not self._marked_dims and not self._marked_ints:  # Python asking a SymInt's type: an exact trace's program?
+            check_symbolic_trace(self._histories[self._structure(key)], symbolic, entry, (ints, sizes),
                                 lambda: self._trace(args, kwargs))
         entry.symbolic = symbolic
         entry.pattern = self._pattern(key, symbolic)

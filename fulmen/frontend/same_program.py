@@ -1,13 +1,14 @@
-"""Whether a trace with symbolic ints is, at given values, the program an exact trace is.
+"""Whether a trace with symbolic sizes or ints is, at given values, the program an exact trace is.
 
-While tracing, a symbolic int is a ``torch.SymInt``: its arithmetic and comparisons are guarded, and its text is
-its value's (``fulmen.frontend.symbolic_text``), but Python that asks for its *type* sees a SymInt, not an int:
-``isinstance(n, int)``, ``type(n) is int`` and ``type(n) == int`` are False, and nothing can guard them. Code
-that branches on that takes another path than eager with no guard to notice. So when a structure's ints first go
+While tracing, a symbolic int (an int argument made symbolic, or a dynamic size: ``x.shape[0]``) is a
+``torch.SymInt``: its arithmetic and comparisons are guarded, and its text is its value's
+(``fulmen.frontend.symbolic_text``), but Python that asks for its *type* sees a SymInt, not an int:
+``isinstance(n, int)``, ``type(n) is int`` and ``type(n) == int`` are False, and nothing can guard them. Code that
+branches on that takes another path than eager with no guard to notice. So when a structure's sizes or ints first go
 symbolic, the symbolic trace is compared with an exact trace of one call its guards accept (the exact trace
-already compiled for an earlier value, or else one of the current call): evaluated at that call's values, the
-symbolic trace must record the same operations, with the same constants, output metadata and result, as the
-exact one. Where they differ, the caller keeps that structure's ints exact (``SymbolicIntsDiffer``).
+already compiled for earlier values, or else one of the current call): evaluated at that call's values, the
+symbolic trace must record the same operations, with the same constants, output metadata, result and writes into
+objects, as the exact one. Where they differ, the caller keeps them exact (``SymbolicTraceDiffers``).
 
 The check is of one value: a type check whose two paths record the same operations at that value (and differ
 only at others) is not caught; the documentation says so (docs/recompilation.md, "Symbolic ints").
@@ -29,8 +30,8 @@ from fulmen.core.trace import Trace
 _NUMBER_OF = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
 
 
-class SymbolicIntsDiffer(RuntimeError):
-    """The trace with symbolic ints is not, at an exact trace's values, the exact trace's program."""
+class SymbolicTraceDiffers(RuntimeError):
+    """The trace with symbolic sizes or ints is not, at an exact trace's values, the exact trace's program."""
 
 
 class _Canonical:
@@ -42,6 +43,7 @@ class _Canonical:
         self.ids: dict[str, tuple] = {p.name: ("input", i) for i, p in enumerate(inputs)}
         self.values = values
         self.memo: dict[Any, Any] = {}
+        self.n_defined = 0
 
     def number(self, x: Any) -> Any:
         """As ``value`` gives the Python number it stands for: ``("int", 3)``."""
@@ -89,7 +91,8 @@ class _Canonical:
     def defined(self, x: Any) -> Any:
         """An operation's output: a proxy seen for the first time gets the next number, with its metadata."""
         if isinstance(x, Proxy) and x.name not in self.ids:
-            self.ids[x.name] = ("value", len(self.ids))
+            self.ids[x.name] = ("value", self.n_defined)
+            self.n_defined += 1
             if isinstance(x, TensorProxy):
                 return (self.ids[x.name], x.dtype, x.device, x.requires_grad, tuple(self.value(s) for s in x.shape))
             return self.ids[x.name]
@@ -146,49 +149,61 @@ def _result(trace: Trace, spec: Any, canon: _Canonical) -> Any:
     return canon.value(result), canon.value(attributes), effects, placed
 
 
-def _program(trace: Trace, spec: Any, values: dict, skip: frozenset[str]):
-    """The operations of ``trace`` (and its result) one by one, in canonical form."""
-    canon = _Canonical(trace, values, skip)
+def _operations(trace: Trace, spec: Any, canon: _Canonical):
+    """Each operation of ``trace`` (then its result) in canonical form, with its output, defined once the caller asks
+    (``define``), so that an output can first be matched with the other trace's (``_same_value``)."""
     for bsym in trace.bound_symbols:
-        yield (
-            (
-                bsym.sym.qualified_name,
-                bsym.no_grad,
-                canon.value(bsym.args),
-                canon.value(bsym.kwargs),
-                canon.defined(bsym.output),
-            ),
-            bsym,
-        )
+        yield (bsym.sym.qualified_name, bsym.no_grad, canon.value(bsym.args), canon.value(bsym.kwargs)), bsym
     yield ("return", _result(trace, spec, canon)), None
+
+
+def _same_value(ours: Any, theirs: Any, canon: _Canonical, other: _Canonical) -> bool:
+    """An operation that returns its input in one trace and a new tensor of the same metadata in the other: with
+    exact sizes ``x.contiguous()`` of a contiguous ``x`` is ``x``; with symbolic strides it is a new value. Its
+    later uses are compared as uses of the value the exact trace has."""
+    if not (isinstance(ours, TensorProxy) and isinstance(theirs, TensorProxy)):
+        return False
+    if ours.name in canon.ids or theirs.name not in other.ids:
+        return False
+    meta = (ours.dtype, ours.device, ours.requires_grad, tuple(canon.value(s) for s in ours.shape))
+    if meta != (theirs.dtype, theirs.device, theirs.requires_grad, tuple(other.value(s) for s in theirs.shape)):
+        return False
+    canon.ids[ours.name] = other.ids[theirs.name]
+    return True
 
 
 def check_same_program(
     symbolic: tuple[Trace, Any], values: dict, carriers: frozenset[str], exact: tuple[Trace, Any]
 ) -> None:
-    """Raise ``SymbolicIntsDiffer`` naming the first operation where the trace ``symbolic`` (trace, its
+    """Raise ``SymbolicTraceDiffers`` naming the first operation where the trace ``symbolic`` (trace, its
     ``InputSpec``) at ``values`` (sympy symbol -> int) differs from ``exact``; ``carriers``: the names of the
     symbolic trace's int carriers."""
-    ours, theirs = _program(*symbolic, values, carriers), _program(*exact, {}, frozenset())
-    for (a, bsym), (b, other) in zip(ours, theirs):
-        if a != b:
-            where = bsym.sym.qualified_name if bsym is not None else "the result"
-            there = other.sym.qualified_name if other is not None else "the result"
-            raise SymbolicIntsDiffer(
-                f"traced with symbolic ints, the function records another program than traced with their values "
-                f"({where} where the exact trace has {there}): its Python code takes another path when an int is "
-                "not an int (isinstance(n, int), type(n) is int), so its ints stay exact"
-            )
+    canon, other = _Canonical(symbolic[0], values, carriers), _Canonical(exact[0], {}, frozenset())
+    for (a, bsym), (b, them) in zip(_operations(*symbolic, canon), _operations(*exact, other)):
+        if a == b and (
+            bsym is None
+            or _same_value(bsym.output, them.output, canon, other)
+            or canon.defined(bsym.output) == other.defined(them.output)
+        ):
+            continue
+        where = bsym.sym.qualified_name if bsym is not None else "the result"
+        there = them.sym.qualified_name if them is not None else "the result"
+        where = f"{where} with other values" if where == there else f"{where} where the exact trace has {there}"
+        raise SymbolicTraceDiffers(
+            f"traced with symbolic sizes or ints, the function records another program than traced with their "
+            f"values ({where}): its Python code takes another path when a size or int is a torch.SymInt, not an int "
+            "(isinstance(n, int), type(n) is int), so they stay exact"
+        )
 
 
-def check_symbolic_ints(
+def check_symbolic_trace(
     history: Any, symbolic: Any, entry: Any, current: tuple[list, list], trace_exactly: Callable[[], tuple[Trace, Any]]
 ) -> None:
-    """Once per argument structure (``history``, a ``SizeHistory``), when its ints first go symbolic: the trace of
-    ``entry`` (compiled with ``symbolic``, a ``SymbolicSizes``) checked against ``history.exact`` (ints, sizes, raw
-    trace and ``InputSpec`` of an exact compilation of the structure) if its guards accept those values, else against
-    ``trace_exactly()`` at ``current`` (the call's ints and sizes)."""
-    if history.ints_checked:
+    """Once per argument structure (``history``, a ``SizeHistory``), when its sizes or ints first go symbolic: the
+    trace of ``entry`` (compiled with ``symbolic``, a ``SymbolicSizes``) checked against ``history.exact`` (ints,
+    sizes, raw trace and ``InputSpec`` of an exact compilation of the structure) if its guards accept those values,
+    else against ``trace_exactly()`` at ``current`` (the call's ints and sizes)."""
+    if history.checked:
         return
     exact, history.exact = history.exact, None
     if exact is None or not symbolic.guard([SimpleNamespace(shape=s) for s in exact[1]], exact[0]):
@@ -196,10 +211,10 @@ def check_symbolic_ints(
     ints, sizes, *exact_trace = exact
     program = entry.program
     if not program.steps or program.steps[0] != "trace":
-        raise SymbolicIntsDiffer("the trace with symbolic ints is not kept to check against the exact one")
+        raise SymbolicTraceDiffers("the trace with symbolic sizes or ints is not kept to check against the exact one")
     values = {sym: sympy.Integer(sizes[i][d]) for sym, i, d in symbolic.symbols}
     values.update((sym, sympy.Integer(ints[slot])) for sym, slot in symbolic.int_symbols)
     n_tensors = len(entry.spec.tensor_proxies)
     carriers = frozenset(p.name for p in program.traces[0].args[n_tensors : n_tensors + len(symbolic.int_symbols)])
     check_same_program((program.traces[0], entry.spec), values, carriers, tuple(exact_trace))
-    history.ints_checked = True
+    history.checked = True
