@@ -9,7 +9,9 @@ text of its value (``str(int(n))``, ``format(int(n), spec)``): converting it to 
 size turned into a Python int does. Values that never become text stay symbolic.
 
 The wrappers are installed on the classes while some thread traces (``SharedPatch``) and act only for a thread
-inside ``text_specializes()``; every other use (fulmen printing a trace, torch's own messages) gets the symbol.
+inside ``text_specializes()`` (the user's function running on proxies); other threads, and fulmen printing a
+trace afterwards, get the symbol. Library code the user's function calls is user code here: a message it formats
+with a size specializes that size, which is sound and costs the dynamism of that size only.
 """
 
 from __future__ import annotations
