@@ -316,3 +316,12 @@ def test_a_type_check_on_a_dynamic_size_takes_eagers_branch_for_every_size(check
     for size in (3, 4, 5, 6):
         x = torch.randn(size)
         torch.testing.assert_close(jf(x), fn(x), rtol=0, atol=0)
+
+
+def test_text_of_a_data_dependent_size_is_refused_naming_the_line():
+    def fn(x):
+        y = x[x > 0]
+        return y * 2, f"{y.shape[0]} positive"  # eager: "2 positive"; only the running program knows the count
+
+    with pytest.raises(fulmen.DataDependentError, match="test_symbolic_ints.py"):
+        _jit(fn)(torch.tensor([1.0, -1.0, 2.0]))

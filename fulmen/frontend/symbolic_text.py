@@ -9,14 +9,16 @@ text of its value (``str(int(n))``, ``format(int(n), spec)``): converting it to 
 size turned into a Python int does. Values that never become text stay symbolic.
 
 The wrappers are installed on the classes while some thread traces (``SharedPatch``) and act only for a thread
-inside ``text_specializes()`` (the user's function running on proxies); other threads, and fulmen printing a
-trace afterwards, get the symbol. Library code the user's function calls is user code here: a message it formats
-with a size specializes that size, which is sound and costs the dynamism of that size only.
+inside ``text_specializes()`` (the user's function running on proxies), for text asked for outside fulmen, torch
+and sympy; the others (fulmen's and torch's messages, other threads, a trace printed afterwards) get the symbol.
+Other libraries the user's function calls are user code here: a message one formats with a size specializes that
+size, which is sound and costs the dynamism of that size only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 
 import torch
@@ -26,15 +28,23 @@ from fulmen.core.shared_patch import SharedPatch
 #: Each symbolic type and the Python type whose value stands for it in text.
 _VALUE_TYPES = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
 _METHODS = ("__repr__", "__str__", "__format__")
+_LIBRARIES = frozenset({"fulmen", "torch", "sympy"})
 _inside = threading.local()
 _saved: dict[tuple[type, str], object] = {}
+
+
+def _from_library(frame) -> bool:
+    """Whether the text is asked for by fulmen, torch or sympy (a message built before it is needed, a name of a
+    data-dependent size): those get the symbol, as outside a trace."""
+    module = frame.f_globals.get("__name__", "")
+    return module.partition(".")[0] in _LIBRARIES
 
 
 def _wrap(cls: type, name: str, to_value: type):
     original = cls.__dict__.get(name)
 
     def text(self, *spec):
-        if getattr(_inside, "depth", 0) > 0:
+        if getattr(_inside, "depth", 0) > 0 and not _from_library(sys._getframe(1)):
             return getattr(to_value(self), name)(*spec)  # int(self): guarded, as in eager the value is an int
         if original is not None:
             return original(self, *spec)
