@@ -325,3 +325,13 @@ def test_text_of_a_data_dependent_size_is_refused_naming_the_line():
 
     with pytest.raises(fulmen.DataDependentError, match="test_symbolic_ints.py"):
         _jit(fn)(torch.tensor([1.0, -1.0, 2.0]))
+
+
+def test_a_size_made_dynamic_after_another_is_checked_again():
+    def fn(x):
+        return x.sum(1) * 2 if isinstance(x.shape[0], int) else x.sum(1) * 3  # eager: always * 2
+
+    jf = _jit(fn)
+    for shape in ((2, 3), (2, 4), (2, 5), (3, 6), (4, 7), (5, 5)):  # the lengths go dynamic, then the batch size
+        x = torch.randn(shape)
+        torch.testing.assert_close(jf(x), fn(x), rtol=0, atol=0)

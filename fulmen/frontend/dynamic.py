@@ -176,10 +176,11 @@ class SizeHistory:
     names: list[str] | None = None  # the inputs' names in the first trace, for messages
     failed: bool = False  # compiling with dynamic sizes failed once: exact sizes from then on
     ints_failed: bool = False  # compiling with symbolic ints failed once: exact ints from then on
-    #: (ints, sizes, raw trace, InputSpec) of the structure's last exact compilation, until its sizes or ints first
-    #: go symbolic and the symbolic trace is checked against it (``fulmen.frontend.same_program``; ``checked``)
+    #: (ints, sizes, raw trace, InputSpec) of the structure's last exact compilation, which a trace with symbolic
+    #: sizes or ints is checked against (``fulmen.frontend.same_program``), once for each set of symbolic ones
+    #: (``checked``: (dims, int slots))
     exact: tuple | None = None
-    checked: bool = False
+    checked: set = dataclasses.field(default_factory=set)
 
     def update(self, sizes: list[torch.Size], ints: list[int] = ()) -> list[tuple]:
         """Mark the dims and int slots that differ from the first values; returns a note for each newly marked one:

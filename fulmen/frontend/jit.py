@@ -600,7 +600,7 @@ class JittedFunction:
             history = self._histories.get(self._structure(key)) if self.dynamic is not False else None
             if history is not None and history.names is None:
                 history.names = [p.name for p in entry.computation_trace.args]
-            if history is not None and not history.checked and entry.program.steps[:1] == ["trace"]:
+            if history is not None and entry.program.steps[:1] == ["trace"]:
                 history.exact = (ints, sizes, entry.program.traces[0], entry.spec)
         self._set_prologue(entry, key, args, kwargs, flat)
         self._remember(key, entry)

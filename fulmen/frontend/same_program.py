@@ -199,13 +199,15 @@ def check_same_program(
 def check_symbolic_trace(
     history: Any, symbolic: Any, entry: Any, current: tuple[list, list], trace_exactly: Callable[[], tuple[Trace, Any]]
 ) -> None:
-    """Once per argument structure (``history``, a ``SizeHistory``), when its sizes or ints first go symbolic: the
-    trace of ``entry`` (compiled with ``symbolic``, a ``SymbolicSizes``) checked against ``history.exact`` (ints,
-    sizes, raw trace and ``InputSpec`` of an exact compilation of the structure) if its guards accept those values,
-    else against ``trace_exactly()`` at ``current`` (the call's ints and sizes)."""
-    if history.checked:
+    """Once per argument structure (``history``, a ``SizeHistory``) and set of symbolic sizes and ints: the trace of
+    ``entry`` (compiled with ``symbolic``, a ``SymbolicSizes``) checked against ``history.exact`` (ints, sizes, raw
+    trace and ``InputSpec`` of the structure's last exact compilation) if its guards accept those values, else
+    against ``trace_exactly()`` at ``current`` (the call's ints and sizes). A size or int made symbolic later (the
+    batch size after the sequence length) is checked again, as code may ask for its type only."""
+    which = (frozenset((i, frozenset(ds)) for i, ds in symbolic.dims.items()), frozenset(symbolic.int_slots))
+    if which in history.checked:
         return
-    exact, history.exact = history.exact, None
+    exact = history.exact
     if exact is None or not symbolic.guard([SimpleNamespace(shape=s) for s in exact[1]], exact[0]):
         exact = (*current, *trace_exactly())
     ints, sizes, *exact_trace = exact
@@ -217,4 +219,4 @@ def check_symbolic_trace(
     n_tensors = len(entry.spec.tensor_proxies)
     carriers = frozenset(p.name for p in program.traces[0].args[n_tensors : n_tensors + len(symbolic.int_symbols)])
     check_same_program((program.traces[0], entry.spec), values, carriers, tuple(exact_trace))
-    history.checked = True
+    history.checked.add(which)
