@@ -2,6 +2,8 @@
 compilation serves every value the traced code's guards accept, and every call matches eager."""
 
 import logging
+import math
+import operator
 
 import pytest
 import torch
@@ -225,3 +227,111 @@ def test_code_that_needs_a_plain_int_keeps_ints_exact_and_sizes_dynamic(caplog):
             torch.testing.assert_close(jf(torch.ones(size), 4), fn(torch.ones(size), 4), rtol=0, atol=0)
     assert fulmen.cache_misses(jf) == 4
     assert any("symbolic ints failed" in r.getMessage() for r in caplog.records)
+
+
+# ---- Python that asks what an int is, or turns it into text, sees what eager sees ----
+_TYPE_BRANCHES = {
+    "isinstance": lambda x, n: x * 2 if isinstance(n, int) else x * 3,
+    "type is": lambda x, n: x * 2 if type(n) is int else x * 3,
+    "type ==": lambda x, n: x * 2 if type(n) == int else x * 3,  # noqa: E721 (the comparison under test)
+    "in a returned value": lambda x, n: (x * n, type(n).__name__),
+}
+
+_CONVERSIONS = {
+    "str": lambda x, n: (x * n, str(n)),
+    "f-string": lambda x, n: (x + 1, f"window {n}"),
+    "%d": lambda x, n: (x * 2, "%d" % n),
+    "repr": lambda x, n: (x, repr(n)),
+    "format spec": lambda x, n: (x, format(n, "03d")),
+    "str of n / 2": lambda x, n: (x, str(n / 2)),
+    "str of n > 3": lambda x, n: (x, str(n > 3)),
+    "text picks a branch": lambda x, n: x * 2 if str(n) == "3" else x,
+    "hash": lambda x, n: x * (hash(n) % 5),
+    "in a set": lambda x, n: x * 2 if n in {2, 3} else x * 3,
+    "dict key": lambda x, n: x * {2: 5.0, 3: 7.0, 4: 9.0, 5: 1.0}[n],
+    "list index": lambda x, n: x * [1.0, 2.0, 3.0, 4.0, 5.0, 6.0][n],
+    "list repeat": lambda x, n: x * len([0] * n),
+    "math.sqrt": lambda x, n: x * math.sqrt(n),
+    "math.floor": lambda x, n: x * math.floor(n / 2),
+    "operator.index": lambda x, n: x[: operator.index(n)],
+}
+
+
+def _same(got, want):
+    if isinstance(want, tuple):
+        assert type(got) is tuple and len(got) == len(want)
+        for g, w in zip(got, want):
+            _same(g, w)
+    elif isinstance(want, torch.Tensor):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    else:
+        assert type(got) is type(want) and got == want, (got, want)
+
+
+@pytest.mark.parametrize("name", list(_TYPE_BRANCHES))
+def test_a_type_check_on_an_int_takes_eagers_branch_for_every_value(name, caplog):
+    fn = _TYPE_BRANCHES[name]
+    jf, x = _jit(fn), torch.randn(3)
+    with caplog.at_level(logging.WARNING, logger="fulmen"):
+        for n in (2, 3, 4, 5):
+            _same(jf(x, n), fn(x, n))
+    # the symbolic trace took another path than the exact one: the ints stay exact, and fulmen says why
+    assert any("not an int" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("name", list(_CONVERSIONS))
+def test_an_int_turned_into_text_a_key_or_an_index_matches_eager_for_every_value(name):
+    fn = _CONVERSIONS[name]
+    jf, x = _jit(fn), torch.randn(8)
+    for n in (2, 3, 4, 5, 3):
+        _same(jf(x, n), fn(x, n))
+
+
+def test_text_of_an_int_specializes_it_and_the_rest_of_its_uses_stay_symbolic():
+    def fn(x, n, m):
+        return x[:m] * m, f"step {n}"
+
+    jf, x = _jit(fn), torch.randn(10)
+    for n, m in ((2, 2), (3, 3), (3, 4), (3, 5), (4, 6)):
+        _same(jf(x, n, m), fn(x, n, m))
+    # (2, 2): exact; (3, 3): symbolic with n == 3 (text needs it), serves m = 4, 5; (4, 6): n == 4
+    assert fulmen.cache_misses(jf) == 3
+
+
+def test_the_value_of_a_symbolic_int_that_never_becomes_text_is_not_guarded():
+    jf, x = _jit(_grows), torch.randn(12)
+    for n in (2, 3, 4):
+        jf(x, n)
+    assert fulmen.cache_misses(jf) == 2  # the check against the exact trace costs no compilation
+
+
+@pytest.mark.parametrize("check", ["isinstance", "type is"])
+def test_a_type_check_on_a_dynamic_size_takes_eagers_branch_for_every_size(check):
+    def fn(x):
+        n = x.shape[0]
+        is_int = isinstance(n, int) if check == "isinstance" else type(n) is int
+        return x.sum() if is_int else x.mean()
+
+    jf = _jit(fn)
+    for size in (3, 4, 5, 6):
+        x = torch.randn(size)
+        torch.testing.assert_close(jf(x), fn(x), rtol=0, atol=0)
+
+
+def test_text_of_a_data_dependent_size_is_refused_naming_the_line():
+    def fn(x):
+        y = x[x > 0]
+        return y * 2, f"{y.shape[0]} positive"  # eager: "2 positive"; only the running program knows the count
+
+    with pytest.raises(fulmen.DataDependentError, match="test_symbolic_ints.py"):
+        _jit(fn)(torch.tensor([1.0, -1.0, 2.0]))
+
+
+def test_a_size_made_dynamic_after_another_is_checked_again():
+    def fn(x):
+        return x.sum(1) * 2 if isinstance(x.shape[0], int) else x.sum(1) * 3  # eager: always * 2
+
+    jf = _jit(fn)
+    for shape in ((2, 3), (2, 4), (2, 5), (3, 6), (4, 7), (5, 5)):  # the lengths go dynamic, then the batch size
+        x = torch.randn(shape)
+        torch.testing.assert_close(jf(x), fn(x), rtol=0, atol=0)

@@ -77,7 +77,7 @@ class _ExecPrinter:
         return name
 
 
-_FIXED_GLOBALS = ("torch", "devices", "dtypes", "inf", "nan", "torchex")
+_FIXED_GLOBALS = ("torch", "devices", "dtypes", "inf", "nan", "math", "torchex")
 
 #: Objects generated code reaches executors' functions through, by the module prefix traces print
 #: (``torchex.broadcast_in_dim(...)``); an executor registers its own (``register_namespace``).
@@ -120,7 +120,8 @@ def python_source(trace: Trace, ctx: dict[str, Any] | None = None, *, comments: 
     (``Printer``); every name is a legal identifier, distinct, after Python's NFKC normalization, from every
     other name the code uses."""
     ctx = ctx if ctx is not None else {}
-    ctx.update({"torch": torch, "devices": devices, "dtypes": dtypes, "inf": math.inf, "nan": math.nan,
+    # math: symbolic ints print their floor and ceiling as math.floor(...) (torch's PythonPrinter)
+    ctx.update({"torch": torch, "devices": devices, "dtypes": dtypes, "inf": math.inf, "nan": math.nan, "math": math,
                 META_EPOCH: trace.meta_epoch})
     reserved = _value_names(trace)
     fn_name = sanitize_name(trace.fn_name)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,8 @@ from fulmen.core import symbolic
 from fulmen.core.unbacked import is_unbacked_symbol
 from fulmen.core.utils import compiler_import_lock
 from fulmen.frontend.cache import OBJECT, is_tensor_key, tensor_keys
+
+log = logging.getLogger("fulmen")
 
 
 def key_sizes(key: Any) -> list[torch.Size]:
@@ -173,6 +176,11 @@ class SizeHistory:
     names: list[str] | None = None  # the inputs' names in the first trace, for messages
     failed: bool = False  # compiling with dynamic sizes failed once: exact sizes from then on
     ints_failed: bool = False  # compiling with symbolic ints failed once: exact ints from then on
+    #: (ints, sizes, raw trace, InputSpec) of the structure's last exact compilation, which a trace with symbolic
+    #: sizes or ints is checked against (``fulmen.frontend.same_program``), once for each set of symbolic ones
+    #: (``checked``: (dims, int slots))
+    exact: tuple | None = None
+    checked: set = dataclasses.field(default_factory=set)
 
     def update(self, sizes: list[torch.Size], ints: list[int] = ()) -> list[tuple]:
         """Mark the dims and int slots that differ from the first values; returns a note for each newly marked one:
@@ -188,6 +196,18 @@ class SizeHistory:
                 self.changed_ints.add(slot)
                 notes.append((None, slot, a, b))
         return notes
+
+    def give_up(self, fn_name: str, error: Exception, ints: bool) -> None:
+        """Compiling with symbolic sizes or ints failed: exact from now on for this structure of arguments, the ints
+        only when some were symbolic (code that needs a plain int: ``torch.tensor(n)``, ``x[:, n]``), logged."""
+        if ints:
+            self.ints_failed = True
+        else:
+            self.failed = True
+        log.warning("fulmen: compiling %s with %s failed (%s: %s); compiling for the exact %s instead, and for "
+                    "every new %s of these arguments from now on", fn_name, "symbolic ints" if ints else
+                    "dynamic sizes", type(error).__name__, str(error).split("\n")[0][:300],
+                    "ints" if ints else "sizes", "int value" if ints else "size")
 
 
 def symbolic_dims(changed: dict[int, set], sizes: list[torch.Size],

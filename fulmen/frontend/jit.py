@@ -51,6 +51,7 @@ from fulmen.frontend.leaves import makes_leaves
 from fulmen.frontend.module_writes import assigner
 from fulmen.frontend.prologue import Prologue, build_prologue
 from fulmen.frontend.runner import RunPlan, compose
+from fulmen.frontend.same_program import check_symbolic_trace
 from fulmen.frontend.split_points import MAX_BRANCHES, ValueChanged, same_value
 from fulmen.frontend.stats import CompileStats, get_stats
 from fulmen.frontend.tracing import InputSpec, RunsEagerly, _arg_names, check_supported_tensors, trace_program
@@ -549,6 +550,7 @@ class JittedFunction:
         for i, d, *_ in notes:
             history.changed.setdefault(i, set()).add(d)
         history.changed_ints.update(slot for _, slot, *_ in int_notes)
+        history.exact = (ints, sizes, trace, spec)  # this call's exact trace, to check the symbolic one against
         names = history.names = [p.name for p in trace.args]
         texts = [describe_change(n, self._n_state(), names) + ": marked dynamic (state carried between calls)"
                  for n in notes + int_notes]
@@ -598,24 +600,15 @@ class JittedFunction:
             history = self._histories.get(self._structure(key)) if self.dynamic is not False else None
             if history is not None and history.names is None:
                 history.names = [p.name for p in entry.computation_trace.args]
+            if history is not None and entry.program.steps[:1] == ["trace"]:
+                history.exact = (ints, sizes, entry.program.traces[0], entry.spec)
         self._set_prologue(entry, key, args, kwargs, flat)
         self._remember(key, entry)
         self._last_key = key
         return entry
 
     def _dynamic_failed(self, key, error: Exception, ints: bool) -> None:
-        """Compiling with symbolic sizes or ints failed: exact from now on for this structure of arguments, the ints
-        only when some were symbolic (code that needs a plain int: ``torch.tensor(n)``, ``x[:, n]``)."""
-        history = self._histories[self._structure(key)]
-        what = "symbolic ints" if ints else "dynamic sizes"
-        if ints:
-            history.ints_failed = True
-        else:
-            history.failed = True
-        log.warning("fulmen: compiling %s with %s failed (%s: %s); compiling for the exact %s instead, and for "
-                    "every new %s of these arguments from now on", getattr(self.fn, "__name__", self.fn), what,
-                    type(error).__name__, str(error).split("\n")[0][:300], "ints" if ints else "sizes",
-                    "int value" if ints else "size")
+        self._histories[self._structure(key)].give_up(getattr(self.fn, "__name__", self.fn), error, ints)
 
     _prologue_of_module = False
     #: Dims symbolic from the first call (flat tensor index -> dims), as if already seen changing size: the Dynamo
@@ -691,6 +684,9 @@ class JittedFunction:
             holds = symbolic.guard(flat, ints)  # also builds the guard function, which may import more
         if not holds:
             raise RuntimeError("the guards recorded while tracing do not hold for the sizes traced")
+        if not self._marked_dims and not self._marked_ints:  # Python asking a SymInt's type: an exact trace's program?
+            check_symbolic_trace(self._histories[self._structure(key)], symbolic, entry, (ints, sizes),
+                                lambda: self._trace(args, kwargs))
         entry.symbolic = symbolic
         entry.pattern = self._pattern(key, symbolic)
         self._dynamic_entries.append(entry)

@@ -48,6 +48,7 @@ from fulmen.frontend.objects import ObjectResults, ObjectSwaps
 from fulmen.frontend.replay import Replays
 from fulmen.frontend.rng_calls import recording_rng_calls
 from fulmen.frontend.split_points import ValueReader
+from fulmen.frontend.symbolic_text import text_specializes
 from fulmen.torch.collectives import nn_functional_traceable
 from fulmen.torch.fallback import opaque_symbol
 from fulmen.torch.inplace import view_input_as_its_memory
@@ -579,7 +580,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     try:
         with tracing(tracer), _UserTorchCalls(trace), _compiling(), _parametrizations_uncached(), \
                 _recording_autograd_functions(), nn_functional_traceable(), routing_higher_order_ops(), \
-                recording_rng_calls(), ModuleWrites() as writes:
+                recording_rng_calls(), text_specializes(), ModuleWrites() as writes:
             for p in spec.tensor_proxies:
                 view_input_as_its_memory(p)
             result = _call_user(fn, proxy_args, proxy_kwargs, swaps)
