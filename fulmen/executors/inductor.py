@@ -121,10 +121,7 @@ class FusedRegion:
         and hashed on each call; with this, only the growing inputs' shapes and strides are read."""
         growing = self.growing  # one read: another thread may replace it
         if growing is None or not growing[0].check(*args):
-            key = layout_key(args)
-            if self.dynamic is not None and self.dynamic.fn is not None:
-                self._grow(args, key)
-            return key
+            return layout_key(args)
         _, last, varying = growing
         key = list(last)
         for i in varying:
@@ -133,7 +130,7 @@ class FusedRegion:
         return tuple(key)
 
     def _grow(self, args: tuple, key: tuple) -> None:
-        """Build ``growing`` from a call whose layout ``key`` was read input by input: one ``TensorGuards``
+        """Build ``growing`` from a call whose layout ``key`` the kernel with symbolic sizes fits: one ``TensorGuards``
         comparing every input but the varying ones (any size, any stride) with this call's exactly (type,
         dispatch keys, dtype, device, requires_grad, sizes, strides), so that a call it accepts has their layout
         as in ``key``. Built at most ``MAX_FAST_BUILDS`` times (again when the other inputs' layout changes)."""
@@ -237,6 +234,9 @@ class FusedRegion:
             return None
         if len(self.variants) < MAX_FITTED_LAYOUTS:
             self.variants[key] = kernel.fn
+        growing = self.growing
+        if growing is None or not growing[0].check(*args):  # none yet, or the other inputs' layout changed
+            self._grow(args, key)
         return kernel.fn
 
     @property
