@@ -41,9 +41,9 @@ def capture(new_tokens: int) -> dict[str, dict[int, tuple]]:
             dynamic = any(isinstance(x, torch.SymInt) for x in example_inputs)
 
             def call(*args):
-                if dynamic:
-                    length = next(a.shape[2] for a in args if isinstance(a, torch.Tensor) and a.dim() == 4)
-                    seen.setdefault(name, {})[length] = (compiled, args)
+                caches = [a.shape[2] for a in args if isinstance(a, torch.Tensor) and a.dim() == 4]
+                if dynamic and caches:  # the decode graph: its cache inputs are [batch, heads, length, head dim]
+                    seen.setdefault(name, {})[caches[0]] = (compiled, args)
                 return compiled(*args)
 
             return call
@@ -79,12 +79,18 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     seen = capture(args.new_tokens)
-    lengths = sorted(set(seen["inductor"]) & set(seen["fulmen"]))
-    ind = [seen["inductor"][n] for n in lengths]
-    ful = [seen["fulmen"][n] for n in lengths]
-    jitted = ful[0][0]._fulmen_jitted
-    entry = jitted._last_entry
-    flats = [entry.check(tuple(a for a in call_args if isinstance(a, torch.Tensor)), {}) for _, call_args in ful]
+    torch.set_grad_enabled(False)  # as generate() calls the graphs: the programs were compiled for no_grad
+    # the lengths the last decode graph of each backend ran (the first decode step can be a graph of its own)
+    last = {name: calls[max(calls)][0] for name, calls in seen.items()}
+    lengths = sorted(set.intersection(*({n for n, (c, _) in seen[name].items() if c is last[name]} for name in seen)))
+    entry = last["fulmen"]._fulmen_jitted._last_entry  # the program with the length symbolic
+
+    def flat(n):
+        return entry.check(tuple(a for a in seen["fulmen"][n][1] if isinstance(a, torch.Tensor)), {})
+
+    lengths = [n for n in lengths if flat(n) is not None]  # not the first length, if it has a program of its own
+    ind, ful = [seen["inductor"][n] for n in lengths], [seen["fulmen"][n] for n in lengths]
+    flats = [flat(n) for n in lengths]
     (region,) = [v for v in entry.program.forward.__globals__.values() if isinstance(v, FusedRegion)]
     region_args: list[tuple] = []
     original = FusedRegion.__call__
@@ -114,18 +120,17 @@ def main() -> None:
 
         return run
 
-    with torch.no_grad():
-        calls = {
-            "Inductor's compiled graph, lengths in turn": (each(ind), len(ind)),
-            "fulmen's compiled graph, lengths in turn": (each(ful), len(ful)),
-            "Inductor's compiled graph, same length": (each([ind[-1]] * len(ind)), len(ind)),
-            "fulmen's compiled graph, same length": (each([ful[-1]] * len(ful)), len(ful)),
-            "fulmen's prologue": (lambda: [entry.check(tuple(flat), {}) for flat in flats], len(flats)),
-            "fulmen's program, lengths in turn": (lambda: [entry.run(flat) for flat in flats], len(flats)),
-            "its region, keyed input by input": (region_with(False), len(region_args)),
-            "its region, keyed by the growing check": (region_with(True), len(region_args)),
-        }
-        times = timed(calls, args.repeats, args.number)
+    calls = {
+        "Inductor's compiled graph, lengths in turn": (each(ind), len(ind)),
+        "fulmen's compiled graph, lengths in turn": (each(ful), len(ful)),
+        "Inductor's compiled graph, same length": (each([ind[-1]] * len(ind)), len(ind)),
+        "fulmen's compiled graph, same length": (each([ful[-1]] * len(ful)), len(ful)),
+        "fulmen's prologue": (lambda: [entry.check(tuple(flat), {}) for flat in flats], len(flats)),
+        "fulmen's program, lengths in turn": (lambda: [entry.run(flat) for flat in flats], len(flats)),
+        "its region, keyed input by input": (region_with(False), len(region_args)),
+        "its region, keyed by the growing check": (region_with(True), len(region_args)),
+    }
+    times = timed(calls, args.repeats, args.number)
     print(
         f"cache lengths {lengths[0]}-{lengths[-1]}, {len(region_args[0])} region inputs; us per call, thread CPU time"
     )
