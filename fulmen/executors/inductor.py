@@ -93,14 +93,18 @@ class FusedRegion:
         self.dynamic: Kernel | None = None  # the kernel whose varying sizes are symbols, once sizes varied
         # (C++ check, callable) of the layout the region runs call after call (see ``_steady``)
         self.fast: tuple[Any, Callable] | None = None
+        # (C++ check, a layout key, the inputs whose sizes vary) once the kernel with symbolic sizes runs: builds
+        # the layout key of a call whose other inputs that check finds unchanged (see ``_key``)
+        self.growing: tuple[Any, list, tuple[int, ...]] | None = None
         self._last_hit: tuple | None = None
         self._fast_builds = 0
+        self._growing_builds = 0
 
     def __call__(self, *args):
         fast = self.fast  # one read: another thread may replace it
         if fast is not None and fast[0].check(*args):
             return fast[1](list(args))
-        key = layout_key(args)
+        key = self._key(args)
         fn = self.variants.get(key)
         if fn is not None:
             steady, self._last_hit = key == self._last_hit, key
@@ -109,6 +113,46 @@ class FusedRegion:
             return fn(list(args))
         self._last_hit = key
         return self._slow_call(key, args)
+
+    def _key(self, args: tuple) -> tuple:
+        """``layout_key(args)``, the same tuple, built from the last one for the inputs whose sizes do not vary
+        where one C++ check finds them unchanged. A decode step's cache inputs grow by one position every call, so
+        neither the steady check nor a layout seen before finds the kernel, and the key of every input was built
+        and hashed on each call; with this, only the growing inputs' shapes and strides are read."""
+        growing = self.growing  # one read: another thread may replace it
+        if growing is None or not growing[0].check(*args):
+            return layout_key(args)
+        _, last, varying = growing
+        key = list(last)
+        for i in varying:
+            a = args[i]
+            key[i] = (a.shape, a.stride())
+        return tuple(key)
+
+    def _grow(self, args: tuple, key: tuple) -> None:
+        """Build ``growing`` from a call whose layout ``key`` the kernel with symbolic sizes fits: one ``TensorGuards``
+        comparing every input but the varying ones (any size, any stride) with this call's exactly (type,
+        dispatch keys, dtype, device, requires_grad, sizes, strides), so that a call it accepts has their layout
+        as in ``key``. Built at most ``MAX_FAST_BUILDS`` times (again when the other inputs' layout changes)."""
+        if self._growing_builds >= MAX_FAST_BUILDS:
+            return
+        self._growing_builds += 1
+        varying = tuple(sorted({i for i, _ in self.dynamic.dims}))
+        try:
+            from torch._C._dynamo.guards import TensorGuards
+
+            guard = TensorGuards(
+                *args,
+                dynamic_dims_sizes=[[None] * a.dim() if i in varying else list(a.shape) for i, a in enumerate(args)],
+                dynamic_dims_strides=[
+                    [None] * a.dim() if i in varying else list(a.stride()) for i, a in enumerate(args)
+                ],
+            )
+            ok = guard.check(*args)
+        except Exception:  # no such check in this torch, or an input it does not take (it compares dense tensors)
+            self._growing_builds = MAX_FAST_BUILDS
+            return
+        self.growing = (guard, list(key), varying) if ok else None
 
     def _steady(self, args: tuple, fn: Callable) -> None:
         """The same layout found twice in a row: from now on one C++ check (PyTorch's ``TensorGuards``, Dynamo's
@@ -138,6 +182,7 @@ class FusedRegion:
         """Drop the C++-checked callable (``fulmen.report`` swaps ``variants``' callables for timed ones): the next
         steady layout builds it again from ``variants``."""
         self.fast, self._last_hit, self._fast_builds = None, None, 0
+        self.growing, self._growing_builds = None, 0
 
     def _slow_call(self, key: tuple, args: tuple):
         kernel = self.kernels.get(key)
@@ -189,6 +234,9 @@ class FusedRegion:
             return None
         if len(self.variants) < MAX_FITTED_LAYOUTS:
             self.variants[key] = kernel.fn
+        growing = self.growing
+        if growing is None or not growing[0].check(*args):  # none yet, or the other inputs' layout changed
+            self._grow(args, key)
         return kernel.fn
 
     @property
