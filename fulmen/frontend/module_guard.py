@@ -45,8 +45,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch import nn
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.nn.modules import module as _torch_module
 
 from fulmen.frontend import tree_guard

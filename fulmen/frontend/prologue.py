@@ -28,7 +28,7 @@ import itertools
 import linecache
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -91,6 +91,10 @@ class Prologue:
         return self.source
 
     __repr__ = __str__
+
+
+def _none_is(x: Any, tensors: Sequence) -> bool:
+    return all(x is not t for t in tensors)
 
 
 class _Writer:
@@ -352,9 +356,12 @@ class _Writer:
         if not start or not exprs:
             return
         self.env["state"] = state
-        self.names |= {"state", "state_ids"}
+        self.env["_none_is"] = _none_is
+        self.names |= {"state", "state_ids", "_none_is"}
         self.lines.append("state_ids = state.known_ids or state.ids(params)")
-        self.check(" and ".join(f"id({e}) not in state_ids" for e in exprs),
+        # an id found may be a freed tensor's (a wrapper such as FSDP2 registers new parameter objects each call): the
+        # tensors themselves decide then
+        self.check(" and ".join(f"(id({e}) not in state_ids or _none_is({e}, params))" for e in exprs),
                    f"the {len(exprs)} tensor argument(s) are none of the module's parameters and buffers")
 
     def call(self, args_key: tuple, arg_names: list[str]) -> None:
