@@ -6,6 +6,8 @@ which is what passes match on: executors never claim it, fusion carries it along
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
 
 DEL = Symbol(
@@ -21,3 +23,16 @@ DEL = Symbol(
 def is_bookkeeping(bsym: BoundSymbol) -> bool:
     """Whether ``bsym`` computes nothing (a ``del``)."""
     return OpTags.BOOKKEEPING in bsym.sym.tags
+
+
+def operations(bsyms: Sequence[BoundSymbol]) -> tuple[list[list[BoundSymbol]], list[BoundSymbol]]:
+    """The operations of ``bsyms``, each with the bookkeeping (``del``) that leads it; and the trailing bookkeeping:
+    what a pass that reorders operations moves as one."""
+    nodes: list[list[BoundSymbol]] = []
+    pending: list[BoundSymbol] = []
+    for b in bsyms:
+        pending.append(b)
+        if OpTags.BOOKKEEPING not in b.sym.tags:
+            nodes.append(pending)
+            pending = []
+    return nodes, pending

@@ -26,6 +26,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 
+from fulmen.core.bookkeeping import operations
 from fulmen.core.proxies import Proxy, TensorProxy
 from fulmen.core.symbol import BoundSymbol, OpTags
 from fulmen.prims import PrimIDs
@@ -35,7 +36,7 @@ def fusion_groups(
     bsyms: Sequence[BoundSymbol], fusible: Callable[[BoundSymbol], bool]
 ) -> list[tuple[bool, list[BoundSymbol]]]:
     """``bsyms`` reordered into ``(is_fusible, operations)`` runs; fusible runs are the candidate regions."""
-    nodes, pending = _nodes(bsyms)
+    nodes, pending = operations(bsyms)
     n = len(nodes)
     kinds = [fusible(node[-1]) for node in nodes]
     deps = _order_dependencies(nodes, kinds)
@@ -67,18 +68,6 @@ def fusion_groups(
     if pending:  # trailing comments
         groups.append((False, pending))
     return groups
-
-
-def _nodes(bsyms: Sequence[BoundSymbol]) -> tuple[list[list[BoundSymbol]], list[BoundSymbol]]:
-    """The operations, each with the comments that lead it; and the trailing comments."""
-    nodes: list[list[BoundSymbol]] = []
-    pending: list[BoundSymbol] = []
-    for b in bsyms:
-        pending.append(b)
-        if OpTags.BOOKKEEPING not in b.sym.tags:
-            nodes.append(pending)
-            pending = []
-    return nodes, pending
 
 
 _BARRIERS = (OpTags.SIDE_EFFECT, OpTags.COMMUNICATION)

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
+from fulmen.core.bookkeeping import operations
 from fulmen.core.draws import draws
 from fulmen.core.proxies import Proxy
 from fulmen.core.symbol import BoundSymbol, OpTags
@@ -82,7 +83,7 @@ def _list_schedule(bsyms: list[BoundSymbol]) -> list[BoundSymbol]:
     """``bsyms`` reordered: the program's order, but each collective started as soon as it is ready and each wait
     run just before its first reader would (see ``_keys``). A list schedule: of the ready operations, the one with
     the lowest key runs next."""
-    nodes, trailing = _nodes(bsyms)
+    nodes, trailing = operations(bsyms)
     ops = [node[-1] for node in nodes]
     deps, data = _dependencies(ops)
     data_users = _users(data)
@@ -133,18 +134,6 @@ def _keys(ops: list[BoundSymbol], data_users: list[list[int]], urgent: set[int])
 def _is_start(bsym: BoundSymbol) -> bool:
     tags = bsym.sym.tags
     return OpTags.COMMUNICATION in tags and OpTags.WAIT not in tags
-
-
-def _nodes(bsyms: list[BoundSymbol]) -> tuple[list[list[BoundSymbol]], list[BoundSymbol]]:
-    """The operations, each with the bookkeeping (``del``) that leads it; and the trailing bookkeeping."""
-    nodes: list[list[BoundSymbol]] = []
-    pending: list[BoundSymbol] = []
-    for b in bsyms:
-        pending.append(b)
-        if OpTags.BOOKKEEPING not in b.sym.tags:
-            nodes.append(pending)
-            pending = []
-    return nodes, pending
 
 
 def _dependencies(ops: list[BoundSymbol]) -> tuple[list[set[int]], list[set[int]]]:
