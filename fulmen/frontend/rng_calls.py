@@ -16,7 +16,6 @@ thread drawing random numbers while this one traces changes the state too, and i
 from __future__ import annotations
 
 import contextlib
-import threading
 import warnings
 
 import torch
@@ -28,7 +27,6 @@ from fulmen.core.shared_patch import SharedPatch
 from fulmen.core.trace import get_tracectx
 from fulmen.core.tracer import get_tracer
 
-_tracing = threading.local()  # .depth: how many traces this thread is inside
 _ORIGINALS = {name: getattr(torch.random, name) for name in ("manual_seed", "get_rng_state", "set_rng_state")}
 #: What each module held while no thread traced, put back by the last trace to end (``torch.manual_seed`` need
 #: not be ``torch.random.manual_seed``: importing ``torch._dynamo`` wraps the former).
@@ -39,7 +37,7 @@ def _wrap(name: str, record):
     original = _ORIGINALS[name]
 
     def wrapper(*args, **kwargs):
-        if getattr(_tracing, "depth", 0) and (trc := get_tracectx()) is not None and len(trc.scopes) == 1:
+        if _recording.here and (trc := get_tracectx()) is not None and len(trc.scopes) == 1:
             return record(*args, **kwargs)
         return original(*args, **kwargs)
 
@@ -82,13 +80,9 @@ _recording = SharedPatch(_install, _uninstall)
 @contextlib.contextmanager
 def recording_rng_calls():
     """Record the tracing thread's calls that set the default generator; fail if its state changed otherwise."""
-    with _recording:
-        _tracing.depth = getattr(_tracing, "depth", 0) + 1
+    with _recording.in_this_thread():
         before = _ORIGINALS["get_rng_state"]()
-        try:
-            yield
-        finally:
-            _tracing.depth -= 1
+        yield
     if not torch.equal(before, _ORIGINALS["get_rng_state"]()):
         warnings.warn(
             "fulmen.jit: torch's default random generator changed while the function was traced, in a way fulmen "

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 
 import torch
 
@@ -29,7 +28,6 @@ from fulmen.core.shared_patch import SharedPatch
 _VALUE_TYPES = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
 _METHODS = ("__repr__", "__str__", "__format__")
 _LIBRARIES = frozenset({"fulmen", "torch", "sympy"})
-_inside = threading.local()
 _saved: dict[tuple[type, str], object] = {}
 
 
@@ -44,7 +42,7 @@ def _wrap(cls: type, name: str, to_value: type):
     original = cls.__dict__.get(name)
 
     def text(self, *spec):
-        if getattr(_inside, "depth", 0) > 0 and not _from_library(sys._getframe(1)):
+        if _patch.here and not _from_library(sys._getframe(1)):
             return getattr(to_value(self), name)(*spec)  # int(self): guarded, as in eager the value is an int
         if original is not None:
             return original(self, *spec)
@@ -76,9 +74,5 @@ _patch = SharedPatch(_install, _uninstall)
 @contextlib.contextmanager
 def text_specializes():
     """The tracing thread's user code gets a symbolic value's text from its (guarded) value."""
-    with _patch:
-        _inside.depth = getattr(_inside, "depth", 0) + 1
-        try:
-            yield
-        finally:
-            _inside.depth -= 1
+    with _patch.in_this_thread():
+        yield

@@ -488,7 +488,6 @@ class UserTracer(Tracer):
             self._replays = replays
 
 
-_tracing = threading.local()  # .depth: how many trace_program calls this thread is inside
 _original_apply = torch.autograd.Function.__dict__["apply"]
 _ReentrantCheckpoint = getattr(torch.utils.checkpoint, "CheckpointFunction", None)
 
@@ -497,7 +496,7 @@ def _apply(cls, *args, **kwargs):  # named "apply" below: Dynamo recognizes Func
     """``torch.autograd.Function.apply`` while some thread traces. On this thread's proxies the call is recorded as
     one opaque symbol that keeps the Function's backward; anything else (other threads, real or fake tensors,
     the recorded call itself) runs as PyTorch's apply."""
-    if getattr(_tracing, "depth", 0) and has_proxy((args, kwargs)):
+    if _apply_patch.here and has_proxy((args, kwargs)):
         from fulmen.torch.fallback import autograd_function_symbol
 
         rule = langctx.autograd_functions.get(f"{cls.__module__}.{cls.__qualname__}")
@@ -534,12 +533,8 @@ _apply_patch = SharedPatch(_install_apply, _uninstall_apply)
 def _recording_autograd_functions():
     """PyTorch's C++ apply would run ``forward`` on proxies (inlining it and losing the custom backward):
     ``Function.apply`` is wrapped while any thread traces, and the wrapper acts only for the tracing thread."""
-    with _apply_patch:
-        _tracing.depth = getattr(_tracing, "depth", 0) + 1
-        try:
-            yield
-        finally:
-            _tracing.depth -= 1
+    with _apply_patch.in_this_thread():
+        yield
 
 
 def _guard_what_was_read(trace: Trace, spec: InputSpec, recorder: ReadRecorder, own, bound_arguments, swaps) -> None:
