@@ -2,6 +2,8 @@
 
 ``DEL`` (``del t1, t2`` after a value's last use) is the one such symbol. It carries ``OpTags.BOOKKEEPING``,
 which is what passes match on: executors never claim it, fusion carries it along, counts of operations skip it.
+Passes that reorder operations (fusion's grouping, the communication scheduler) move each with the ``del`` lines
+leading it (``operations``) and walk their dependencies both ways (``dependents``).
 """
 
 from __future__ import annotations
@@ -36,3 +38,13 @@ def operations(bsyms: Sequence[BoundSymbol]) -> tuple[list[list[BoundSymbol]], l
             nodes.append(pending)
             pending = []
     return nodes, pending
+
+
+def dependents(deps: list[set[int]]) -> list[list[int]]:
+    """The inverse of ``deps`` (each operation's dependencies, by position): for each operation, the positions of
+    the operations that depend on it."""
+    users: list[list[int]] = [[] for _ in deps]
+    for i, d in enumerate(deps):
+        for j in d:
+            users[j].append(i)
+    return users

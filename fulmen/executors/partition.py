@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 
-from fulmen.core.bookkeeping import operations
+from fulmen.core.bookkeeping import dependents, operations
 from fulmen.core.proxies import Proxy, TensorProxy
 from fulmen.core.symbol import BoundSymbol, OpTags
 from fulmen.prims import PrimIDs
@@ -40,7 +40,7 @@ def fusion_groups(
     n = len(nodes)
     kinds = [fusible(node[-1]) for node in nodes]
     deps = _order_dependencies(nodes, kinds)
-    users = _users(deps)
+    users = dependents(deps)
     missing = [len(d) for d in deps]
     ready: tuple[list[int], list[int]] = ([], [])  # (not fusible, fusible), each a heap of trace positions
     for i in range(n):
@@ -292,7 +292,7 @@ def sums_after_other_readers(ops: Sequence[BoundSymbol]) -> list[BoundSymbol]:
             if isinstance(p, Proxy):
                 readers.setdefault(p.name, []).append(i)
     deps = _data_dependencies(ops)
-    users = _users(deps)
+    users = dependents(deps)
 
     key = [float(i) for i in range(n)]
     for i, op in enumerate(ops):
@@ -345,14 +345,6 @@ def _data_dependencies(ops: Sequence[BoundSymbol]) -> list[set[int]]:
             producer[p.name] = i
     return deps
 
-
-def _users(deps: list[set[int]]) -> list[list[int]]:
-    """The inverse of ``deps``: for each operation, the positions of the operations that depend on it."""
-    users: list[list[int]] = [[] for _ in deps]
-    for i, d in enumerate(deps):
-        for j in d:
-            users[j].append(i)
-    return users
 
 
 def _views_of(ops: Sequence[BoundSymbol], name: str) -> set[str]:

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
-from fulmen.core.bookkeeping import operations
+from fulmen.core.bookkeeping import dependents, operations
 from fulmen.core.draws import draws
 from fulmen.core.proxies import Proxy
 from fulmen.core.symbol import BoundSymbol, OpTags
@@ -86,10 +86,10 @@ def _list_schedule(bsyms: list[BoundSymbol]) -> list[BoundSymbol]:
     nodes, trailing = operations(bsyms)
     ops = [node[-1] for node in nodes]
     deps, data = _dependencies(ops)
-    data_users = _users(data)
+    data_users = dependents(data)
     urgent = _one_in_flight(ops, deps, data, data_users)
     keys = _keys(ops, data_users, urgent)
-    users = _users(deps)
+    users = dependents(deps)
     missing = [len(d) for d in deps]
     ready = [(keys[i], i) for i in range(len(ops)) if not missing[i]]
     heapq.heapify(ready)
@@ -193,14 +193,6 @@ def _one_in_flight(
                 urgent.add(w)
     return urgent
 
-
-def _users(deps: list[set[int]]) -> list[list[int]]:
-    """The inverse of ``deps``: for each operation, those that depend on it."""
-    users: list[list[int]] = [[] for _ in deps]
-    for i, d in enumerate(deps):
-        for j in d:
-            users[j].append(i)
-    return users
 
 
 def _reaches(deps: list[set[int]], src: int, target: int) -> bool:
