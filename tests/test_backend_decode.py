@@ -101,3 +101,42 @@ def test_decode_steps_match_eager_while_the_cache_grows_and_the_weight_changes_l
             w = w.t().contiguous().t()
         k, v = torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16)
         torch.testing.assert_close(jf(x, k, v, w), _decode_step(x, k, v, w))
+
+
+def _hf_llama_greedy_scores(monkeypatch, max_fast_builds: int) -> tuple[torch.Tensor, list, int]:
+    transformers = pytest.importorskip("transformers")
+    torch._dynamo.reset()
+    monkeypatch.setattr(inductor, "MAX_FAST_BUILDS", max_fast_builds)
+    built = []
+    real_grow = FusedRegion._grow
+
+    def grow(self, args, key):
+        real_grow(self, args, key)
+        built.append(self.growing is not None)
+
+    monkeypatch.setattr(FusedRegion, "_grow", grow)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(1))
+    eager = model.generate(ids, max_new_tokens=10, do_sample=False, output_scores=True, return_dict_in_generate=True,
+                           pad_token_id=0)
+    model.forward = torch.compile(model.forward, backend="fulmen", options={"compile": "sync"})
+    got = model.generate(ids, max_new_tokens=10, do_sample=False, output_scores=True, return_dict_in_generate=True,
+                         pad_token_id=0)
+    assert torch.equal(got.sequences, eager.sequences)
+    for g, e in zip(got.scores, eager.scores):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
+    return torch.stack(got.scores), built
+
+
+@pytest.mark.slow
+def test_hf_llama_decode_keyed_by_the_growing_check_computes_what_input_by_input_keys_do(monkeypatch):
+    # transformers' Llama through the torch.compile backend: the decode graph's cache grows every step, so its
+    # regions take the growing check; with the check off every key is built input by input. Same kernels, same bits.
+    fast, built = _hf_llama_greedy_scores(monkeypatch, inductor.MAX_FAST_BUILDS)
+    assert any(built), "no region built a growing check"
+    slow, built_off = _hf_llama_greedy_scores(monkeypatch, 0)
+    assert not any(built_off)
+    torch.testing.assert_close(fast, slow, rtol=0, atol=0)

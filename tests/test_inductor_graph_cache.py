@@ -214,3 +214,23 @@ def test_a_later_process_compiles_without_capturing_and_matches_eager(tmp_path):
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     assert runs[0]["captures"] == 1 and runs[1]["captures"] == 0, runs
     assert runs[0]["out"] == runs[1]["out"]
+
+
+@pytest.mark.slow  # two compilations of a Hugging Face model, one through the graph cache
+def test_hf_gpt2_regions_found_through_the_cache_compute_what_captured_ones_do(monkeypatch, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    captures = _captures(monkeypatch)
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64, use_cache=False)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        first = fulmen.jit(model, compile="sync")(input_ids=ids).logits
+        captured = len(captures)
+        monkeypatch.setattr(inductor_compile, "_kernels", {})  # as in a new process: no kernel shared in memory
+        second = fulmen.jit(model, compile="sync")(input_ids=ids).logits
+    assert captured and len(captures) - captured < captured, "no region of the second compilation came from the cache"
+    torch.testing.assert_close(second, first, rtol=0, atol=0)
+    torch.testing.assert_close(second, expected, rtol=1e-4, atol=1e-5)
