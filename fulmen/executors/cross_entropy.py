@@ -76,8 +76,9 @@ def row_scale(g: torch.Tensor, target: torch.Tensor, reduction: str, ignore_inde
     return torch.where(valid, scale, 0.0)
 
 
-def logits_grad(x: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale: torch.Tensor,
-                label_smoothing: float) -> torch.Tensor:
+def logits_grad(
+    x: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, label_smoothing: float
+) -> torch.Tensor:
     """(softmax(x) - (1 - s) * onehot(target) - s / C) * scale for a chunk, in the compute dtype."""
     p = torch.exp(x - lse.unsqueeze(1))
     if label_smoothing:
@@ -89,13 +90,24 @@ def logits_grad(x: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale:
 
 # ---- the kernels ----
 
+#: Device types whose logits the Triton kernels run. Tests add ``"cpu"`` to run them in Triton's interpreter
+#: (``TRITON_INTERPRET=1``), so that this executor's path through them is tested without a GPU.
+TRITON_DEVICE_TYPES: frozenset[str] = frozenset({"cuda"})
+
+
 def _use_triton(logits: torch.Tensor) -> bool:
-    """The Triton kernels run float16 / bfloat16 / float32 CUDA logits; everything else takes the torch path."""
-    return TRITON_AVAILABLE and logits.is_cuda and logits.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    """The Triton kernels run float16 / bfloat16 / float32 logits on ``TRITON_DEVICE_TYPES``; everything else takes
+    the torch path."""
+    return (
+        TRITON_AVAILABLE
+        and logits.device.type in TRITON_DEVICE_TYPES
+        and logits.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    )
 
 
-def cross_entropy_forward(logits: torch.Tensor, target: torch.Tensor, reduction: str, ignore_index: int,
-                          label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
+def cross_entropy_forward(
+    logits: torch.Tensor, target: torch.Tensor, reduction: str, ignore_index: int, label_smoothing: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     x2, t1 = (logits.unsqueeze(0), target.reshape(1)) if logits.ndim == 1 else (logits, target)
     compute = _compute_dtype(logits.dtype)
     n, c = x2.shape
@@ -106,16 +118,24 @@ def cross_entropy_forward(logits: torch.Tensor, target: torch.Tensor, reduction:
     else:
         step = chunk_rows(c)
         for i in range(0, n, step):
-            losses[i:i + step], lse[i:i + step] = row_losses(x2[i:i + step].to(compute), t1[i:i + step],
-                                                             ignore_index, label_smoothing)
+            losses[i : i + step], lse[i : i + step] = row_losses(
+                x2[i : i + step].to(compute), t1[i : i + step], ignore_index, label_smoothing
+            )
     loss = reduce_losses(losses, t1, reduction, ignore_index, logits.dtype)
     if logits.ndim == 1:
         loss, lse = (loss.reshape(()) if reduction == "none" else loss), lse.reshape(())
     return loss, lse
 
 
-def cross_entropy_backward(g: torch.Tensor, logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
-                           reduction: str, ignore_index: int, label_smoothing: float) -> torch.Tensor:
+def cross_entropy_backward(
+    g: torch.Tensor,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    reduction: str,
+    ignore_index: int,
+    label_smoothing: float,
+) -> torch.Tensor:
     x2, t1 = (logits.unsqueeze(0), target.reshape(1)) if logits.ndim == 1 else (logits, target)
     compute = _compute_dtype(logits.dtype)
     n, c = x2.shape
@@ -126,16 +146,19 @@ def cross_entropy_backward(g: torch.Tensor, logits: torch.Tensor, target: torch.
     grad = torch.empty_like(x2)
     step = chunk_rows(c)
     for i in range(0, n, step):
-        grad[i:i + step] = logits_grad(x2[i:i + step].to(compute), lse[i:i + step], t1[i:i + step],
-                                       scale[i:i + step], label_smoothing)
+        grad[i : i + step] = logits_grad(
+            x2[i : i + step].to(compute), lse[i : i + step], t1[i : i + step], scale[i : i + step], label_smoothing
+        )
     return grad.reshape(logits.shape)
 
 
 def _fwd_meta(logits, target, reduction, ignore_index, label_smoothing):
     rows = () if logits.ndim == 1 else (logits.shape[0],)
     loss_shape = rows if reduction == "none" else ()
-    return (TensorProxy(like=logits, shape=loss_shape, requires_grad=False),
-            TensorProxy(like=logits, shape=rows, dtype=_compute_dtype(logits.dtype), requires_grad=False))
+    return (
+        TensorProxy(like=logits, shape=loss_shape, requires_grad=False),
+        TensorProxy(like=logits, shape=rows, dtype=_compute_dtype(logits.dtype), requires_grad=False),
+    )
 
 
 def _bwd_meta(g, logits, target, lse, reduction, ignore_index, label_smoothing):
@@ -143,14 +166,15 @@ def _bwd_meta(g, logits, target, lse, reduction, ignore_index, label_smoothing):
 
 
 cross_entropy_fwd = cross_entropy_ex.register_operator("cross_entropy_fwd", meta=_fwd_meta, fn=cross_entropy_forward)
-cross_entropy_bwd = cross_entropy_ex.register_operator("cross_entropy_bwd", meta=_bwd_meta,
-                                                       fn=cross_entropy_backward)
+cross_entropy_bwd = cross_entropy_ex.register_operator("cross_entropy_bwd", meta=_bwd_meta, fn=cross_entropy_backward)
 
 
 # ---- claiming F.cross_entropy ----
 
-def supported(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean",
-              label_smoothing=0.0) -> bool:
+
+def supported(
+    input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0
+) -> bool:
     """Class-index targets, no weight, 1-D or 2-D logits of a floating dtype."""
     if not (isinstance(input, TensorProxy) and isinstance(target, TensorProxy)):
         return False
@@ -160,29 +184,36 @@ def supported(input, target, weight=None, size_average=None, ignore_index=-100, 
         return False
     if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
         return False
-    if not dtypes.is_float_dtype(input.dtype) or not dtypes.is_integer_dtype(target.dtype) or \
-            target.dtype is torch.bool:
+    if (
+        not dtypes.is_float_dtype(input.dtype)
+        or not dtypes.is_integer_dtype(target.dtype)
+        or target.dtype is torch.bool
+    ):
         return False
     if input.ndim == 2:
         return target.ndim == 1 and target.shape[0] == input.shape[0] and input.shape[1] > 0
     return input.ndim == 1 and target.ndim == 0 and input.shape[0] > 0
 
 
-def _execution_transform(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
-                         reduction="mean", label_smoothing=0.0):
+def _execution_transform(
+    input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0
+):
     loss, _ = cross_entropy_fwd(input, target, reduction, ignore_index, float(label_smoothing))
     return loss
 
 
-def _grad_transform(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
-                    reduction="mean", label_smoothing=0.0):
+def _grad_transform(
+    input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0
+):
     from fulmen.transforms.linearize import get_grad, put_grad
 
     loss, lse = cross_entropy_fwd(input, target, reduction, ignore_index, float(label_smoothing))
-    put_grad(input, cross_entropy_bwd(get_grad(loss), input, target, lse, reduction, ignore_index,
-                                      float(label_smoothing)))
+    put_grad(
+        input, cross_entropy_bwd(get_grad(loss), input, target, lse, reduction, ignore_index, float(label_smoothing))
+    )
     return loss
 
 
-cross_entropy_ex.register_implementation(CROSS_ENTROPY_ID, checker=supported, execution_transform=_execution_transform,
-                                         grad_transform=_grad_transform)
+cross_entropy_ex.register_implementation(
+    CROSS_ENTROPY_ID, checker=supported, execution_transform=_execution_transform, grad_transform=_grad_transform
+)

@@ -9,10 +9,15 @@ works without materializing a softmax:
 * backward: ``grad = (softmax(x) - (1 - s) * onehot(t) - s / C) * g_row``, with ``softmax`` rebuilt from the
   logits and the saved ``lse``; ignored rows get zeros.
 
+A target outside ``[0, C)`` that is not ``ignore_index`` gives its row a NaN loss and NaN gradients. Eager's CUDA
+kernels stop there with a device-side assertion; checking on the host would wait for the device every call, and
+reading the logit at that index would read another row's memory (a finite, wrong loss).
+
 Arithmetic is float32 whatever the logits' dtype (float16, bfloat16 or float32); losses and ``lse`` come back in
 float32 and the gradient in the logits' dtype. Triton is optional: importing this module never fails, and
-``TRITON_AVAILABLE`` says whether the wrappers can run. The kernels are built on first use, so setting
-``TRITON_INTERPRET=1`` any time before the first call runs them in Triton's CPU interpreter.
+``TRITON_AVAILABLE`` says whether the wrappers can run. Setting ``TRITON_INTERPRET=1``
+before Triton is first imported runs them in Triton's CPU interpreter (Triton decorates its own helpers, such as
+``tl.zeros``, as ``triton.language`` is imported, and fulmen's kernels as they are first used).
 """
 
 from __future__ import annotations
@@ -40,8 +45,7 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def _fwd_kernel(x_ptr, t_ptr, loss_ptr, lse_ptr, stride_x, n_cols, ignore_index, smoothing,
-                    BLOCK: tl.constexpr):
+    def _fwd_kernel(x_ptr, t_ptr, loss_ptr, lse_ptr, stride_x, n_cols, ignore_index, smoothing, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         row_ptr = x_ptr + row * stride_x
         cols = tl.arange(0, BLOCK)
@@ -62,16 +66,19 @@ def _kernels():
         lse = m + tl.log(s)
         t = tl.load(t_ptr + row)
         valid = t != ignore_index
-        x_t = tl.load(row_ptr + tl.where(valid, t, 0)).to(tl.float32)
+        in_range = (t >= 0) & (t < n_cols)
+        x_t = tl.load(row_ptr + tl.where(valid & in_range, t, 0)).to(tl.float32)
         loss = lse - (1.0 - smoothing) * x_t
         if smoothing != 0.0:  # skipped without smoothing, so -inf logits give 0 * -inf nowhere
             loss -= (smoothing / n_cols) * tl.sum(sum_x, axis=0)
+        loss = tl.where(in_range, loss, float("nan"))
         tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
         tl.store(lse_ptr + row, lse)
 
     @triton.jit
-    def _bwd_kernel(g_ptr, x_ptr, t_ptr, lse_ptr, dx_ptr, stride_x, stride_dx, n_cols, ignore_index, smoothing,
-                    BLOCK: tl.constexpr):
+    def _bwd_kernel(
+        g_ptr, x_ptr, t_ptr, lse_ptr, dx_ptr, stride_x, stride_dx, n_cols, ignore_index, smoothing, BLOCK: tl.constexpr
+    ):
         row = tl.program_id(0).to(tl.int64)
         row_ptr = x_ptr + row * stride_x
         out_ptr = dx_ptr + row * stride_dx
@@ -79,6 +86,7 @@ def _kernels():
         t = tl.load(t_ptr + row)
         valid = t != ignore_index
         g = tl.where(valid, tl.load(g_ptr + row).to(tl.float32), 0.0)
+        g = tl.where(valid & ((t < 0) | (t >= n_cols)), float("nan"), g)
         lse = tl.load(lse_ptr + row).to(tl.float32)
         for start in range(0, n_cols, BLOCK):
             offs = start + cols
@@ -99,8 +107,9 @@ def _check(logits: torch.Tensor, target: torch.Tensor):
     if logits.ndim == 1:
         logits, target = logits.unsqueeze(0), target.reshape(1)
     if logits.ndim != 2 or target.shape != logits.shape[:1]:
-        raise ValueError(f"expected (N, C) logits and (N,) targets, got {tuple(logits.shape)} and "
-                         f"{tuple(target.shape)}")
+        raise ValueError(
+            f"expected (N, C) logits and (N,) targets, got {tuple(logits.shape)} and {tuple(target.shape)}"
+        )
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     return logits, target.contiguous()
@@ -112,8 +121,14 @@ def _block(n_cols: int, block_size: int | None) -> int:
     return triton.next_power_of_2(block_size if block_size else min(max(n_cols, 16), MAX_BLOCK))
 
 
-def triton_cross_entropy_forward(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
-                                 label_smoothing: float = 0.0, *, block_size: int | None = None):
+def triton_cross_entropy_forward(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    *,
+    block_size: int | None = None,
+):
     """Per-row losses (0 for ignored rows) and log-sum-exps of (N, C) logits, both (N,) float32."""
     shape = logits.shape
     x, t = _check(logits, target)
@@ -122,16 +137,24 @@ def triton_cross_entropy_forward(logits: torch.Tensor, target: torch.Tensor, ign
     lse = torch.empty(n, dtype=torch.float32, device=x.device)
     if n:
         fwd, _ = _kernels()
-        fwd[(n,)](x, t, losses, lse, x.stride(0), c, int(ignore_index), float(label_smoothing),
-                  BLOCK=_block(c, block_size))
+        fwd[(n,)](
+            x, t, losses, lse, x.stride(0), c, int(ignore_index), float(label_smoothing), BLOCK=_block(c, block_size)
+        )
     if len(shape) == 1:
         losses, lse = losses.reshape(()), lse.reshape(())
     return losses, lse
 
 
-def triton_cross_entropy_backward(grad_losses: torch.Tensor, logits: torch.Tensor, target: torch.Tensor,
-                                  lse: torch.Tensor, ignore_index: int = -100, label_smoothing: float = 0.0, *,
-                                  block_size: int | None = None) -> torch.Tensor:
+def triton_cross_entropy_backward(
+    grad_losses: torch.Tensor,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    *,
+    block_size: int | None = None,
+) -> torch.Tensor:
     """Gradient of the per-row losses wrt the logits, given their (N,) cotangent ``grad_losses`` and the saved
     (N,) ``lse``; the logits' shape and dtype."""
     shape = logits.shape
@@ -142,6 +165,17 @@ def triton_cross_entropy_backward(grad_losses: torch.Tensor, logits: torch.Tenso
     dx = torch.empty((n, c), dtype=x.dtype, device=x.device)
     if n:
         _, bwd = _kernels()
-        bwd[(n,)](g, x, t, lse, dx, x.stride(0), dx.stride(0), c, int(ignore_index), float(label_smoothing),
-                  BLOCK=_block(c, block_size))
+        bwd[(n,)](
+            g,
+            x,
+            t,
+            lse,
+            dx,
+            x.stride(0),
+            dx.stride(0),
+            c,
+            int(ignore_index),
+            float(label_smoothing),
+            BLOCK=_block(c, block_size),
+        )
     return dx.reshape(shape)
