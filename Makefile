@@ -2,7 +2,8 @@
 #
 # The installs pin torch to the 2.13.0 CPU build through constraints.txt (the package itself accepts a range),
 # so pip takes the local wheel instead of downloading a CUDA build. `make demo` installs fulmen alone; the test
-# targets add the test extras (pytest, pytest-xdist, transformers for the Hugging Face model tests).
+# targets add the test extras (pytest, pytest-xdist, transformers for the Hugging Face model tests, triton for the
+# Triton kernels' tests, which run in Triton's CPU interpreter; constraints.txt pins the release torch 2.13 needs).
 
 PYTHON ?= python
 PYTEST_ARGS ?=

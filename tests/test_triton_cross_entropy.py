@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("triton")
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch, Triton and fulmen
 def test_triton_cross_entropy_kernels_match_torch():
     checks = Path(__file__).with_name("triton_cross_entropy_checks.py")
     env = dict(os.environ)
