@@ -3,8 +3,9 @@
 Forward and backward are the aten kernels eager's dispatcher would pick (CPU: flash attention; CUDA: memory
 efficient attention), with an explicit grad rule: the forward returns the output and the per-row
 log-sum-exp, which is all the backward saves besides the inputs and the output -- never the (L, S) attention
-matrix. Calls the kernels do not support (dropout on CPU, masks that need gradients, mismatched head
-counts, non-float dtypes, other ranks) are declined; fulmen's default path runs them instead.
+matrix. Calls the kernels do not support (dropout, masks that need gradients, mismatched head counts,
+non-float dtypes, other ranks; on CUDA, masks and what else ``efficient_attention_supported`` declines, as the
+default path's gradient rule does) are declined; fulmen's default path runs them instead.
 
     jfn = fulmen.jit(attention, executors=["sdpa"])
 """
@@ -17,7 +18,12 @@ import torch
 
 from fulmen.core.proxies import TensorProxy
 from fulmen.executors.base import OperatorExecutor, register_executor
-from fulmen.transforms.grad_ops import efficient_attention_backward, efficient_attention_forward
+from fulmen.transforms.grad_ops import (
+    efficient_attention_backward,
+    efficient_attention_forward,
+    efficient_attention_meta,
+    efficient_attention_supported,
+)
 
 SDPA_ID = "torch.nn.functional.scaled_dot_product_attention"
 _aten = torch.ops.aten
@@ -37,6 +43,8 @@ def _like(x: TensorProxy, **changes) -> TensorProxy:
 # ---- the kernels, as executable operations ----
 
 def _fwd_meta(q, k, v, attn_mask, dropout_p, is_causal, scale):
+    if q.device.type == "cuda":  # the memory-efficient kernel pads its log-sum-exp rows
+        return efficient_attention_meta(q, k, v, attn_mask, is_causal, scale)
     return _like(q, shape=tuple(q.shape[:-1]) + (v.shape[-1],)), _like(q, shape=tuple(q.shape[:-1]),
                                                                       dtype=_lse_dtype(q))
 
@@ -66,7 +74,6 @@ sdpa_backward = sdpa_ex.register_operator("sdpa_fused_backward", meta=_bwd_meta,
 # ---- what is supported ----
 
 _CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _checker(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False) -> bool:
@@ -84,8 +91,9 @@ def _checker(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
         if q.dtype not in _CPU_DTYPES or dropout_p != 0.0:
             return False
     elif q.device.type == "cuda":
-        if q.dtype not in _CUDA_DTYPES or dropout_p != 0.0:  # dropout would need the Philox state replayed
-            return False
+        # dropout would need the Philox state replayed; the rest is what the kernel takes, as the gradient rule
+        # decides it (a mask would need eager's padding and expansion first)
+        return dropout_p == 0.0 and efficient_attention_supported(q, k, v, attn_mask, scale)
     else:
         return False
     if is_causal and attn_mask is not None:

@@ -225,16 +225,42 @@ def _last_dim_dense(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _efficient_meta(q, k, v, attn_mask, is_causal, scale):
+def efficient_attention_meta(q, k, v, attn_mask, is_causal, scale):
     # the log-sum-exp rows are padded to a multiple of 32, as the kernel writes them
     lse_shape = tuple(q.shape[:-2]) + (-(-q.shape[-2] // 32) * 32,)
     return _like(q, shape=tuple(q.shape[:-1]) + (v.shape[-1],)), _like(q, shape=lse_shape, dtype=torch.float32)
 
 
+#: The head sizes the CUDA memory-efficient kernels take on every GPU: a multiple of 8 elements (16-byte
+#: aligned rows in half precision), at most 128.
+_CUDA_HEAD_DIMS = range(8, 129, 8)
+
+
+def efficient_attention_supported(q, k, v, mask, scale) -> bool:
+    """Whether CUDA proxies ``q, k, v`` are inputs ``efficient_attention_cuda`` takes: eager's memory-efficient kernel
+    without a mask (masks need padding to 16 columns and expanding to 4-D, as eager's dispatcher does before it
+    calls the kernel; they take the decomposition), with as many key/value heads as query heads. The gradient rule
+    and the ``sdpa`` executor both decide by it."""
+    if mask is not None or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if q.dtype is torch.bfloat16 and torch.cuda.get_device_capability(to_device(q.device).index or 0)[0] < 8:
+        return False  # bfloat16 kernels need Ampere or newer
+    if q.shape[-1] not in _CUDA_HEAD_DIMS or v.shape[-1] not in _CUDA_HEAD_DIMS or k.shape[-1] != q.shape[-1]:
+        return False
+    if q.shape[0] != k.shape[0] or k.shape[0] != v.shape[0] or k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
+        return False
+    if k.shape[2] != v.shape[2]:
+        return False
+    # a scale of zero or below was never run through the kernels here: the decomposition takes it
+    return q.numel() > 0 and k.numel() > 0 and not (isinstance(scale, (int, float)) and scale <= 0)
+
+
 #: CUDA memory-efficient attention (eager's choice for float32; usable for every float dtype): output and the
 #: per-row log-sum-exp, which with the inputs and output is all the backward needs. Python functions around the
 #: aten kernels, which Inductor traces into a fused region as it does aten ops.
-efficient_attention_cuda = declare_op("efficient_attention", efficient_attention_forward, _efficient_meta, tags=_MM)
+efficient_attention_cuda = declare_op(
+    "efficient_attention", efficient_attention_forward, efficient_attention_meta, tags=_MM
+)
 efficient_attention_cuda_backward = declare_op(
     "efficient_attention_backward", efficient_attention_backward, _attention_backward_meta, tags=_MM
 )

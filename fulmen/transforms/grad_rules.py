@@ -18,7 +18,6 @@ import torch
 import fulmen.torch as ltorch
 from fulmen import clang, prims
 from fulmen.core import dtypes
-from fulmen.core.devices import to_device
 from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import Symbol
 from fulmen.core.utils import canonicalize_dim
@@ -28,6 +27,7 @@ from fulmen.transforms.grad_ops import (
     _stats_shape,
     efficient_attention_cuda,
     efficient_attention_cuda_backward,
+    efficient_attention_supported,
     elu,
     elu_backward,
     embedding,
@@ -446,34 +446,12 @@ def _sdpa_supported(p: RuleArgs) -> bool:
     if p.get("dropout_p", 0.0) != 0.0:
         return False
     if q.device.type == "cuda":
-        return _cuda_attention_supported(q, k, v, mask, p.get("scale"))
+        return efficient_attention_supported(q, k, v, mask, p.get("scale"))
     if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         return False
     if k.shape[1] != q.shape[1] and not p.get("enable_gqa", False):
         return False
     return mask is None or (isinstance(mask, TensorProxy) and mask.dtype == q.dtype and not needs_grad(mask))
-
-
-#: The head sizes the CUDA memory-efficient kernels take on every GPU: a multiple of 8 elements (16-byte
-#: aligned rows in half precision), at most 128.
-_CUDA_HEAD_DIMS = range(8, 129, 8)
-
-
-def _cuda_attention_supported(q, k, v, mask, scale) -> bool:
-    """Eager's memory-efficient kernel without a mask (masks need padding to 16 columns; they take the
-    decomposition), with as many key/value heads as query heads."""
-    if mask is not None or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False
-    if q.dtype is torch.bfloat16 and torch.cuda.get_device_capability(to_device(q.device).index or 0)[0] < 8:
-        return False  # bfloat16 kernels need Ampere or newer
-    if q.shape[-1] not in _CUDA_HEAD_DIMS or v.shape[-1] not in _CUDA_HEAD_DIMS or k.shape[-1] != q.shape[-1]:
-        return False
-    if q.shape[0] != k.shape[0] or k.shape[0] != v.shape[0] or k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
-        return False
-    if k.shape[2] != v.shape[2]:
-        return False
-    # a scale of zero or below was never run through the kernels here: the decomposition takes it
-    return q.numel() > 0 and k.numel() > 0 and not (isinstance(scale, (int, float)) and scale <= 0)
 
 
 @builtin_rule("torch.nn.functional.scaled_dot_product_attention", checker=_sdpa_supported)
