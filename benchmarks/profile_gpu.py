@@ -39,10 +39,10 @@ def timeline(model, inputs, optimizer, device: torch.device, autocast: torch.dev
     start = time.perf_counter()
     lower = inductor_compile._lower
 
-    def timed_lower(fn, example, cpp, threads=None):
+    def timed_lower(fn, example, *args, **kwargs):  # whatever else _lower takes, passed on
         t = time.perf_counter()
         try:
-            return lower(fn, example, cpp, threads)
+            return lower(fn, example, *args, **kwargs)
         finally:
             print(f"  lowering {t - start:7.2f} -> {time.perf_counter() - start:7.2f} s ({len(example)} inputs)",
                   flush=True)

@@ -33,6 +33,7 @@ from fulmen.core.ambient import Ambient, switches
 from fulmen.core.options import COMPILE_MODES, env_seconds
 from fulmen.core.utils import compiler_import_lock
 from fulmen.executors import inductor_graph_cache as graph_cache
+from fulmen.executors import inductor_triton_wait as triton_wait
 from fulmen.executors.fx_isolation import fx_tracing_kept_to_this_thread
 from fulmen.executors.inductor_cpp import MergedBuild, merged_cpp_build, prefetch_header
 from fulmen.executors.inductor_decomps import decomposition_table
@@ -225,11 +226,12 @@ def _vector_isa_known() -> bool:
 
 
 def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads: int | None = None,
-           dims: frozenset[tuple[int, int]] | None = None) -> Any:
+           dims: frozenset[tuple[int, int]] | None = None, waits: list | None = None) -> Any:
     """Inductor's compilation of ``fn`` for inputs like ``example``, except for its CPU kernels' C++ build: those
     join ``cpp``, and the returned callable works once ``cpp`` is built. ``threads``: the PyTorch CPU threads the
     kernels will run with (default: the calling thread's). ``dims``: the (input, dim) sizes compiled as symbols;
-    then ``(callable, LayoutCheck)`` (``fulmen.executors.inductor_dynamic``)."""
+    then ``(callable, LayoutCheck)`` (``fulmen.executors.inductor_dynamic``). ``waits``: where its modules' waits for
+    their Triton kernels go (``inductor_triton_wait``); the callable works once ``triton_wait.finish(waits)``."""
     on_cpu = all(a.device.type == "cpu" for a in example)
     with compiler_import_lock:
         import torch._dynamo  # noqa: F401  (before Inductor: its modules import Dynamo's)
@@ -274,11 +276,14 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
         # Dynamo's compile lock; a lowering holds it too, so it never runs while Dynamo traces the user's code on
         # another thread, which would see FX's wrappers. The C++ build after it runs without the lock. Threads that
         # are only running code meanwhile (a torch.compile'd step) see FX's traces neither (fx_isolation).
-        with compile_lock, fx_tracing_kept_to_this_thread():
+        deferring = triton_wait.deferring_waits(waits) if waits is not None else contextlib.nullcontext()
+        with compile_lock, fx_tracing_kept_to_this_thread(), deferring:
             key = graph_cache.region_key(fn, example, decompositions, dims)
             found = _cached_compilation(key, example, cpp) if key is not None else None
             gm, compiled, fake_mode, fakes = found or _captured_compilation(fn, example, decompositions, dims, cpp, key)
         call = getattr(compiled, "current_callable", compiled)
+        if waits is not None:
+            triton_wait.expect_ready(waits, call)
         if dims:
             check_output_strides(compiled, gm)
             return call, LayoutCheck(fakes, fake_mode.shape_env)
@@ -422,19 +427,22 @@ def _compile(jobs: list[tuple[Kernel, Callable, list[torch.Tensor]]]) -> None:
             if background and not kernel.ambient.matches():
                 _park(kernel, eager, example)
                 continue
+            waits: list = []
             with kernel.ambient.applied():  # on the background thread: the default device only
-                call = _lower(eager, example, cpp, kernel.threads, kernel.dims)
+                call = _lower(eager, example, cpp, kernel.threads, kernel.dims, waits)
                 if kernel.dims:
                     call, kernel.check = call
             if background and (switches() != before or not kernel.ambient.matches()):  # changed while it lowered
+                triton_wait.finish(waits)  # its kernels compiled: the next lowering finds them in Triton's cache
                 _park(kernel, eager, example)
                 continue
-            lowered.append((kernel, call))
+            lowered.append((kernel, call, waits))
         except Exception as e:  # the region keeps running with the torch executor
             _failed(kernel, e)
         finally:
             kernel.seconds += time.perf_counter() - start
     start = time.perf_counter()
+    lowered = _finish_triton_waits(lowered)
     try:
         cpp.build()
         for kernel, call in lowered:
@@ -449,6 +457,20 @@ def _compile(jobs: list[tuple[Kernel, Callable, list[torch.Tensor]]]) -> None:
             kernel.seconds += share
         for kernel, _, _ in jobs:
             kernel.done = kernel.parked is None
+
+
+def _finish_triton_waits(lowered: list[tuple[Kernel, Callable, list]]) -> list[tuple[Kernel, Callable]]:
+    """The batch's lowered kernels whose Triton kernels compiled (each waited for once the whole batch is lowered,
+    ``inductor_triton_wait``); a kernel whose Triton compilation failed fails, and the others are kept."""
+    ready = []
+    for kernel, call, waits in lowered:
+        try:
+            triton_wait.finish(waits)
+        except Exception as e:
+            _failed(kernel, e)
+        else:
+            ready.append((kernel, call))
+    return ready
 
 
 def _park(kernel: Kernel, eager: Callable, example: list[torch.Tensor]) -> None:
