@@ -5,6 +5,10 @@ Where a branch calls ``torch.cuda``, the call is replaced by an autospec of the 
 wrong arguments fails as it would on a GPU) and the rest of the branch runs. Where it builds CUDA operations, the
 proxies say ``cuda`` and the kernels run on meta tensors, whose shapes are the CUDA kernels' own."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -123,3 +127,19 @@ def test_a_cuda_devices_name_gives_its_peak():
     with _fake_cuda("get_device_name", return_value="NVIDIA H100 80GB HBM3"):
         name = flops.device_name(CUDA)
     assert name == "NVIDIA H100 80GB HBM3" and flops.peak_flops(name) == 989.4e12
+
+
+# ---- gpu_check.sh diag: benchmarks/profile_gpu.py ----
+
+@pytest.mark.slow  # a fresh process compiling a tiny model's regions
+def test_profile_gpu_timeline_compiles_every_region():
+    """The diag step's timeline times each lowering through a wrapper of ``_lower``: every region still compiles."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "FULMEN_COMPILE": "async"}  # the suite's default is "off"
+    result = subprocess.run(
+        [sys.executable, "benchmarks/profile_gpu.py", "--model", "mlp-tiny", "--device", "cpu", "--part", "timeline"],
+        cwd=root, capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    stats = result.stdout.strip().splitlines()[-1]
+    assert "'kernels_failed': 0" in stats and "'kernels_compiled': 0" not in stats, result.stdout[-3000:]
