@@ -16,9 +16,11 @@ from fulmen.executors import inductor_triton_wait as triton_wait
 
 
 @pytest.fixture
-def async_compile():
+def async_compile(monkeypatch):
+    from torch._inductor import config
     from torch._inductor.async_compile import AsyncCompile
 
+    monkeypatch.setattr(config, "compile_threads", 4)  # Inductor waits for futures only with compile workers
     return AsyncCompile()
 
 
@@ -38,6 +40,23 @@ def test_a_deferred_wait_returns_at_once_and_finish_fills_the_kernels(async_comp
     failing.set_exception(RuntimeError("ptxas error"))
     with pytest.raises(RuntimeError, match="ptxas error"):
         triton_wait.finish(scopes)
+
+
+def test_a_future_two_modules_hold_yields_its_kernel_once(async_compile):
+    """Inductor gives a kernel source still compiling to every module that asks, as one future whose result runs
+    the kernel's set-up each time it is asked: a batch asks once."""
+    from torch._inductor.codecache import LambdaFuture
+
+    asked = []
+    future = LambdaFuture(lambda: asked.append(1) or "kernel")
+    first, second = {"k": future}, {"same_k": future}
+    scopes = []
+    with triton_wait.deferring_waits(scopes):
+        async_compile.wait(first)
+        async_compile.wait(second)
+    triton_wait.finish(scopes[:1])
+    triton_wait.finish(scopes[1:])
+    assert first["k"] == second["same_k"] == "kernel" and asked == [1]
 
 
 def test_other_threads_wait_as_inductor_does(async_compile):

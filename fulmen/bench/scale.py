@@ -104,7 +104,7 @@ def run_scale(args: argparse.Namespace) -> tuple[list[BenchRow], list[dict]]:
                 steps=config.steps,
                 precision=config.precision,
                 checkpoint=config.checkpoint,
-                error=f"not run: {left:.0f} s of the {args.budget:.0f} s budget left",
+                error=f"not run: {max(left, 0.0):.0f} s of the {args.budget:.0f} s budget left",
             )
             wall = 0.0
         else:

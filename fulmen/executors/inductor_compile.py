@@ -226,12 +226,11 @@ def _vector_isa_known() -> bool:
 
 
 def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads: int | None = None,
-           dims: frozenset[tuple[int, int]] | None = None, waits: list | None = None) -> Any:
+           dims: frozenset[tuple[int, int]] | None = None) -> Any:
     """Inductor's compilation of ``fn`` for inputs like ``example``, except for its CPU kernels' C++ build: those
     join ``cpp``, and the returned callable works once ``cpp`` is built. ``threads``: the PyTorch CPU threads the
     kernels will run with (default: the calling thread's). ``dims``: the (input, dim) sizes compiled as symbols;
-    then ``(callable, LayoutCheck)`` (``fulmen.executors.inductor_dynamic``). ``waits``: where its modules' waits for
-    their Triton kernels go (``inductor_triton_wait``); the callable works once ``triton_wait.finish(waits)``."""
+    then ``(callable, LayoutCheck)`` (``fulmen.executors.inductor_dynamic``)."""
     on_cpu = all(a.device.type == "cpu" for a in example)
     with compiler_import_lock:
         import torch._dynamo  # noqa: F401  (before Inductor: its modules import Dynamo's)
@@ -276,14 +275,11 @@ def _lower(fn: Callable, example: list[torch.Tensor], cpp: MergedBuild, threads:
         # Dynamo's compile lock; a lowering holds it too, so it never runs while Dynamo traces the user's code on
         # another thread, which would see FX's wrappers. The C++ build after it runs without the lock. Threads that
         # are only running code meanwhile (a torch.compile'd step) see FX's traces neither (fx_isolation).
-        deferring = triton_wait.deferring_waits(waits) if waits is not None else contextlib.nullcontext()
-        with compile_lock, fx_tracing_kept_to_this_thread(), deferring:
+        with compile_lock, fx_tracing_kept_to_this_thread():
             key = graph_cache.region_key(fn, example, decompositions, dims)
             found = _cached_compilation(key, example, cpp) if key is not None else None
             gm, compiled, fake_mode, fakes = found or _captured_compilation(fn, example, decompositions, dims, cpp, key)
         call = getattr(compiled, "current_callable", compiled)
-        if waits is not None:
-            triton_wait.expect_ready(waits, call)
         if dims:
             check_output_strides(compiled, gm)
             return call, LayoutCheck(fakes, fake_mode.shape_env)
@@ -427,11 +423,12 @@ def _compile(jobs: list[tuple[Kernel, Callable, list[torch.Tensor]]]) -> None:
             if background and not kernel.ambient.matches():
                 _park(kernel, eager, example)
                 continue
-            waits: list = []
-            with kernel.ambient.applied():  # on the background thread: the default device only
-                call = _lower(eager, example, cpp, kernel.threads, kernel.dims, waits)
+            waits: list = []  # its modules' waits for their Triton kernels, done once the batch is lowered
+            with kernel.ambient.applied(), triton_wait.deferring_waits(waits):  # ambient: the default device only
+                call = _lower(eager, example, cpp, kernel.threads, kernel.dims)
                 if kernel.dims:
                     call, kernel.check = call
+            triton_wait.expect_ready(waits, getattr(call, "__wrapped__", call))
             if background and (switches() != before or not kernel.ambient.matches()):  # changed while it lowered
                 triton_wait.finish(waits)  # its kernels compiled: the next lowering finds them in Triton's cache
                 _park(kernel, eager, example)

@@ -22,20 +22,25 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import weakref
 from collections.abc import Iterator
 
 from fulmen.core.shared_patch import SharedPatch
+from fulmen.core.utils import compiler_import_lock
 
 #: Whether lowerings defer their Triton waits (``FULMEN_DEFER_TRITON_WAIT=0``: each region waits as it loads).
 ENABLED = os.environ.get("FULMEN_DEFER_TRITON_WAIT", "1") != "0"
 
 _local = threading.local()  # .scopes: the list the deferring thread's waits append to
 _original_wait = None
+#: each future ``finish`` resolved, and its kernel (a future yields its kernel once; entries go with the futures)
+_resolved: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _install() -> None:
     global _original_wait
-    from torch._inductor.async_compile import AsyncCompile
+    with compiler_import_lock:
+        from torch._inductor.async_compile import AsyncCompile
 
     _original_wait = AsyncCompile.wait
 
@@ -58,7 +63,8 @@ _patch = SharedPatch(_install, _uninstall)
 
 
 def _inductor_runs_kernels_while_lowering() -> bool:
-    from torch._inductor import config
+    with compiler_import_lock:
+        from torch._inductor import config
 
     return bool(
         config.max_autotune
@@ -93,16 +99,38 @@ def expect_ready(scopes: list, call) -> None:
         scopes.append((None, namespace))
 
 
-def finish(scopes: list) -> None:
-    """Wait for the kernels of the modules recorded in ``scopes`` (Inductor's own wait: each future in a module's
-    namespace is replaced by its kernel); raises what a kernel's compilation raised."""
+def _futures(scope: dict) -> dict:
     from concurrent.futures import Future
 
     from torch._inductor.codecache import CodeCacheFuture
 
-    while scopes:
-        async_compile, scope = scopes.pop(0)
-        if async_compile is not None:
+    return {k: v for k, v in scope.items() if isinstance(v, (Future, CodeCacheFuture))}
+
+
+def finish(scopes: list) -> None:
+    """Wait for the kernels of the modules recorded in ``scopes`` (Inductor's own wait: each future in a module's
+    namespace is replaced by its kernel); raises what a kernel's compilation raised.
+
+    As the wait did inside the lowering: under Dynamo's compile lock, without Inductor's bundling of Triton kernels
+    (which collects into one process-wide list for the compilation in flight). Inductor hands a kernel source still
+    compiling to every module that asks for it, as one future, which yields its kernel once: a later module holding
+    the same future gets the kernel the first one got."""
+    if not scopes:
+        return
+    from torch._dynamo.convert_frame import compile_lock
+    from torch._inductor import config
+
+    with compile_lock, config.patch(bundle_triton_into_fx_graph_cache=False):
+        while scopes:
+            async_compile, scope = scopes.pop(0)
+            pending = _futures(scope)
+            for key, future in pending.items():
+                if future in _resolved:
+                    scope[key] = _resolved[future]
+            if async_compile is None:
+                if _futures(scope):
+                    raise RuntimeError("a Triton kernel of this region's Inductor module did not compile")
+                continue
             _original_wait(async_compile, scope)
-        elif any(isinstance(v, (Future, CodeCacheFuture)) for v in scope.values()):
-            raise RuntimeError("a Triton kernel of this region's Inductor module did not compile")
+            for key, future in pending.items():
+                _resolved.setdefault(future, scope[key])
