@@ -72,8 +72,9 @@ def test_sdpa_executor_claims_on_cuda_what_the_gradient_rule_does():
 def test_cuda_attention_kernels_take_the_arguments_fulmen_passes():
     """The gradient rule's CUDA attention (``efficient_attention_cuda``) against its own meta function."""
     mq, mk, mv = (torch.empty(s, dtype=torch.float16, device="meta") for s in SHAPES)
-    out, lse = grad_ops.efficient_attention_forward(mq, mk.transpose(-1, -2).contiguous().transpose(-1, -2), mv,
-                                                    None, True, None)
+    out, lse = grad_ops.efficient_attention_forward(
+        mq, mk.transpose(-1, -2).contiguous().transpose(-1, -2), mv, None, True, None
+    )
     with tracectx(Trace()):
         q, k, v = _proxies(SHAPES, dtype=torch.float16)
         out_p, lse_p = grad_ops.efficient_attention_meta(q, k, v, None, True, None)
@@ -83,6 +84,7 @@ def test_cuda_attention_kernels_take_the_arguments_fulmen_passes():
 
 
 # ---- the benchmark runner's CUDA branches ----
+
 
 def _step():
     x = torch.randn(16, 16)
@@ -108,15 +110,20 @@ def test_device_busy_time_sums_the_profilers_self_device_time():
 
 
 def test_peak_memory_on_cuda_reads_the_allocators_peak():
-    row = runner.BenchRow(model="mlp-tiny", mode="train", backend="eager", device="cuda", dtype="float32",
-                          batch_size=2, steps=1)
+    row = runner.BenchRow(
+        model="mlp-tiny", mode="train", backend="eager", device="cuda", dtype="float32", batch_size=2, steps=1
+    )
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.AdamW(model.parameters(), fused=True)
     calls = []
-    with _fake_cuda("synchronize"), _fake_cuda("reset_peak_memory_stats") as reset, \
-            _fake_cuda("max_memory_allocated", return_value=3 * 2**20) as peak:
-        runner._measure_memory(row, runner._no_progress, lambda: calls.append(1), CUDA, model, optimizer,
-                               (torch.randn(2, 4),))
+    with (
+        _fake_cuda("synchronize"),
+        _fake_cuda("reset_peak_memory_stats") as reset,
+        _fake_cuda("max_memory_allocated", return_value=3 * 2**20) as peak,
+    ):
+        runner._measure_memory(
+            row, runner._no_progress, lambda: calls.append(1), CUDA, model, optimizer, (torch.randn(2, 4),)
+        )
     reset.assert_called_once_with(CUDA)
     peak.assert_called_once_with(CUDA)
     assert len(calls) == 2 and row.peak_mb == 3.0 and row.peak_method == memory.CUDA_METHOD
@@ -131,6 +138,7 @@ def test_a_cuda_devices_name_gives_its_peak():
 
 # ---- gpu_check.sh diag: benchmarks/profile_gpu.py ----
 
+
 @pytest.mark.slow  # a fresh process compiling a tiny model's regions
 def test_profile_gpu_timeline_compiles_every_region():
     """The diag step's timeline times each lowering through a wrapper of ``_lower``: every region still compiles."""
@@ -138,7 +146,11 @@ def test_profile_gpu_timeline_compiles_every_region():
     env = {**os.environ, "PYTHONPATH": str(root), "FULMEN_COMPILE": "async"}  # the suite's default is "off"
     result = subprocess.run(
         [sys.executable, "benchmarks/profile_gpu.py", "--model", "mlp-tiny", "--device", "cpu", "--part", "timeline"],
-        cwd=root, capture_output=True, text=True, timeout=600, env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     stats = result.stdout.strip().splitlines()[-1]
