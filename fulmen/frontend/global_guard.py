@@ -58,7 +58,7 @@ from typing import Any
 import torch
 
 from fulmen.frontend import module_guard
-from fulmen.frontend.ambient_flags import flags_named
+from fulmen.frontend.ambient_flags import ENVIRONMENT_NAMES, environment, environment_change, flags_named
 from fulmen.frontend.attribute_lookup import (
     MISSING,
     SLOT,
@@ -345,6 +345,9 @@ class _Collector:
             if key not in self._keys:
                 self._keys.add(key)
                 self.items.append(_Item(where, "call", reader, where, reader(), "=="))
+        if names & ENVIRONMENT_NAMES and "environ" not in self._keys:
+            self._keys.add("environ")
+            self.items.append(_Item("os.environ", "call", environment, "os.environ", _flat_key(environment()), "flat"))
 
     def code(self, code: types.CodeType, globals_: dict, owner: type | None, instance: Any = MISSING,
              cells: dict | None = None, arguments: dict | None = None) -> None:
@@ -536,6 +539,8 @@ class GlobalGuard:
                     return f"{item.where} was rebound to another {type(now).__name__} object"
                 if item.how == "meta":
                     return f"{item.where} changed from {_short_meta(item.value)} to {_short_meta(now)}"
+                if item.holder is environment:
+                    return environment_change(item.value[1], now)
                 if item.how == "flat":
                     kind, n = item.value[0].__name__, len(item.value[1])
                     now_text = f"{len(now)} items" if type(now) is item.value[0] else _short(now)
