@@ -1,0 +1,197 @@
+"""Soundness leftovers: sparse embedding gradients, process state read while tracing, a global tensor passed as
+the argument, an in-place write after a matmul that saved its input, and layouts fulmen cannot know.
+
+Every test compares a compiled call with eager PyTorch on the same inputs.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fulmen
+
+IDX = torch.tensor([[1, 2, 1], [0, 2, 3]])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sparse=True embeddings: eager's sparse COO weight gradient
+
+
+def _grads(fn, weight: torch.Tensor, compiled) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight's gradient after eager and after the compiled call (a second call: the cache hit)."""
+    w = nn.Parameter(weight.clone())
+    fn(IDX, w).backward()
+    eager = w.grad
+    for _ in range(2):
+        w.grad = None
+        compiled(IDX, w).backward()
+    return eager, w.grad
+
+
+def _assert_same_gradient(eager: torch.Tensor, got: torch.Tensor) -> None:
+    assert got.layout == eager.layout
+    if eager.is_sparse:
+        # eager's own COO tensor: the same indices in the same order, uncoalesced as eager's
+        assert got.is_coalesced() == eager.is_coalesced()
+        assert torch.equal(got._indices(), eager._indices())
+        torch.testing.assert_close(got._values(), eager._values(), rtol=1e-6, atol=1e-6)
+    else:
+        torch.testing.assert_close(got, eager, rtol=1e-6, atol=1e-6)
+
+
+def _lookup(i, w):
+    return F.embedding(i, w, sparse=True).exp().sum()
+
+
+def _two_lookups(i, w):  # two sparse gradients: their sum is sparse, as eager's autograd adds them
+    return (F.embedding(i, w, sparse=True) * F.embedding(i + 1, w, sparse=True, padding_idx=2)).exp().sum()
+
+
+def _tied(i, w):  # a sparse and a dense gradient: dense, as in eager
+    h = F.embedding(i, w, sparse=True)
+    return ((h @ w.t()).sin().sum() * (w * 2).sum()).cos()
+
+
+def _bag(i, w):
+    return F.embedding_bag(i, w, mode="sum", sparse=True).exp().sum()
+
+
+def _bag_weighted(i, w):  # the per-sample weights' gradient is dense, and flows on into view's backward
+    return F.embedding_bag(i, w, mode="sum", sparse=True, per_sample_weights=(w[:2, :3] * 2).reshape(2, 3)).exp().sum()
+
+
+def _gather(i, w):
+    return torch.gather(w, 0, i % 5, sparse_grad=True).exp().sum()
+
+
+@pytest.mark.parametrize(
+    "fn", [_lookup, _two_lookups, _tied, _bag, _bag_weighted, _gather], ids=lambda f: f.__name__.strip("_")
+)
+@pytest.mark.parametrize("executors", [["torch"], None], ids=["torch", "default"])
+def test_sparse_embedding_gradients_are_eagers(fn, executors):
+    eager, got = _grads(fn, torch.randn(5, 3, dtype=torch.float64), fulmen.jit(fn, executors=executors))
+    _assert_same_gradient(eager, got)
+
+
+def test_sparse_embedding_module_gradient_through_jit_and_backend():
+    torch.manual_seed(0)
+    m = nn.Embedding(6, 4, sparse=True)
+    m(IDX).pow(2).sum().backward()
+    eager = m.weight.grad
+    for compiled in (fulmen.jit(m, executors=["torch"]), torch.compile(m, backend="fulmen")):
+        for _ in range(2):
+            m.weight.grad = None
+            compiled(IDX).pow(2).sum().backward()
+        _assert_same_gradient(eager, m.weight.grad)
+    # SparseAdam takes only sparse gradients
+    torch.optim.SparseAdam(m.parameters(), lr=0.1).step()
+
+
+def test_no_fused_region_reads_a_sparse_gradient():
+    jitted = fulmen.jit(_tied)
+    w = nn.Parameter(torch.randn(5, 3))
+    jitted(IDX, w).backward()
+    text = str(fulmen.last_backward_traces(jitted)[-1])
+    sparse = [
+        line.split(" = ")[0].strip()
+        for line in text.splitlines()
+        if "embedding_sparse_backward(" in line and not line.strip().startswith("#")
+    ]
+    assert sparse
+    for line in text.splitlines():
+        if "fusion" in line and not line.strip().startswith("#"):
+            assert not any(f"{name}," in line or f"{name})" in line for name in sparse), line
+
+
+def test_sparse_gradient_into_another_backward_is_refused_naming_the_line():
+    def scaled(i, w):
+        return F.embedding(i, w * 2, sparse=True).sum()
+
+    with pytest.raises(NotImplementedError, match=r"sparse=True(.|\n)*test_leftovers.py"):
+        fulmen.jit(scaled, executors=["torch"])(IDX, nn.Parameter(torch.randn(5, 3)))
+
+    def bag_of_scaled(i, w):
+        return F.embedding_bag(i, w * 2, mode="sum", sparse=True).sum()
+
+    with pytest.raises(NotImplementedError, match="sparse gradient"):
+        fulmen.jit(bag_of_scaled, executors=["torch"])(IDX, nn.Parameter(torch.randn(5, 3))).backward()
+
+
+def test_sparse_embedding_without_gradient_is_traced_as_before():
+    w = torch.randn(5, 3)
+    with torch.no_grad():
+        expected = F.embedding(IDX, w, sparse=True)
+    torch.testing.assert_close(
+        fulmen.jit(lambda i, w: F.embedding(i, w, sparse=True), executors=["torch"])(IDX, w), expected, rtol=0, atol=0
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# process state read while tracing: thread counts, seeds, the environment
+
+
+def _threads(x):
+    return x * 2 if torch.get_num_threads() > 1 else x * 3
+
+
+def _seed(x):
+    return x + torch.initial_seed()
+
+
+def _environ(x):
+    return x * 2 if os.environ.get("FULMEN_TEST_LEFTOVER_FLAG") == "1" else x * 3
+
+
+def _getenv(x):
+    return x * 2 if os.getenv("FULMEN_TEST_LEFTOVER_FLAG", "0") == "1" else x * 3
+
+
+def _set_env(value):
+    if value is None:
+        os.environ.pop("FULMEN_TEST_LEFTOVER_FLAG", None)
+    else:
+        os.environ["FULMEN_TEST_LEFTOVER_FLAG"] = value
+
+
+_THREADS = torch.get_num_threads()
+
+
+@pytest.mark.parametrize(
+    "fn, before, after",
+    [
+        (_threads, lambda: torch.set_num_threads(2), lambda: torch.set_num_threads(1)),
+        (_seed, lambda: torch.manual_seed(7), lambda: torch.manual_seed(123)),
+        (_environ, lambda: _set_env(None), lambda: _set_env("1")),
+        (_getenv, lambda: _set_env("0"), lambda: _set_env("1")),
+    ],
+    ids=["get_num_threads", "initial_seed", "os.environ", "os.getenv"],
+)
+def test_process_state_read_while_tracing_is_checked(fn, before, after):
+    x = torch.ones(2)
+    jitted = fulmen.jit(fn, executors=["torch"])
+    try:
+        before()
+        torch.testing.assert_close(jitted(x), fn(x), rtol=0, atol=0)
+        after()
+        torch.testing.assert_close(jitted(x), fn(x), rtol=0, atol=0)
+        before()
+        torch.testing.assert_close(jitted(x), fn(x), rtol=0, atol=0)
+    finally:
+        torch.set_num_threads(_THREADS)
+        _set_env(None)
+    assert fulmen.compile_stats(jitted).cache_misses == 2  # one program per state, each used again
+
+
+def test_environment_change_names_the_variable():
+    jitted = fulmen.jit(_environ, executors=["torch"])
+    try:
+        _set_env(None)
+        jitted(torch.ones(2))
+        _set_env("1")
+        jitted(torch.ones(2))
+    finally:
+        _set_env(None)
+    assert any("FULMEN_TEST_LEFTOVER_FLAG unset -> '1'" in r for r in fulmen.compile_stats(jitted).recompile_reasons)
