@@ -195,3 +195,50 @@ def test_environment_change_names_the_variable():
     finally:
         _set_env(None)
     assert any("FULMEN_TEST_LEFTOVER_FLAG unset -> '1'" in r for r in fulmen.compile_stats(jitted).recompile_reasons)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a global or closure tensor also passed as the argument: one object in eager
+
+
+W_GLOBAL = torch.ones(3)
+
+
+def _is_global(x):
+    return x * 2 if x is W_GLOBAL else x * 3
+
+
+def _make_closure():
+    c = torch.ones(3)
+
+    def is_closure(x):
+        return x + c if x is c else x - c
+
+    return is_closure, c
+
+
+class _ReadsGlobal(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("mask", torch.ones(3))
+        self.plain = torch.full((3,), 2.0)  # a tensor attribute: read like a global
+
+    def forward(self, x):
+        scale = 2.0 if x is W_GLOBAL else 3.0
+        scale += 10.0 if x is self.plain else 0.0
+        return self.lin(x) * scale + (x is self.mask)
+
+
+def test_global_or_closure_tensor_passed_as_the_argument_is_that_tensor():
+    closure, c = _make_closure()
+    for fn, same in ((_is_global, W_GLOBAL), (closure, c)):
+        jitted = fulmen.jit(fn, executors=["torch"])
+        for x in (same, torch.ones(3), same):  # traced with it, then another tensor (compiled), then it again
+            torch.testing.assert_close(jitted(x), fn(x), rtol=0, atol=0)
+    m = _ReadsGlobal()
+    jitted = fulmen.jit(m, executors=["torch"])
+    with torch.no_grad():
+        for x in (W_GLOBAL, torch.ones(3), m.plain, m.mask, torch.ones(3)):
+            torch.testing.assert_close(jitted(x), m(x), rtol=0, atol=0)
+    assert fulmen.compile_stats(jitted).cache_hits >= 1  # other tensors still run the compiled program

@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 
+from fulmen.core.proxies import TensorProxy
 from fulmen.frontend import module_guard
 from fulmen.frontend.ambient_flags import ENVIRONMENT_NAMES, environment, environment_change, flags_named
 from fulmen.frontend.attribute_lookup import (
@@ -547,6 +548,15 @@ class GlobalGuard:
                     return f"{item.where} changed (a {kind} of {n} items when traced, now {now_text})"
                 return f"{item.where} changed from {_short(item.value)} to {_short(now)}"
         return "a global or closure variable changed"
+
+    def tensor_ids(self) -> frozenset[int]:
+        """The ids of the tensors checked by identity (a global or closure variable holding one): alive, with
+        these ids, while the guard holds."""
+        return frozenset(
+            id(item.value)
+            for item in self.items
+            if item.how == "is" and isinstance(item.value, torch.Tensor) and not isinstance(item.value, TensorProxy)
+        )
 
     def describe(self) -> list[str]:
         """One line per value checked, for the prologue trace."""

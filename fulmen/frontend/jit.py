@@ -28,6 +28,8 @@ from fulmen.frontend.cache import (
     global_state_key,
     holds_objects,
     lazy_view_inputs,
+    passes_a_read_tensor,
+    read_tensor_ids,
     user_modes_active,
     written_inputs,
 )
@@ -104,6 +106,9 @@ class CacheEntry:
     plan: RunPlan = field(default_factory=RunPlan)  # what the call around the program does (fulmen.frontend.runner)
     run: Callable | None = None  # the program's run composed with the plan: what a call runs
     differentiates: bool = False  # its program records a backward (an autograd.Function holding saved tensors)
+    # ids of the tensors the traced code read from globals, closures and objects (its captured inputs, and those
+    # only compared by identity): an argument among them runs eagerly (``passes_a_read_tensor``)
+    read_tensors: frozenset[int] = frozenset()
 
 
 class JittedFunction:
@@ -189,6 +194,9 @@ class JittedFunction:
             stats.cache_hits += 1
         if entry.written and aliases_written_input(flat, entry.written, self._n_state()):
             return self._run_eagerly(args, kwargs)
+        if entry.read_tensors and passes_a_read_tensor(flat, entry.read_tensors, self._n_state(),
+                                                       len(entry.spec.captured)):
+            return self._read_tensor_eagerly(args, kwargs)
         try:
             return call_leaving_a_core(entry.run, flat)  # a flag read, unless regions are compiling
         except (MetaMismatch, ValueChanged) as e:
@@ -331,6 +339,18 @@ class JittedFunction:
             self._warned_aliasing = True
             log.warning("fulmen: %s writes to an input that shares memory with another input; such calls run "
                         "eagerly (not compiled). Pass separate tensors (e.g. x.clone()) to run compiled.",
+                        _display_name(self.fn))
+        return self._call_eagerly(*args, **kwargs)
+
+    def _read_tensor_eagerly(self, args, kwargs):
+        """An argument is a tensor the code also reads from a global or closure variable (``f(W)`` where ``f``
+        reads ``W``): eager sees one object (``x is W``, a write through one seen through the other), the trace two
+        inputs. Such calls run eagerly; other calls of the same program run compiled."""
+        if not getattr(self, "_warned_read_tensor", False):
+            self._warned_read_tensor = True
+            log.warning("fulmen: %s is called with a tensor it also reads from a global or closure variable; such "
+                        "calls run eagerly (not compiled), since the compiled program takes them as two tensors. "
+                        "Pass a copy, or read the tensor from the argument only, to run compiled.",
                         _display_name(self.fn))
         return self._call_eagerly(*args, **kwargs)
 
@@ -711,7 +731,7 @@ class JittedFunction:
         trace = computation_steps(trace, run)  # the executors' and the user's steps, before autodiff
         graph_name = self._graph_name(trace, spec, symbolic)
         entry = CacheEntry(program=None, spec=spec, computation_trace=trace, written=written_inputs(trace),
-                           globals_guard=spec.guard)
+                           globals_guard=spec.guard, read_tensors=read_tensor_ids(spec))
         needs_grad = entry.differentiates = not leaves and self._needs_grad(trace, spec.tensor_proxies)
         if needs_grad:
             program = self._training_program(trace, run, graph_name, symbolic, entry)
