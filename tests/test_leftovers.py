@@ -242,3 +242,51 @@ def test_global_or_closure_tensor_passed_as_the_argument_is_that_tensor():
         for x in (W_GLOBAL, torch.ones(3), m.plain, m.mask, torch.ones(3)):
             torch.testing.assert_close(jitted(x), m(x), rtol=0, atol=0)
     assert fulmen.compile_stats(jitted).cache_hits >= 1  # other tensors still run the compiled program
+
+
+# ---------------------------------------------------------------------------------------------------------
+# fuzz seed 3826 (extended): an in-place write into a matmul operand whose value eager's backward never reads
+
+
+def _write_after_matmul(c, d, left):
+    v6 = c * 1.5  # laid out as c
+    v7 = (d @ v6.mT) if left else (v6 @ d)
+    v9 = v6.narrow(-1, 0, 1).mul_(-1)
+    return v6, v7, v9
+
+
+def _run_write_after_matmul(c_layout: str, d_shape: tuple, left: bool, compiled: bool):
+    g = torch.Generator().manual_seed(3826)
+    c = torch.randn(3, 4, 5, dtype=torch.float64, generator=g)
+    c = (c.transpose(-1, -2) if c_layout == "transposed" else c.reshape(3, 5, 4)).requires_grad_()
+    d = torch.randn(d_shape, dtype=torch.float64, generator=g).requires_grad_()
+    fn = fulmen.jit(_write_after_matmul, executors=["torch"]) if compiled else _write_after_matmul
+    try:
+        outs = fn(c, d, left)
+        sum(o.sum() * (i + 1) for i, o in enumerate(outs)).backward()
+    except RuntimeError as e:
+        return "modified by an inplace operation" in str(e)
+    return [o.detach() for o in outs] + [c.grad, d.grad]
+
+
+@pytest.mark.parametrize(
+    "c_layout, d_shape, left",
+    [
+        ("transposed", (4,), False),
+        ("transposed", (4, 2), False),
+        ("transposed", (2, 4), True),
+        ("contiguous", (4,), False),
+    ],
+    ids=["3d@1d-copied", "3d@2d-copied", "2d@3d-copied", "3d@1d-viewed"],
+)
+def test_write_into_a_matmul_operand_eager_saved_a_copy_of(c_layout, d_shape, left):
+    # eager folds the 3-d operand with reshape: a copy for a transposed batch (its backward works after the
+    # write), a view for a contiguous one (its backward raises eager's error, and so must fulmen's)
+    want = _run_write_after_matmul(c_layout, d_shape, left, compiled=False)
+    got = _run_write_after_matmul(c_layout, d_shape, left, compiled=True)
+    if isinstance(want, bool):
+        assert want and got is True
+    else:
+        assert not isinstance(got, bool), "fulmen refused what eager runs"
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
