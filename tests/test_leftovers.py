@@ -290,3 +290,31 @@ def test_write_into_a_matmul_operand_eager_saved_a_copy_of(c_layout, d_shape, le
         assert not isinstance(got, bool), "fulmen refused what eager runs"
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the layout of a CPU convolution of a channels_last input: as the backend PyTorch picks for the call
+
+
+def _conv_layout(x, w):
+    y = F.conv3d(x, w)
+    return y * 1, y.is_contiguous(), y.stride()
+
+
+def test_conv_of_channels_last_input_is_laid_out_as_the_backend_picked():
+    # a 1x1x1 filter: ATen's CPU convolution takes oneDNN (a channels_last_3d result) with more than one thread and
+    # its own kernel (a contiguous one) with one, or with oneDNN switched off
+    x = torch.randn(2, 3, 4, 4, 4).contiguous(memory_format=torch.channels_last_3d)
+    w = torch.randn(2, 3, 1, 1, 1)
+    jitted = fulmen.jit(_conv_layout, executors=["torch"])
+    enabled = torch.backends.mkldnn.enabled
+    try:
+        for threads, mkldnn in ((2, True), (1, True), (2, False), (2, True)):
+            torch.set_num_threads(threads)
+            torch.backends.mkldnn.enabled = mkldnn
+            want, got = _conv_layout(x, w), jitted(x, w)
+            assert got[1:] == want[1:], (threads, mkldnn)
+            torch.testing.assert_close(got[0], want[0])
+    finally:
+        torch.set_num_threads(_THREADS)
+        torch.backends.mkldnn.enabled = enabled

@@ -639,14 +639,17 @@ def _generate(items: list[_Item]) -> Callable[[], bool]:
 
 def build_guard(recorder: ReadRecorder, captured: list[tuple[str, torch.Tensor]],
                 covered: Iterable[torch.nn.Module] = (), arguments: dict | None = None,
-                walked: Iterable[Any] = ()) -> GlobalGuard | None:
+                walked: Iterable[Any] = (), flag_names: frozenset[str] = frozenset()) -> GlobalGuard | None:
     """The guard for what the code recorded while tracing can read, and for the metadata of the tensors the
     program captured (``captured``: their names in the trace, and the tensors); None when there is nothing to
     check. ``covered``: the jitted module's tree, whose structure snapshot already checks its plain attributes.
     ``arguments``: the traced function's arguments by parameter name (an object passed in is keyed by identity,
     so the attributes the code reads from it are checked here). ``walked``: objects passed in whose structure the
-    prologue checks (``fulmen.frontend.objects``): what is read through them is not checked again."""
+    prologue checks (``fulmen.frontend.objects``): what is read through them is not checked again. ``flag_names``:
+    the names of the torch flags the program's beliefs depend on, though its code names none of them (the layout
+    of a convolution of a channels_last input, ``torch.kernel_layouts.flag_names_read``)."""
     collector = _Collector(covered, walked)
+    collector.flags(flag_names)
     for name, t in captured:  # read by identity on every call, but traced for this shape, dtype and device
         collector.items.append(_Item(f"the captured tensor {name}", "tensor", t, name, _tensor_meta(t), "meta"))
     root, owner = _root_function(recorder.fn)
