@@ -149,6 +149,20 @@ def _getenv(x):
     return x * 2 if os.getenv("FULMEN_TEST_LEFTOVER_FLAG", "0") == "1" else x * 3
 
 
+def _distributed(x):
+    dist = torch.distributed
+    return x * dist.get_world_size() if dist.is_initialized() else x * 7
+
+
+def _join_group():
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1, store=torch.distributed.HashStore())
+
+
+def _leave_group():
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def _set_env(value):
     if value is None:
         os.environ.pop("FULMEN_TEST_LEFTOVER_FLAG", None)
@@ -166,8 +180,9 @@ _THREADS = torch.get_num_threads()
         (_seed, lambda: torch.manual_seed(7), lambda: torch.manual_seed(123)),
         (_environ, lambda: _set_env(None), lambda: _set_env("1")),
         (_getenv, lambda: _set_env("0"), lambda: _set_env("1")),
+        (_distributed, _leave_group, _join_group),
     ],
-    ids=["get_num_threads", "initial_seed", "os.environ", "os.getenv"],
+    ids=["get_num_threads", "initial_seed", "os.environ", "os.getenv", "distributed"],
 )
 def test_process_state_read_while_tracing_is_checked(fn, before, after):
     x = torch.ones(2)
@@ -182,6 +197,7 @@ def test_process_state_read_while_tracing_is_checked(fn, before, after):
     finally:
         torch.set_num_threads(_THREADS)
         _set_env(None)
+        _leave_group()
     assert fulmen.compile_stats(jitted).cache_misses == 2  # one program per state, each used again
 
 

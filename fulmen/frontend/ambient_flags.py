@@ -10,7 +10,8 @@ names all appear among the global and attribute names of a code object the guard
 
 The same holds for other process state code reads: the thread counts (``torch.get_num_threads()`` reads the
 program's count, ``inductor_compile.program_threads``, since fulmen lowers it while its compiler works),
-``torch.initial_seed()``, ``torch.cuda.is_available()``, the sdpa backend switches, and the environment
+``torch.initial_seed()``, ``torch.cuda.is_available()``, the sdpa backend switches, whether (and as which rank of how
+many) the process is in a ``torch.distributed`` group, and the environment
 (``os.environ[...]``, ``os.environ.get``, ``os.getenv``): a program naming ``environ`` or ``getenv`` is checked against
 the whole environment, one dictionary comparison, since the key it reads may be computed.
 
@@ -31,6 +32,17 @@ from fulmen.executors.inductor_compile import program_threads
 
 def _cudnn(name: str) -> Callable[[], Any]:
     return lambda: getattr(torch.backends.cudnn, name)
+
+
+def _distributed(name: str) -> Callable[[], Any]:
+    # get_rank and get_world_size raise before init_process_group: read as None then
+    def read():
+        dist = torch.distributed
+        if not dist.is_available() or not dist.is_initialized():
+            return False if name == "is_initialized" else None
+        return getattr(dist, name)()
+
+    return read
 
 
 def _cuda_matmul(name: str) -> Callable[[], Any]:
@@ -68,6 +80,9 @@ FLAGS: tuple[tuple[frozenset[str], str, Callable[[], Any]], ...] = tuple(
         ),
         ("math_sdp_enabled", "torch.backends.cuda.math_sdp_enabled()", torch.backends.cuda.math_sdp_enabled),
         ("cudnn_sdp_enabled", "torch.backends.cuda.cudnn_sdp_enabled()", torch.backends.cuda.cudnn_sdp_enabled),
+        ("is_initialized", "torch.distributed.is_initialized()", _distributed("is_initialized")),
+        ("get_world_size", "torch.distributed.get_world_size()", _distributed("get_world_size")),
+        ("get_rank", "torch.distributed.get_rank()", _distributed("get_rank")),
         ("cudnn deterministic", "torch.backends.cudnn.deterministic", _cudnn("deterministic")),
         ("cudnn benchmark", "torch.backends.cudnn.benchmark", _cudnn("benchmark")),
         ("cudnn enabled", "torch.backends.cudnn.enabled", _cudnn("enabled")),
