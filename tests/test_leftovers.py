@@ -334,3 +334,12 @@ def test_conv_of_channels_last_input_is_laid_out_as_the_backend_picked():
     finally:
         torch.set_num_threads(_THREADS)
         torch.backends.mkldnn.enabled = enabled
+
+
+@pytest.mark.slow
+def test_sparse_gradients_with_inductor_regions_compiled():
+    # the fused regions compiled by Inductor: a region reading a sparse gradient failed ("Cannot access data pointer
+    # of Tensor that doesn't have storage")
+    for fn in (_tied, _two_lookups, _bag_weighted):
+        eager, got = _grads(fn, torch.randn(5, 3, dtype=torch.float64), fulmen.jit(fn, compile="sync"))
+        _assert_same_gradient(eager, got)
