@@ -62,6 +62,7 @@ from fulmen.transforms.autocast import current_policies
 __all__ = ["CacheEntry", "CompileStats", "JittedFunction", "get_stats"]
 
 log = logging.getLogger("fulmen")
+_READ_TENSOR = "is called with a tensor it also reads from a global or closure variable"  # why it runs eagerly
 
 #: How many distinct compilations of one function before fulmen warns (once) that recompiles repeat.
 RECOMPILE_WARNING_THRESHOLD = 8
@@ -106,9 +107,7 @@ class CacheEntry:
     plan: RunPlan = field(default_factory=RunPlan)  # what the call around the program does (fulmen.frontend.runner)
     run: Callable | None = None  # the program's run composed with the plan: what a call runs
     differentiates: bool = False  # its program records a backward (an autograd.Function holding saved tensors)
-    # ids of the tensors the traced code read from globals, closures and objects (its captured inputs, and those
-    # only compared by identity): an argument among them runs eagerly (``passes_a_read_tensor``)
-    read_tensors: frozenset[int] = frozenset()
+    read_tensors: frozenset[int] = frozenset()  # ids of the tensors its code read from globals (read_tensor_ids)
 
 
 class JittedFunction:
@@ -196,7 +195,7 @@ class JittedFunction:
             return self._run_eagerly(args, kwargs)
         if entry.read_tensors and passes_a_read_tensor(flat, entry.read_tensors, self._n_state(),
                                                        len(entry.spec.captured)):
-            return self._read_tensor_eagerly(args, kwargs)
+            return self._run_eagerly(args, kwargs, _READ_TENSOR)
         try:
             return call_leaving_a_core(entry.run, flat)  # a flag read, unless regions are compiling
         except (MetaMismatch, ValueChanged) as e:
@@ -332,26 +331,15 @@ class JittedFunction:
                         _display_name(self.fn))
         return None, []
 
-    def _run_eagerly(self, args, kwargs):
-        """The call's inputs share memory and the program writes to one of them; it was traced as if they did not
-        (``f(x, x)``, ``f(x, x[1:])``), so the function runs eagerly instead."""
-        if not getattr(self, "_warned_aliasing", False):
-            self._warned_aliasing = True
-            log.warning("fulmen: %s writes to an input that shares memory with another input; such calls run "
-                        "eagerly (not compiled). Pass separate tensors (e.g. x.clone()) to run compiled.",
-                        _display_name(self.fn))
-        return self._call_eagerly(*args, **kwargs)
-
-    def _read_tensor_eagerly(self, args, kwargs):
-        """An argument is a tensor the code also reads from a global or closure variable (``f(W)`` where ``f``
-        reads ``W``): eager sees one object (``x is W``, a write through one seen through the other), the trace two
-        inputs. Such calls run eagerly; other calls of the same program run compiled."""
-        if not getattr(self, "_warned_read_tensor", False):
-            self._warned_read_tensor = True
-            log.warning("fulmen: %s is called with a tensor it also reads from a global or closure variable; such "
-                        "calls run eagerly (not compiled), since the compiled program takes them as two tensors. "
-                        "Pass a copy, or read the tensor from the argument only, to run compiled.",
-                        _display_name(self.fn))
+    def _run_eagerly(self, args, kwargs, why: str = "writes to an input that shares memory with another input"):
+        """The call's inputs share memory and the program writes to one of them (``f(x, x)``, ``f(x, x[1:])``), or an
+        argument is a tensor the code also reads from a global or closure (``f(W)``: ``x is W`` in eager): it was
+        traced as two tensors, so the function runs eagerly instead; other calls of the program run compiled."""
+        warned = self.__dict__.setdefault("_warned_eagerly", set())
+        if why not in warned:
+            warned.add(why)
+            log.warning("fulmen: %s %s; such calls run eagerly (not compiled). Pass separate tensors (e.g. "
+                        "x.clone()) to run compiled.", _display_name(self.fn), why)
         return self._call_eagerly(*args, **kwargs)
 
     def _functorch_eagerly(self) -> None:

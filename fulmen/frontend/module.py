@@ -38,7 +38,7 @@ from fulmen.frontend.cache import (
     state_key,
 )
 from fulmen.frontend.distributed_wrappers import refuse_traced_wrappers
-from fulmen.frontend.jit import JittedFunction, saved_tensors_hooks
+from fulmen.frontend.jit import _READ_TENSOR, JittedFunction, saved_tensors_hooks
 from fulmen.frontend.key_changes import changed_value
 from fulmen.frontend.split_points import ValueChanged
 from fulmen.frontend.tracing import _arg_names, check_supported_tensors, trace_program
@@ -244,7 +244,7 @@ class _ModuleProgram(JittedFunction):
             return self._run_eagerly(args, kwargs)
         if entry.read_tensors and passes_a_read_tensor(flat, entry.read_tensors, len(state.unique_slots),
                                                        len(entry.spec.captured)):
-            return self._read_tensor_eagerly(args, kwargs)
+            return self._run_eagerly(args, kwargs, _READ_TENSOR)
         try:
             return call_leaving_a_core(entry.run, flat)  # a flag read, unless regions are compiling
         except (MetaMismatch, ValueChanged) as e:
