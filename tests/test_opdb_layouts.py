@@ -19,12 +19,9 @@ import fulmen
 from fulmen.testing import clone_args
 
 #: op_db entries whose layout fulmen cannot match, with the reason (full_name -> why)
-KNOWN = {
-    # eager's layout here depends on the machine: oneDNN's 3-d convolutions of a channels_last_3d input give a
-    # channels_last_3d result, the fallback kernels (a CPU or build without oneDNN) a contiguous one; fulmen keeps the
-    # fake kernel's answer (channels_last_3d), which is no reference a test can hold on every CPU
-    "nn.functional.conv3d": "machine-dependent (oneDNN or not)",
-    "nn.functional.conv_transpose3d": "machine-dependent (oneDNN or not)",
+KNOWN: dict[str, str] = {
+    # (none: CPU convolutions of a channels_last input take the layout of the backend PyTorch picks for the call,
+    # oneDNN or not, from the real kernel run on zeros at compile time, and recompile when the flags it reads change)
 }
 
 

@@ -544,6 +544,20 @@ def written_inputs(trace: Trace) -> frozenset[int]:
     return frozenset(i for i, p in enumerate(trace.args) if p.name in names)
 
 
+def read_tensor_ids(spec) -> frozenset[int]:
+    """The ids of the tensors a trace (its ``InputSpec``) read from globals, closures and objects: those it
+    captured as inputs and those its global guard checks by identity."""
+    ids = frozenset(map(id, spec.captured))
+    return ids | spec.guard.tensor_ids() if spec.guard is not None else ids
+
+
+def passes_a_read_tensor(flat: list, read: frozenset[int], start: int, n_captured: int) -> bool:
+    """Whether an argument (past the ``start`` tensors of a module's state, before the ``n_captured`` ones the code
+    read from globals and closures) is one of the tensors, by id, the traced code read from a global, a closure
+    or an object (``read``): the trace holds two inputs where eager has one object (``x is W`` was False)."""
+    return not read.isdisjoint(map(id, flat[start : len(flat) - n_captured]))
+
+
 def aliases_written_input(flat: list[torch.Tensor], written: frozenset[int], start: int = 0) -> bool:
     """Whether an input at a ``written`` position shares memory with another input. Inputs before ``start`` (a
     module's parameters and buffers, keyed by identity) are checked only against the written ones."""

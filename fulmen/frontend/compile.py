@@ -31,6 +31,7 @@ from fulmen.transforms.accumulate import accumulate_embedding_grads
 from fulmen.transforms.overlap import has_work, overlapping, schedule_communication
 from fulmen.transforms.passes import cse, dce, del_last_used
 from fulmen.transforms.scale_pushdown import push_scale_past_matmuls
+from fulmen.transforms.sparse_gradients import keep_sparse_gradients
 
 
 def _has_fusion(executors: Sequence[Executor]) -> bool:
@@ -50,9 +51,10 @@ EXECUTION_PIPELINE: tuple[Step, ...] = (
     Step("del_last_used", lambda t, executors: del_last_used(t), "execution"),
 )
 
-#: Run on each backward trace before ``EXECUTION_PIPELINE``: gradients of embedding lookups accumulated in one
-#: index_put, and scalar scales moved past matrix products onto the smaller side.
+#: Run on each backward trace before ``EXECUTION_PIPELINE``: sparse gradients kept off fused regions, gradients of
+#: embedding lookups accumulated in one index_put, and scalar scales moved past matrix products onto the smaller side.
 BACKWARD_STEPS: tuple[Step, ...] = (
+    Step("keep_sparse_gradients", lambda t, executors: keep_sparse_gradients(t), "backward"),
     Step("accumulate_embedding_grads", lambda t, executors: accumulate_embedding_grads(t), "backward"),
     Step("push_scale_past_matmuls", lambda t, executors: push_scale_past_matmuls(t), "backward"),
 )

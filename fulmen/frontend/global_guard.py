@@ -57,8 +57,9 @@ from typing import Any
 
 import torch
 
+from fulmen.core.proxies import TensorProxy
 from fulmen.frontend import module_guard
-from fulmen.frontend.ambient_flags import flags_named
+from fulmen.frontend.ambient_flags import ENVIRONMENT_NAMES, environment, environment_change, flags_named
 from fulmen.frontend.attribute_lookup import (
     MISSING,
     SLOT,
@@ -345,6 +346,9 @@ class _Collector:
             if key not in self._keys:
                 self._keys.add(key)
                 self.items.append(_Item(where, "call", reader, where, reader(), "=="))
+        if names & ENVIRONMENT_NAMES and "environ" not in self._keys:
+            self._keys.add("environ")
+            self.items.append(_Item("os.environ", "call", environment, "os.environ", _flat_key(environment()), "flat"))
 
     def code(self, code: types.CodeType, globals_: dict, owner: type | None, instance: Any = MISSING,
              cells: dict | None = None, arguments: dict | None = None) -> None:
@@ -536,12 +540,23 @@ class GlobalGuard:
                     return f"{item.where} was rebound to another {type(now).__name__} object"
                 if item.how == "meta":
                     return f"{item.where} changed from {_short_meta(item.value)} to {_short_meta(now)}"
+                if item.holder is environment:
+                    return environment_change(item.value[1], now)
                 if item.how == "flat":
                     kind, n = item.value[0].__name__, len(item.value[1])
                     now_text = f"{len(now)} items" if type(now) is item.value[0] else _short(now)
                     return f"{item.where} changed (a {kind} of {n} items when traced, now {now_text})"
                 return f"{item.where} changed from {_short(item.value)} to {_short(now)}"
         return "a global or closure variable changed"
+
+    def tensor_ids(self) -> frozenset[int]:
+        """The ids of the tensors checked by identity (a global or closure variable holding one): alive, with
+        these ids, while the guard holds."""
+        return frozenset(
+            id(item.value)
+            for item in self.items
+            if item.how == "is" and isinstance(item.value, torch.Tensor) and not isinstance(item.value, TensorProxy)
+        )
 
     def describe(self) -> list[str]:
         """One line per value checked, for the prologue trace."""
@@ -624,14 +639,17 @@ def _generate(items: list[_Item]) -> Callable[[], bool]:
 
 def build_guard(recorder: ReadRecorder, captured: list[tuple[str, torch.Tensor]],
                 covered: Iterable[torch.nn.Module] = (), arguments: dict | None = None,
-                walked: Iterable[Any] = ()) -> GlobalGuard | None:
+                walked: Iterable[Any] = (), flag_names: frozenset[str] = frozenset()) -> GlobalGuard | None:
     """The guard for what the code recorded while tracing can read, and for the metadata of the tensors the
     program captured (``captured``: their names in the trace, and the tensors); None when there is nothing to
     check. ``covered``: the jitted module's tree, whose structure snapshot already checks its plain attributes.
     ``arguments``: the traced function's arguments by parameter name (an object passed in is keyed by identity,
     so the attributes the code reads from it are checked here). ``walked``: objects passed in whose structure the
-    prologue checks (``fulmen.frontend.objects``): what is read through them is not checked again."""
+    prologue checks (``fulmen.frontend.objects``): what is read through them is not checked again. ``flag_names``:
+    the names of the torch flags the program's beliefs depend on, though its code names none of them (the layout
+    of a convolution of a channels_last input, ``torch.kernel_layouts.flag_names_read``)."""
     collector = _Collector(covered, walked)
+    collector.flags(flag_names)
     for name, t in captured:  # read by identity on every call, but traced for this shape, dtype and device
         collector.items.append(_Item(f"the captured tensor {name}", "tensor", t, name, _tensor_meta(t), "meta"))
     root, owner = _root_function(recorder.fn)

@@ -28,6 +28,8 @@ from fulmen.frontend.cache import (
     global_state_key,
     holds_objects,
     lazy_view_inputs,
+    passes_a_read_tensor,
+    read_tensor_ids,
     user_modes_active,
     written_inputs,
 )
@@ -60,6 +62,7 @@ from fulmen.transforms.autocast import current_policies
 __all__ = ["CacheEntry", "CompileStats", "JittedFunction", "get_stats"]
 
 log = logging.getLogger("fulmen")
+_READ_TENSOR = "is called with a tensor it also reads from a global or closure variable"  # why it runs eagerly
 
 #: How many distinct compilations of one function before fulmen warns (once) that recompiles repeat.
 RECOMPILE_WARNING_THRESHOLD = 8
@@ -104,6 +107,7 @@ class CacheEntry:
     plan: RunPlan = field(default_factory=RunPlan)  # what the call around the program does (fulmen.frontend.runner)
     run: Callable | None = None  # the program's run composed with the plan: what a call runs
     differentiates: bool = False  # its program records a backward (an autograd.Function holding saved tensors)
+    read_tensors: frozenset[int] = frozenset()  # ids of the tensors its code read from globals (read_tensor_ids)
 
 
 class JittedFunction:
@@ -189,6 +193,9 @@ class JittedFunction:
             stats.cache_hits += 1
         if entry.written and aliases_written_input(flat, entry.written, self._n_state()):
             return self._run_eagerly(args, kwargs)
+        if entry.read_tensors and passes_a_read_tensor(flat, entry.read_tensors, self._n_state(),
+                                                       len(entry.spec.captured)):
+            return self._run_eagerly(args, kwargs, _READ_TENSOR)
         try:
             return call_leaving_a_core(entry.run, flat)  # a flag read, unless regions are compiling
         except (MetaMismatch, ValueChanged) as e:
@@ -324,14 +331,15 @@ class JittedFunction:
                         _display_name(self.fn))
         return None, []
 
-    def _run_eagerly(self, args, kwargs):
-        """The call's inputs share memory and the program writes to one of them; it was traced as if they did not
-        (``f(x, x)``, ``f(x, x[1:])``), so the function runs eagerly instead."""
-        if not getattr(self, "_warned_aliasing", False):
-            self._warned_aliasing = True
-            log.warning("fulmen: %s writes to an input that shares memory with another input; such calls run "
-                        "eagerly (not compiled). Pass separate tensors (e.g. x.clone()) to run compiled.",
-                        _display_name(self.fn))
+    def _run_eagerly(self, args, kwargs, why: str = "writes to an input that shares memory with another input"):
+        """The call's inputs share memory and the program writes to one of them (``f(x, x)``, ``f(x, x[1:])``), or an
+        argument is a tensor the code also reads from a global or closure (``f(W)``: ``x is W`` in eager): it was
+        traced as two tensors, so the function runs eagerly instead; other calls of the program run compiled."""
+        warned = self.__dict__.setdefault("_warned_eagerly", set())
+        if why not in warned:
+            warned.add(why)
+            log.warning("fulmen: %s %s; such calls run eagerly (not compiled). Pass separate tensors (e.g. "
+                        "x.clone()) to run compiled.", _display_name(self.fn), why)
         return self._call_eagerly(*args, **kwargs)
 
     def _functorch_eagerly(self) -> None:
@@ -711,7 +719,7 @@ class JittedFunction:
         trace = computation_steps(trace, run)  # the executors' and the user's steps, before autodiff
         graph_name = self._graph_name(trace, spec, symbolic)
         entry = CacheEntry(program=None, spec=spec, computation_trace=trace, written=written_inputs(trace),
-                           globals_guard=spec.guard)
+                           globals_guard=spec.guard, read_tensors=read_tensor_ids(spec))
         needs_grad = entry.differentiates = not leaves and self._needs_grad(trace, spec.tensor_proxies)
         if needs_grad:
             program = self._training_program(trace, run, graph_name, symbolic, entry)

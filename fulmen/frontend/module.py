@@ -30,9 +30,15 @@ from fulmen.executors import MetaMismatch
 from fulmen.executors.base import Executor
 from fulmen.executors.inductor_compile import call_leaving_a_core
 from fulmen.frontend import dtensor_program, fsdp2, module_guard, tree_guard
-from fulmen.frontend.cache import aliases_written_input, args_key, global_state_key, state_key
+from fulmen.frontend.cache import (
+    aliases_written_input,
+    args_key,
+    global_state_key,
+    passes_a_read_tensor,
+    state_key,
+)
 from fulmen.frontend.distributed_wrappers import refuse_traced_wrappers
-from fulmen.frontend.jit import JittedFunction, saved_tensors_hooks
+from fulmen.frontend.jit import _READ_TENSOR, JittedFunction, saved_tensors_hooks
 from fulmen.frontend.key_changes import changed_value
 from fulmen.frontend.split_points import ValueChanged
 from fulmen.frontend.tracing import _arg_names, check_supported_tensors, trace_program
@@ -236,6 +242,9 @@ class _ModuleProgram(JittedFunction):
             self._stats.cache_hits += 1
         if entry.written and aliases_written_input(flat, entry.written, len(state.unique_slots)):
             return self._run_eagerly(args, kwargs)
+        if entry.read_tensors and passes_a_read_tensor(flat, entry.read_tensors, len(state.unique_slots),
+                                                       len(entry.spec.captured)):
+            return self._run_eagerly(args, kwargs, _READ_TENSOR)
         try:
             return call_leaving_a_core(entry.run, flat)  # a flag read, unless regions are compiling
         except (MetaMismatch, ValueChanged) as e:
@@ -359,6 +368,11 @@ class _ModuleProgram(JittedFunction):
         if entry.spec.written:
             state.keep_version(entry.spec.written)
         state.invalidate()  # tracing swapped the tensors in and out, and may have made dicts fulmen's to write
+        # the module's tensor attributes that are no parameter or buffer (``self.mask = torch.ones(3)``) are read
+        # like globals, and watched by identity: an argument among them (``m(m.mask)``) runs eagerly too
+        entry.read_tensors |= frozenset(
+            id(v) for mod in module_guard.tree_modules(self.module) for v in vars(mod).values()
+            if isinstance(v, torch.Tensor))
         return entry
 
 

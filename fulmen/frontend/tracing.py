@@ -52,6 +52,7 @@ from fulmen.frontend.symbolic_text import text_specializes
 from fulmen.torch.collectives import nn_functional_traceable
 from fulmen.torch.fallback import opaque_symbol
 from fulmen.torch.inplace import view_input_as_its_memory
+from fulmen.torch.kernel_layouts import flag_names_read
 from fulmen.torch.numpy_values import numpy_data, numpy_scalar
 from fulmen.torch.shape import set_strides
 from fulmen.torch.views import set_inference
@@ -541,7 +542,7 @@ def _guard_what_was_read(trace: Trace, spec: InputSpec, recorder: ReadRecorder, 
     """``spec.guard``: a check of what the user's code read while traced (``fulmen.frontend.global_guard``)."""
     names = [p.name for p in trace.args[len(trace.args) - len(spec.captured):]]
     spec.guard = build_guard(recorder, list(zip(names, spec.captured)), own, bound_arguments,
-                             [h.obj for h in swaps.holders])
+                             [h.obj for h in swaps.holders], flag_names_read(trace))
 
 
 def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[str] | None = None,

@@ -3,7 +3,7 @@
 Import as ``import fulmen.torch as ltorch``. Each symbol's id is the torch name users know
 (``ltorch.cross_entropy.id == "torch.nn.functional.cross_entropy"``). Files by kind:
 elementwise, reductions, linalg, shape (views, joins, splits), rearrange (pad, flip, roll, repeat, triangles),
-indexing, creation, conversion, nn, nn_conv, nn_attention (multi-head attention), losses, attention.
+indexing, creation, conversion, nn, embedding, nn_conv, nn_attention (multi-head attention), losses, attention.
 """
 
 from fulmen.core.dtypes import to_torch_dtype  # noqa: F401
@@ -20,6 +20,7 @@ from fulmen.torch.conversion import *  # noqa: F401,F403
 from fulmen.torch.creation import *  # noqa: F401,F403
 from fulmen.torch.elementwise import *  # noqa: F401,F403
 from fulmen.torch.elementwise import abs, pow, round  # noqa: F401
+from fulmen.torch.embedding import *  # noqa: F401,F403
 from fulmen.torch.indexing import *  # noqa: F401,F403
 from fulmen.torch.linalg import *  # noqa: F401,F403
 from fulmen.torch.losses import *  # noqa: F401,F403

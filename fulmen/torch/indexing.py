@@ -415,6 +415,10 @@ def _empty_index(a, index, op: str):
 @torchsymbol(torch.gather, torch.Tensor.gather, method_name="gather")
 def gather(a, dim: int, index, *, sparse_grad: bool = False):
     """``torch.gather``: ``out[i][j] = a[index[i][j]][j]`` for ``dim=0``."""
+    if sparse_grad and a.requires_grad and torch.is_grad_enabled():
+        # eager's gradient of ``a`` is then a sparse COO tensor, which PyTorch's autograd of the opaque op gives
+        # (transforms/sparse_gradients.py keeps it off fused regions)
+        return _fallback(torch.gather)(a, dim, index, sparse_grad=True)
     index_, empty = _empty_index(a, index, "gather")
     out = prims.take_along_axis(a, index_, dim)
     return clang.reshape(out, index.shape) if empty else out

@@ -13,10 +13,16 @@ Two sources, in order:
 - the op run on fake tensors on the inputs' own device, rather than on the meta device: fake kernels are written
   per device (a CPU convolution of a channels_last input or weight is channels_last, as is CPU group norm of a
   channels_last input), while the meta device takes none of those branches.
+
+A CPU convolution of a channels_last input or weight is the exception: its layout follows the backend ATen picks
+for the call (oneDNN, or its own kernels), which reads ``torch.backends.mkldnn.enabled``, the thread count and the
+sizes, and which the fake kernel does not always pick alike. It runs once on zeros of the call's sizes, and the
+trace notes the flags (``flag_names_read``) for its guard to check.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -25,6 +31,7 @@ from torch._prims_common import compute_elementwise_output_strides, suggest_memo
 
 from fulmen.core.devices import to_torch_device
 from fulmen.core.proxies import TensorProxy
+from fulmen.core.trace import get_tracectx
 from fulmen.core.utils import contiguous_strides
 
 #: the kernel allocates a contiguous result
@@ -111,10 +118,58 @@ def _to_fake(x, strides_of: Callable, lazy_bits: Callable):
     return x
 
 
+#: convolutions: their fake kernel lays the result out as the backend PyTorch picks for the call would
+#: (``torch._C._select_conv_backend``), which for a channels_last input or weight depends on process state:
+#: ATen's CPU choice of oneDNN reads ``torch.backends.mkldnn.enabled`` and, for 1x1 filters, the thread count
+_BACKEND_CHOSEN = frozenset((F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
+                             F.conv_transpose3d, torch.conv1d, torch.conv2d, torch.conv3d, torch.convolution))
+#: the names of the flag readers (``frontend/ambient_flags.py``) such a layout depends on
+BACKEND_FLAG_NAMES = frozenset(("get_num_threads", "mkldnn", "enabled"))
+_flag_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # trace -> the flag names its layouts read
+
+
+def flag_names_read(trace) -> frozenset[str]:
+    """The names of the process-wide flags the layouts believed in ``trace`` depend on: its guard checks them."""
+    return frozenset(_flag_names.get(trace, ()))
+
+
+def _backend_chosen(fn: Callable, args: tuple, strides_of: Callable) -> bool:
+    """Whether ``fn`` is a CPU convolution of a channels_last (or otherwise laid out) input or weight, whose result
+    is laid out as the backend PyTorch picks (oneDNN or not): noted on the trace, whose guard then checks the flags
+    that choice reads."""
+    if fn not in _BACKEND_CHOSEN or not all(isinstance(a, TensorProxy) for a in args[:2]):
+        return False
+    if to_torch_device(args[0].device).type != "cpu":
+        return False
+    if all(tuple(strides_of(a)) == contiguous_strides(a.shape) for a in args[:2]):
+        return False
+    trace = get_tracectx()
+    if trace is not None:
+        _flag_names.setdefault(trace, set()).update(BACKEND_FLAG_NAMES)
+    return all(isinstance(n, int) for a in args[:2] for n in a.shape)
+
+
+def _on_zeros(fn: Callable, args: tuple, kwargs: dict, strides_of: Callable):
+    """``fn`` run on real zero tensors laid out as ``strides_of`` says: the fake kernel of a CPU convolution does not
+    always pick the backend the real one picks (a 1x1 filter with one thread), and the layout follows that choice.
+    Done once per compilation, on the call's sizes."""
+
+    def zeros(x):
+        if isinstance(x, TensorProxy):
+            t = torch.empty_strided(tuple(x.shape), strides_of(x), dtype=x.dtype, device="cpu").zero_()
+            return t.requires_grad_(x.requires_grad)  # as the call's: the backend's choice may read it
+        return x
+
+    with torch._C.DisableTorchFunction(), torch.inference_mode(False):
+        return fn(*[zeros(a) for a in args], **{k: zeros(v) for k, v in kwargs.items()})
+
+
 def on_fake(fn: Callable, args: tuple, kwargs: dict, strides_of: Callable, lazy_bits: Callable):
     """``fn`` run on fake tensors on the proxies' own devices, laid out as ``strides_of`` says."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    if _backend_chosen(fn, args, strides_of):
+        return _on_zeros(fn, args, kwargs, strides_of)
     with (
         torch._C.DisableTorchFunction(),
         torch.inference_mode(False),

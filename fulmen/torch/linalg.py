@@ -20,7 +20,7 @@ from fulmen.core.proxies import TensorProxy
 from fulmen.core.symbol import OpTags
 from fulmen.core.utils import canonicalize_dim, check, prod
 from fulmen.torch.registry import torchsymbol
-from fulmen.torch.views import view_symbol
+from fulmen.torch.views import strides_of, view_symbol
 
 __all__ = [
     "matmul", "mm", "bmm", "mv", "dot", "vdot", "outer", "linear", "addmm", "addmv", "baddbmm", "addbmm",
@@ -101,6 +101,33 @@ def matmul(input, other):
     _check_same_dtype(input, other)
     _check_not_bool("matmul", input, other)
     return prims.matmul(input, other)
+
+
+def matmul_folds_a_copy(input, other) -> TensorProxy | None:
+    """The operand of ``torch.matmul(input, other)`` that eager's backward never reads, having saved a copy: with one
+    operand of 3 or more dims and the other of 1 or 2 that requires grad, eager folds the larger one's batch into
+    its rows with ``reshape`` (mT first when it is ``other``), which copies when the batch dims cannot be merged
+    as a view (a transposed batch). A later in-place write into that operand then leaves eager's backward
+    working."""
+    if not (isinstance(input, TensorProxy) and isinstance(other, TensorProxy)):
+        return None
+    if input.ndim >= 3 and other.ndim <= 2:
+        larger, smaller, transposed = input, other, False
+    elif other.ndim >= 3 and input.ndim <= 2:
+        larger, smaller, transposed = other, input, True
+    else:
+        return None
+    if not smaller.requires_grad or not all(isinstance(n, int) for n in larger.shape):
+        return None
+    shape, strides = list(larger.shape), list(strides_of(larger))
+    if transposed:
+        shape[-2:], strides[-2:] = shape[:-3:-1], strides[:-3:-1]
+    folded = torch.empty_strided(shape, strides, device="meta")
+    try:
+        folded.view(-1, shape[-1])
+    except RuntimeError:  # reshape copies
+        return larger
+    return None
 
 
 @torchsymbol(torch.mm, torch.Tensor.mm, method_name="mm", tags=_MM)

@@ -176,6 +176,26 @@ def _embedding_dense_backward_meta(g, idx, n, padding_idx, scale):
 embedding = aten_op("embedding", _embedding_meta)
 embedding_dense_backward = aten_op("embedding_dense_backward", _embedding_dense_backward_meta)
 
+def _embedding_sparse_backward_meta(g, idx, n, padding_idx, scale):
+    return _like(g, shape=(n, g.shape[-1]))
+
+
+def _add_gradients_meta(a, b):
+    return _like(a)
+
+
+#: eager's weight gradient of ``F.embedding(..., sparse=True)``, a sparse COO tensor: uncoalesced, one row per index
+#: other than padding_idx (``transforms/sparse_gradients.py`` keeps it off fused regions)
+embedding_sparse_backward = executable_symbol(
+    "embedding_sparse_backward", _aten.embedding_sparse_backward, _embedding_sparse_backward_meta
+)
+#: the sum of two gradients of which one at least is sparse, as eager's autograd adds them (dense if either is)
+add_sparse_gradients = executable_symbol(
+    "add_sparse_gradients",
+    lambda a, b: b + a if a.is_sparse and not b.is_sparse else a + b,  # PyTorch adds a sparse tensor to a dense one
+    _add_gradients_meta,
+)
+
 
 def _flash_meta(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
     lse_dtype = torch.float64 if q.dtype is torch.float64 else torch.float32
@@ -388,3 +408,8 @@ def autograd_vjp(fn: Callable) -> Symbol:
     sym.skip_meta_check = True
     _vjp_symbols[fn] = sym
     return sym
+
+
+def autograd_vjp_function(sym: Symbol) -> Callable | None:
+    """The function whose backward ``sym`` is, if ``sym`` is an ``autograd_vjp`` symbol."""
+    return next((fn for fn, s in _vjp_symbols.items() if s is sym), None)

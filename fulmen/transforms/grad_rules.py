@@ -32,6 +32,7 @@ from fulmen.transforms.grad_ops import (
     elu_backward,
     embedding,
     embedding_dense_backward,
+    embedding_sparse_backward,
     flash_attention_cpu,
     flash_attention_cpu_backward,
     fused_rms_norm,
@@ -351,10 +352,14 @@ def _cross_entropy_unit_gradient(a: TensorProxy, target: TensorProxy, reduction:
 def _embedding_rule(p: RuleArgs):
     idx, w = p[0], p[1]
     padding_idx, scale = p.get("padding_idx"), bool(p.get("scale_grad_by_freq", False))
-    if p.get("max_norm") is not None or p.get("sparse") or not isinstance(idx, TensorProxy) or w.ndim != 2:
+    if p.get("max_norm") is not None or not isinstance(idx, TensorProxy) or w.ndim != 2:
         return NotImplemented
     padding_idx = -1 if padding_idx is None else (padding_idx + w.shape[0] if padding_idx < 0 else padding_idx)
     out = embedding(w, idx, padding_idx, scale, False)
+    if p.get("sparse"):  # eager's sparse COO gradient (grad_ops.embedding_sparse_backward)
+        g = embedding_sparse_backward(get_grad(out), idx, w.shape[0], padding_idx, scale)
+        put_grad(w, g)
+        return out
     put_grad(w, embedding_dense_backward(get_grad(out), idx, w.shape[0], padding_idx, scale))
     return out
 

@@ -30,6 +30,7 @@ from fulmen.core.symbol import BoundSymbol, Symbol
 from fulmen.core.trace import Trace, get_tracectx, tracectx
 from fulmen.core.unbacked import size_carriers
 from fulmen.prims import PrimIDs
+from fulmen.torch.linalg import matmul_folds_a_copy
 from fulmen.transforms import remat
 from fulmen.transforms.autodiff import backward_pass, flat_tensor_args
 from fulmen.transforms.checkpoint_regions import checkpoint_choices, replay_random_draws
@@ -259,7 +260,8 @@ def _modified_saved_value(trace: Trace, joint: Joint, executors: Sequence, conte
             b = bsyms[i]
             if i in own or b.no_grad or not any(p.name in joint.active for p in b.flat_proxy_outs):
                 continue
-            if not _views_of(b, old) and old.name in _read_by_backward(b, joint.active, executors, context):
+            if (not _views_of(b, old) and not _saved_as_a_copy(b, old)
+                    and old.name in _read_by_backward(b, joint.active, executors, context)):
                 reached = {p.name for p in b.flat_proxy_outs}
                 for later in bsyms[i + 1:]:
                     if any(p.name in reached for p in later.flat_args):
@@ -283,6 +285,15 @@ def _views_of(bsym: BoundSymbol, base: TensorProxy) -> bool:
     outs = [p for p in bsym.flat_proxy_outs if isinstance(p, TensorProxy)]
     return (isinstance(first, TensorProxy) and first.name == base.name and bool(outs)
             and all(p.view_of is not None and p.view_of[0].name == base.name for p in outs))
+
+
+def _saved_as_a_copy(bsym: BoundSymbol, old: TensorProxy) -> bool:
+    """Whether eager's ``bsym`` saves a copy of ``old`` rather than ``old`` itself (a matmul folding a transposed
+    batch: ``ltorch.matmul_folds_a_copy``), so that overwriting ``old`` later leaves its backward working."""
+    if bsym.sym.id != ltorch.matmul.id:
+        return False
+    copied = matmul_folds_a_copy(*bsym.args[:2])
+    return copied is not None and copied.name == old.name
 
 
 def _reads_beyond_first(bsym: BoundSymbol, name: str) -> bool:
