@@ -79,3 +79,62 @@ def test_backend_checkpoint_without_preserved_rng_state_around_dropout_is_refuse
     )
     with pytest.raises(NotImplementedError, match="preserve_rng_state=True"):
         compiled(torch.randn(4, 8))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# whole Hugging Face models (slow)
+
+
+def _gpt2(**overrides):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=128,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        **overrides,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _ids(batch: int = 2, seq: int = 8) -> torch.Tensor:
+    return torch.randint(3, 128, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+def _train_steps(model: nn.Module, call, steps: int = 2, **inputs) -> None:
+    """``steps`` training calls of the model and of ``call`` (compiled from a copy made before the first), each
+    under the same seed: losses, logits and every parameter's gradient must be eager's."""
+    reference = copy.deepcopy(model)
+    compiled = call(model)
+    for step in range(steps):
+        reference.zero_grad(set_to_none=True), model.zero_grad(set_to_none=True)
+        torch.manual_seed(step)
+        want = reference(**inputs)
+        want.loss.backward()
+        torch.manual_seed(step)
+        got = compiled(**inputs)
+        got.loss.backward()
+        _close(got.loss, want.loss)
+        _close(got.logits, want.logits)
+        _grads_close(model, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("quiet_transformers")
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_gpt2_gradient_checkpointing_with_dropout_through_the_backend(use_reentrant):
+    torch._dynamo.reset()
+    model = _gpt2()  # dropout 0.1 in attention, residuals and embeddings
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    ids = _ids()
+    _train_steps(
+        model.train(),
+        lambda m: torch.compile(m, backend="fulmen", options={"executors": ["torch"]}),
+        input_ids=ids,
+        labels=ids,
+    )
