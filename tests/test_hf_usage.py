@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-import fulmen  # noqa: F401  (registers the "fulmen" backend)
+import fulmen
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, msg: str = "") -> None:
@@ -138,3 +138,73 @@ def test_gpt2_gradient_checkpointing_with_dropout_through_the_backend(use_reentr
         input_ids=ids,
         labels=ids,
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a module attribute assigned the tensor it already holds (Hugging Face's longrope rotary embedding)
+
+
+class _MovesItsTable(nn.Module):
+    """``self.table = self.table.to(x.device)``: ``to`` returns its input, so eager leaves the attribute as it was."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.linspace(0.5, 2.0, 4)
+
+    def forward(self, x):
+        table = self.table.to(x.device)
+        self.table = table
+        return x * table
+
+
+def test_an_attribute_assigned_the_tensor_it_holds_is_not_state_carried_between_calls():
+    model = _MovesItsTable()
+    table = model.table
+    jitted = fulmen.jit(model, executors=["torch"])
+    for rows in (2, 3, 5):  # the second size recompiles with a symbolic size: traced again
+        x = torch.randn(rows, 4)
+        _close(jitted(x), x * table)
+        assert model.table is table
+
+
+def test_an_attribute_replaced_by_a_new_tensor_it_was_computed_from_is_still_refused():
+    class Doubles(_MovesItsTable):
+        def forward(self, x):
+            self.table = self.table * 2  # state carried between calls: eager doubles it on every call
+            return x * self.table
+
+    with pytest.raises(NotImplementedError, match="register_buffer"):
+        fulmen.jit(Doubles(), executors=["torch"])(torch.randn(2, 4))
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("quiet_transformers")
+def test_phi3_longrope_lengths_across_the_original_context_match_eager():
+    # longrope picks its long or short frequencies by the sequence length and reassigns its long table each call
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Phi3Config(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        original_max_position_embeddings=8,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0, 3.0, 4.0, 5.0]},
+    )
+    model = transformers.Phi3ForCausalLM(config)
+    reference = copy.deepcopy(model)
+    jitted = fulmen.jit(model, executors=["torch"])
+    ids = _ids(seq=20)
+    for length in (6, 12, 20, 6):
+        x = ids[:, :length]
+        reference.zero_grad(set_to_none=True), model.zero_grad(set_to_none=True)
+        want, got = reference(input_ids=x, labels=x), jitted(input_ids=x, labels=x)
+        want.loss.backward(), got.loss.backward()
+        _close(got.logits, want.logits)
+        _grads_close(model, reference)
