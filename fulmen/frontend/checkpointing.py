@@ -13,7 +13,12 @@ Both forms of ``torch.utils.checkpoint.checkpoint`` reach this module (``checkpo
   function is traced inside ``region()``;
 - ``use_reentrant=False`` calls ``_checkpoint_without_reentrant_generator`` around the function; while this thread
   traces, that call is routed (``fulmen.frontend.higher_order``) to ``without_reentrant`` below, which opens a
-  region before the function runs and closes it after.
+  region before the function runs and closes it after;
+- a graph Dynamo captured around ``checkpoint`` (``torch.compile(backend="fulmen")``) calls the
+  ``tag_activation_checkpoint`` operator, routed to ``tag_activation_checkpoint`` below. PyTorch's own version of
+  that operator calls ``checkpoint(..., preserve_rng_state=False)`` whatever the user asked for, because Inductor
+  keeps the forward's random numbers for the recomputation on its own; fulmen's regions keep them too, so the
+  user's ``preserve_rng_state`` (recorded in the operator's arguments) is what decides.
 
 ``context_fn=functools.partial(create_selective_checkpoint_contexts, policy)`` is honoured: each operation of the
 region is offered to the policy with the ATen operators eager would dispatch for it; an operation the policy saves
@@ -96,6 +101,14 @@ def without_reentrant(
     policy = _selective_policy(context_fn)
     with region(policy, preserve_rng_state):
         yield
+
+
+def tag_activation_checkpoint(gmod: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+    """Traced stand-in for ``torch.ops.higher_order.tag_activation_checkpoint`` (a checkpointed function in a graph
+    Dynamo captured): the graph's operations are one region, with the ``context_fn`` Dynamo kept for it."""
+    policy = _selective_policy(gmod.meta.get("_checkpoint_context_fn", torch_checkpoint.noop_context_fn))
+    with region(policy, kwargs.get("preserve_rng_state", True)):
+        return torch.fx.Interpreter(gmod).run(*args)
 
 
 # ---------------------------------------------------------------------------------------------------------

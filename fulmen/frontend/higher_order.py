@@ -33,6 +33,8 @@ _ROUTES = {
     ("torch._higher_order_ops.while_loop", "WhileLoopOp.__call__"): higher_order.while_loop_op,
     # checkpoint(use_reentrant=False) runs the function between two steps of this generator
     ("torch.utils.checkpoint", "_checkpoint_without_reentrant_generator"): checkpointing.without_reentrant,
+    # a checkpointed function in a graph Dynamo captured
+    ("torch._higher_order_ops.wrap", "TagActivationCheckpoint.__call__"): checkpointing.tag_activation_checkpoint,
 }
 
 # function -> (its own code, a function running that code, the stub's code); filled at the first trace

@@ -13,7 +13,9 @@ function returned, ``settle`` puts every module back as it was and decides, name
   may read the name (``if self.cache is None: ...``), the trace may have branched on its old value: it counts as
   an output only while it holds what a program assigned, and a call that finds anything else recompiles;
 - a traced tensor replacing a tensor the trace read is state carried between calls (the program would keep
-  reading the tensor it captured): an error that asks for a buffer;
+  reading the tensor it captured): an error that asks for a buffer. Assigning back the proxy that stands for the
+  tensor read (``self.t = self.t.to(x.device)`` where ``to`` returns its input, as in Hugging Face's rotary
+  embeddings) leaves the attribute as eager leaves it: nothing is written;
 - a parameter or buffer reassigned on a module that is not the jitted module's (whose buffers are program inputs,
   handled by ``fulmen.frontend.module``): an error, restoring it;
 - any other value: a warning (later calls do not repeat Python side effects), the value left as set.
@@ -206,14 +208,13 @@ class ModuleWrites:
             if not isinstance(old, Proxy):  # a jitted module's parameter or buffer, swapped for its proxy: put back
                 _put(mod, name, where, old)  # by fulmen.frontend.module
 
-    def settle(self, own: frozenset[int], captured: Iterable[int], codes: Iterable[types.CodeType],
+    def settle(self, own: frozenset[int], captured: dict[int, TensorProxy], codes: Iterable[types.CodeType],
                state: dict[int, torch.Tensor] | None = None) -> list[tuple[nn.Module, str, TensorProxy]]:
         """After the traced call: restore what the program must not leave set, raise for what it cannot compile,
         and return the program outputs (module, name, traced value), marked as such in ``module_guard``. ``own``:
-        ids of the jitted module's tree; ``captured``: ids of the tensors the trace captured; ``codes``: the user
+        ids of the jitted module's tree; ``captured``: the tensors the trace captured (id -> proxy); ``codes``: the user
         code that ran; ``state``: the jitted module's parameters and buffers by the id of the proxy standing for
         each while tracing."""
-        captured = set(captured)
         outputs = []
         try:
             for mod, name, where, old, writer in self._before.values():
@@ -232,6 +233,8 @@ class ModuleWrites:
                         "fulmen.jit(module).")
                 if isinstance(new, TensorProxy) and now == "__dict__":
                     _put(mod, name, where, old)
+                    if isinstance(old, torch.Tensor) and captured.get(id(old)) is new:
+                        continue  # the tensor it held, assigned back: eager leaves the attribute as it was
                     if isinstance(old, torch.Tensor) and id(old) in captured:
                         raise NotImplementedError(
                             f"{writer} reads the tensor attribute {name!r} of a {type(mod).__name__} and assigns it "
