@@ -3,6 +3,7 @@ compilation serves every value the traced code's guards accept, and every call m
 
 import logging
 import math
+import numbers
 import operator
 
 import pytest
@@ -335,3 +336,64 @@ def test_a_size_made_dynamic_after_another_is_checked_again():
     for shape in ((2, 3), (2, 4), (2, 5), (3, 6), (4, 7), (5, 5)):  # the lengths go dynamic, then the batch size
         x = torch.randn(shape)
         torch.testing.assert_close(jf(x), fn(x), rtol=0, atol=0)
+
+
+# ---- the check against exact traces is made at two values: paths that agree at one value differ at the other ----
+_AGREE_AT_ONE_VALUE = {
+    "isinstance": lambda x, n: x * (n if isinstance(n, int) else 2),  # at 2 both paths multiply by 2
+    "isinstance of an ABC": lambda x, n: x * (n if isinstance(n, numbers.Integral) else 2),
+    "type is": lambda x, n: x * (n if type(n) is int else 2),
+    "__class__": lambda x, n: x * (n if n.__class__ is int else 2),
+    "isinstance SymInt": lambda x, n: x * (2 if isinstance(n, torch.SymInt) else n),
+    "identity": lambda x, n: x * (2 if n is operator.index(3) else 1),  # small ints are one object in CPython
+}
+
+
+@pytest.mark.parametrize("name", list(_AGREE_AT_ONE_VALUE))
+def test_a_type_check_whose_paths_agree_at_the_first_value_takes_eagers_branch_at_the_next(name):
+    fn = _AGREE_AT_ONE_VALUE[name]
+    jf, x = _jit(fn), torch.randn(3)
+    for n in (2, 3, 4, 5):
+        _same(jf(x, n), fn(x, n))
+
+
+def test_a_type_check_in_a_branch_compiled_after_a_guard_failed_is_checked_too():
+    def fn(x, n):
+        k = n if isinstance(n, int) else (n if n < 5 else 5)  # the symbolic path agrees with eager below 5 and at 5
+        return x * k
+
+    jf, x = _jit(fn), torch.randn(3)
+    for n in (2, 3, 4, 5, 6, 7):
+        _same(jf(x, n), fn(x, n))
+
+
+class _Counter:
+    """A cache that holds no tensor before the first call: the second call's structure is new, and its int is symbolic
+    from that compilation on (state carried between calls), checked at the second call's value first."""
+
+    def __init__(self, seen: int):
+        self.keys, self.seen = None, seen
+
+
+def _counts(x, c):
+    c.seen += 1
+    c.keys = x.repeat(3) if c.keys is None else torch.cat([c.keys, x])[-3:]
+    return c.keys * (c.seen if isinstance(c.seen, int) else 4)  # agrees with eager at 4, the second call's value
+
+
+def test_an_int_carried_between_calls_is_checked_at_a_value_other_than_the_one_compiled_for():
+    jf, x = _jit(_counts), torch.randn(1)
+    eager, compiled = _Counter(2), _Counter(2)
+    for _ in range(5):
+        _same(jf(x, compiled), _counts(x, eager))
+        assert compiled.seen == eager.seen
+
+
+def test_the_check_at_a_second_value_costs_no_compilation_for_a_program_that_passes_it():
+    def fn(x, n, m):
+        return x[:n] * m + x[-m:].sum()
+
+    jf, x = _jit(fn), torch.randn(12)
+    for n, m in ((2, 2), (3, 3), (4, 5), (6, 2), (3, 7)):
+        _same(jf(x, n, m), fn(x, n, m))
+    assert fulmen.cache_misses(jf) == 2
