@@ -397,3 +397,55 @@ def test_the_check_at_a_second_value_costs_no_compilation_for_a_program_that_pas
     for n, m in ((2, 2), (3, 3), (4, 5), (6, 2), (3, 7)):
         _same(jf(x, n, m), fn(x, n, m))
     assert fulmen.cache_misses(jf) == 2
+
+
+# ---- operations whose arguments hold a symbolic int are fused: the region reads the int from its carrier ----
+def _decode_like(cache, x, n):
+    pos = torch.arange(n, n + 2).float()  # a creation whose arguments hold the int
+    y = cache[:, :n] * 2 + x  # a slice by it
+    return (y.sin() * 3).sum(1) + pos.sum()
+
+
+def _fused(jf) -> tuple[list, list]:
+    """The last program's fused regions, and its operations outside them."""
+    ops = [b for b in fulmen.last_traces(jf)[-1].bound_symbols if b.sym.name not in ("del", "python_return")]
+    return [b for b in ops if b.sym.is_fusion], [b.sym.name for b in ops if not b.sym.is_fusion]
+
+
+def test_operations_whose_arguments_hold_a_symbolic_int_join_the_region_and_match_eager():
+    jf, cache, x = fulmen.jit(_decode_like, compile="off"), torch.randn(3, 16), torch.randn(3, 1)
+    for n in (2, 3, 4, 7, 9, 3):
+        torch.testing.assert_close(jf(cache, x, n), _decode_like(cache, x, n), rtol=0, atol=0)
+    assert fulmen.cache_misses(jf) == 2
+    regions, outside = _fused(jf)
+    assert len(regions) == 1 and not outside, outside
+    assert "n" in [p.name for p in regions[0].args]  # the int's carrier, from whose size the region reads it
+
+
+def test_an_operation_using_a_symbol_no_input_carries_runs_outside_the_regions():
+    def fn(x, n):
+        m = n * 2  # a symbol of n, bound from n's carrier: not carried by the backward's inputs
+        return (x[:m].sin() * m).sum()
+
+    jf = fulmen.jit(fn, compile="off")
+    for n in (2, 3, 4):
+        x = torch.randn(10, requires_grad=True)
+        x_eager = x.detach().clone().requires_grad_()
+        jf(x, n).backward()
+        fn(x_eager, n).backward()
+        torch.testing.assert_close(x.grad, x_eager.grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_region_holding_a_symbolic_int_compiles_a_bounded_number_of_kernels():
+    from fulmen.executors import inductor_compile
+
+    jf, cache, x = fulmen.jit(_decode_like, compile="sync"), torch.randn(3, 16), torch.randn(3, 1)
+    before = len(inductor_compile._kernels)
+    for n in range(2, 12):
+        torch.testing.assert_close(jf(cache, x, n), _decode_like(cache, x, n), rtol=1e-5, atol=1e-5)
+    kernels = list(inductor_compile._kernels.values())[before:]
+    # the exact program's region; the symbolic program's region at its first value, then with the int symbolic
+    assert len(kernels) <= 3, len(kernels)
+    (region,) = _fused(jf)[0]
+    assert region.sym.impl.dynamic is not None and region.sym.impl.dynamic.fn is not None
