@@ -51,7 +51,7 @@ from fulmen.executors.inductor_compile import (  # noqa: F401  (re-exported: the
     resume,
     wait_for_compilations,
 )
-from fulmen.executors.inductor_dynamic import layout_key, varying_dims
+from fulmen.executors.inductor_dynamic import layout_key, symbolic_layout, varying_dims
 from fulmen.executors.partition import (
     fusion_groups,
     operations_key,
@@ -218,10 +218,7 @@ class FusedRegion:
             dims = varying_dims(self.last_key, key)
             if not dims:
                 return None
-            layout = tuple(
-                (tuple(None if (i, d) in dims else n for d, n in enumerate(a.shape)), a.dtype, a.device)
-                for i, a in enumerate(args)
-            )
+            layout = symbolic_layout(self.last_key, key, dims, args)
             kernel = self.dynamic = get_kernel(
                 (self.code_key, ("symbolic", dims, layout), self.ambient.key()),
                 self.name,
