@@ -422,9 +422,9 @@ def test_operations_whose_arguments_hold_a_symbolic_int_join_the_region_and_matc
     assert "n" in [p.name for p in regions[0].args]  # the int's carrier, from whose size the region reads it
 
 
-def test_an_operation_using_a_symbol_no_input_carries_runs_outside_the_regions():
+def test_a_backward_using_a_symbolic_int_is_one_region_and_its_gradients_match_eager():
     def fn(x, n):
-        m = n * 2  # a symbol of n, bound from n's carrier: not carried by the backward's inputs
+        m = n * 2  # the backward reads it from n's carrier, saved for it
         return (x[:m].sin() * m).sum()
 
     jf = fulmen.jit(fn, compile="off")
@@ -434,6 +434,9 @@ def test_an_operation_using_a_symbol_no_input_carries_runs_outside_the_regions()
         jf(x, n).backward()
         fn(x_eager, n).backward()
         torch.testing.assert_close(x.grad, x_eager.grad, rtol=1e-6, atol=1e-6)
+    backward = [b for b in fulmen.last_backward_traces(jf)[-1].bound_symbols if b.sym.name not in ("del",)]
+    computing = [b.sym.name for b in backward if b.sym.name not in ("unpack_and_clear", "python_return")]
+    assert len(computing) == 1 and computing[0].startswith("inductor_fusion"), computing
 
 
 @pytest.mark.slow

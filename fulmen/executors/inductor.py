@@ -460,7 +460,7 @@ class InductorExecutor(FusionExecutor):
     def fusion_pass(self, trace: Trace) -> Trace:
         torch_executors = list(get_always_executors())
         outputs = {p.name for p in outputs_of(trace.output)}
-        carriers = _symbol_carriers(trace.args) if symbolic.in_use else {}
+        carriers = _symbol_carriers(self._available_first(trace)) if symbolic.in_use else {}
         carried = frozenset(carriers)
         unread = self._claimed_unfused(trace, outputs, carried)
         can_fuse = lambda b: id(b) not in unread and self.can_fuse(b, carried)  # noqa: E731
@@ -501,6 +501,19 @@ class InductorExecutor(FusionExecutor):
                             )
                         )
         return trace.derive(trace.provenance or "Fusion", new)
+
+    def _available_first(self, trace: Trace) -> list:
+        """The trace's inputs and what the unfused operations leading it define from them alone (a backward's saved
+        values, unpacked): values defined before every region, as ``fusion_groups`` first runs all that is ready
+        and not fusible."""
+        out = list(trace.args)
+        names = {p.name for p in out}
+        for b in trace.bound_symbols:
+            if self.can_fuse(b) or not all(p.name in names for p in b.flat_args):
+                break
+            out.extend(b.flat_proxy_outs)
+            names.update(p.name for p in b.flat_proxy_outs)
+        return out
 
     def _claimed_unfused(self, trace: Trace, outputs: set[str], carried: frozenset) -> set[int]:
         """The operations claimed as fusible that the torch executor runs: checks nothing reads (``_unread_checks``),
