@@ -452,3 +452,15 @@ def test_a_region_holding_a_symbolic_int_compiles_a_bounded_number_of_kernels():
     assert len(kernels) <= 3, len(kernels)
     (region,) = _fused(jf)[0]
     assert region.sym.impl.dynamic is not None and region.sym.impl.dynamic.fn is not None
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["sizes made dynamic", "dynamic from the first call"])
+def test_a_type_check_on_a_size_whose_paths_agree_at_the_first_size_takes_eagers_branch_at_the_next(dynamic):
+    def fn(x):
+        k = x.shape[0] if isinstance(x.shape[0], int) else 4  # at 4 both paths multiply by 4
+        return x.sum() * k
+
+    jf = _jit(fn, dynamic=dynamic)
+    for size in (4, 5, 6, 7):
+        x = torch.randn(size)
+        torch.testing.assert_close(jf(x), fn(x), rtol=0, atol=0)
