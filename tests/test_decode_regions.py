@@ -259,3 +259,47 @@ def test_a_new_cache_length_costs_the_region_calls_independent_of_its_inputs(mas
             assert extra <= allowed, f"{extra} Python calls around the kernel: {in_region}"
             out = got[0][0] if isinstance(got[0], (tuple, list)) else got[0]
             torch.testing.assert_close(out, _masked_step(**layout))
+
+
+def _step_with_weight(q, k, w):
+    s = (q @ k.transpose(-1, -2)) * 0.25
+    return torch.softmax(s, -1).sum(-1, keepdim=True) * (q @ w)
+
+
+@pytest.mark.slow
+def test_regions_of_one_code_with_other_strides_of_a_constant_input_each_get_a_kernel_that_fits():
+    """Two regions with the same code, one reading a weight as it is and one its transpose (a constant size beside
+    a growing cache): the kernel with the length symbolic was shared by code, dtypes and sizes, so the second region
+    ran the first's kernel, compiled for the other strides, on none of its calls, and compiled one kernel per length
+    instead, up to MAX_VARIANTS, then ran unfused."""
+    torch.manual_seed(0)
+    q, w = torch.randn(1, 2, 1, 16), torch.randn(16, 16)
+    before = len(inductor_compile._kernels)
+    for weight in (w, w.t(), torch.randn(16, 32)[:, ::2]):
+        jf = fulmen.jit(_step_with_weight, executors=["inductor"], compile="sync")
+        for n in range(5, 15):
+            k = torch.randn(1, 2, n, 16)
+            torch.testing.assert_close(jf(q, k, weight), _step_with_weight(q, k, weight))
+        (region,) = _regions(jf)
+        assert len(region.kernels) == 1, f"{len(region.kernels)} kernels for one layout each"
+        assert region.dynamic is not None and region.dynamic.fn is not None
+    # per weight layout: the exact program's region, the symbolic program's at its first length, then its kernel with
+    # the length symbolic
+    assert len(inductor_compile._kernels) - before <= 9
+
+
+def test_the_symbolic_kernels_key_tells_strides_of_constant_inputs_apart_and_not_lengths():
+    from fulmen.executors.inductor_dynamic import layout_key, symbolic_layout
+
+    def key(n, w):
+        args = [torch.randn(1, 2, n, 16), w]
+        return symbolic_layout(layout_key([torch.randn(1, 2, 5, 16), w]), layout_key(args), frozenset({(0, 2)}), args)
+
+    w = torch.randn(16, 16)
+    assert key(6, w) == key(9, w)
+    assert key(6, w) != key(6, w.t()) != key(6, torch.randn(16, 32)[:, ::2])
+    cache = torch.randn(1, 2, 40, 16)  # a cache sliced from a longer buffer: its strides do not change with it
+    growing = symbolic_layout(
+        layout_key([cache[:, :, :5]]), layout_key([cache[:, :, :9]]), frozenset({(0, 2)}), [cache[:, :, :9]]
+    )
+    assert growing[0][1] == (1280, 640, 16, 1)

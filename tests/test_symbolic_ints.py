@@ -3,6 +3,7 @@ compilation serves every value the traced code's guards accept, and every call m
 
 import logging
 import math
+import numbers
 import operator
 
 import pytest
@@ -334,4 +335,132 @@ def test_a_size_made_dynamic_after_another_is_checked_again():
     jf = _jit(fn)
     for shape in ((2, 3), (2, 4), (2, 5), (3, 6), (4, 7), (5, 5)):  # the lengths go dynamic, then the batch size
         x = torch.randn(shape)
+        torch.testing.assert_close(jf(x), fn(x), rtol=0, atol=0)
+
+
+# ---- the check against exact traces is made at two values: paths that agree at one value differ at the other ----
+_AGREE_AT_ONE_VALUE = {
+    "isinstance": lambda x, n: x * (n if isinstance(n, int) else 2),  # at 2 both paths multiply by 2
+    "isinstance of an ABC": lambda x, n: x * (n if isinstance(n, numbers.Integral) else 2),
+    "type is": lambda x, n: x * (n if type(n) is int else 2),
+    "__class__": lambda x, n: x * (n if n.__class__ is int else 2),
+    "isinstance SymInt": lambda x, n: x * (2 if isinstance(n, torch.SymInt) else n),
+    "identity": lambda x, n: x * (2 if n is operator.index(3) else 1),  # small ints are one object in CPython
+}
+
+
+@pytest.mark.parametrize("name", list(_AGREE_AT_ONE_VALUE))
+def test_a_type_check_whose_paths_agree_at_the_first_value_takes_eagers_branch_at_the_next(name):
+    fn = _AGREE_AT_ONE_VALUE[name]
+    jf, x = _jit(fn), torch.randn(3)
+    for n in (2, 3, 4, 5):
+        _same(jf(x, n), fn(x, n))
+
+
+def test_a_type_check_in_a_branch_compiled_after_a_guard_failed_is_checked_too():
+    def fn(x, n):
+        k = n if isinstance(n, int) else (n if n < 5 else 5)  # the symbolic path agrees with eager below 5 and at 5
+        return x * k
+
+    jf, x = _jit(fn), torch.randn(3)
+    for n in (2, 3, 4, 5, 6, 7):
+        _same(jf(x, n), fn(x, n))
+
+
+class _Counter:
+    """A cache that holds no tensor before the first call: the second call's structure is new, and its int is symbolic
+    from that compilation on (state carried between calls), checked at the second call's value first."""
+
+    def __init__(self, seen: int):
+        self.keys, self.seen = None, seen
+
+
+def _counts(x, c):
+    c.seen += 1
+    c.keys = x.repeat(3) if c.keys is None else torch.cat([c.keys, x])[-3:]
+    return c.keys * (c.seen if isinstance(c.seen, int) else 4)  # agrees with eager at 4, the second call's value
+
+
+def test_an_int_carried_between_calls_is_checked_at_a_value_other_than_the_one_compiled_for():
+    jf, x = _jit(_counts), torch.randn(1)
+    eager, compiled = _Counter(2), _Counter(2)
+    for _ in range(5):
+        _same(jf(x, compiled), _counts(x, eager))
+        assert compiled.seen == eager.seen
+
+
+def test_the_check_at_a_second_value_costs_no_compilation_for_a_program_that_passes_it():
+    def fn(x, n, m):
+        return x[:n] * m + x[-m:].sum()
+
+    jf, x = _jit(fn), torch.randn(12)
+    for n, m in ((2, 2), (3, 3), (4, 5), (6, 2), (3, 7)):
+        _same(jf(x, n, m), fn(x, n, m))
+    assert fulmen.cache_misses(jf) == 2
+
+
+# ---- operations whose arguments hold a symbolic int are fused: the region reads the int from its carrier ----
+def _decode_like(cache, x, n):
+    pos = torch.arange(n, n + 2).float()  # a creation whose arguments hold the int
+    y = cache[:, :n] * 2 + x  # a slice by it
+    return (y.sin() * 3).sum(1) + pos.sum()
+
+
+def _fused(jf) -> tuple[list, list]:
+    """The last program's fused regions, and its operations outside them."""
+    ops = [b for b in fulmen.last_traces(jf)[-1].bound_symbols if b.sym.name not in ("del", "python_return")]
+    return [b for b in ops if b.sym.is_fusion], [b.sym.name for b in ops if not b.sym.is_fusion]
+
+
+def test_operations_whose_arguments_hold_a_symbolic_int_join_the_region_and_match_eager():
+    jf, cache, x = fulmen.jit(_decode_like, compile="off"), torch.randn(3, 16), torch.randn(3, 1)
+    for n in (2, 3, 4, 7, 9, 3):
+        torch.testing.assert_close(jf(cache, x, n), _decode_like(cache, x, n), rtol=0, atol=0)
+    assert fulmen.cache_misses(jf) == 2
+    regions, outside = _fused(jf)
+    assert len(regions) == 1 and not outside, outside
+    assert "n" in [p.name for p in regions[0].args]  # the int's carrier, from whose size the region reads it
+
+
+def test_a_backward_using_a_symbolic_int_is_one_region_and_its_gradients_match_eager():
+    def fn(x, n):
+        m = n * 2  # the backward reads it from n's carrier, saved for it
+        return (x[:m].sin() * m).sum()
+
+    jf = fulmen.jit(fn, compile="off")
+    for n in (2, 3, 4):
+        x = torch.randn(10, requires_grad=True)
+        x_eager = x.detach().clone().requires_grad_()
+        jf(x, n).backward()
+        fn(x_eager, n).backward()
+        torch.testing.assert_close(x.grad, x_eager.grad, rtol=1e-6, atol=1e-6)
+    backward = [b for b in fulmen.last_backward_traces(jf)[-1].bound_symbols if b.sym.name not in ("del",)]
+    computing = [b.sym.name for b in backward if b.sym.name not in ("unpack_and_clear", "python_return")]
+    assert len(computing) == 1 and computing[0].startswith("inductor_fusion"), computing
+
+
+@pytest.mark.slow
+def test_a_region_holding_a_symbolic_int_compiles_a_bounded_number_of_kernels():
+    from fulmen.executors import inductor_compile
+
+    jf, cache, x = fulmen.jit(_decode_like, compile="sync"), torch.randn(3, 16), torch.randn(3, 1)
+    before = len(inductor_compile._kernels)
+    for n in range(2, 12):
+        torch.testing.assert_close(jf(cache, x, n), _decode_like(cache, x, n), rtol=1e-5, atol=1e-5)
+    kernels = list(inductor_compile._kernels.values())[before:]
+    # the exact program's region; the symbolic program's region at its first value, then with the int symbolic
+    assert len(kernels) <= 3, len(kernels)
+    (region,) = _fused(jf)[0]
+    assert region.sym.impl.dynamic is not None and region.sym.impl.dynamic.fn is not None
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["sizes made dynamic", "dynamic from the first call"])
+def test_a_type_check_on_a_size_whose_paths_agree_at_the_first_size_takes_eagers_branch_at_the_next(dynamic):
+    def fn(x):
+        k = x.shape[0] if isinstance(x.shape[0], int) else 4  # at 4 both paths multiply by 4
+        return x.sum() * k
+
+    jf = _jit(fn, dynamic=dynamic)
+    for size in (4, 5, 6, 7):
+        x = torch.randn(size)
         torch.testing.assert_close(jf(x), fn(x), rtol=0, atol=0)

@@ -8,7 +8,10 @@ right away in ``compile_mode`` ``"sync"``) and swaps in when ready, so no call w
 (``inductor_compile``). Inductor's output code is specialized to its inputs' shapes and strides, so a region
 keeps one compiled variant per input layout it sees; once sizes vary between calls (a growing key/value cache),
 it compiles one kernel with those sizes symbolic and runs every layout that kernel fits on it
-(``inductor_dynamic``). Regions with the same code share their kernels.
+(``inductor_dynamic``). Regions with the same code share their kernels. An operation whose arguments hold a symbolic
+size or int (``arange(n)``, ``x[:, :n]``) joins a region when an input of the trace has that symbol as a dimension
+(the int's carrier, a cache): the region takes that input too, its code reads the symbol from the input's size, and
+the kernel with varying sizes symbolic serves every value; operations using a symbol no input carries run outside.
 
 Random operations stay outside regions (so results draw from torch's generator exactly as in eager), and
 so do side effects and opaque ops; a composite that can draw (attention with dropout) is fused where its call
@@ -33,7 +36,7 @@ from fulmen.core.codeutils import outputs_of
 from fulmen.core.draws import draws
 from fulmen.core.proxies import Proxy, TensorProxy
 from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
-from fulmen.core.symbolic import SYMBOLIC_TYPES, contains_symbolic
+from fulmen.core.symbolic import SYMBOLIC_TYPES, bare_symbol, free_symbols
 from fulmen.core.trace import Trace
 from fulmen.core.unbacked import has_unbacked
 from fulmen.core.utils import IdentityRef
@@ -48,7 +51,7 @@ from fulmen.executors.inductor_compile import (  # noqa: F401  (re-exported: the
     resume,
     wait_for_compilations,
 )
-from fulmen.executors.inductor_dynamic import layout_key, varying_dims
+from fulmen.executors.inductor_dynamic import layout_key, symbolic_layout, varying_dims
 from fulmen.executors.partition import (
     fusion_groups,
     operations_key,
@@ -215,10 +218,7 @@ class FusedRegion:
             dims = varying_dims(self.last_key, key)
             if not dims:
                 return None
-            layout = tuple(
-                (tuple(None if (i, d) in dims else n for d, n in enumerate(a.shape)), a.dtype, a.device)
-                for i, a in enumerate(args)
-            )
+            layout = symbolic_layout(self.last_key, key, dims, args)
             kernel = self.dynamic = get_kernel(
                 (self.code_key, ("symbolic", dims, layout), self.ambient.key()),
                 self.name,
@@ -334,6 +334,40 @@ def _structure_key(region: list[BoundSymbol], inputs: list[Proxy], outputs: list
     return tuple(parts)
 
 
+def _symbol_carriers(args: Sequence) -> dict:
+    """sympy symbol -> the first of the trace's inputs ``args`` that has it, bare, as a dimension."""
+    out: dict = {}
+    for p in args:
+        shape = getattr(p, "shape", None)
+        if isinstance(p, TensorProxy) and type(shape) is torch.Size:
+            for d in shape:
+                sym = bare_symbol(d)
+                if sym is not None:
+                    out.setdefault(sym, p)
+    return out
+
+
+def _with_carriers(region: list[BoundSymbol], inputs: list[Proxy], carriers: dict) -> list[Proxy]:
+    """The region's inputs and, after them, an input of the trace for each symbol its operations' arguments use
+    (``arange(s0)``, ``view(t, s0, 4)``) that no input has as a dimension: its code binds the symbol from it."""
+    needed: set = set()
+    for b in region:
+        free_symbols((b.args, b.kwargs), needed)
+    if not needed:
+        return inputs
+    names = {p.name for p in inputs}
+    for p in inputs:
+        for d in getattr(p, "shape", ()):
+            needed.discard(bare_symbol(d))
+    extra = []
+    for sym in sorted(needed, key=str):
+        p = carriers[sym]
+        if p.name not in names:
+            names.add(p.name)
+            extra.append(p)
+    return [*inputs, *extra]
+
+
 def _region_io(
     region: list[BoundSymbol], later: list[BoundSymbol], trace_outputs: set[str], also: frozenset[str] = frozenset()
 ):
@@ -395,7 +429,10 @@ class InductorExecutor(FusionExecutor):
         self._count = 0
         self.regions: weakref.WeakSet[FusedRegion] = weakref.WeakSet()  # for fusion_stats; traces own them
 
-    def can_fuse(self, bsym: BoundSymbol) -> bool:
+    def can_fuse(self, bsym: BoundSymbol, carried: frozenset | None = None) -> bool:
+        """Whether ``bsym`` may join a region; ``carried``: the symbols of symbolic sizes and ints that an input of
+        the trace has as a dimension, which a region can take that input to read (None while claiming, where the
+        trace is not known: the fusion pass decides, and runs what it refuses on the torch executor)."""
         sym = bsym.sym
         if any(t in sym.tags for t in _NOT_FUSED) or sym.id in _NOT_FUSED_IDS:
             return False
@@ -405,9 +442,10 @@ class InductorExecutor(FusionExecutor):
             return False
         if OpTags.DEVICE_OP in sym.tags and not _same_device_conversion(bsym):
             return False
-        # A size expression in the arguments (view(t, s0, 4)) would need the symbols' values passed in; tensors
-        # with symbolic shapes are fine: a region compiles for the concrete shapes it is called with.
-        if symbolic.in_use and contains_symbolic((bsym.args, bsym.kwargs), shapes=False):
+        # A size expression in the arguments (view(t, s0, 4), arange(s0)) needs its symbols' values in the region:
+        # the region takes an input of the trace that has each as a dimension (``_fuse``), and its code reads them
+        # from their sizes, as a symbolic-size kernel reads sizes. Symbols no input carries stay outside.
+        if symbolic.in_use and carried is not None and not free_symbols((bsym.args, bsym.kwargs)) <= carried:
             return False
         # a data-dependent size changes from call to call with the data, and a region compiles once per concrete
         # shape: such values stay on the torch executor, which splits the fused regions there
@@ -422,8 +460,10 @@ class InductorExecutor(FusionExecutor):
     def fusion_pass(self, trace: Trace) -> Trace:
         torch_executors = list(get_always_executors())
         outputs = {p.name for p in outputs_of(trace.output)}
-        unread = _unread_checks(trace, outputs)
-        can_fuse = self.can_fuse if not unread else lambda b: id(b) not in unread and self.can_fuse(b)
+        carriers = _symbol_carriers(self._available_first(trace)) if symbolic.in_use else {}
+        carried = frozenset(carriers)
+        unread = self._claimed_unfused(trace, outputs, carried)
+        can_fuse = lambda b: id(b) not in unread and self.can_fuse(b, carried)  # noqa: E731
         groups = fusion_groups(trace.bound_symbols, can_fuse)
         shared: dict[tuple, tuple] = {}  # structure key -> (unfused callable, its source, code key)
         new: list[BoundSymbol] = []
@@ -450,10 +490,42 @@ class InductorExecutor(FusionExecutor):
                         rest = [b for p in pieces[i + 1 :] for b in p] + later
                         new.append(
                             self._fuse(
-                                trace, sums_after_other_readers(piece), rest, outputs, torch_executors, shared, also[i]
+                                trace,
+                                sums_after_other_readers(piece),
+                                rest,
+                                outputs,
+                                torch_executors,
+                                shared,
+                                also[i],
+                                carriers,
                             )
                         )
         return trace.derive(trace.provenance or "Fusion", new)
+
+    def _available_first(self, trace: Trace) -> list:
+        """The trace's inputs and what the unfused operations leading it define from them alone (a backward's saved
+        values, unpacked): values defined before every region, as ``fusion_groups`` first runs all that is ready
+        and not fusible."""
+        out = list(trace.args)
+        names = {p.name for p in out}
+        for b in trace.bound_symbols:
+            if self.can_fuse(b) or not all(p.name in names for p in b.flat_args):
+                break
+            out.extend(b.flat_proxy_outs)
+            names.update(p.name for p in b.flat_proxy_outs)
+        return out
+
+    def _claimed_unfused(self, trace: Trace, outputs: set[str], carried: frozenset) -> set[int]:
+        """The operations claimed as fusible that the torch executor runs: checks nothing reads (``_unread_checks``),
+        and operations using a symbol that no input of the trace carries (``can_fuse``)."""
+        unread = _unread_checks(trace, outputs)
+        if symbolic.in_use:
+            unread |= {
+                id(b)
+                for b in trace.bound_symbols
+                if not is_bookkeeping(b) and self.can_fuse(b) and not self.can_fuse(b, carried)
+            }
+        return unread
 
     def _unfused(self, trace: Trace, region: list[BoundSymbol], executors) -> list[BoundSymbol]:
         sub = trace.derive("region", region)
@@ -468,8 +540,11 @@ class InductorExecutor(FusionExecutor):
         executors: Sequence,
         shared: dict[tuple, tuple],
         also: frozenset[str] = frozenset(),
+        carriers: dict | None = None,
     ) -> BoundSymbol:
         inputs, outputs = _region_io(region, later, trace_outputs, also)
+        if carriers:
+            inputs = _with_carriers(region, inputs, carriers)
         name = f"inductor_fusion_{self._count}"
         self._count += 1
         structure = _structure_key(region, inputs, outputs)

@@ -21,7 +21,7 @@ from operator import attrgetter, itemgetter, methodcaller
 import sympy
 import torch
 
-__all__ = ["LayoutCheck", "check_output_strides", "layout_key", "symbolic_fakes", "varying_dims"]
+__all__ = ["LayoutCheck", "check_output_strides", "layout_key", "symbolic_fakes", "symbolic_layout", "varying_dims"]
 
 _SHAPE, _STRIDE, _STRIDE_OF = attrgetter("shape"), methodcaller("stride"), itemgetter(1)
 
@@ -44,6 +44,29 @@ def varying_dims(old: tuple, new: tuple) -> frozenset[tuple[int, int]] | None:
             return None
         dims.update((i, d) for d, (a, b) in enumerate(zip(old_shape, new_shape)) if a != b)
     return frozenset(dims)
+
+
+def symbolic_layout(old: tuple, new: tuple, dims: frozenset[tuple[int, int]], args: Sequence[torch.Tensor]) -> tuple:
+    """What selects a kernel compiled with the sizes at ``dims`` symbolic, from the two layouts (``layout_key``) whose
+    sizes differ there and the call's inputs: each input's sizes with None at ``dims``, its strides where they are the
+    same in both layouts (a constant-size input's, transposed or sliced, and a cache's inner ones) and, where they
+    changed with the sizes, the dim's place in the order of its strides; then dtype and device. Regions with the same
+    code share the kernel only where their strides agree so: a kernel compiled for other strides of a constant-size
+    input would fit none of this region's calls."""
+    out = []
+    for i, a in enumerate(args):
+        (_, old_strides), (_, strides) = old[i], new[i]
+        order = sorted(range(len(strides)), key=lambda d: (strides[d], d))
+        rank = {d: k for k, d in enumerate(order)}
+        out.append(
+            (
+                tuple(None if (i, d) in dims else n for d, n in enumerate(a.shape)),
+                tuple(s if s == t else ("order", rank[d]) for d, (s, t) in enumerate(zip(strides, old_strides))),
+                a.dtype,
+                a.device,
+            )
+        )
+    return tuple(out)
 
 
 def symbolic_fakes(fake_mode, example: Sequence[torch.Tensor], dims: frozenset[tuple[int, int]]) -> list:

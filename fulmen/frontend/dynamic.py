@@ -177,10 +177,8 @@ class SizeHistory:
     failed: bool = False  # compiling with dynamic sizes failed once: exact sizes from then on
     ints_failed: bool = False  # compiling with symbolic ints failed once: exact ints from then on
     #: (ints, sizes, raw trace, InputSpec) of the structure's last exact compilation, which a trace with symbolic
-    #: sizes or ints is checked against (``fulmen.frontend.same_program``), once for each set of symbolic ones
-    #: (``checked``: (dims, int slots))
+    #: sizes or ints is checked against (``fulmen.frontend.same_program``)
     exact: tuple | None = None
-    checked: set = dataclasses.field(default_factory=set)
 
     def update(self, sizes: list[torch.Size], ints: list[int] = ()) -> list[tuple]:
         """Mark the dims and int slots that differ from the first values; returns a note for each newly marked one:
@@ -394,10 +392,14 @@ def describe_change(note: tuple, n_state: int, names: list[str] | None = None) -
 
 class IntInputs:
     """While tracing: numbers the ints of the arguments in slot order (``map_call_ints``: the order ``proxify``
-    and ``fulmen.frontend.objects.ObjectSwaps`` meet them) and hands out the symbolic ones in their place."""
+    and ``fulmen.frontend.objects.ObjectSwaps`` meet them) and hands out the symbolic ones in their place. A plain int
+    given for a slot replaces the argument's value (an exact trace at other values: ``fulmen.frontend.same_program``)
+    and has no carrier."""
 
-    def __init__(self, symbols: dict[int, torch.SymInt] | None = None):
-        self.symbols = symbols or {}
+    def __init__(self, symbols: dict[int, torch.SymInt | int] | None = None):
+        symbols = symbols or {}
+        self.symbols = {slot: s for slot, s in symbols.items() if type(s) is not int}
+        self.values = {slot: v for slot, v in symbols.items() if type(v) is int}
         self.count = 0
         self.names: dict[int, str] = {}  # symbolic slot -> the name of the argument or member it was met as
 
@@ -406,6 +408,6 @@ class IntInputs:
         self.count += 1
         sym = self.symbols.get(slot)
         if sym is None:
-            return value
+            return self.values.get(slot, value)
         self.names[slot] = name
         return sym

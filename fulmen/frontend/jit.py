@@ -694,11 +694,15 @@ class JittedFunction:
             raise RuntimeError("the guards recorded while tracing do not hold for the sizes traced")
         if not self._marked_dims and not self._marked_ints:  # Python asking a SymInt's type: an exact trace's program?
             check_symbolic_trace(self._histories[self._structure(key)], symbolic, entry, (ints, sizes),
-                                lambda: self._trace(args, kwargs))
+                                 functools.partial(self._trace_at, args, kwargs))
         entry.symbolic = symbolic
         entry.pattern = self._pattern(key, symbolic)
         self._dynamic_entries.append(entry)
         return entry
+
+    def _trace_at(self, args, kwargs, sizes: list | None = None, ints: dict | None = None) -> tuple[Trace, InputSpec]:
+        """The call traced exactly, or with other ``sizes`` and ``ints`` (slot -> int) than its own."""
+        return self._trace(args, kwargs, sizes=sizes, ints=ints) if ints else self._trace(args, kwargs, sizes=sizes)
 
     def _build(self, key, args, kwargs, symbolic: SymbolicSizes | None = None) -> CacheEntry:
         """Trace and compile for one key (for symbolic sizes when ``symbolic`` is given)."""

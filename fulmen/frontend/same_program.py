@@ -4,14 +4,16 @@ While tracing, a symbolic int (an int argument made symbolic, or a dynamic size:
 ``torch.SymInt``: its arithmetic and comparisons are guarded, and its text is its value's
 (``fulmen.frontend.symbolic_text``), but Python that asks for its *type* sees a SymInt, not an int:
 ``isinstance(n, int)``, ``type(n) is int`` and ``type(n) == int`` are False, and nothing can guard them. Code that
-branches on that takes another path than eager with no guard to notice. So when a structure's sizes or ints first go
-symbolic, the symbolic trace is compared with an exact trace of one call its guards accept (the exact trace
-already compiled for earlier values, or else one of the current call): evaluated at that call's values, the
+branches on that takes another path than eager with no guard to notice. So each trace with symbolic sizes or ints is
+compared with an exact trace of one call its guards accept (the exact trace already compiled for earlier values, or
+else one of the current call): evaluated at that call's values, the
 symbolic trace must record the same operations, with the same constants, output metadata, result and writes into
 objects, as the exact one. Where they differ, the caller keeps them exact (``SymbolicTraceDiffers``).
 
-The check is of one value: a type check whose two paths record the same operations at that value (and differ
-only at others) is not caught; the documentation says so (docs/recompilation.md, "Symbolic ints").
+A type check whose two paths record the same operations at one value (``x * (n if isinstance(n, int) else 2)`` at
+2) differs at another, so the check is made at two values: each symbol has another value in the second set where the
+guards allow (the values of the call that compiled it, or values moved off the first). It is a check of two values,
+not a proof: paths that agree at both and differ elsewhere are not caught (docs/recompilation.md, "Symbolic ints").
 """
 
 from __future__ import annotations
@@ -197,26 +199,98 @@ def check_same_program(
 
 
 def check_symbolic_trace(
-    history: Any, symbolic: Any, entry: Any, current: tuple[list, list], trace_exactly: Callable[[], tuple[Trace, Any]]
+    history: Any, symbolic: Any, entry: Any, current: tuple[list, list], trace_at: Callable[..., tuple[Trace, Any]]
 ) -> None:
-    """Once per argument structure (``history``, a ``SizeHistory``) and set of symbolic sizes and ints: the trace of
-    ``entry`` (compiled with ``symbolic``, a ``SymbolicSizes``) checked against ``history.exact`` (ints, sizes, raw
-    trace and ``InputSpec`` of the structure's last exact compilation) if its guards accept those values, else
-    against ``trace_exactly()`` at ``current`` (the call's ints and sizes). A size or int made symbolic later (the
-    batch size after the sequence length) is checked again, as code may ask for its type only."""
-    which = (frozenset((i, frozenset(ds)) for i, ds in symbolic.dims.items()), frozenset(symbolic.int_slots))
-    if which in history.checked:
-        return
-    exact = history.exact
-    if exact is None or not symbolic.guard([SimpleNamespace(shape=s) for s in exact[1]], exact[0]):
-        exact = (*current, *trace_exactly())
-    ints, sizes, *exact_trace = exact
+    """The trace of ``entry`` (compiled with ``symbolic``, a ``SymbolicSizes``, for a call of ``current`` (ints,
+    sizes)) checked against exact traces at two sets of values its guards accept: ``history.exact`` (ints, sizes, raw
+    trace and ``InputSpec`` of the structure's last exact compilation; ``history`` a ``SizeHistory``) if they accept
+    its values, else the call traced exactly (``trace_at()``); then the call's values if each symbol has another value
+    there, else values of the symbols moved off the first ones (``trace_at(sizes, ints)``: the call traced with those
+    sizes and ints). A type check whose two paths agree at one value (``n if isinstance(n, int) else 2`` at 2) differs
+    at the other. Every compilation with symbolic sizes or ints is checked: one made after a guard failed traced
+    other branches."""
     program = entry.program
     if not program.steps or program.steps[0] != "trace":
         raise SymbolicTraceDiffers("the trace with symbolic sizes or ints is not kept to check against the exact one")
-    values = {sym: sympy.Integer(sizes[i][d]) for sym, i, d in symbolic.symbols}
-    values.update((sym, sympy.Integer(ints[slot])) for sym, slot in symbolic.int_symbols)
     n_tensors = len(entry.spec.tensor_proxies)
     carriers = frozenset(p.name for p in program.traces[0].args[n_tensors : n_tensors + len(symbolic.int_symbols)])
-    check_same_program((program.traces[0], entry.spec), values, carriers, tuple(exact_trace))
-    history.checked.add(which)
+    ours = (program.traces[0], entry.spec)
+    exact = history.exact
+    if exact is None or not _accepts(symbolic, exact[0], exact[1]):
+        exact = (*current, *trace_at())
+    first = _values(symbolic, exact[0], exact[1])
+    check_same_program(ours, first, carriers, tuple(exact[2:]))
+    second = _values(symbolic, *current)
+    if all(second[s] != first[s] for s in first):
+        check_same_program(ours, second, carriers, _traced_at(trace_at))
+        return
+    moved = _moved(symbolic, first, exact[0], exact[1])
+    if moved is not None:  # None: the guards pin every symbol to its value, and one value is all there is
+        check_same_program(ours, _values(symbolic, *moved), carriers, _traced_at(trace_at, *moved, symbolic))
+
+
+def _values(symbolic: Any, ints: list, sizes: list) -> dict:
+    """Each symbol's value (sympy) for these ints and sizes."""
+    values = {sym: sympy.Integer(sizes[i][d]) for sym, i, d in symbolic.symbols}
+    values.update((sym, sympy.Integer(ints[slot])) for sym, slot in symbolic.int_symbols)
+    return values
+
+
+def _accepts(symbolic: Any, ints: list, sizes: list) -> bool:
+    return symbolic.guard([SimpleNamespace(shape=s) for s in sizes], ints)
+
+
+def _with(symbolic: Any, values: dict, ints: list, sizes: list) -> tuple[list, list]:
+    """``ints`` and ``sizes`` with each symbol's place set to its value in ``values``."""
+    ints, sizes = list(ints), [list(s) for s in sizes]
+    for sym, i, d in symbolic.symbols:
+        sizes[i][d] = int(values[sym])
+    for sym, slot in symbolic.int_symbols:
+        ints[slot] = int(values[sym])
+    return ints, [torch.Size(s) for s in sizes]
+
+
+_SHIFTS = (1, -1, 2, -2, 3, 5)
+
+
+def _moved(symbolic: Any, values: dict, ints: list, sizes: list) -> tuple[list, list] | None:
+    """Ints and sizes the guards accept with as many symbols as a few tries move off ``values`` (all together, else one
+    at a time); None when none moves. Symbols stay at least 2, as they were made."""
+
+    def accepted(candidate: dict) -> tuple[list, list] | None:
+        if any(v < 2 for v in candidate.values()):
+            return None
+        moved = _with(symbolic, candidate, ints, sizes)
+        return moved if _accepts(symbolic, *moved) else None
+
+    for shift in _SHIFTS:
+        found = accepted({s: v + shift for s, v in values.items()})
+        if found is not None:
+            return found
+    current, found = dict(values), None
+    for s in values:
+        for shift in _SHIFTS:
+            tried = accepted({**current, s: current[s] + shift})
+            if tried is not None:
+                current, found = {**current, s: current[s] + shift}, tried
+                break
+    return found
+
+
+def _traced_at(
+    trace_at: Callable[..., tuple[Trace, Any]],
+    ints: list | None = None,
+    sizes: list | None = None,
+    symbolic: Any = None,
+) -> tuple[Trace, Any]:
+    """The function traced exactly: for the call, or at other ``ints`` and ``sizes`` (those of ``symbolic``'s
+    symbols replaced); a trace that fails there (a check of the user's on the values) counts as another program."""
+    try:
+        if ints is None:
+            return trace_at()
+        return trace_at(sizes, {slot: ints[slot] for _, slot in symbolic.int_symbols})
+    except Exception as e:
+        raise SymbolicTraceDiffers(
+            f"traced exactly at other values of its symbolic sizes or ints, the function failed ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200] if str(e) else ''}), so they stay exact"
+        ) from e
