@@ -37,6 +37,7 @@ from fulmen.core.symbolic import size_hint
 from fulmen.core.trace import Trace, get_tracectx
 from fulmen.core.tracer import Tracer, record, resolve_latest, tracing
 from fulmen.core.unbacked import GuardOnDataDependentSymNode, data_dependent_guard
+from fulmen.core.utils import RunsEagerly  # noqa: F401 (where the callers import it from)
 from fulmen.frontend import checkpointing
 from fulmen.frontend.cache import is_holder, overrides_torch
 from fulmen.frontend.dynamic import IntInputs, int_carrier
@@ -50,17 +51,13 @@ from fulmen.frontend.rng_calls import recording_rng_calls
 from fulmen.frontend.split_points import ValueReader
 from fulmen.frontend.symbolic_text import text_specializes
 from fulmen.torch.collectives import nn_functional_traceable
-from fulmen.torch.fallback import opaque_symbol
+from fulmen.torch.fallback import opaque_symbol, writes_arguments
+from fulmen.torch.fallback import record as fallback_record
 from fulmen.torch.inplace import view_input_as_its_memory
 from fulmen.torch.numpy_values import numpy_data, numpy_scalar
 from fulmen.torch.shape import set_strides
 from fulmen.torch.views import set_inference
 from fulmen.transforms.autocast import current_policies
-
-
-class RunsEagerly(Exception):  # noqa: N818 (not an error: the call runs, eagerly)
-    """Raised while tracing where a program cannot compute what eager does; the caller runs the function eagerly
-    for calls with this key (``str(e)`` says why, naming the user's line)."""
 
 
 @dataclass
@@ -327,12 +324,14 @@ class _UserTorchCalls(TorchFunctionMode):
                     return fn(*args, **kwargs)
                 if types == (TensorProxy,):  # what func(*args) would reach through torch's dispatch, at once
                     return TensorProxy.__torch_function__(func, types, args, kwargs)
-            elif (fn is not None or callable_draws(func)) and not _called_by_fulmen():
+            elif (fn is not None or callable_draws(func) or writes_arguments(func)) and not _called_by_fulmen():
                 if func in _DATA_ARGUMENT and args:  # torch.tensor(np_array): the array as a tensor sharing its memory
                     args = (numpy_data(args[0]), *args[1:])
                 # a random op with no rule (torch.randperm) is an opaque op that draws on every call, not a
-                # constant drawn once while tracing
-                fn = fn if fn is not None else opaque_symbol(func)
+                # constant drawn once while tracing; one that writes a global tensor (torch._foreach_lerp_ of an
+                # EMA) writes it on every call
+                if fn is None:
+                    fn = opaque_symbol(func) if callable_draws(func) else fallback_record(func)
                 if kwargs.get("out") is not None:  # torch.zeros(3, out=buffer): written in place, as eager
                     return call_with_out(fn, func, args, kwargs)
                 return fn(*args, **kwargs)
