@@ -125,3 +125,63 @@ def test_an_in_place_function_returns_what_eager_returns(returned):
     assert is_same == eager_same
     torch.testing.assert_close(y, eager_y)
     torch.testing.assert_close(x, x_ref)
+
+
+class _WithExtraState(nn.Linear):
+    _version = 3  # a module class's own version, which its _load_from_state_dict may read
+
+    def get_extra_state(self):
+        return {"calls": 7}
+
+    def set_extra_state(self, state):
+        self.loaded = state
+
+
+_SCALE = torch.ones(1)
+
+
+def _with_state_dict_hooks() -> nn.Module:
+    m = nn.Linear(2, 2)
+    m.register_state_dict_post_hook(lambda mod, sd, prefix, meta: sd.__setitem__(prefix + "scale", _SCALE))
+    m._register_load_state_dict_pre_hook(lambda sd, prefix, *args: sd.pop(prefix + "scale", None))
+    return m
+
+
+def _checkpoint_wrapped() -> nn.Module:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    return checkpoint_wrapper(nn.Linear(2, 2))  # its state_dict hook strips the wrapper's prefix
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        _with_state_dict_hooks,
+        lambda: _WithExtraState(2, 2),
+        lambda: torch.nn.utils.spectral_norm(nn.Linear(2, 2)),
+        _checkpoint_wrapped,
+        lambda: nn.BatchNorm1d(2),
+    ],
+    ids=["hooks", "extra_state", "spectral_norm", "checkpoint_wrapper", "batch_norm_version"],
+)
+@pytest.mark.parametrize("nested", [False, True])
+def test_state_dict_of_a_jitted_module_is_the_originals(make, nested):
+    # the wrapper shared the original's tensors but not its state_dict hooks, extra state or version, so keys went
+    # missing (or kept a prefix) and loading the eager model's state_dict into it failed
+    torch.manual_seed(0)
+    model = make()
+    jitted = fulmen.jit(model, executors=["torch"])
+    jitted(torch.randn(3, 2))
+    eager_holder, holder = (nn.Sequential(model), nn.Sequential(jitted)) if nested else (model, jitted)
+    expected, got = eager_holder.state_dict(), holder.state_dict()
+    assert list(got) == list(expected)
+    assert got._metadata == expected._metadata
+    for k in expected:
+        if isinstance(expected[k], torch.Tensor):
+            assert got[k].data_ptr() == expected[k].data_ptr()  # the very tensors, not copies
+        else:
+            assert got[k] == expected[k]
+    holder.load_state_dict(expected)  # strict: the same keys are expected
+    eager_holder.load_state_dict(got)
+    if isinstance(model, _WithExtraState):
+        assert model.loaded == {"calls": 7}
