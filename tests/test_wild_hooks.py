@@ -185,3 +185,62 @@ def test_state_dict_of_a_jitted_module_is_the_originals(make, nested):
     eager_holder.load_state_dict(got)
     if isinstance(model, _WithExtraState):
         assert model.loaded == {"calls": 7}
+
+
+def test_a_gradient_replaced_between_calls_is_the_one_read():
+    # the program captured the .grad tensor object it read; zero_grad() (set_to_none) and backward put a new one there
+    model = nn.Linear(3, 1)
+    model.weight.grad = torch.ones(1, 3)
+    scaled = fulmen.jit(lambda x: x * model.weight.grad, executors=["torch"])
+    torch.testing.assert_close(scaled(torch.ones(3)), torch.ones(1, 3))
+    model.weight.grad = torch.full((1, 3), 2.0)
+    torch.testing.assert_close(scaled(torch.ones(3)), torch.full((1, 3), 2.0))
+    assert "the .grad of a tensor" in fulmen.compile_stats(scaled).recompile_reasons[-1]
+
+
+def _sgd_steps(jit: bool, set_to_none: bool, clip: bool) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0)
+
+    def update():
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+
+    # the optimizer's own method (torch's code, not the user's) traced directly
+    step = update if clip else opt.step
+    step = fulmen.jit(step, executors=["torch"]) if jit else step
+    for i in range(3):
+        opt.zero_grad(set_to_none=set_to_none)
+        torch.manual_seed(i)
+        model(torch.randn(5, 3)).pow(2).sum().backward()
+        step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("set_to_none", [False, True])
+@pytest.mark.parametrize("clip", [False, True], ids=["opt.step", "clip_grad_norm_+step"])
+def test_a_jitted_optimizer_step_matches_eager_over_steps(set_to_none, clip):
+    # jit(opt.step): torch's optimizer code between the jitted function and param.add_ counted as fulmen's own, so
+    # the update ran once, while tracing; and the gradients it read were the first step's tensors on every call
+    for got, expected in zip(_sgd_steps(True, set_to_none, clip), _sgd_steps(False, set_to_none, clip)):
+        torch.testing.assert_close(got, expected)
+
+
+def test_an_aten_function_without_a_rule_reads_global_tensors_on_every_call():
+    # torch.cummax and torch._foreach_norm have no torch-language rule: on tensors that are not proxies they ran
+    # while tracing, and their results were constants of the program
+    weights = [torch.ones(3), torch.ones(2)]
+
+    def stats(x):
+        norms = torch._foreach_norm(weights)
+        return x * torch.cummax(weights[0], 0).values + norms[0] + norms[1]
+
+    jitted = fulmen.jit(stats, executors=["torch"])
+    for i in range(3):
+        with torch.no_grad():
+            weights[0].mul_(torch.tensor([1.0, 3.0, 2.0]))
+            weights[1].add_(i)
+        torch.testing.assert_close(jitted(torch.ones(3)), stats(torch.ones(3)))
+    assert fulmen.cache_misses(jitted) == 1

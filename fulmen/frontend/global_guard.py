@@ -624,14 +624,21 @@ def _generate(items: list[_Item]) -> Callable[[], bool]:
 
 def build_guard(recorder: ReadRecorder, captured: list[tuple[str, torch.Tensor]],
                 covered: Iterable[torch.nn.Module] = (), arguments: dict | None = None,
-                walked: Iterable[Any] = ()) -> GlobalGuard | None:
+                walked: Iterable[Any] = (), grads: Iterable[tuple[torch.Tensor, Any, str]] = ()) -> GlobalGuard | None:
     """The guard for what the code recorded while tracing can read, and for the metadata of the tensors the
     program captured (``captured``: their names in the trace, and the tensors); None when there is nothing to
     check. ``covered``: the jitted module's tree, whose structure snapshot already checks its plain attributes.
     ``arguments``: the traced function's arguments by parameter name (an object passed in is keyed by identity,
     so the attributes the code reads from it are checked here). ``walked``: objects passed in whose structure the
-    prologue checks (``fulmen.frontend.objects``): what is read through them is not checked again."""
+    prologue checks (``fulmen.frontend.objects``): what is read through them is not checked again. ``grads``: (tensor,
+    its ``.grad`` as read, where) for the gradients the code read of tensors that are not inputs: a call must find the
+    same gradient object there (``zero_grad()`` sets it to None and backward makes a new one), or it compiles again."""
     collector = _Collector(covered, walked)
+    seen: set[int] = set()
+    for owner, grad, where in grads:
+        if id(owner) not in seen:
+            seen.add(id(owner))
+            collector.items.append(_Item(f"the .grad of a tensor read at {where}", "slot", owner, "grad", grad, "is"))
     for name, t in captured:  # read by identity on every call, but traced for this shape, dtype and device
         collector.items.append(_Item(f"the captured tensor {name}", "tensor", t, name, _tensor_meta(t), "meta"))
     root, owner = _root_function(recorder.fn)

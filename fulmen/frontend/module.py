@@ -35,7 +35,7 @@ from fulmen.frontend.distributed_wrappers import refuse_traced_wrappers
 from fulmen.frontend.jit import JittedFunction, saved_tensors_hooks
 from fulmen.frontend.key_changes import changed_value
 from fulmen.frontend.split_points import ValueChanged
-from fulmen.frontend.tracing import _arg_names, check_supported_tensors, trace_program
+from fulmen.frontend.tracing import _arg_names, check_supported_tensors, run_user_code, trace_program
 
 log = logging.getLogger("fulmen")
 
@@ -332,7 +332,7 @@ class _ModuleProgram(JittedFunction):
 
         def forward(state_proxies, *a, **k):
             with state.swapped(state_proxies):
-                out = run_module(*a, **k)
+                out = run_user_code(run_module, *a, **k)
                 reassigned = state.reassigned_buffers(state_proxies)
             if not reassigned:
                 return out

@@ -16,6 +16,7 @@ import torch
 import torch.utils.checkpoint
 from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from fulmen import prims
 from fulmen.core import langctx
@@ -50,6 +51,7 @@ from fulmen.frontend.replay import Replays
 from fulmen.frontend.rng_calls import recording_rng_calls
 from fulmen.frontend.split_points import ValueReader
 from fulmen.frontend.symbolic_text import text_specializes
+from fulmen.torch.argument_writes import computes_tensors
 from fulmen.torch.collectives import nn_functional_traceable
 from fulmen.torch.fallback import opaque_symbol, writes_arguments
 from fulmen.torch.fallback import record as fallback_record
@@ -76,6 +78,9 @@ class InputSpec:
     # the tensor values the traced Python read, in order, and where (fulmen.frontend.split_points): the branch
     values: tuple = ()
     value_lines: tuple[str, ...] = ()
+    # (tensor, its .grad, where) for each .grad the traced code read of a tensor that is not an input (an optimizer's
+    # parameters): the program captured that gradient object, so a call must find the same one (or None) there
+    grad_reads: list[tuple[torch.Tensor, Any, str]] = field(default_factory=list)
 
 
 def _arg_names(fn: Callable, args: tuple, kwargs: dict) -> list[str]:
@@ -279,14 +284,25 @@ _INTERNAL = tuple(os.path.join(_FULMEN_DIR, d) for d in ("core", "torch", "prims
 
 
 def _called_by_fulmen() -> bool:
-    """Whether the torch call being intercepted comes from fulmen's own code rather than the user's."""
+    """Whether the torch call being intercepted comes from fulmen's own code rather than the user's. Torch's own
+    code between the traced function and the call (``fulmen.jit(optimizer.step)``, a torch module's forward) is
+    the user's: the walk stops at the frame that called it (``_call_user``, ``run_user_code``)."""
     frame = sys._getframe(2)
     while frame is not None:
-        filename = frame.f_code.co_filename
+        code = frame.f_code
+        if code in _USER_ENTRIES:
+            return False
+        filename = code.co_filename
         if not is_library_file(filename) or filename.startswith(_FULMEN_DIR):
             return filename.startswith(_INTERNAL)
         frame = frame.f_back
     return False
+
+
+def run_user_code(fn: Callable, *args, **kwargs) -> Any:
+    """``fn(*args, **kwargs)`` for fulmen code that calls the code a trace records (a jitted module's forward): the
+    torch calls made beneath it are the user's, not fulmen's (``_called_by_fulmen``)."""
+    return fn(*args, **kwargs)
 
 
 _DATA_ARGUMENT = frozenset((torch.as_tensor, torch.tensor, torch.asarray))
@@ -303,13 +319,21 @@ def _transform_inside(func: Callable) -> NotImplementedError:
         "dimension explicit (broadcasting, torch.bmm, einsum).")
 
 
+def _computes_on_tensors(func: Callable, args: tuple, kwargs: dict) -> bool:
+    return computes_tensors(func) and any(isinstance(x, torch.Tensor) for x in tree_leaves((args, kwargs)))
+
+
+#: ``Tensor.grad``'s descriptor: reading ``t.grad`` reaches a torch function mode as its ``__get__``
+_GRAD_ATTRIBUTE = torch._C.TensorBase.__dict__["grad"]
+
+
 class _UserTorchCalls(TorchFunctionMode):
     """Routes torch calls that have no proxy argument (``torch.rand(3)``, ``torch.arange(n)``) made by user
     code to the torch language, so they run on every call instead of being computed once while tracing."""
 
-    def __init__(self, trace: Trace):
+    def __init__(self, trace: Trace, spec: InputSpec):
         super().__init__()
-        self.trace = trace
+        self.trace, self.spec = trace, spec
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -317,6 +341,11 @@ class _UserTorchCalls(TorchFunctionMode):
         if trc is self.trace and len(trc.scopes) == 1:  # user code, not a meta or a decomposition
             if _functorch_active():  # tracing starts outside torch.func transforms (JittedFunction._find)
                 raise _transform_inside(func)
+            if getattr(func, "__self__", None) is _GRAD_ATTRIBUTE and args and not isinstance(args[0], TensorProxy):
+                grad = func(*args, **kwargs)
+                if not _called_by_fulmen():
+                    self.spec.grad_reads.append((args[0], grad, _user_location()))
+                return grad
             fn = langctx.torch_functions.get(func)
             if has_proxy((args, kwargs)):
                 if fn is not None and func in _DATA_ARGUMENT:
@@ -324,12 +353,14 @@ class _UserTorchCalls(TorchFunctionMode):
                     return fn(*args, **kwargs)
                 if types == (TensorProxy,):  # what func(*args) would reach through torch's dispatch, at once
                     return TensorProxy.__torch_function__(func, types, args, kwargs)
-            elif (fn is not None or callable_draws(func) or writes_arguments(func)) and not _called_by_fulmen():
+            elif (fn is not None or callable_draws(func) or writes_arguments(func)
+                  or _computes_on_tensors(func, args, kwargs)) and not _called_by_fulmen():
                 if func in _DATA_ARGUMENT and args:  # torch.tensor(np_array): the array as a tensor sharing its memory
                     args = (numpy_data(args[0]), *args[1:])
                 # a random op with no rule (torch.randperm) is an opaque op that draws on every call, not a
                 # constant drawn once while tracing; one that writes a global tensor (torch._foreach_lerp_ of an
-                # EMA) writes it on every call
+                # EMA) writes it on every call, and one that reads them (torch._foreach_norm of the gradients in
+                # clip_grad_norm_) reads them on every call
                 if fn is None:
                     fn = opaque_symbol(func) if callable_draws(func) else fallback_record(func)
                 if kwargs.get("out") is not None:  # torch.zeros(3, out=buffer): written in place, as eager
@@ -540,7 +571,7 @@ def _guard_what_was_read(trace: Trace, spec: InputSpec, recorder: ReadRecorder, 
     """``spec.guard``: a check of what the user's code read while traced (``fulmen.frontend.global_guard``)."""
     names = [p.name for p in trace.args[len(trace.args) - len(spec.captured):]]
     spec.guard = build_guard(recorder, list(zip(names, spec.captured)), own, bound_arguments,
-                             [h.obj for h in swaps.holders])
+                             [h.obj for h in swaps.holders], spec.grad_reads)
 
 
 def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[str] | None = None,
@@ -572,7 +603,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     watch = PythonStateWatch((fn, guard_reads) if guard_reads is not None else (fn,),
                              proxy_args[1:] if state is not None else proxy_args, proxy_kwargs, names, own)
     try:
-        with tracing(tracer), _UserTorchCalls(trace), _compiling(), _parametrizations_uncached(), \
+        with tracing(tracer), _UserTorchCalls(trace, spec), _compiling(), _parametrizations_uncached(), \
                 _recording_autograd_functions(), nn_functional_traceable(), routing_higher_order_ops(), \
                 recording_rng_calls(), text_specializes(), ModuleWrites() as writes:
             for p in spec.tensor_proxies:
@@ -634,6 +665,10 @@ def _call_user(fn: Callable, args: tuple, kwargs: dict, swaps) -> Any:
         swaps.restore()
         raise
     return result
+
+
+#: the frames whose callees are the traced program's code (``_called_by_fulmen``)
+_USER_ENTRIES = frozenset((_call_user.__code__, run_user_code.__code__))
 
 
 def _grad_mode_left_changed(fn: Callable, grad_mode: bool) -> NotImplementedError:

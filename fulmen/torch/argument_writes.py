@@ -64,6 +64,18 @@ def written_arguments(func: Callable) -> tuple:
     return found
 
 
+def computes_tensors(func: Callable) -> bool:
+    """Whether ``func`` is an ATen function whose every form returns tensors (``torch._foreach_norm``): called on
+    tensors the traced code reads from globals, it is an operation of the program, not a constant of it."""
+    forms = [s for s in _schemas(func) if _writes_of(s) is not None]
+    return bool(forms) and all(s.returns and all(_is_tensors(r.type) for r in s.returns) for s in forms)
+
+
+def _is_tensors(t) -> bool:
+    return isinstance(t, torch.TensorType) or (isinstance(t, torch.ListType) and isinstance(t.getElementType(),
+                                                                                            torch.TensorType))
+
+
 def _copy(x):
     from fulmen.torch.fallback import _laid_out_copy
 
