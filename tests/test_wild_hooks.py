@@ -244,3 +244,31 @@ def test_an_aten_function_without_a_rule_reads_global_tensors_on_every_call():
             weights[1].add_(i)
         torch.testing.assert_close(jitted(torch.ones(3)), stats(torch.ones(3)))
     assert fulmen.cache_misses(jitted) == 1
+
+
+@pytest.mark.parametrize(
+    "make, error",
+    [(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), NotImplementedError), (torch.optim.Adam, Exception)],
+    ids=["sgd_momentum", "adam"],
+)
+def test_an_optimizer_whose_first_step_makes_state_leaves_no_placeholders_in_it(make, error):
+    # the first step stores momentum buffers (Adam: moments, a step count) in opt.state: while tracing those were
+    # proxies, left there for the next call (an invalid program) and for eager steps after it
+    from fulmen.core.proxies import TensorProxy
+
+    model = nn.Linear(3, 2)
+    opt = make(model.parameters())
+
+    def update():
+        opt.step()
+
+    model(torch.ones(1, 3)).sum().backward()
+    with pytest.raises(error, match="state of the optimizer" if error is NotImplementedError else ""):
+        fulmen.jit(update, executors=["torch"])()
+    assert not any(isinstance(v, TensorProxy) for state in opt.state.values() for v in state.values())
+    opt.step()  # eagerly, as if never traced
+    assert all(
+        isinstance(state["exp_avg" if "exp_avg" in state else "momentum_buffer"], torch.Tensor)
+        and not isinstance(next(iter(state.values())), TensorProxy)
+        for state in opt.state.values()
+    )

@@ -78,8 +78,8 @@ def _drop_proxies(x: Any) -> None:
         x.extend(kept)
     elif isinstance(x, set):
         x.difference_update([v for v in x if isinstance(v, _TRACED)])
-    elif isinstance(x, dict):
-        for k in [k for k, v in x.items() if isinstance(v, _TRACED) or isinstance(k, _TRACED)]:
+    elif isinstance(x, dict):  # an entry holding one deeper (an optimizer's state per parameter) goes too
+        for k in [k for k, v in x.items() if _holds_proxy(v, 1) or isinstance(k, _TRACED)]:
             del x[k]
     elif _user_object(x) or _user_class(x):
         for k in [k for k, v in vars(x).items() if isinstance(v, _TRACED)]:
@@ -112,6 +112,8 @@ class _Search:
             self.function(getattr(v, "__wrapped__", None))
         elif isinstance(v, _CONTAINERS):
             self.places.append((where, v))
+        elif isinstance(v, torch.optim.Optimizer):  # its state (momentum buffers, Adam's moments) outlives the call
+            self.places.append((f"the state of the optimizer {where}", v.state))
         elif _user_object(v):
             self.places.append((where, v))
             self.user_class(type(v))
@@ -335,6 +337,15 @@ class PythonStateWatch:
         check_no_escapes(self.roots, self.containers, pairs, self.own)
         roots = [getattr(getattr(f, "__func__", f), "__code__", None) for f in self.roots]
         warn_on_changes(self.roots[-1], self.states, [*codes, *filter(None, roots)])
+
+    def drop_escaped(self, codes: dict) -> None:
+        """After a trace that raised: the proxies the code stored where it outlives the call (an optimizer's state
+        made on its first step) are taken out again, so the caller's objects hold no placeholders."""
+        search = _searched(self.roots, self.own)
+        for code, (globals_, _) in codes.items():
+            search.code(code, globals_)
+        for _, container in search.found():
+            _drop_proxies(container)
 
     def clear_grown_caches(self) -> None:
         self.states.clear_grown_caches()

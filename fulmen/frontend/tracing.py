@@ -623,7 +623,11 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
             result = _resolve_outputs(result)
             result = _write_back_mutated_inputs(trace, result)
     except GuardOnDataDependentSymNode as e:  # a meta asked a question about a data-dependent size
+        watch.drop_escaped(recorder.codes if recorder is not None else {})
         raise data_dependent_guard(None, e) from e
+    except BaseException:
+        watch.drop_escaped(recorder.codes if recorder is not None else {})
+        raise
     finally:
         watch.clear_grown_caches()
         if recorder is not None:
