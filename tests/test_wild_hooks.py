@@ -272,3 +272,29 @@ def test_an_optimizer_whose_first_step_makes_state_leaves_no_placeholders_in_it(
         and not isinstance(next(iter(state.values())), TensorProxy)
         for state in opt.state.values()
     )
+
+
+@pytest.mark.parametrize("through", ["opt.step", "a function calling opt.step"])
+def test_an_lr_scheduler_changing_the_learning_rate_between_steps_is_seen(through):
+    # group["lr"] is a Python float the step reads: the program held the first step's value; an LR scheduler
+    # (which also wraps opt.step in a function of its own) changes it between calls
+    def steps(jit: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=True)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 / (epoch + 1))
+
+        def update():
+            opt.step()
+
+        step = opt.step if through == "opt.step" else update
+        step = fulmen.jit(step, executors=["torch"]) if jit else step
+        for i in range(3):
+            opt.zero_grad(set_to_none=False)  # the same gradient tensors on every call
+            model(torch.full((1, 3), i + 1.0)).sum().backward()
+            step()
+            scheduler.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for got, expected in zip(steps(True), steps(False)):
+        torch.testing.assert_close(got, expected)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 from torch.nn.utils import parametrize
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
@@ -81,6 +82,8 @@ class InputSpec:
     # (tensor, its .grad, where) for each .grad the traced code read of a tensor that is not an input (an optimizer's
     # parameters): the program captured that gradient object, so a call must find the same one (or None) there
     grad_reads: list[tuple[torch.Tensor, Any, str]] = field(default_factory=list)
+    # the optimizers whose step() ran while tracing: the program holds their hyperparameters' values (lr, betas)
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
 
 
 def _arg_names(fn: Callable, args: tuple, kwargs: dict) -> list[str]:
@@ -398,6 +401,22 @@ def _compiling():
                 torch.compiler._is_compiling_flag = _flag_saved
 
 
+@contextlib.contextmanager
+def _recording_optimizer_steps(trace: Trace, stepped: list) -> Iterator[None]:
+    """Collect the optimizers whose ``step()`` runs in this thread while ``trace`` records (torch's global
+    step pre-hook runs for every optimizer's step)."""
+
+    def record(opt, args, kwargs):
+        if get_tracectx() is trace and all(opt is not o for o in stepped):
+            stepped.append(opt)
+
+    handle = register_optimizer_step_pre_hook(record)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 _cache_users = 0  # traces in progress, in every thread, with torch.nn.utils.parametrize's cache turned off
 _cache_saved = 0
 
@@ -571,7 +590,7 @@ def _guard_what_was_read(trace: Trace, spec: InputSpec, recorder: ReadRecorder, 
     """``spec.guard``: a check of what the user's code read while traced (``fulmen.frontend.global_guard``)."""
     names = [p.name for p in trace.args[len(trace.args) - len(spec.captured):]]
     spec.guard = build_guard(recorder, list(zip(names, spec.captured)), own, bound_arguments,
-                             [h.obj for h in swaps.holders], spec.grad_reads)
+                             [h.obj for h in swaps.holders], spec.grad_reads, spec.optimizers)
 
 
 def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[str] | None = None,
@@ -601,9 +620,11 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     recorder = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
     tracer = UserTracer(trace, spec, reader=reader if split_points else None, on_user_call=recorder, replay=replay)
     watch = PythonStateWatch((fn, guard_reads) if guard_reads is not None else (fn,),
-                             proxy_args[1:] if state is not None else proxy_args, proxy_kwargs, names, own)
+                             proxy_args[1:] if state is not None else proxy_args, proxy_kwargs, names, own,
+                             spec.optimizers)
     try:
         with tracing(tracer), _UserTorchCalls(trace, spec), _compiling(), _parametrizations_uncached(), \
+                _recording_optimizer_steps(trace, spec.optimizers), \
                 _recording_autograd_functions(), nn_functional_traceable(), routing_higher_order_ops(), \
                 recording_rng_calls(), text_specializes(), ModuleWrites() as writes:
             for p in spec.tensor_proxies:
