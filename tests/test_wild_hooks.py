@@ -298,3 +298,14 @@ def test_an_lr_scheduler_changing_the_learning_rate_between_steps_is_seen(throug
 
     for got, expected in zip(steps(True), steps(False)):
         torch.testing.assert_close(got, expected)
+
+
+def test_a_jitted_averaged_model_update_is_refused_rather_than_run_once():
+    # AveragedModel.update_parameters (torch's code) ran while tracing and never again; it reassigns its n_averaged
+    # buffer, which a program of another module cannot do
+    from torch.optim.swa_utils import AveragedModel
+
+    model = nn.Linear(3, 2)
+    averaged = AveragedModel(model)
+    with pytest.raises(NotImplementedError, match="n_averaged"):
+        fulmen.jit(averaged.update_parameters, executors=["torch"])(model)
