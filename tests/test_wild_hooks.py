@@ -309,3 +309,34 @@ def test_a_jitted_averaged_model_update_is_refused_rather_than_run_once():
     averaged = AveragedModel(model)
     with pytest.raises(NotImplementedError, match="n_averaged"):
         fulmen.jit(averaged.update_parameters, executors=["torch"])(model)
+
+
+def test_a_grad_scaler_step_inside_jit_skips_the_inf_step_and_updates_its_scale_as_eager():
+    # torch._amp_foreach_non_finite_check_and_unscale_ and torch._amp_update_scale_ write their arguments (found_inf,
+    # the scale, the growth tracker): they ran once, while tracing, so the scale never changed again
+    def steps(jit: bool):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
+
+        def update():
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+
+        update = fulmen.jit(update, executors=["torch"]) if jit else update
+        scales = []
+        for i in range(3):
+            opt.zero_grad(set_to_none=False)
+            x = torch.randn(3, 4) * (float("inf") if i == 1 else 1.0)  # step 1 is skipped, its scale halved
+            scaler.scale(model(x).sum()).backward()
+            update()
+            scales.append(scaler.get_scale())
+        return scales, [p.detach().clone() for p in model.parameters()]
+
+    (scales, params), (eager_scales, eager_params) = steps(True), steps(False)
+    assert scales == eager_scales
+    for got, expected in zip(params, eager_params):
+        torch.testing.assert_close(got, expected)
