@@ -340,3 +340,37 @@ def test_a_grad_scaler_step_inside_jit_skips_the_inf_step_and_updates_its_scale_
     assert scales == eager_scales
     for got, expected in zip(params, eager_params):
         torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("executors", [["torch"], None], ids=["torch", "default"])
+def test_a_tensor_hook_reading_tensors_the_function_computed_sees_each_calls_values(executors):
+    # the hook's closure held the proxies of the trace: calling it at backward time raised deep in generated code
+    calls = []
+
+    def f(x):
+        mask = (x > 0).to(x.dtype)
+        scale = x.sigmoid()  # requires grad: eager's hook reads it without differentiating through it
+        y = x * 2
+        y.register_hook(lambda g: calls.append(1) or g * mask * scale)
+        return (y * y).sum()
+
+    jitted = fulmen.jit(f, executors=executors)
+    for i in range(3):
+        torch.manual_seed(i)
+        x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        jitted(x).backward()
+        f(x_ref).backward()
+        torch.testing.assert_close(x.grad, x_ref.grad)
+    assert len(calls) == 6  # once per backward, in both
+
+
+def test_a_tensor_hook_reading_traced_tensors_through_a_list_is_refused():
+    def f(x):
+        saved = [x.exp()]
+        y = x * 2
+        y.register_hook(lambda g: g * saved[0])
+        return y.sum()
+
+    with pytest.raises(NotImplementedError, match="through the list 'saved'"):
+        fulmen.jit(f, executors=["torch"])(torch.randn(3, requires_grad=True))
