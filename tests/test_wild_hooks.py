@@ -374,3 +374,22 @@ def test_a_tensor_hook_reading_traced_tensors_through_a_list_is_refused():
 
     with pytest.raises(NotImplementedError, match="through the list 'saved'"):
         fulmen.jit(f, executors=["torch"])(torch.randn(3, requires_grad=True))
+
+
+def test_zero_grad_setting_gradients_to_none_inside_jit_is_refused_and_leaves_them():
+    # zero_grad() assigned p.grad = None while tracing only: later calls kept accumulating into the gradients
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def update():
+        opt.step()
+        opt.zero_grad()
+
+    model(torch.ones(1, 3)).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(NotImplementedError, match=r"assigns the \.grad"):
+        fulmen.jit(update, executors=["torch"])()
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+    for p, b in zip(model.parameters(), before):
+        torch.testing.assert_close(p.detach(), b)

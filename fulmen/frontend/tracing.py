@@ -322,6 +322,15 @@ def _transform_inside(func: Callable) -> NotImplementedError:
         "dimension explicit (broadcasting, torch.bmm, einsum).")
 
 
+def _grad_assigned() -> NotImplementedError:
+    # raised before the write: the caller's gradients stay as they were
+    return NotImplementedError(
+        f"the function assigns the .grad of a tensor it does not receive (optimizer.zero_grad() sets it to None) at "
+        f"{_user_location()}; a compiled program does not repeat Python attribute writes, so later calls would not "
+        "make it. Call zero_grad() outside the compiled function, or zero_grad(set_to_none=False), whose in-place "
+        "zeroing is compiled.")
+
+
 def _computes_on_tensors(func: Callable, args: tuple, kwargs: dict) -> bool:
     return computes_tensors(func) and any(isinstance(x, torch.Tensor) for x in tree_leaves((args, kwargs)))
 
@@ -345,6 +354,10 @@ class _UserTorchCalls(TorchFunctionMode):
             if _functorch_active():  # tracing starts outside torch.func transforms (JittedFunction._find)
                 raise _transform_inside(func)
             if getattr(func, "__self__", None) is _GRAD_ATTRIBUTE and args and not isinstance(args[0], TensorProxy):
+                if func.__name__ == "__set__":
+                    if not _called_by_fulmen():
+                        raise _grad_assigned()
+                    return func(*args, **kwargs)
                 grad = func(*args, **kwargs)
                 if not _called_by_fulmen():
                     self.spec.grad_reads.append((args[0], grad, _user_location()))
