@@ -35,7 +35,8 @@ from fulmen.frontend.distributed_wrappers import refuse_traced_wrappers
 from fulmen.frontend.jit import JittedFunction, saved_tensors_hooks
 from fulmen.frontend.key_changes import changed_value
 from fulmen.frontend.split_points import ValueChanged
-from fulmen.frontend.tracing import _arg_names, check_supported_tensors, run_user_code, trace_program
+from fulmen.frontend.tracing import _arg_names, check_supported_tensors, trace_program
+from fulmen.frontend.user_frames import run_user_code
 
 log = logging.getLogger("fulmen")
 

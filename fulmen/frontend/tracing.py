@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import os
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -15,7 +14,6 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 from torch.nn.utils import parametrize
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
@@ -29,7 +27,6 @@ from fulmen.core.proxies import (
     _user_location,
     call_with_out,
     has_proxy,
-    is_library_file,
     is_proxy,
     latest,
 )
@@ -52,6 +49,9 @@ from fulmen.frontend.replay import Replays
 from fulmen.frontend.rng_calls import recording_rng_calls
 from fulmen.frontend.split_points import ValueReader
 from fulmen.frontend.symbolic_text import text_specializes
+from fulmen.frontend.training_state import GRAD_ATTRIBUTE, grad_access, recording_optimizer_steps
+from fulmen.frontend.user_frames import called_by_fulmen as _called_by_fulmen
+from fulmen.frontend.user_frames import user_entry
 from fulmen.torch.argument_writes import computes_tensors
 from fulmen.torch.collectives import nn_functional_traceable
 from fulmen.torch.fallback import opaque_symbol, writes_arguments
@@ -280,34 +280,6 @@ class _Capture:
 #: Values that hold no tensor: ``_Capture`` passes tuples and lists of them through as they are.
 _PLAIN = frozenset((TensorProxy, int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size))
 
-_FULMEN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-# fulmen's own layers; code elsewhere in the package (fulmen/bench models, examples) counts as user code
-_INTERNAL = tuple(os.path.join(_FULMEN_DIR, d) for d in ("core", "torch", "prims", "clang.py", "transforms",
-                                                         "executors", "frontend"))
-
-
-def _called_by_fulmen() -> bool:
-    """Whether the torch call being intercepted comes from fulmen's own code rather than the user's. Torch's own
-    code between the traced function and the call (``fulmen.jit(optimizer.step)``, a torch module's forward) is
-    the user's: the walk stops at the frame that called it (``_call_user``, ``run_user_code``)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        code = frame.f_code
-        if code in _USER_ENTRIES:
-            return False
-        filename = code.co_filename
-        if not is_library_file(filename) or filename.startswith(_FULMEN_DIR):
-            return filename.startswith(_INTERNAL)
-        frame = frame.f_back
-    return False
-
-
-def run_user_code(fn: Callable, *args, **kwargs) -> Any:
-    """``fn(*args, **kwargs)`` for fulmen code that calls the code a trace records (a jitted module's forward): the
-    torch calls made beneath it are the user's, not fulmen's (``_called_by_fulmen``)."""
-    return fn(*args, **kwargs)
-
-
 _DATA_ARGUMENT = frozenset((torch.as_tensor, torch.tensor, torch.asarray))
 _functorch_active = torch._C._are_functorch_transforms_active
 
@@ -322,21 +294,8 @@ def _transform_inside(func: Callable) -> NotImplementedError:
         "dimension explicit (broadcasting, torch.bmm, einsum).")
 
 
-def _grad_assigned() -> NotImplementedError:
-    # raised before the write: the caller's gradients stay as they were
-    return NotImplementedError(
-        f"the function assigns the .grad of a tensor it does not receive (optimizer.zero_grad() sets it to None) at "
-        f"{_user_location()}; a compiled program does not repeat Python attribute writes, so later calls would not "
-        "make it. Call zero_grad() outside the compiled function, or zero_grad(set_to_none=False), whose in-place "
-        "zeroing is compiled.")
-
-
 def _computes_on_tensors(func: Callable, args: tuple, kwargs: dict) -> bool:
     return computes_tensors(func) and any(isinstance(x, torch.Tensor) for x in tree_leaves((args, kwargs)))
-
-
-#: ``Tensor.grad``'s descriptor: reading ``t.grad`` reaches a torch function mode as its ``__get__``
-_GRAD_ATTRIBUTE = torch._C.TensorBase.__dict__["grad"]
 
 
 class _UserTorchCalls(TorchFunctionMode):
@@ -353,15 +312,8 @@ class _UserTorchCalls(TorchFunctionMode):
         if trc is self.trace and len(trc.scopes) == 1:  # user code, not a meta or a decomposition
             if _functorch_active():  # tracing starts outside torch.func transforms (JittedFunction._find)
                 raise _transform_inside(func)
-            if getattr(func, "__self__", None) is _GRAD_ATTRIBUTE and args and not isinstance(args[0], TensorProxy):
-                if func.__name__ == "__set__":
-                    if not _called_by_fulmen():
-                        raise _grad_assigned()
-                    return func(*args, **kwargs)
-                grad = func(*args, **kwargs)
-                if not _called_by_fulmen():
-                    self.spec.grad_reads.append((args[0], grad, _user_location()))
-                return grad
+            if getattr(func, "__self__", None) is GRAD_ATTRIBUTE and args and not isinstance(args[0], TensorProxy):
+                return grad_access(func, args, kwargs, self.spec.grad_reads, _called_by_fulmen())
             fn = langctx.torch_functions.get(func)
             if has_proxy((args, kwargs)):
                 if fn is not None and func in _DATA_ARGUMENT:
@@ -412,22 +364,6 @@ def _compiling():
             _flag_users -= 1
             if _flag_users == 0:
                 torch.compiler._is_compiling_flag = _flag_saved
-
-
-@contextlib.contextmanager
-def _recording_optimizer_steps(trace: Trace, stepped: list) -> Iterator[None]:
-    """Collect the optimizers whose ``step()`` runs in this thread while ``trace`` records (torch's global
-    step pre-hook runs for every optimizer's step)."""
-
-    def record(opt, args, kwargs):
-        if get_tracectx() is trace and all(opt is not o for o in stepped):
-            stepped.append(opt)
-
-    handle = register_optimizer_step_pre_hook(record)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 _cache_users = 0  # traces in progress, in every thread, with torch.nn.utils.parametrize's cache turned off
@@ -606,6 +542,16 @@ def _guard_what_was_read(trace: Trace, spec: InputSpec, recorder: ReadRecorder, 
                              [h.obj for h in swaps.holders], spec.grad_reads, spec.optimizers)
 
 
+@contextlib.contextmanager
+def _while_tracing(tracer: UserTracer, trace: Trace, spec: InputSpec) -> Iterator[ModuleWrites]:
+    """The patches and recorders the user's function runs under while ``trace_program`` traces it."""
+    with tracing(tracer), _UserTorchCalls(trace, spec), _compiling(), _parametrizations_uncached(), \
+            _recording_autograd_functions(), nn_functional_traceable(), routing_higher_order_ops(), \
+            recording_rng_calls(), recording_optimizer_steps(trace, spec.optimizers), text_specializes(), \
+            ModuleWrites() as writes:
+        yield writes
+
+
 def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[str] | None = None,
                   fn_name: str = "computation", state: list[tuple[str, torch.Tensor]] | None = None,
                   sizes: list | None = None, guard_reads: Callable | None = None,
@@ -632,14 +578,11 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     reader = ValueReader(trace, lambda: real + spec.captured)
     recorder = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
     tracer = UserTracer(trace, spec, reader=reader if split_points else None, on_user_call=recorder, replay=replay)
-    watch = PythonStateWatch((fn, guard_reads) if guard_reads is not None else (fn,),
-                             proxy_args[1:] if state is not None else proxy_args, proxy_kwargs, names, own,
-                             spec.optimizers)
+    inputs = proxy_args[1:] if state is not None else proxy_args
+    watch = PythonStateWatch((fn, guard_reads) if guard_reads is not None else (fn,), inputs, proxy_kwargs, names,
+                             own, spec.optimizers)
     try:
-        with tracing(tracer), _UserTorchCalls(trace, spec), _compiling(), _parametrizations_uncached(), \
-                _recording_optimizer_steps(trace, spec.optimizers), \
-                _recording_autograd_functions(), nn_functional_traceable(), routing_higher_order_ops(), \
-                recording_rng_calls(), text_specializes(), ModuleWrites() as writes:
+        with _while_tracing(tracer, trace, spec) as writes:
             for p in spec.tensor_proxies:
                 view_input_as_its_memory(p)
             result = _call_user(fn, proxy_args, proxy_kwargs, swaps)
@@ -656,12 +599,10 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
                 result = (result, [value for *_, value in attributes])
             result = _resolve_outputs(result)
             result = _write_back_mutated_inputs(trace, result)
-    except GuardOnDataDependentSymNode as e:  # a meta asked a question about a data-dependent size
+    except BaseException as e:  # the caller's objects keep none of the proxies stored
         watch.drop_escaped(recorder.codes if recorder is not None else {})
-        raise data_dependent_guard(None, e) from e
-    except BaseException:
-        watch.drop_escaped(recorder.codes if recorder is not None else {})
-        raise
+        # a meta asked a question about a data-dependent size
+        raise data_dependent_guard(None, e) if isinstance(e, GuardOnDataDependentSymNode) else e
     finally:
         watch.clear_grown_caches()
         if recorder is not None:
@@ -690,6 +631,7 @@ def _real_inputs(args: tuple, kwargs: dict, state, same_tensors: bool, carriers:
     return real + [int_carrier(size_hint(p.shape[0])) for p in carriers]
 
 
+@user_entry
 def _call_user(fn: Callable, args: tuple, kwargs: dict, swaps) -> Any:
     """``fn(*args, **kwargs)`` on proxies; on an error the caller's objects are put back as they were, and a
     function that leaves grad mode changed for its caller is refused (grad mode restored)."""
@@ -703,10 +645,6 @@ def _call_user(fn: Callable, args: tuple, kwargs: dict, swaps) -> Any:
         swaps.restore()
         raise
     return result
-
-
-#: the frames whose callees are the traced program's code (``_called_by_fulmen``)
-_USER_ENTRIES = frozenset((_call_user.__code__, run_user_code.__code__))
 
 
 def _grad_mode_left_changed(fn: Callable, grad_mode: bool) -> NotImplementedError:
