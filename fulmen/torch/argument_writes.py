@@ -72,8 +72,9 @@ def computes_tensors(func: Callable) -> bool:
 
 
 def _is_tensors(t) -> bool:
-    return isinstance(t, torch.TensorType) or (isinstance(t, torch.ListType) and isinstance(t.getElementType(),
-                                                                                            torch.TensorType))
+    return isinstance(t, torch.TensorType) or (
+        isinstance(t, torch.ListType) and isinstance(t.getElementType(), torch.TensorType)
+    )
 
 
 def _copy(x):
