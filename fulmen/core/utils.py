@@ -12,6 +12,11 @@ from typing import Any
 compiler_import_lock = threading.RLock()
 
 
+class RunsEagerly(Exception):  # noqa: N818 (not an error: the call runs, eagerly)
+    """Raised while tracing where a program cannot compute what eager does; the caller runs the function eagerly
+    for calls with this key (``str(e)`` says why, naming the user's line)."""
+
+
 def check(cond: Any, message: Callable[[], str], exception_type: type[Exception] = RuntimeError) -> None:
     """Raise ``exception_type(message())`` when ``cond`` is false; the message is built only on failure."""
     if not cond:

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 from fulmen.core.codegen import register_namespace
 from fulmen.core.symbol import BoundSymbol, OpTags, Symbol
+from fulmen.executors import checked_implementation
 from fulmen.executors.base import OperatorExecutor, _always, register_executor
 from fulmen.torch.registry import torch_id
 
@@ -49,6 +50,10 @@ class TorchExecutor(OperatorExecutor):
         elif OpTags.FALLBACK in sym.tags or (sym.module or "").startswith("torch."):  # printed as the torch callable
             fn = sym.torch_impl
             module, name = sym.module, sym.name
+            if getattr(fn, "kernel_may_disagree_with_fake", False):
+                # a kernel whose outputs fake tensors may not predict (one resizing what it writes): checked at the
+                # program's first call, which compiles again with what it returned (fulmen.core.meta_corrections)
+                fn = checked_implementation(fn, executor=self.name, symbol=name, meta=sym.meta, corrects=name)
         elif (sym.module or "").split(".")[0] == "torch":  # it names the torch callable it runs (torch.ops.aten.gelu)
             fn = sym.torch_impl
             module, name = sym.module, sym.name

@@ -78,8 +78,8 @@ def _drop_proxies(x: Any) -> None:
         x.extend(kept)
     elif isinstance(x, set):
         x.difference_update([v for v in x if isinstance(v, _TRACED)])
-    elif isinstance(x, dict):
-        for k in [k for k, v in x.items() if isinstance(v, _TRACED) or isinstance(k, _TRACED)]:
+    elif isinstance(x, dict):  # an entry holding one deeper (an optimizer's state per parameter) goes too
+        for k in [k for k, v in x.items() if _holds_proxy(v, 1) or isinstance(k, _TRACED)]:
             del x[k]
     elif _user_object(x) or _user_class(x):
         for k in [k for k, v in vars(x).items() if isinstance(v, _TRACED)]:
@@ -112,6 +112,8 @@ class _Search:
             self.function(getattr(v, "__wrapped__", None))
         elif isinstance(v, _CONTAINERS):
             self.places.append((where, v))
+        elif isinstance(v, torch.optim.Optimizer):  # its state (momentum buffers, Adam's moments) outlives the call
+            self.places.append((f"the state of the optimizer {where}", v.state))
         elif _user_object(v):
             self.places.append((where, v))
             self.user_class(type(v))
@@ -186,7 +188,7 @@ def _state(x: Any) -> tuple:
     return tuple((k, id(v)) for k, v in vars(x).items())
 
 
-def _searched(fns: Iterable[Callable], own: Iterable[torch.nn.Module]) -> _Search:
+def _searched(fns: Iterable[Callable], own: Iterable[torch.nn.Module], objects: Iterable[Any] = ()) -> _Search:
     """The places reachable from torch's global module hooks, the jitted module tree and the traced functions."""
     search = _Search()
     search.hooks(vars(_torch_module), "global")
@@ -194,6 +196,8 @@ def _searched(fns: Iterable[Callable], own: Iterable[torch.nn.Module]) -> _Searc
         search.module_tree(mod)
     for fn in fns:
         search.function(fn)
+    for obj in objects:
+        search.value(type(obj).__name__, obj)
     return search
 
 
@@ -271,12 +275,13 @@ def check_no_escapes(
     containers: list[tuple[str, Any, list]],
     codes: Iterable[tuple[types.CodeType, dict]],
     own: Iterable[torch.nn.Module],
+    objects: Iterable[Any] = (),
 ) -> None:
     """Raise (after removing them) where the code traced stored proxies in a list, dict, set or user object that
     the program does not return: ``fns`` the traced function (and the user's function behind it), ``containers``
     the lists and dicts it received (``argument_containers``), ``codes`` the user code that ran with its globals,
-    ``own`` the jitted module's tree."""
-    search = _searched(fns, own)
+    ``own`` the jitted module's tree, ``objects`` others the code used (the optimizers it stepped)."""
+    search = _searched(fns, own, objects)
     for code, globals_ in codes:
         search.code(code, globals_)
     for name, a, before in containers:
@@ -325,16 +330,27 @@ class PythonStateWatch:
     proxied arguments, ``names`` their parameters; ``own``: the jitted module's tree), ``check`` after it returned
     (``codes``: the recorder's user code and globals), ``clear_grown_caches`` whether it returned or raised."""
 
-    def __init__(self, roots: tuple, args: tuple, kwargs: dict, names: list[str], own: Iterable[torch.nn.Module]):
+    def __init__(self, roots: tuple, args: tuple, kwargs: dict, names: list[str], own: Iterable[torch.nn.Module],
+                 objects: list | None = None):
         self.roots, self.own = roots, own
+        self.objects = objects if objects is not None else []  # filled while tracing (the optimizers stepped)
         self.containers = argument_containers(args, kwargs, names)
         self.states = ContainerStates(roots, own)
 
     def check(self, codes: dict) -> None:
         pairs = [(code, globals_) for code, (globals_, _) in codes.items()]
-        check_no_escapes(self.roots, self.containers, pairs, self.own)
+        check_no_escapes(self.roots, self.containers, pairs, self.own, self.objects)
         roots = [getattr(getattr(f, "__func__", f), "__code__", None) for f in self.roots]
         warn_on_changes(self.roots[-1], self.states, [*codes, *filter(None, roots)])
+
+    def drop_escaped(self, codes: dict) -> None:
+        """After a trace that raised: the proxies the code stored where it outlives the call (an optimizer's state
+        made on its first step) are taken out again, so the caller's objects hold no placeholders."""
+        search = _searched(self.roots, self.own, self.objects)
+        for code, (globals_, _) in codes.items():
+            search.code(code, globals_)
+        for _, container in search.found():
+            _drop_proxies(container)
 
     def clear_grown_caches(self) -> None:
         self.states.clear_grown_caches()

@@ -313,6 +313,8 @@ class _Collector:
             self.covered.update(id(m) for m in value.modules())
         else:
             self.items.append(_Item(where, source, holder, name, value, "is"))
+            if isinstance(value, torch.optim.Optimizer):
+                self.optimizer(where, value)
             if _plain_object(value):  # a config object: the attributes this code names
                 self.attributes(where, vars(value), names, absent)
             elif type(value) is dict:  # CFG["lr"] in a dict that holds tensors or objects: the entries named
@@ -323,6 +325,15 @@ class _Collector:
                 for i, v in value.items() if type(value) is dict else enumerate(value):
                     if isinstance(v, torch.nn.Module):
                         self.add(f"{where}[{i!r}]", "key", value, i, v, frozenset())
+
+    def optimizer(self, where: str, opt: torch.optim.Optimizer) -> None:
+        """An optimizer's hyperparameters, by value: its step reads them as Python numbers (``group["lr"]``, which an
+        LR scheduler changes between calls), and the program holds the values it was traced with."""
+        for i, group in enumerate(opt.param_groups):
+            self.add(f"{where}.param_groups[{i}]", "key", opt.param_groups, i, group, frozenset())
+            for k, v in group.items():
+                if k != "params" and type(k) is str and _simple(v, [MAX_VALUE_ITEMS]):
+                    self.add(f"{where}.param_groups[{i}][{k!r}]", "key", group, k, v, frozenset())
 
     def attributes(self, where: str, attrs: dict, names: frozenset[str], absent: frozenset[str],
                    kind: str = "attribute") -> None:
@@ -639,7 +650,9 @@ def _generate(items: list[_Item]) -> Callable[[], bool]:
 
 def build_guard(recorder: ReadRecorder, captured: list[tuple[str, torch.Tensor]],
                 covered: Iterable[torch.nn.Module] = (), arguments: dict | None = None,
-                walked: Iterable[Any] = (), flag_names: frozenset[str] = frozenset()) -> GlobalGuard | None:
+                walked: Iterable[Any] = (), flag_names: frozenset[str] = frozenset(),
+                grads: Iterable[tuple[torch.Tensor, Any, str]] = (),
+                optimizers: Iterable[torch.optim.Optimizer] = ()) -> GlobalGuard | None:
     """The guard for what the code recorded while tracing can read, and for the metadata of the tensors the
     program captured (``captured``: their names in the trace, and the tensors); None when there is nothing to
     check. ``covered``: the jitted module's tree, whose structure snapshot already checks its plain attributes.
@@ -647,9 +660,19 @@ def build_guard(recorder: ReadRecorder, captured: list[tuple[str, torch.Tensor]]
     so the attributes the code reads from it are checked here). ``walked``: objects passed in whose structure the
     prologue checks (``fulmen.frontend.objects``): what is read through them is not checked again. ``flag_names``:
     the names of the torch flags the program's beliefs depend on, though its code names none of them (the layout
-    of a convolution of a channels_last input, ``torch.kernel_layouts.flag_names_read``)."""
+    of a convolution of a channels_last input, ``torch.kernel_layouts.flag_names_read``). ``grads``: (tensor,
+    its ``.grad`` as read, where) for the gradients the code read of tensors that are not inputs: a call must find the
+    same gradient object there (``zero_grad()`` sets it to None and backward makes a new one), or it compiles again.
+    ``optimizers``: those whose ``step()`` ran while tracing, whose hyperparameters are checked by value."""
     collector = _Collector(covered, walked)
     collector.flags(flag_names)
+    seen: set[int] = set()
+    for owner, grad, where in grads:
+        if id(owner) not in seen:
+            seen.add(id(owner))
+            collector.items.append(_Item(f"the .grad of a tensor read at {where}", "slot", owner, "grad", grad, "is"))
+    for opt in optimizers:
+        collector.optimizer(f"the optimizer {type(opt).__name__}", opt)
     for name, t in captured:  # read by identity on every call, but traced for this shape, dtype and device
         collector.items.append(_Item(f"the captured tensor {name}", "tensor", t, name, _tensor_meta(t), "meta"))
     root, owner = _root_function(recorder.fn)

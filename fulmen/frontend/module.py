@@ -42,6 +42,7 @@ from fulmen.frontend.jit import _READ_TENSOR, JittedFunction, saved_tensors_hook
 from fulmen.frontend.key_changes import changed_value
 from fulmen.frontend.split_points import ValueChanged
 from fulmen.frontend.tracing import _arg_names, check_supported_tensors, trace_program
+from fulmen.frontend.user_frames import run_user_code
 
 log = logging.getLogger("fulmen")
 
@@ -341,7 +342,7 @@ class _ModuleProgram(JittedFunction):
 
         def forward(state_proxies, *a, **k):
             with state.swapped(state_proxies):
-                out = run_module(*a, **k)
+                out = run_user_code(run_module, *a, **k)
                 reassigned = state.reassigned_buffers(state_proxies)
             if not reassigned:
                 return out
@@ -500,6 +501,10 @@ def _program_for(module: nn.Module, executors, options: dict):
     return fsdp2.ShardedModelCall(module)
 
 
+_STATE_DICT_HOOK_DICTS = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                          "_load_state_dict_post_hooks")
+
+
 class JittedModule(nn.Module):
     """``fulmen.jit(module)``: behaves as the module (same parameters, buffers, state_dict, train/eval)."""
 
@@ -510,6 +515,10 @@ class JittedModule(nn.Module):
         self._buffers = module._buffers
         self._modules = module._modules
         self._non_persistent_buffers_set = module._non_persistent_buffers_set
+        # ... and its state_dict hooks (spectral_norm's version entry, checkpoint_wrapper's key prefix, a user's),
+        # which state_dict() and load_state_dict() of the wrapper run as the original's would
+        for hooks in _STATE_DICT_HOOK_DICTS:
+            setattr(self, hooks, getattr(module, hooks))
         object.__setattr__(self, "_fulmen_module", module)
         object.__setattr__(self, "_fulmen_jitted", _program_for(module, executors, options))
 
@@ -521,6 +530,19 @@ class JittedModule(nn.Module):
     @property
     def original_module(self) -> nn.Module:
         return self._fulmen_module
+
+    # The original's class may save and load more than its tensors (get_extra_state, a lazy module's uninitialized
+    # parameters, a version of its own that its _load_from_state_dict reads): state_dict() and load_state_dict()
+    # go through its methods.
+    @property
+    def _version(self) -> int:
+        return getattr(self.__dict__.get("_fulmen_module"), "_version", nn.Module._version)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        self._fulmen_module._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        self._fulmen_module._load_from_state_dict(*args, **kwargs)
 
     # `training` is the original's: `model.eval()` on the original shows here too
     @property

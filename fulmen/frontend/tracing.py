@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import os
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -16,6 +15,7 @@ import torch
 import torch.utils.checkpoint
 from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from fulmen import prims
 from fulmen.core import langctx
@@ -27,7 +27,6 @@ from fulmen.core.proxies import (
     _user_location,
     call_with_out,
     has_proxy,
-    is_library_file,
     is_proxy,
     latest,
 )
@@ -37,6 +36,7 @@ from fulmen.core.symbolic import size_hint
 from fulmen.core.trace import Trace, get_tracectx
 from fulmen.core.tracer import Tracer, record, resolve_latest, tracing
 from fulmen.core.unbacked import GuardOnDataDependentSymNode, data_dependent_guard
+from fulmen.core.utils import RunsEagerly  # noqa: F401 (where the callers import it from)
 from fulmen.frontend import checkpointing
 from fulmen.frontend.cache import is_holder, overrides_torch
 from fulmen.frontend.dynamic import IntInputs, int_carrier
@@ -49,19 +49,19 @@ from fulmen.frontend.replay import Replays
 from fulmen.frontend.rng_calls import recording_rng_calls
 from fulmen.frontend.split_points import ValueReader
 from fulmen.frontend.symbolic_text import text_specializes
+from fulmen.frontend.training_state import GRAD_ATTRIBUTE, grad_access, recording_optimizer_steps
+from fulmen.frontend.user_frames import called_by_fulmen as _called_by_fulmen
+from fulmen.frontend.user_frames import user_entry
+from fulmen.torch.argument_writes import computes_tensors
 from fulmen.torch.collectives import nn_functional_traceable
-from fulmen.torch.fallback import opaque_symbol
+from fulmen.torch.fallback import opaque_symbol, writes_arguments
+from fulmen.torch.fallback import record as fallback_record
 from fulmen.torch.inplace import view_input_as_its_memory
 from fulmen.torch.kernel_layouts import flag_names_read
 from fulmen.torch.numpy_values import numpy_data, numpy_scalar
 from fulmen.torch.shape import set_strides
 from fulmen.torch.views import set_inference
 from fulmen.transforms.autocast import current_policies
-
-
-class RunsEagerly(Exception):  # noqa: N818 (not an error: the call runs, eagerly)
-    """Raised while tracing where a program cannot compute what eager does; the caller runs the function eagerly
-    for calls with this key (``str(e)`` says why, naming the user's line)."""
 
 
 @dataclass
@@ -80,6 +80,11 @@ class InputSpec:
     # the tensor values the traced Python read, in order, and where (fulmen.frontend.split_points): the branch
     values: tuple = ()
     value_lines: tuple[str, ...] = ()
+    # (tensor, its .grad, where) for each .grad the traced code read of a tensor that is not an input (an optimizer's
+    # parameters): the program captured that gradient object, so a call must find the same one (or None) there
+    grad_reads: list[tuple[torch.Tensor, Any, str]] = field(default_factory=list)
+    # the optimizers whose step() ran while tracing: the program holds their hyperparameters' values (lr, betas)
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
 
 
 def _arg_names(fn: Callable, args: tuple, kwargs: dict) -> list[str]:
@@ -276,23 +281,6 @@ class _Capture:
 #: Values that hold no tensor: ``_Capture`` passes tuples and lists of them through as they are.
 _PLAIN = frozenset((TensorProxy, int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size))
 
-_FULMEN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-# fulmen's own layers; code elsewhere in the package (fulmen/bench models, examples) counts as user code
-_INTERNAL = tuple(os.path.join(_FULMEN_DIR, d) for d in ("core", "torch", "prims", "clang.py", "transforms",
-                                                         "executors", "frontend"))
-
-
-def _called_by_fulmen() -> bool:
-    """Whether the torch call being intercepted comes from fulmen's own code rather than the user's."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not is_library_file(filename) or filename.startswith(_FULMEN_DIR):
-            return filename.startswith(_INTERNAL)
-        frame = frame.f_back
-    return False
-
-
 _DATA_ARGUMENT = frozenset((torch.as_tensor, torch.tensor, torch.asarray))
 _functorch_active = torch._C._are_functorch_transforms_active
 
@@ -307,13 +295,17 @@ def _transform_inside(func: Callable) -> NotImplementedError:
         "dimension explicit (broadcasting, torch.bmm, einsum).")
 
 
+def _computes_on_tensors(func: Callable, args: tuple, kwargs: dict) -> bool:
+    return computes_tensors(func) and any(isinstance(x, torch.Tensor) for x in tree_leaves((args, kwargs)))
+
+
 class _UserTorchCalls(TorchFunctionMode):
     """Routes torch calls that have no proxy argument (``torch.rand(3)``, ``torch.arange(n)``) made by user
     code to the torch language, so they run on every call instead of being computed once while tracing."""
 
-    def __init__(self, trace: Trace):
+    def __init__(self, trace: Trace, spec: InputSpec):
         super().__init__()
-        self.trace = trace
+        self.trace, self.spec = trace, spec
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -321,6 +313,8 @@ class _UserTorchCalls(TorchFunctionMode):
         if trc is self.trace and len(trc.scopes) == 1:  # user code, not a meta or a decomposition
             if _functorch_active():  # tracing starts outside torch.func transforms (JittedFunction._find)
                 raise _transform_inside(func)
+            if getattr(func, "__self__", None) is GRAD_ATTRIBUTE and args and not isinstance(args[0], TensorProxy):
+                return grad_access(func, args, kwargs, self.spec.grad_reads, _called_by_fulmen())
             fn = langctx.torch_functions.get(func)
             if has_proxy((args, kwargs)):
                 if fn is not None and func in _DATA_ARGUMENT:
@@ -328,12 +322,16 @@ class _UserTorchCalls(TorchFunctionMode):
                     return fn(*args, **kwargs)
                 if types == (TensorProxy,):  # what func(*args) would reach through torch's dispatch, at once
                     return TensorProxy.__torch_function__(func, types, args, kwargs)
-            elif (fn is not None or callable_draws(func)) and not _called_by_fulmen():
+            elif (fn is not None or callable_draws(func) or writes_arguments(func)
+                  or _computes_on_tensors(func, args, kwargs)) and not _called_by_fulmen():
                 if func in _DATA_ARGUMENT and args:  # torch.tensor(np_array): the array as a tensor sharing its memory
                     args = (numpy_data(args[0]), *args[1:])
                 # a random op with no rule (torch.randperm) is an opaque op that draws on every call, not a
-                # constant drawn once while tracing
-                fn = fn if fn is not None else opaque_symbol(func)
+                # constant drawn once while tracing; one that writes a global tensor (torch._foreach_lerp_ of an
+                # EMA) writes it on every call, and one that reads them (torch._foreach_norm of the gradients in
+                # clip_grad_norm_) reads them on every call
+                if fn is None:
+                    fn = opaque_symbol(func) if callable_draws(func) else fallback_record(func)
                 if kwargs.get("out") is not None:  # torch.zeros(3, out=buffer): written in place, as eager
                     return call_with_out(fn, func, args, kwargs)
                 return fn(*args, **kwargs)
@@ -542,7 +540,17 @@ def _guard_what_was_read(trace: Trace, spec: InputSpec, recorder: ReadRecorder, 
     """``spec.guard``: a check of what the user's code read while traced (``fulmen.frontend.global_guard``)."""
     names = [p.name for p in trace.args[len(trace.args) - len(spec.captured):]]
     spec.guard = build_guard(recorder, list(zip(names, spec.captured)), own, bound_arguments,
-                             [h.obj for h in swaps.holders], flag_names_read(trace))
+                             [h.obj for h in swaps.holders], flag_names_read(trace), spec.grad_reads, spec.optimizers)
+
+
+@contextlib.contextmanager
+def _while_tracing(tracer: UserTracer, trace: Trace, spec: InputSpec) -> Iterator[ModuleWrites]:
+    """The patches and recorders the user's function runs under while ``trace_program`` traces it."""
+    with tracing(tracer), _UserTorchCalls(trace, spec), _compiling(), _parametrizations_uncached(), \
+            _recording_autograd_functions(), nn_functional_traceable(), routing_higher_order_ops(), \
+            recording_rng_calls(), recording_optimizer_steps(trace, spec.optimizers), text_specializes(), \
+            ModuleWrites() as writes:
+        yield writes
 
 
 def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[str] | None = None,
@@ -571,12 +579,11 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
     reader = ValueReader(trace, lambda: real + spec.captured)
     recorder = ReadRecorder(guard_reads, sys._getframe()) if guard_reads is not None else None
     tracer = UserTracer(trace, spec, reader=reader if split_points else None, on_user_call=recorder, replay=replay)
-    watch = PythonStateWatch((fn, guard_reads) if guard_reads is not None else (fn,),
-                             proxy_args[1:] if state is not None else proxy_args, proxy_kwargs, names, own)
+    inputs = proxy_args[1:] if state is not None else proxy_args
+    watch = PythonStateWatch((fn, guard_reads) if guard_reads is not None else (fn,), inputs, proxy_kwargs, names,
+                             own, spec.optimizers)
     try:
-        with tracing(tracer), _UserTorchCalls(trace), _compiling(), _parametrizations_uncached(), \
-                _recording_autograd_functions(), nn_functional_traceable(), routing_higher_order_ops(), \
-                recording_rng_calls(), text_specializes(), ModuleWrites() as writes:
+        with _while_tracing(tracer, trace, spec) as writes:
             for p in spec.tensor_proxies:
                 view_input_as_its_memory(p)
             result = _call_user(fn, proxy_args, proxy_kwargs, swaps)
@@ -593,8 +600,10 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
                 result = (result, [value for *_, value in attributes])
             result = _resolve_outputs(result)
             result = _write_back_mutated_inputs(trace, result)
-    except GuardOnDataDependentSymNode as e:  # a meta asked a question about a data-dependent size
-        raise data_dependent_guard(None, e) from e
+    except BaseException as e:  # the caller's objects keep none of the proxies stored
+        watch.drop_escaped(recorder.codes if recorder is not None else {})
+        # a meta asked a question about a data-dependent size
+        raise data_dependent_guard(None, e) if isinstance(e, GuardOnDataDependentSymNode) else e
     finally:
         watch.clear_grown_caches()
         if recorder is not None:
@@ -623,6 +632,7 @@ def _real_inputs(args: tuple, kwargs: dict, state, same_tensors: bool, carriers:
     return real + [int_carrier(size_hint(p.shape[0])) for p in carriers]
 
 
+@user_entry
 def _call_user(fn: Callable, args: tuple, kwargs: dict, swaps) -> Any:
     """``fn(*args, **kwargs)`` on proxies; on an error the caller's objects are put back as they were, and a
     function that leaves grad mode changed for its caller is refused (grad mode restored)."""

@@ -3,7 +3,8 @@
 The op is recorded as one symbol whose metadata comes from running it on fake tensors; the torch
 executor calls the original callable, and autodiff differentiates it with PyTorch's own autograd. The
 trace marks it, and ``fulmen.examine`` lists such ops. In-place Tensor methods (``x.foo_()``) run on a
-copy and the result replaces ``x`` (see ``fulmen.torch.inplace``).
+copy and the result replaces ``x`` (see ``fulmen.torch.inplace``), and so do the arguments other functions write
+(``fulmen.torch.argument_writes``).
 """
 
 from __future__ import annotations
@@ -382,9 +383,16 @@ def _is_inplace_method(func: Callable) -> bool:
     return name.endswith("_") and not name.endswith("__") and getattr(torch.Tensor, name, None) is func
 
 
+def writes_arguments(func: Callable) -> bool:
+    """Whether ``func`` (a torch callable without a torch-language rule) updates tensors it is given."""
+    from fulmen.torch import argument_writes
+
+    return _is_inplace_method(func) or bool(argument_writes.written_arguments(func))
+
+
 def record(func: Callable) -> Callable:
     """What ``TensorProxy.__torch_function__`` calls for a torch callable without a rule."""
-    from fulmen.torch import collectives, custom_ops
+    from fulmen.torch import argument_writes, collectives, custom_ops
 
     if collectives.is_wait_wrapper(func):
         langctx.torch_functions[func] = collectives.wait_tensor
@@ -403,6 +411,8 @@ def record(func: Callable) -> Callable:
             return mutate(self, result)
 
         return inplace
+    if argument_writes.written_arguments(func):  # torch._foreach_lerp_(ema, ...): a functional form, then writes
+        return argument_writes.recorder(func)
     return opaque_symbol(func)
 
 

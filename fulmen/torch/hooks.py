@@ -12,6 +12,7 @@ included.
 from __future__ import annotations
 
 import sys
+import types
 from collections.abc import Callable
 
 import torch
@@ -39,6 +40,40 @@ class _GradHook(torch.autograd.Function):
 def grad_hook(x: torch.Tensor, hook: Callable) -> torch.Tensor:
     """``x`` itself, whose gradient is passed through ``hook`` (as ``x.register_hook(hook)`` would)."""
     return _GradHook.apply(x, hook)
+
+
+def grad_hook_reading(x: torch.Tensor, hook: Callable, cells: tuple[int, ...], *tensors: torch.Tensor) -> torch.Tensor:
+    """``grad_hook`` for a hook whose closure holds tensors the traced function computed (``lambda g: g * mask``):
+    the ``cells``-th closure cells hold this call's ``tensors`` instead of the values seen while tracing."""
+    closure = list(hook.__closure__)
+    for i, t in zip(cells, tensors):
+        closure[i] = types.CellType(t)
+    bound = types.FunctionType(hook.__code__, hook.__globals__, hook.__name__, hook.__defaults__, tuple(closure))
+    bound.__kwdefaults__ = hook.__kwdefaults__
+    return _GradHook.apply(x, bound)
+
+
+def _traced_cells(hook: Callable) -> tuple[tuple[int, ...], list[TensorProxy]]:
+    """The closure cells of ``hook`` that hold proxies, and those proxies (their current values); a proxy held
+    deeper (in a list the hook closes over) is refused, naming the line."""
+    if not isinstance(hook, types.FunctionType) or not hook.__closure__:
+        return (), []
+    cells, values = [], []
+    for i, cell in enumerate(hook.__closure__):
+        try:
+            v = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(v, TensorProxy):
+            cells.append(i)
+            values.append(latest(v))
+        elif isinstance(v, (list, tuple, dict)) and any(
+                isinstance(x, TensorProxy) for x in (v.values() if isinstance(v, dict) else v)):
+            raise NotImplementedError(
+                f"the tensor hook {hook.__qualname__} reads tensors computed by the traced function through the "
+                f"{type(v).__name__} {hook.__code__.co_freevars[i]!r}.\n  at {_user_location()}\nClose over the "
+                "tensors themselves (one variable each), which fulmen passes to the hook on every call.")
+    return tuple(cells), values
 
 
 class _TracedHookHandle:
@@ -71,7 +106,11 @@ def register_hook(t: TensorProxy, hook: Callable) -> _TracedHookHandle:
             f"register_hook on a tensor ({current.name}) that the function already used: fulmen supports hooks "
             f"registered before a tensor's first use.\n  at {_user_location()}\nMove the register_hook call to "
             "right after the line that computes the tensor.")
-    hooked = opaque_symbol(grad_hook)(current, hook)
+    cells, tensors = _traced_cells(hook)
+    if cells:  # the hook reads this call's values of tensors the function computed (lambda g: g * mask)
+        hooked = opaque_symbol(grad_hook_reading)(current, hook, cells, *tensors)
+    else:
+        hooked = opaque_symbol(grad_hook)(current, hook)
     trc.has_mutations = True  # later uses of `t` read `hooked` (proxies.latest)
     current.replace_with(hooked)
     trc.mutations += 1
