@@ -101,6 +101,14 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
+_top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+def saved_tensors_hooks() -> tuple | None:
+    """The innermost ``torch.autograd.graph.saved_tensors_hooks`` (pack, unpack) in effect, or None."""
+    return _top_saved_tensors_hooks(False)
+
+
 def user_modes_active() -> bool:
     """Whether a ``TorchFunctionMode`` or ``TorchDispatchMode`` of the user's (a logging, counting or rewriting mode,
     ``FlopCounterMode``) is active. Eager runs every operation through it; a compiled program's fused kernels never

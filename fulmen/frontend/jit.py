@@ -30,6 +30,7 @@ from fulmen.frontend.cache import (
     lazy_view_inputs,
     passes_a_read_tensor,
     read_tensor_ids,
+    saved_tensors_hooks,
     user_modes_active,
     written_inputs,
 )
@@ -79,14 +80,6 @@ _MAX_GLOBAL_VARIANTS = 8
 # Concrete keys that a dynamic entry served are added to the dictionary (so they hit without guard work) up to
 # this many keys per function.
 _MAX_ALIASES = 4096
-
-_top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-
-
-def saved_tensors_hooks() -> tuple[Callable, Callable] | None:
-    """The innermost ``torch.autograd.graph.saved_tensors_hooks`` (pack, unpack) in effect, or None."""
-    return _top_saved_tensors_hooks(False)
-
 
 @dataclass
 class CacheEntry:
@@ -694,15 +687,12 @@ class JittedFunction:
             raise RuntimeError("the guards recorded while tracing do not hold for the sizes traced")
         if not self._marked_dims and not self._marked_ints:  # Python asking a SymInt's type: an exact trace's program?
             check_symbolic_trace(self._histories[self._structure(key)], symbolic, entry, (ints, sizes),
-                                 functools.partial(self._trace_at, args, kwargs))
+                                 lambda sizes=None, ints=None: self._trace(args, kwargs, sizes=sizes, ints=ints)
+                                 if ints else self._trace(args, kwargs, sizes=sizes))  # exactly, or at other values
         entry.symbolic = symbolic
         entry.pattern = self._pattern(key, symbolic)
         self._dynamic_entries.append(entry)
         return entry
-
-    def _trace_at(self, args, kwargs, sizes: list | None = None, ints: dict | None = None) -> tuple[Trace, InputSpec]:
-        """The call traced exactly, or with other ``sizes`` and ``ints`` (slot -> int) than its own."""
-        return self._trace(args, kwargs, sizes=sizes, ints=ints) if ints else self._trace(args, kwargs, sizes=sizes)
 
     def _build(self, key, args, kwargs, symbolic: SymbolicSizes | None = None) -> CacheEntry:
         """Trace and compile for one key (for symbolic sizes when ``symbolic`` is given)."""

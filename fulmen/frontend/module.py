@@ -35,10 +35,11 @@ from fulmen.frontend.cache import (
     args_key,
     global_state_key,
     passes_a_read_tensor,
+    saved_tensors_hooks,
     state_key,
 )
 from fulmen.frontend.distributed_wrappers import refuse_traced_wrappers
-from fulmen.frontend.jit import _READ_TENSOR, JittedFunction, saved_tensors_hooks
+from fulmen.frontend.jit import _READ_TENSOR, JittedFunction
 from fulmen.frontend.key_changes import changed_value
 from fulmen.frontend.split_points import ValueChanged
 from fulmen.frontend.tracing import _arg_names, check_supported_tensors, trace_program
