@@ -248,7 +248,8 @@ def test_an_aten_function_without_a_rule_reads_global_tensors_on_every_call():
 
 @pytest.mark.parametrize(
     "make, error",
-    [(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), NotImplementedError), (torch.optim.Adam, Exception)],
+    [(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), NotImplementedError),
+     (torch.optim.Adam, fulmen.DataDependentError)],
     ids=["sgd_momentum", "adam"],
 )
 def test_an_optimizer_whose_first_step_makes_state_leaves_no_placeholders_in_it(make, error):
@@ -263,7 +264,8 @@ def test_an_optimizer_whose_first_step_makes_state_leaves_no_placeholders_in_it(
         opt.step()
 
     model(torch.ones(1, 3)).sum().backward()
-    with pytest.raises(error, match="state of the optimizer" if error is NotImplementedError else ""):
+    # Adam's for-loop step branches on a tensor (its capturable check) before it stores state
+    with pytest.raises(error, match="state of the optimizer" if error is NotImplementedError else r"bool\(tensor\)"):
         fulmen.jit(update, executors=["torch"])()
     assert not any(isinstance(v, TensorProxy) for state in opt.state.values() for v in state.values())
     opt.step()  # eagerly, as if never traced
