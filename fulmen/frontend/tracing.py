@@ -281,11 +281,25 @@ _INTERNAL = tuple(os.path.join(_FULMEN_DIR, d) for d in ("core", "torch", "prims
                                                          "executors", "frontend"))
 
 
+#: Code of fulmen's that makes a traced program's own calls (an FX graph run node by node): a torch call it makes is
+#: the program's, to be traced, not fulmen's (``runs_program_calls``).
+_PROGRAM_CALLERS: set = set()
+
+
+def runs_program_calls(fn: Callable) -> Callable:
+    """Mark ``fn`` (fulmen code) as making the traced program's calls: ``torch.zeros(...)`` it calls is recorded, and
+    runs on every call, rather than run once while tracing and captured as a constant."""
+    _PROGRAM_CALLERS.add(fn.__code__)
+    return fn
+
+
 def _called_by_fulmen() -> bool:
     """Whether the torch call being intercepted comes from fulmen's own code rather than the user's."""
     frame = sys._getframe(2)
     while frame is not None:
         filename = frame.f_code.co_filename
+        if frame.f_code in _PROGRAM_CALLERS:
+            return False
         if not is_library_file(filename) or filename.startswith(_FULMEN_DIR):
             return filename.startswith(_INTERNAL)
         frame = frame.f_back
