@@ -10,6 +10,7 @@ pipeline as ``fulmen.jit`` (autodiff, executors, fusion, caching). The backend i
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import weakref
 from collections.abc import Callable
@@ -221,6 +222,13 @@ def _jitted_graph(gm: torch.fx.GraphModule, n_inputs: int, sources: dict, kept: 
     return jitted
 
 
+def _selector(kept: list[int]) -> Callable:
+    """``args -> the args at kept`` (a sequence), picked in C on the per-call path."""
+    if len(kept) > 1:
+        return operator.itemgetter(*kept)
+    return lambda args: tuple(args[i] for i in kept)  # itemgetter of one index gives the item, not a tuple
+
+
 def fulmen_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None,
                    **kwargs) -> Callable:
     """Compile one Dynamo graph with ``fulmen.jit``; options are passed to it (e.g. ``executors=``).
@@ -245,7 +253,7 @@ def fulmen_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict
     sources = _size_sources(gm) or {}
     kept = [i for i in range(len(example_inputs)) if i not in sources]  # the inputs fulmen is passed
     jitted = _jitted_graph(gm, len(example_inputs), sources, kept, {**(options or {}), **kwargs}, aten)
-    select = (lambda args: [args[i] for i in kept]) if sources else (lambda args: args)
+    select = _selector(kept) if sources else (lambda args: args)
     record = _GraphRecord(jitted)
     eager = None  # set when fulmen cannot trace the graph: Dynamo's graph then runs as it is
     if transforms:
