@@ -46,21 +46,36 @@ def _opaque_lines(jitted) -> list[str]:
     ]
 
 
-def _with_state_buffer(x):
-    state = torch.zeros(x.shape[0], 2)  # a buffer the program fills and returns (Mamba's conv state)
-    state.copy_(x[:, -2:])
-    return state, torch.vmap(torch.sin)(x) * 2
+def _with_state_buffers(x):
+    n = x.shape[0]
+    # buffers the program fills and returns (Mamba's conv state), made by each factory
+    made = [
+        torch.zeros(n, 2),
+        torch.ones(n, 2),
+        torch.full((n, 2), 3.0),
+        torch.empty(n, 2),
+        x.new_zeros(n, 2),
+        torch.ones_like(x[:, :2]),
+        torch.arange(2 * n, dtype=x.dtype).view(n, 2),
+    ]
+    for state in made:
+        state.add_(x[:, -2:])
+    made[3].copy_(x[:, -2:])
+    return made, torch.vmap(torch.sin)(x) * 2
 
 
-def test_a_buffer_made_in_a_retraced_graph_is_a_new_tensor_on_every_call():
-    compiled, _ = _compiled(_with_state_buffer)
+def test_buffers_made_in_a_retraced_graph_are_new_tensors_on_every_call():
+    compiled, _ = _compiled(_with_state_buffers)
     x1, x2 = torch.randn(3, 4), torch.randn(3, 4)
+    expected1, expected2 = _with_state_buffers(x1), _with_state_buffers(x2)
     first = compiled(x1)
     second = compiled(x2)
-    assert first[0] is not second[0]
-    torch.testing.assert_close(first[0], x1[:, -2:], rtol=0, atol=0)  # not overwritten by the second call
-    torch.testing.assert_close(second[0], x2[:, -2:], rtol=0, atol=0)
-    torch.testing.assert_close(second[1], torch.sin(x2) * 2)
+    for a, b in zip(first[0], second[0]):
+        assert a is not b
+    for got, expected in ((first, expected1), (second, expected2)):  # the first not overwritten by the second call
+        for g, e in zip(got[0], expected[0]):
+            torch.testing.assert_close(g, e, rtol=0, atol=0)
+        torch.testing.assert_close(got[1], expected[1])
     assert backend_stats().eager_graphs == 0
     torch._dynamo.reset()
 

@@ -58,6 +58,8 @@ _SAME_ARGUMENTS: dict[str, Callable] = {
     "relu.default": torch.relu,
     "silu.default": F.silu,
     "softplus.default": F.softplus,
+    "remainder.Scalar": torch.remainder,
+    "remainder.Tensor": torch.remainder,
     "select.int": torch.select,
     "stack.default": torch.stack,
     "cat.default": torch.cat,
@@ -65,6 +67,19 @@ _SAME_ARGUMENTS: dict[str, Callable] = {
     "split_with_sizes.default": torch.split_with_sizes,
     "zeros.default": torch.zeros,
     "zeros_like.default": torch.zeros_like,
+    "ones.default": torch.ones,
+    "ones_like.default": torch.ones_like,
+    "full.default": torch.full,
+    "full_like.default": torch.full_like,
+    "empty.memory_format": torch.empty,
+    "empty_like.default": torch.empty_like,
+    "arange.default": torch.arange,
+    "arange.start": torch.arange,
+    "arange.start_step": torch.arange,
+    "new_zeros.default": torch.Tensor.new_zeros,
+    "new_ones.default": torch.Tensor.new_ones,
+    "new_full.default": torch.Tensor.new_full,
+    "new_empty.default": torch.Tensor.new_empty,
 }
 
 
