@@ -10,6 +10,7 @@ pipeline as ``fulmen.jit`` (autodiff, executors, fusion, caching). The backend i
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import weakref
 from collections.abc import Callable
@@ -180,30 +181,36 @@ def _without_transforms(gm: torch.fx.GraphModule, example_inputs: list) -> torch
             return make_fx(gm, tracing_mode="real")(*fakes)
 
 
-def _traceable(gm: torch.fx.GraphModule, example_inputs: list) -> tuple[torch.fx.GraphModule, list[str]]:
-    """``(graph fulmen traces, the transform primitives left in it)``. vmap/grad levels inside a graph (Mamba's
-    associative_scan runs torch's vmap) act on the tensors the graph passes them, which fulmen's traced tensors
-    cannot stand for; the same graph with the batching rules applied (aten operations on unbatched tensors) can be
-    traced, with static or symbolic sizes (``_without_transforms``). A graph ``make_fx`` cannot retrace keeps its
-    primitives: PyTorch runs it (counted in ``backend_stats().eager_graphs``)."""
+def _traceable(gm: torch.fx.GraphModule, example_inputs: list) -> tuple[torch.fx.GraphModule, list[str], bool]:
+    """``(graph fulmen traces, the transform primitives left in it, whether it is an aten graph)``. vmap/grad levels
+    inside a graph (Mamba's associative_scan runs torch's vmap) act on the tensors the graph passes them, which
+    fulmen's traced tensors cannot stand for; the same graph with the batching rules applied (aten operations on
+    unbatched tensors) can be traced, with static or symbolic sizes (``_without_transforms``). A graph ``make_fx``
+    cannot retrace keeps its primitives: PyTorch runs it (counted in ``backend_stats().eager_graphs``)."""
     transforms = _functorch_calls(gm)
     retraced = _without_transforms(gm, example_inputs) if transforms else None
     if retraced is None:
-        return gm, transforms
+        return gm, transforms, False
     log.info("fulmen: a Dynamo graph calls torch.func's transform primitives (%s); compiling it as make_fx "
              "retraced it with their batching rules applied", ", ".join(transforms))
-    return retraced, []
+    return retraced, [], True
 
 
-def _jitted_graph(gm: torch.fx.GraphModule, n_inputs: int, sources: dict, kept: list[int], options: dict):
-    """``fulmen.jit`` of the graph, taking the inputs at ``kept`` and reading the sizes at ``sources`` from them."""
+def _jitted_graph(gm: torch.fx.GraphModule, n_inputs: int, sources: dict, kept: list[int], options: dict,
+                  aten: bool = False):
+    """``fulmen.jit`` of the graph, taking the inputs at ``kept`` and reading the sizes at ``sources`` from them.
+    An aten graph (``aten``: one ``make_fx`` retraced) runs its aten operations as their torch-level forms
+    (``TorchCalls``), so fulmen traces them through its own symbols: an aten overload reaching the tracer is one
+    opaque operation, which nothing fuses and whose gradient PyTorch's autograd computes op by op."""
+    from fulmen.frontend.aten_graph import TorchCalls
     from fulmen.frontend.jit import JittedFunction
 
     position = {i: k for k, i in enumerate(kept)}
+    run = (lambda *args: TorchCalls(gm, differentiable=True).run(*args)) if aten else gm
 
     def run_graph(*passed):  # runs only while fulmen traces: not on the per-call path
-        return gm(*[passed[position[sources[i][0]]].shape[sources[i][1]] if i in sources else passed[position[i]]
-                    for i in range(n_inputs)])
+        return run(*[passed[position[sources[i][0]]].shape[sources[i][1]] if i in sources else passed[position[i]]
+                     for i in range(n_inputs)])
 
     run_graph.__name__ = "dynamo_graph"
     jitted = JittedFunction(run_graph, **options)
@@ -213,6 +220,13 @@ def _jitted_graph(gm: torch.fx.GraphModule, n_inputs: int, sources: dict, kept: 
         jitted._marked_ints = _dynamic_ints(gm, kept)
     jitted._split_points = False  # a value the graph reads (.item()) is a float Dynamo passes anew on each call
     return jitted
+
+
+def _selector(kept: list[int]) -> Callable:
+    """``args -> the args at kept`` (a sequence), picked in C on the per-call path."""
+    if len(kept) > 1:
+        return operator.itemgetter(*kept)
+    return lambda args: tuple(args[i] for i in kept)  # itemgetter of one index gives the item, not a tuple
 
 
 def fulmen_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None,
@@ -235,11 +249,11 @@ def fulmen_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict
         return dynamo_dtensor.split_at_dtensors(gm, lambda part, examples: fulmen_backend(part, examples, options,
                                                                                           **kwargs))
 
-    gm, transforms = _traceable(gm, example_inputs)
+    gm, transforms, aten = _traceable(gm, example_inputs)
     sources = _size_sources(gm) or {}
     kept = [i for i in range(len(example_inputs)) if i not in sources]  # the inputs fulmen is passed
-    jitted = _jitted_graph(gm, len(example_inputs), sources, kept, {**(options or {}), **kwargs})
-    select = (lambda args: [args[i] for i in kept]) if sources else (lambda args: args)
+    jitted = _jitted_graph(gm, len(example_inputs), sources, kept, {**(options or {}), **kwargs}, aten)
+    select = _selector(kept) if sources else (lambda args: args)
     record = _GraphRecord(jitted)
     eager = None  # set when fulmen cannot trace the graph: Dynamo's graph then runs as it is
     if transforms:

@@ -294,7 +294,7 @@ class _Writer:
                 self.check(condition, comment)
             self._inference_check()
             return fast
-        name = self.const(fast, "tensor_guards")
+        name = self.const(fast.guards, "tensor_guards")
         exprs = ", ".join(self.flat[: len(checks)])
         contiguous = "".join(f" or not {e}.is_contiguous()" for e, (_, _, k, d, _) in zip(self.flat, checks)
                              if d and len(k) == 4)
@@ -304,7 +304,7 @@ class _Writer:
                        f"if not {name}.check({exprs}){contiguous}:"]
         for condition, comment, *_ in checks:
             self.check(condition, comment, indent="    ")
-        self._inference_check()
+        self._inference_check(fast)
         return fast
 
     def symbolic_guards(self, symbolic) -> list[str]:
@@ -320,9 +320,27 @@ class _Writer:
         carrier = self.const(int_carrier, "int_carrier")
         return [f"{carrier}({sym})" for sym, _ in symbolic.int_symbols]
 
-    def _inference_check(self) -> None:
-        if self.inference_checks:  # TensorGuards does not tell inference tensors from others
-            self.check(" and ".join(self.inference_checks), "inference tensors where compiled for them, only there")
+    def _inference_check(self, fast: _TensorsCheck | None = None) -> None:
+        """Right after the ``TensorGuards`` block when ``fast``: the per-tensor checks run inside that block (the C++
+        check failed), and where it passed, a comparison of the dispatch TLS may stand for them."""
+        if not self.inference_checks:
+            return
+        each = " and ".join(self.inference_checks)
+        comment = "inference tensors where compiled for them, only there"
+        if fast is None or fast.dispatch_tls is None or len(self.inference_checks) < MIN_TENSORS_FOR_TLS:
+            self.check(each, comment)
+            return
+        self.check(each, comment, indent="    ")
+        # TensorGuards compares each tensor's dispatch keys as the thread's dispatch TLS leaves them: under the TLS it
+        # was built with (no autograd key included or excluded) a tensor passes only with the autograd keys of the
+        # one compiled for, and an inference tensor is one without them. Under another TLS the tensors are asked.
+        include, exclude = (self.const(ks, n) for ks, n in zip(fast.dispatch_tls, ("tls_include", "tls_exclude")))
+        now_include = self.const(torch._C._dispatch_tls_local_include_set, "dispatch_include")
+        now_exclude = self.const(torch._C._dispatch_tls_local_exclude_set, "dispatch_exclude")
+        self.lines += [f"# {comment}: where the C++ check passed, implied by it while the dispatch TLS is the one it "
+                       "was built under",
+                       f"elif not (({now_include}() == {include} and {now_exclude}() == {exclude}) or ({each})):",
+                       "    return None"]
 
     def distinct(self, start: int) -> None:
         """The tensor inputs from ``start`` on (a call's, past a module's state) are distinct objects: the program
@@ -449,7 +467,32 @@ def _has_key_facts(t: torch.Tensor, key: tuple, dims: frozenset, state: bool) ->
     return conj if lazy == "conj" else (neg and not conj) if lazy == "neg" else not (neg or conj)
 
 
-def tensor_guards(keys: list[tuple], dims: list[frozenset], states: list[bool], examples: list[torch.Tensor]) -> Any:
+#: From this many tensors on, the prologue checks the inference bits by comparing the dispatch TLS (two C calls)
+#: rather than asking each tensor (``_Writer._inference_check``).
+MIN_TENSORS_FOR_TLS = 8
+
+_AUTOGRAD_KEYS = tuple(
+    getattr(torch._C.DispatchKey, k) for k in ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor")
+)
+
+
+class _TensorsCheck:
+    """A ``TensorGuards`` (``guards``) and the dispatch TLS (include set, exclude set) it was built under, or None
+    when that TLS includes or excludes an autograd key (then its dispatch-key comparison does not tell inference
+    tensors from others)."""
+
+    __slots__ = ("dispatch_tls", "guards")
+
+    def __init__(self, guards: Any):
+        self.guards = guards
+        include = torch._C._dispatch_tls_local_include_set()
+        exclude = torch._C._dispatch_tls_local_exclude_set()
+        plain = not any(ks.has(k) for ks in (include, exclude) for k in _AUTOGRAD_KEYS)
+        self.dispatch_tls = (include, exclude) if plain else None
+
+
+def tensor_guards(keys: list[tuple], dims: list[frozenset], states: list[bool], examples: list[torch.Tensor]
+                  ) -> _TensorsCheck | None:
     """One ``TensorGuards`` comparing tensors with ``examples``, whose keys are ``keys`` (``dims``: the dynamic
     dims of each; ``states``: which are a module's parameters and buffers): sizes and strides from the keys, the
     other facts from the examples, each verified to have its key's. None when one does not, or when torch has no
@@ -470,8 +513,8 @@ def tensor_guards(keys: list[tuple], dims: list[frozenset], states: list[bool], 
         sizes.append([None if i in d else int(s) for i, s in enumerate(k[0])])
         strides.append(stride)
     try:
-        fast = TensorGuards(*examples, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides)
-        return fast if fast.check(*examples) else None
+        fast = _TensorsCheck(TensorGuards(*examples, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides))
+        return fast if fast.guards.check(*examples) else None
     except Exception:  # a tensor TensorGuards does not take (it compares dense tensors)
         return None
 

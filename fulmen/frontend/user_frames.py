@@ -26,7 +26,8 @@ _USER_ENTRIES: set = set()
 
 
 def user_entry(fn: Callable) -> Callable:
-    """Mark ``fn`` as a function of fulmen that calls the traced code: torch calls beneath it are the user's."""
+    """Mark ``fn`` as a function of fulmen that calls the traced code, or makes the traced program's calls itself (an
+    FX graph run node by node): torch calls beneath it are the user's, recorded and run on every call."""
     _USER_ENTRIES.add(fn.__code__)
     return fn
 
