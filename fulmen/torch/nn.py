@@ -23,7 +23,6 @@ from fulmen.core import dtypes
 from fulmen.core.proxies import DataDependentError, TensorProxy, _user_location
 from fulmen.core.symbol import OpTags
 from fulmen.core.utils import canonicalize_dim, check, prod
-from fulmen.torch import kernel_layouts
 from fulmen.torch.elementwise import (
     abs,
     add,
@@ -49,7 +48,7 @@ from fulmen.torch.elementwise import (
 from fulmen.torch.inplace import mutate
 from fulmen.torch.reductions import vector_norm
 from fulmen.torch.registry import register_function, torchsymbol
-from fulmen.torch.views import bernoulli_like, layout_of, strides_of
+from fulmen.torch.views import bernoulli_like, dense, laid_out_as_kernel
 
 __all__ = [
     # activations
@@ -501,21 +500,7 @@ def _batch_norm_decomposition(input, running_mean, running_var, weight, bias, tr
         out = mul(out, _channel_view(_opmath(weight), input.ndim))
     if bias is not None:
         out = add(out, _channel_view(_opmath(bias), input.ndim))
-    out = _laid_out_as_kernel(_to(out, input.dtype), input, (F.batch_norm,))
-    return out, (mean if training else None), (var if training else None)
-
-
-def _laid_out_as_kernel(out, input, fns: tuple):
-    """``out`` (computed elementwise from ``input``, so laid out as it) in the layout eager's kernel of ``fns`` gives
-    its result (``fulmen.torch.kernel_layouts``): where the symbol runs as this decomposition (under autodiff, in a
-    fused region) the result must still have the strides the symbol's recorded output promises."""
-    if layout_of(input) is None:  # a contiguous input: the elementwise result is contiguous, as the kernel's
-        return out
-    ruled = kernel_layouts.rule_strides(fns, (input,), {}, [tuple(out.shape)], strides_of)
-    if not ruled or ruled[0] is None or ruled[0] == strides_of(input):
-        return out
-    ranks = sorted(range(out.ndim), key=lambda d: (ruled[0][d], -d))
-    return prims.stride_order(out, tuple(ranks.index(d) for d in range(out.ndim)))
+    return laid_out_as_kernel(_to(out, input.dtype), input, (F.batch_norm,)), *((mean, var) if training else [None] * 2)
 
 
 @torchsymbol(F.batch_norm, tags=())
@@ -608,10 +593,7 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
         check(prod(input.shape[2:]) != 1, lambda: f"Expected more than 1 spatial element when training, got input "
               f"size {input.shape}", ValueError)
     n, c = input.shape[0], input.shape[1]
-    # as ATen's instance norm: a contiguous copy viewed as one sample (a reshape of a transposed input would keep
-    # its strides, and the result would not be laid out as eager's)
-    dense = prims.stride_order(input, tuple(range(input.ndim - 1, -1, -1)))
-    folded = clang.reshape(dense, (1, n * c, *input.shape[2:]))
+    folded = clang.reshape(dense(input), (1, n * c, *input.shape[2:]))  # ATen views a contiguous copy
 
     def repeat(t):
         return None if t is None else clang.reshape(clang.expand_to(t, (n, c)), (n * c,))
