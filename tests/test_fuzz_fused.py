@@ -115,6 +115,26 @@ def test_an_unused_in_place_draw_still_advances_the_generator(draw, executors):
         assert torch.equal(fulmen_next, eager_next)
 
 
+@pytest.mark.parametrize("dim", [(), [], None, 1])
+def test_nansum_reduces_as_eager_over_no_dims(dim):
+    # fuzz seeds 790, 1419, 1584 (hunt): nansum ran as an opaque op whose fake kernel reduces no dim for dim=(),
+    # while eager's CPU kernel reduces all of them: the trace's shapes were wrong (a broadcast raised, a gradient
+    # of the wrong shape) or a later op broadcast what eager did not
+    x = torch.tensor([[NAN, 1.0, 2.0], [3.0, NAN, -1.0]], dtype=torch.float64, requires_grad=True)
+
+    def fn(x, e):
+        return e.masked_fill(torch.nansum(x, dim) > 1, 0.0) if dim is not None else torch.nansum(x) * e
+
+    e = torch.ones(4, 1 if dim in ((), [], None) else 2)
+    expected = fn(x, e)
+    got = fulmen.jit(fn, executors=["torch"])(x, e)
+    torch.testing.assert_close(got, expected)
+    assert got.shape == expected.shape
+    grad = torch.autograd.grad(torch.nansum(x, dim).sum() if dim is not None else torch.nansum(x), x)[0]
+    jitted = fulmen.jit(lambda x: torch.nansum(x, dim) if dim is not None else torch.nansum(x), executors=["torch"])
+    torch.testing.assert_close(torch.autograd.grad(jitted(x).sum(), x)[0], grad)
+
+
 # ---- the fuzzer's own machinery ----
 
 
