@@ -216,3 +216,16 @@ def test_instance_norm_of_a_transposed_input_in_a_fused_region_is_laid_out_as_ea
     stats = [torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)]
     expected = fn(x, *[s.clone() for s in stats])
     torch.testing.assert_close(fulmen.jit(fn, compile="sync")(x, *stats), expected)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="fused var over one element: Inductor's Welford reduction gives 0 for a NaN "
+                                       "or infinite element, eager NaN (fuzz seed 10211, hunt, fused batches)")
+@pytest.mark.parametrize("value", [NAN, INF])
+def test_variance_of_one_non_finite_element_in_a_fused_region_is_nan(value):
+    def fn(x):
+        return x.reshape(1).var(0, correction=0)
+
+    x = torch.tensor(value)
+    with torch.no_grad():
+        torch.testing.assert_close(fulmen.jit(fn, compile="sync")(x), fn(x), equal_nan=True)
