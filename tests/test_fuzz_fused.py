@@ -135,6 +135,22 @@ def test_nansum_reduces_as_eager_over_no_dims(dim):
     torch.testing.assert_close(torch.autograd.grad(jitted(x).sum(), x)[0], grad)
 
 
+def test_running_statistics_updated_by_batch_norm_carry_no_gradient():
+    # fuzz seeds 57 (fused) and 7015 (torch executor): the updated running mean was computed from the batch mean with
+    # autograd, so it required grad afterwards and a loss reading it sent a gradient into the input; eager updates
+    # the statistics without autograd
+    def fn(x, mean, var):
+        out = F.batch_norm(x, mean, var, training=True, momentum=0.3)
+        return out.square().sum() + mean.norm() + var.sum(), mean
+
+    x = torch.randn(2, 4, 3, dtype=torch.float64, requires_grad=True)
+    stats = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+    expected = fn(x, *(s.clone() for s in stats))
+    got = fulmen.jit(fn, executors=["torch"])(x, *(s.clone() for s in stats))
+    assert got[1].requires_grad == expected[1].requires_grad
+    torch.testing.assert_close(torch.autograd.grad(got[0], x)[0], torch.autograd.grad(expected[0], x)[0])
+
+
 # ---- the fuzzer's own machinery ----
 
 
