@@ -245,3 +245,17 @@ def test_variance_of_one_non_finite_element_in_a_fused_region_is_nan(value):
     x = torch.tensor(value)
     with torch.no_grad():
         torch.testing.assert_close(fulmen.jit(fn, compile="sync")(x), fn(x), equal_nan=True)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="a view of a region's intermediate, written in place and returned, comes back "
+                                       "as a dense copy (strides (1,), eager's (6,)); fuzz seed 10817, hunt, fused")
+def test_a_view_written_in_place_inside_a_fused_region_keeps_eager_s_strides():
+    def fn(a):
+        return a.flip(0).diagonal().mul_(-1.5)
+
+    a = torch.randn(2, 5)
+    with torch.no_grad():
+        got, expected = fulmen.jit(fn, compile="sync")(a), fn(a)
+    torch.testing.assert_close(got, expected)
+    assert got.stride() == expected.stride()
