@@ -335,6 +335,15 @@ def _add_fuzz(sub) -> argparse.ArgumentParser:
                       help="torch: executors=['torch']; default: fulmen's default executors, fused regions compiled "
                            "before the call returns (slow on a CPU)")
     fuzz.add_argument("--max-ops", type=_positive, default=6, help="statements per program at most (default 6)")
+    fuzz.add_argument("--mode", type=_csv(["extended", "wide", "hunt"], "mode"), default=[],
+                      help="comma-separated generator modes: extended (layouts, nn ops), wide (grad-mode regions, "
+                           "promotion, out=), hunt (view chains written in place, narrow integers, NaN/inf/-0.0, "
+                           "random ops, conv/norm/pool, complex)")
+    fuzz.add_argument("--batch", type=_positive, default=1,
+                      help="programs checked as one merged program (one compilation for many: use 8-16 with "
+                           "--executors default); a failing batch is re-checked program by program")
+    fuzz.add_argument("--restyle", action="store_true",
+                      help="later calls change the inputs' layouts and dtypes (the cache must tell them apart)")
     fuzz.set_defaults(device="cpu")
     return fuzz
 
@@ -765,7 +774,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "fuzz":
             from fulmen.fuzz import run_fuzz
 
-            summary = run_fuzz(args.seconds, seed=args.seed, executors=args.executors, max_ops=args.max_ops)
+            summary = run_fuzz(args.seconds, seed=args.seed, executors=args.executors, max_ops=args.max_ops,
+                               modes=tuple(args.mode), batch=args.batch, restyle=args.restyle)
             return 1 if summary.mismatches else 0
         return cmd_demo(args)
     except _UsageError as e:

@@ -49,6 +49,10 @@ _RANDOM_NAME_PARTS = (
     "poisson",
     "gumbel",
     "fractional_max_pool",
+    "uniform",
+    "exponential",
+    "geometric",
+    "cauchy",
 )
 _RANDOM_PARAMETERS = frozenset(("generator", "_random_samples"))
 

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TextIO
 
+from fulmen.fuzz.batch import batch_key, check_batch
 from fulmen.fuzz.compare import Mismatch, check, run_program
 from fulmen.fuzz.generate import CATEGORIES, generate
 from fulmen.fuzz.program import Program
@@ -38,7 +39,7 @@ def minimize(mismatch: Mismatch, budget_s: float = 60.0) -> Mismatch:
     def still(p: Program) -> Mismatch | None:
         if time.monotonic() > deadline:
             return None
-        m = check(p, mismatch.executors)
+        m = check(p, mismatch.executors, **mismatch.options)
         return m if m is not None and m.kind == mismatch.kind else None
 
     n = 2
@@ -96,6 +97,12 @@ class Summary:
     modules: int = 0
     mismatches: list[Mismatch] = field(default_factory=list)
 
+    def count(self, program: Program) -> None:
+        self.programs += 1
+        self.ops.update(st.category for st in program.stmts)
+        self.with_grad += program.grad
+        self.modules += program.module
+
     def format(self, seconds: float, executors: str) -> str:
         ops = ", ".join(f"{c} {self.ops[c]}" for c in [*CATEGORIES, *sorted(set(self.ops) - set(CATEGORIES))])
         kinds = collections.Counter(m.kind for m in self.mismatches)
@@ -115,42 +122,61 @@ def signature(m: Mismatch) -> str:
 
 
 def run_fuzz(seconds: float, seed: int = 0, executors: str = "torch", max_ops: int = 6,
-             minimize_s: float = 60.0, out: TextIO | None = None, max_mismatches: int = 50) -> Summary:
-    """Generate and check programs (seeds ``seed``, ``seed + 1``, ...) for ``seconds``; print a minimized reproducer
-    to ``out`` for the first mismatch of each signature (later ones by seed only) and return the counts."""
+             minimize_s: float = 60.0, out: TextIO | None = None, max_mismatches: int = 50,
+             modes: tuple[str, ...] = (), batch: int = 1, restyle: bool = False, stop: int | None = None) -> Summary:
+    """Generate and check programs (seeds ``seed``, ``seed + 1``, ... up to ``stop``) for ``seconds``; print a
+    minimized reproducer to ``out`` for the first mismatch of each signature (later ones by seed only) and return
+    the counts. ``modes``: generator modes ("extended", "wide", "hunt"); ``batch``: programs checked as one (see
+    ``fulmen.fuzz.batch``: one compilation for many, the point with fused regions); ``restyle``: later calls change
+    the inputs' layouts and dtypes."""
     import sys
 
     out = out if out is not None else sys.stdout
     summary = Summary()
     seen: dict[str, list[int]] = {}
     start = time.monotonic()
+    flags = {m: True for m in modes}
+    pending: dict[tuple, list[Program]] = collections.defaultdict(list)
     s = seed
-    while time.monotonic() - start < seconds and len(summary.mismatches) < max_mismatches:
-        program = generate(s, max_ops)
+    while time.monotonic() - start < seconds and len(summary.mismatches) < max_mismatches and s != stop:
+        program = generate(s, max_ops, **flags)
         s += 1
-        summary.programs += 1
-        summary.ops.update(st.category for st in program.stmts)
-        summary.with_grad += program.grad
-        summary.modules += program.module
-        m = check(program, executors)
+        if batch > 1:  # the function form (a module's parameters would need a module per member)
+            program = replace(program, module=False, inputs=[replace(i, param=False) for i in program.inputs])
+        summary.count(program)
         eager = run_program(program)[0]
         summary.eager_errors += eager.error is not None
         summary.eager_internal_errors += eager.error is not None and "INTERNAL ASSERT" in str(eager.error)
-        if m is None:
-            continue
-        summary.mismatches.append(m)
-        key = signature(m)
-        if key in seen:
-            seen[key].append(program.seed)
-            print(f"=== mismatch (seed {program.seed}) like seed {seen[key][0]}'s: {m}", file=out)
-            continue
-        seen[key] = [program.seed]
-        small = minimize(m, minimize_s)
-        print(f"\n=== mismatch (seed {program.seed}, {small.kind}): {small.detail}", file=out)
-        print(small.program.script(executors), file=out)
-        out.flush()
+        group = [program]
+        if batch > 1 and eager.error is None:
+            group = pending[batch_key(program)]
+            group.append(program)
+            if len(group) < batch:
+                continue
+            pending.pop(batch_key(program))
+        _report(check_batch(group, executors, restyle=restyle), summary, seen, minimize_s, out)
+    for group in pending.values():  # the last, unfilled batches
+        _report(check_batch(group, executors, restyle=restyle), summary, seen, minimize_s, out)
     print(summary.format(time.monotonic() - start, executors), file=out)
     for key, seeds in seen.items():
         more = ", ..." if len(seeds) > 8 else ""
         print(f"  {len(seeds)} x {key[:150]} (seeds {', '.join(map(str, seeds[:8]))}{more})", file=out)
     return summary
+
+
+def _report(found: list[Mismatch], summary: Summary, seen: dict[str, list[int]], minimize_s: float,
+            out: TextIO) -> None:
+    for m in found:
+        summary.mismatches.append(m)
+        key = signature(m)
+        if key in seen:
+            seen[key].append(m.program.seed)
+            print(f"=== mismatch (seed {m.program.seed}) like seed {seen[key][0]}'s: {m}", file=out)
+            continue
+        seen[key] = [m.program.seed]
+        small = minimize(m, minimize_s)
+        options = ", ".join(k for k, v in small.options.items() if v is True)
+        print(f"\n=== mismatch (seed {m.program.seed}, {small.kind}{', ' + options if options else ''}): "
+              f"{small.detail}", file=out)
+        print(small.program.script(small.executors), file=out)
+        out.flush()

@@ -12,10 +12,12 @@ from typing import Any
 
 import torch
 
-from fulmen.fuzz.program import _FLOATS, Program, make_inputs, resized
+from fulmen.fuzz.program import _FLOATS, Program, make_inputs, resized, restyled
 
 # (rtol, atol) by dtype: a few units in the last place, as two orders of float rounding give
-_TOLERANCES = {torch.float64: (1e-7, 1e-7), torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
+_TOLERANCES = {torch.float64: (1e-7, 1e-7), torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2),
+               torch.float16: (2e-3, 2e-3)}
+_HALVES = (torch.bfloat16, torch.float16)
 # fulmen may be this many times further from the float64 run than eager is (plus the dtype's tolerance)
 _REF_MULTIPLIER = 3.0
 
@@ -38,6 +40,7 @@ class Mismatch:
     detail: str
     program: Program
     executors: str
+    options: dict = field(default_factory=dict)  # check()'s keyword options that found it (minimize keeps them)
 
     def __str__(self) -> str:
         return f"{self.kind}: {self.detail}"
@@ -146,6 +149,9 @@ def _close(got: torch.Tensor, want: torch.Tensor, ref: torch.Tensor | None,
     if got.device != want.device:
         return f"device {got.device} != eager's {want.device}"
     g, w = got.detach(), want.detach()
+    if w.is_complex():  # real and imaginary parts compared as floats of their own dtype
+        r = torch.view_as_real(ref.detach().resolve_conj()) if ref is not None and ref.is_complex() else None
+        return _close(torch.view_as_real(g.resolve_conj()), torch.view_as_real(w.resolve_conj()), r, floor)
     if w.dtype not in _FLOATS:
         bad = g != w
         if not bad.any():
@@ -176,7 +182,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, ref: torch.Tensor | None,
         return None
     if ref is not None and _ref_explains(g64, w64, ref.detach().double(), (rtol, atol), mask):
         return None
-    if ref is not None and floor is torch.bfloat16 and _rms_explains(g64, w64, ref.detach().double(), atol, mask):
+    if ref is not None and floor in _HALVES and _rms_explains(g64, w64, ref.detach().double(), atol, mask):
         return None
     idx = bad.nonzero()[0].tolist()
     return (f"values differ at {idx}: {g64[tuple(idx)].item()!r} != eager's {w64[tuple(idx)].item()!r} "
@@ -194,6 +200,8 @@ def _floor_dtype(program: Program) -> torch.dtype:
     source = program.source()
     if "bfloat16" in source or any(i.dtype is torch.bfloat16 for i in program.inputs):
         return torch.bfloat16
+    if "float16" in source or ".half()" in source or any(i.dtype is torch.float16 for i in program.inputs):
+        return torch.float16
     if any(i.dtype is not torch.float64 for i in program.inputs) or ".float()" in source or "float32" in source:
         return torch.float32
     return torch.float64
@@ -219,7 +227,7 @@ def _ref_explains(g: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, tol: tupl
 def _rms_explains(g: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, atol: float, mask: torch.Tensor) -> bool:
     """PyTorch's own accuracy check for compiled code (``torch._dynamo.utils.same`` with a float64 reference): the
     root-mean-square distance from the float64 run, fulmen's within a factor of eager's. Used where a program
-    computes in bfloat16, whose sums differ by the order of their roundings element by element."""
+    computes in bfloat16 or float16, whose sums differ by the order of their roundings element by element."""
     if ref.shape != g.shape:
         return False
     keep = mask & torch.isfinite(ref)
@@ -276,9 +284,24 @@ def _output_difference(program: Program, got: Outcome, want: Outcome, ref: Outco
             return "metadata", (f"output {k} ({program.outputs[k]}): requires_grad {g.requires_grad} != "
                                 f"eager's {w.requires_grad}")
         why = _close(g, w, r if isinstance(r, torch.Tensor) else None, floor)
+        if not why and program.hunt:
+            why = _zero_sign_difference(g, w)
         if why:
             return "values", f"output {k} ({program.outputs[k]}): {why}"
-    return _layout_difference(program, got.outputs, want.outputs) if program.wide else None
+    return _layout_difference(program, got.outputs, want.outputs) if program.wide or program.hunt else None
+
+
+def _zero_sign_difference(got: torch.Tensor, want: torch.Tensor) -> str | None:
+    """Where both are zero, whether eager's zero is -0.0 and fulmen's +0.0 or the reverse (a later ``1 / x``,
+    ``atan2`` or ``copysign`` turns that into a different value)."""
+    if not want.dtype.is_floating_point or got.shape != want.shape:
+        return None
+    g, w = got.detach(), want.detach()
+    bad = (g == 0) & (w == 0) & (g.signbit() != w.signbit())
+    if not bad.any():
+        return None
+    idx = bad.nonzero()[0].tolist()
+    return f"zero of another sign at {idx}: {g[tuple(idx)].item()!r} != eager's {w[tuple(idx)].item()!r}"
 
 
 def _significant_strides(t: torch.Tensor) -> tuple[int, ...]:
@@ -355,15 +378,18 @@ _RESIZES = ({2: 3, 3: 5, 4: 2, 5: 4}, {2: 5, 3: 2, 4: 3, 5: 6})
 
 
 def check(program: Program, executors: str = "torch", calls: int = 2, dynamic: bool = False,
-          autocast: bool = False) -> Mismatch | None:
+          autocast: bool = False, restyle: bool = False) -> Mismatch | None:
     """Run ``program`` eagerly and with fulmen (``executors``: "torch", "default" or "backend", the last
     ``torch.compile(backend="fulmen")``); the first difference. ``dynamic``: the calls see the inputs at their sizes,
     then at two other sizes, then at the first two again (where eager rejects a size, fulmen must too);
-    ``autocast``: every call runs under CPU autocast to bfloat16."""
+    ``autocast``: every call runs under CPU autocast to bfloat16; ``restyle``: the calls see the inputs, then in
+    other layouts, then as first, then with float32 ones in float64 (sizes kept: the cache must tell them apart)."""
     if dynamic and program.module:  # a module's parameters keep their sizes: resize the function form
         program = replace(program, module=False, inputs=[replace(i, param=False) for i in program.inputs])
     variants = [program, *(resized(program, r) for r in _RESIZES), program, resized(program, _RESIZES[0])] \
         if dynamic else None
+    if restyle:
+        variants = [program, restyled(program, "layout"), program, restyled(program, "dtype")]
     want = run_program(program, calls=calls, variants=variants, autocast=autocast)
     refs: list[Outcome | None] = []
     for variant in variants or [program]:
@@ -376,8 +402,9 @@ def check(program: Program, executors: str = "torch", calls: int = 2, dynamic: b
     except Exception as e:  # outside the call itself (never expected): a mismatch, with its traceback
         return Mismatch("crash", "".join(traceback.format_exception(e))[-2000:], program, executors)
     for k, (g, w) in enumerate(zip(got, want)):
-        ref = refs[k % len(refs)] if not dynamic else refs[[0, 1, 2, 0, 1][k]]
+        ref = refs[k] if variants else refs[0]
         m = _compare(program, g, w, ref, executors, k + 1, torch.bfloat16 if autocast else None)
         if m is not None:
+            m.options = {"dynamic": dynamic, "autocast": autocast, "restyle": restyle, "calls": calls}
             return m
     return None

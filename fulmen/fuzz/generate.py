@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from fulmen.fuzz import hunt as hunt_kinds
 from fulmen.fuzz.program import _FLOATS, Input, Program, Stmt, make_inputs
 
 # the share of statements eager rejects that are kept (ending the program), to check that fulmen raises too
@@ -41,8 +42,9 @@ _SCALARS = ["2", "(-1)", "0.5", "True", "3.0", "(-2.5)"]  # parenthesized: a tem
 
 
 class _Generator:
-    def __init__(self, seed: int, max_ops: int, extended: bool = False, wide: bool = False):
+    def __init__(self, seed: int, max_ops: int, extended: bool = False, wide: bool = False, hunt: bool = False):
         self.seed = seed
+        self.hunt = hunt  # the statements of fulmen.fuzz.hunt, and strides, aliasing and signed zeros compared
         self.extended = extended  # more layouts, nn ops, in-place writes through views
         self.wide = wide  # grad-mode regions, requires_grad_, 0-d promotion, out=, empty reductions, aliasing
         self.rng = random.Random(seed)
@@ -63,7 +65,7 @@ class _Generator:
         return tuple(self.rng.choice([1, 2, 3, 4, 5]) for _ in range(ndim))
 
     def new_input(self, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None,
-                  high: int = 0) -> str:
+                  high: int = 0, special: bool = False, grad: bool = True) -> str:
         rng = self.rng
         shape = self.shape() if shape is None else shape
         if dtype is None:
@@ -74,13 +76,13 @@ class _Generator:
         layout = "contiguous"
         if shape and rng.random() < 0.3:
             layout = rng.choice(["transposed", "strided"]) if len(shape) >= 2 else "strided"
-            if self.extended and rng.random() < 0.5:
+            if (self.extended or self.hunt) and rng.random() < 0.5:
                 layout = "channels_last" if len(shape) == 4 and rng.random() < 0.5 else "expanded"
-        requires_grad = dtype in _FLOATS and not high and self.grad and rng.random() < 0.7
+        requires_grad = dtype in _FLOATS and not high and self.grad and rng.random() < 0.7 and grad
         # a parameter is refilled in place between calls, which an expanded tensor refuses
         param = self.module and requires_grad and rng.random() < 0.6 and layout != "expanded"
         name = "abcdefghijklmnopqrstuvwxyz"[len(self.inputs)] if len(self.inputs) < 26 else f"in{len(self.inputs)}"
-        inp = Input(name, shape, dtype, layout, requires_grad, param, high)
+        inp = Input(name, shape, dtype, layout, requires_grad, param, high, special)
         self.inputs.append(inp)
         self.env = {"torch": torch, **self.env_after(self.stmts)}
         self.values.append(name)
@@ -113,6 +115,8 @@ class _Generator:
         return self.new_input(new, self.env[a].dtype if self.rng.random() < 0.7 else None)
 
     def statement(self) -> Stmt | None:
+        if self.hunt and self.rng.random() < 0.5:
+            return hunt_kinds.statement(self)
         if self.wide and self.rng.random() < 0.3:
             return self._wide()
         if self.extended:
@@ -398,7 +402,7 @@ class _Generator:
                 view = rng.choice(views)
                 outputs = list(dict.fromkeys([view.uses[0], view.target, *outputs]))
         return Program(self.seed, self.inputs, self.stmts, outputs, grad=self.grad, module=self.module,
-                       wide=self.wide)
+                       wide=self.wide, hunt=self.hunt)
 
 
 
@@ -433,11 +437,13 @@ def _perm(n: int, rng: random.Random) -> str:
     return ", ".join(map(str, p))
 
 
-def generate(seed: int, max_ops: int = 6, extended: bool = False, wide: bool = False) -> Program:
+def generate(seed: int, max_ops: int = 6, extended: bool = False, wide: bool = False, hunt: bool = False) -> Program:
     """The random program of ``seed`` (at most ``max_ops`` statements). ``extended`` adds inputs that are expanded
     (stride 0) or channels_last, nn ops (dropout, normalizations, cross-entropy with ignored targets) and in-place
     writes through views; ``wide`` adds ``no_grad``/``enable_grad`` regions, ``requires_grad_()`` on detached
     values, type promotion with 0-d tensors and Python scalars, ``out=``, ``where`` with scalar branches, reductions
-    over empty dims and a view returned with its base, and compares outputs' strides and aliasing; without them a
-    seed makes the program it always made."""
-    return _Generator(seed, max_ops, extended, wide).program()
+    over empty dims and a view returned with its base, and compares outputs' strides and aliasing; ``hunt`` adds the
+    statements of ``fulmen.fuzz.hunt`` (view chains written in place, ``out=``, narrow integers, NaN/inf/-0.0, empty
+    reductions, random ops, conv/norm/pool layers, complex values, region boundaries) and compares signed zeros too;
+    without them a seed makes the program it always made."""
+    return _Generator(seed, max_ops, extended, wide, hunt).program()

@@ -7,9 +7,11 @@ from typing import Any
 
 import torch
 
-_FLOATS = (torch.float32, torch.float64, torch.bfloat16)
-_DTYPE_NAMES = {torch.float32: "torch.float32", torch.float64: "torch.float64", torch.bfloat16: "torch.bfloat16",
-                torch.int64: "torch.int64", torch.bool: "torch.bool"}
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_INTS = (torch.int64, torch.int32, torch.int8, torch.uint8)
+_DTYPE_NAMES = {d: str(d) for d in (*_FLOATS, *_INTS, torch.bool, torch.complex64)}
+# the special values a ``special`` input holds at some elements: where fused code and eager most often part ways
+_SPECIAL = "torch.tensor([float('nan'), float('inf'), float('-inf'), -0.0, 0.0])"
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,7 @@ class Input:
     requires_grad: bool = False
     param: bool = False  # a parameter of the module form
     high: int = 0  # for an index tensor: values in [0, high)
+    special: bool = False  # a float input with NaN, infinities and signed zeros at some elements
 
     def make(self) -> str:
         shape = list(self.shape)
@@ -40,10 +43,16 @@ class Input:
             text = f"torch.randint(0, {self.high}, {size})"
         elif self.dtype is torch.int64:
             text = f"torch.randint(-4, 5, {size})"
+        elif self.dtype in _INTS:  # the whole range: sums and products of these overflow (and wrap, in eager)
+            low, high = (0, 256) if self.dtype is torch.uint8 else (-128, 128)
+            text = f"torch.randint({low}, {high}, {size}, dtype={_DTYPE_NAMES[self.dtype]})"
         elif self.dtype is torch.bool:
             text = f"torch.rand({size}) > 0.5"
         else:
             text = f"torch.randn({size}, dtype={_DTYPE_NAMES[self.dtype]})"
+        if self.special:
+            text = (f"torch.where(torch.rand({size}) < 0.4, {_SPECIAL}[torch.randint(0, 5, {size})]"
+                    f".to({_DTYPE_NAMES[self.dtype]}), {text})")
         if self.layout == "transposed" and len(shape) >= 2:
             text = f"({text}).transpose(-1, -2)"
         elif self.layout == "strided" and shape:
@@ -79,6 +88,7 @@ class Program:
     grad: bool = True  # run with grad mode on
     module: bool = False  # run as an nn.Module whose ``param`` inputs are parameters
     wide: bool = False  # made by ``generate(wide=True)``: outputs' strides and aliasing are compared too
+    hunt: bool = False  # made by ``generate(hunt=True)``: strides, aliasing and the sign of zeros compared too
 
     def args(self) -> list[Input]:
         return [i for i in self.inputs if not (self.module and i.param)]
@@ -158,6 +168,24 @@ def resized(program: Program, sizes: dict[int, int]) -> Program:
     inputs = [replace(i, shape=tuple(sizes.get(n, n) for n in i.shape), high=sizes.get(i.high, i.high))
               for i in program.inputs]
     return replace(program, inputs=inputs)
+
+
+def restyled(program: Program, change: str) -> Program:
+    """``program`` with its arguments in other layouts (``change="layout"``: contiguous ones strided or transposed,
+    the others contiguous) or float32 ones in float64 (``"dtype"``): what a later call with the same sizes but other
+    strides or dtypes brings, which must not reuse the first call's compilation."""
+    def one(i: Input) -> Input:
+        if i.param or i.high:
+            return i
+        if change == "dtype":
+            return replace(i, dtype=torch.float64) if i.dtype is torch.float32 else i
+        if not i.shape or i.layout == "expanded" and i.requires_grad:
+            return i
+        if i.layout != "contiguous":
+            return replace(i, layout="contiguous")
+        return replace(i, layout="transposed" if len(i.shape) >= 2 else "strided")
+
+    return replace(program, inputs=[one(i) for i in program.inputs])
 
 
 def make_inputs(program: Program, upcast: bool = False) -> dict[str, torch.Tensor]:

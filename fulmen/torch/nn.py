@@ -48,7 +48,8 @@ from fulmen.torch.elementwise import (
 from fulmen.torch.inplace import mutate
 from fulmen.torch.reductions import vector_norm
 from fulmen.torch.registry import register_function, torchsymbol
-from fulmen.torch.views import bernoulli_like
+from fulmen.torch.shape import detach
+from fulmen.torch.views import bernoulli_like, dense, laid_out_as_kernel
 
 __all__ = [
     # activations
@@ -500,7 +501,7 @@ def _batch_norm_decomposition(input, running_mean, running_var, weight, bias, tr
         out = mul(out, _channel_view(_opmath(weight), input.ndim))
     if bias is not None:
         out = add(out, _channel_view(_opmath(bias), input.ndim))
-    return _to(out, input.dtype), (mean if training else None), (var if training else None)
+    return laid_out_as_kernel(_to(out, input.dtype), input, (F.batch_norm,)), *((mean, var) if training else [None] * 2)
 
 
 @torchsymbol(F.batch_norm, tags=())
@@ -514,8 +515,7 @@ def _batch_norm(input, running_mean, running_var, weight=None, bias=None, traini
     return _batch_norm_decomposition(input, running_mean, running_var, weight, bias, training, eps)[0]
 
 
-# Printed as ltorch.batch_norm: for the arguments this symbol accepts, the public entry below computes the same.
-_batch_norm.name = "batch_norm"
+_batch_norm.name = "batch_norm"  # printed so: for the arguments it accepts, the public entry below computes the same
 
 
 def _eager_batch_norm_with_update(input, running_mean, running_var, weight, bias, momentum, eps):
@@ -534,8 +534,8 @@ def batch_norm_with_update(input, running_mean, running_var, weight, bias, momen
     _batch_norm_checks(input, running_mean, running_var, weight, bias, True)
     out, mean, var = _batch_norm_decomposition(input, running_mean, running_var, weight, bias, True, eps)
     n = input.numel() // input.shape[1]
-    unbiased = mul(var, n / (n - 1))
-    # torch updates as momentum * batch_stat + (1 - momentum) * running_stat, in the statistics' dtype
+    # torch updates as momentum * batch_stat + (1 - momentum) * running_stat in the statistics' dtype, without autograd
+    unbiased, mean = mul(detach(var), n / (n - 1)), detach(mean)
     new_mean = add(mul(_to(mean, running_mean.dtype), momentum), mul(running_mean, 1 - momentum))
     new_var = add(mul(_to(unbiased, running_var.dtype), momentum), mul(running_var, 1 - momentum))
     return out, new_mean, new_var
@@ -593,7 +593,7 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
         check(prod(input.shape[2:]) != 1, lambda: f"Expected more than 1 spatial element when training, got input "
               f"size {input.shape}", ValueError)
     n, c = input.shape[0], input.shape[1]
-    folded = clang.reshape(input, (1, n * c, *input.shape[2:]))
+    folded = clang.reshape(dense(input), (1, n * c, *input.shape[2:]))  # ATen views a contiguous copy
 
     def repeat(t):
         return None if t is None else clang.reshape(clang.expand_to(t, (n, c)), (n * c,))

@@ -29,6 +29,7 @@ from fulmen.core.utils import canonicalize_dim, check
 from fulmen.torch.elementwise import (
     eq,
     ge,
+    isnan,
     le,
     logical_and,
     logical_xor,
@@ -43,7 +44,7 @@ from fulmen.torch.registry import register_function, torchsymbol
 from fulmen.torch.shape import cat, clone
 
 __all__ = [
-    "sum", "mean", "prod", "amax", "amin", "aminmax", "max", "min", "var", "std", "var_mean", "std_mean",
+    "sum", "nansum", "mean", "prod", "amax", "amin", "aminmax", "max", "min", "var", "std", "var_mean", "std_mean",
     "logsumexp", "softmax", "log_softmax", "cumsum", "cumprod", "diff", "argmax", "argmin", "topk", "sort",
     "argsort", "all", "any", "count_nonzero", "histc", "vector_norm", "norm",
 ]
@@ -156,6 +157,17 @@ def sum(input, dim=None, keepdim: bool = False, *, dtype: torch.dtype | None = N
         input = maybe_convert_to_dtype(input, dtype)  # torch casts the input first, then reduces
     a = maybe_convert_to_dtype(input, _accumulation_dtype(dtype))
     return maybe_convert_to_dtype(_reduce(prims.sum, a, dims, keepdim), dtype)
+
+
+@torchsymbol(torch.nansum, torch.Tensor.nansum, method_name="nansum", tags=_RED)
+def nansum(input, dim=None, keepdim: bool = False, *, dtype: torch.dtype | None = None):
+    """torch.nansum: ``sum`` with NaN taken as zero (``dim=()`` reduces every dim, as ``sum``'s; the fake kernel
+    torch would otherwise lend the opaque op reduces none)."""
+    _check_tensor(input, "nansum")
+    check(not dtypes.is_complex_dtype(input.dtype), lambda: "nansum does not support complex inputs", RuntimeError)
+    if dtypes.is_inexact_dtype(input.dtype):
+        input = where(isnan(input), 0, input)
+    return sum(input, dim, keepdim, dtype=dtype)
 
 
 @torchsymbol(torch.mean, torch.Tensor.mean, method_name="mean", tags=_RED)

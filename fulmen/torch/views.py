@@ -160,6 +160,25 @@ def memory_order(p: TensorProxy) -> list[int] | None:
     return outer_first + [d for d in range(p.ndim) if p.shape[d] == 1]
 
 
+def laid_out_as_kernel(out: TensorProxy, input: TensorProxy, fns: tuple) -> TensorProxy:
+    """``out`` (computed elementwise from ``input``, so laid out as it) in the layout eager's kernel of ``fns`` gives
+    its result (``kernel_layouts``): where a symbol runs as its decomposition (under autodiff, in a fused region)
+    its result must still have the strides the symbol's recorded output promises."""
+    if layout_of(input) is None:  # a contiguous input: the elementwise result is contiguous, as the kernel's
+        return out
+    ruled = kernel_layouts.rule_strides(fns, (input,), {}, [tuple(out.shape)], strides_of)
+    if not ruled or ruled[0] is None or ruled[0] == strides_of(input):
+        return out
+    ranks = sorted(range(out.ndim), key=lambda d: (ruled[0][d], -d))
+    return prims.stride_order(out, tuple(ranks.index(d) for d in range(out.ndim)))
+
+
+def dense(a: TensorProxy) -> TensorProxy:
+    """``a`` laid out contiguously (``a.contiguous()`` as a kernel's decomposition writes it: no copy at run time
+    when ``a`` is contiguous already), so that a reshape of it is a view whatever ``a``'s strides."""
+    return prims.stride_order(a, tuple(range(a.ndim - 1, -1, -1)))
+
+
 def bernoulli_like(a: TensorProxy, p: float, shape=None) -> TensorProxy:
     """A bernoulli(p) tensor of ``shape`` (default: ``a``'s) in ``a``'s dtype, drawn as eager draws into
     ``empty_like(a)``: laid out as a dense ``a`` is (transposed, channels_last) and filled in memory order, so a

@@ -184,13 +184,17 @@ def _clamp_rule(p: RuleArgs):
     a = p[0]
     lo = p.get("min") if sid != "torch.clamp_max" else None
     hi = p.get("max") if sid != "torch.clamp_min" else None
+    # bounds of another dtype are compared as eager compares them (after promotion); one that needs a gradient must
+    # have the input's dtype (the result's, then: the gradients below are taken in it)
     if not isinstance(a, TensorProxy) or not dtypes.is_float_dtype(a.dtype) or any(
-            isinstance(b, TensorProxy) and (b.dtype != a.dtype) for b in (lo, hi)):
+            isinstance(b, TensorProxy) and b.dtype != a.dtype and needs_grad(b) for b in (lo, hi)):
         return NotImplemented
     out = p.bsym.sym(*p.bsym.args, **p.bsym.kwargs)
-    if not isinstance(out, TensorProxy) or out.dtype != a.dtype:
+    if not isinstance(out, TensorProxy) or not dtypes.is_float_dtype(out.dtype):
         return NotImplemented
     g = get_grad(out)
+    if out.dtype != a.dtype:  # a bound of a wider float dtype widened the result: the input's share comes back
+        g = clang.maybe_convert_to_dtype(g, a.dtype)
     ge_lo = ltorch.ge(a, lo) if lo is not None else None
     le_hi = ltorch.le(a, hi) if hi is not None else None
     inside = ge_lo if le_hi is None else le_hi if ge_lo is None else ltorch.logical_and(ge_lo, le_hi)
