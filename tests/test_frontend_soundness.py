@@ -102,6 +102,7 @@ def test_class_attribute_counter_in_a_function_warns(caplog):
 
 
 def test_class_attribute_read_that_changed_between_calls_recompiles():
+    # a guard (reads were already keyed before the writes above warned): watching the classes keeps them keyed
     m = _Counting()
     jm = fulmen.jit(m, executors=["torch"])
     x = torch.ones(2)
@@ -220,8 +221,13 @@ def test_values_made_under_inference_mode_inside_are_inference_tensors():
     assert fulmen.cache_hits(jf) == 1
 
 
-@pytest.mark.parametrize("fn, message", [(_inference_then_autograd, "Inference tensors cannot be saved for backward"),
-                                         (_inference_then_inplace, "Inplace update to inference tensor outside")])
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        (_inference_then_autograd, "Inference tensors cannot be saved for backward"),
+        (_inference_then_inplace, "Inplace update to inference tensor outside"),
+    ],
+)
 def test_misused_inference_values_raise_eagers_error(fn, message):
     x, w = torch.randn(3), torch.randn(3, requires_grad=True)
     with pytest.raises(RuntimeError, match=message):
@@ -242,8 +248,13 @@ def test_partial_bound_arguments_changed_between_calls():
     p = functools.partial(_scaled, cfg=cfg, sizes=sizes, scale=1.0)
     jp = fulmen.jit(p, executors=["torch"])
     x = torch.randn(3)
-    for change in (lambda: None, lambda: cfg.update(s=-1.0), lambda: sizes.__setitem__(0, 5.0),
-                   lambda: p.keywords.__setitem__("scale", 0.5), lambda: cfg.update(s=2.0)):
+    for change in (
+        lambda: None,
+        lambda: cfg.update(s=-1.0),
+        lambda: sizes.__setitem__(0, 5.0),
+        lambda: p.keywords.__setitem__("scale", 0.5),
+        lambda: cfg.update(s=2.0),
+    ):
         change()
         torch.testing.assert_close(jp(x), p(x))
     w = torch.randn(3)

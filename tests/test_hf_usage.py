@@ -72,7 +72,8 @@ def test_backend_checkpointed_dropout_recomputes_the_forwards_mask():
 
 
 def test_backend_checkpoint_without_preserved_rng_state_around_dropout_is_refused():
-    # eager draws a new mask when it recomputes; fulmen's backward would use the forward's
+    # eager draws a new mask when it recomputes; fulmen's backward would use the forward's (refused before the
+    # change above too, as every checkpointed region with dropout was: this guards that the user's False still is)
     torch._dynamo.reset()
     compiled = torch.compile(
         _CheckpointedDropout(preserve_rng_state=False).train(), backend="fulmen", options={"executors": ["torch"]}
@@ -168,6 +169,7 @@ def test_an_attribute_assigned_the_tensor_it_holds_is_not_state_carried_between_
 
 
 def test_an_attribute_replaced_by_a_new_tensor_it_was_computed_from_is_still_refused():
+    # a guard (refused before the change too): only an attribute given back the very tensor it held is let through
     class Doubles(_MovesItsTable):
         def forward(self, x):
             self.table = self.table * 2  # state carried between calls: eager doubles it on every call

@@ -238,6 +238,7 @@ _TYPE_BRANCHES = {
     "in a returned value": lambda x, n: (x * n, type(n).__name__),
 }
 
+# (guards of the symbolic path: before ints became symbolic every value was compiled exactly, so these held there)
 _CONVERSIONS = {
     "str": lambda x, n: (x * n, str(n)),
     "f-string": lambda x, n: (x + 1, f"window {n}"),
@@ -390,6 +391,7 @@ def test_an_int_carried_between_calls_is_checked_at_a_value_other_than_the_one_c
 
 
 def test_the_check_at_a_second_value_costs_no_compilation_for_a_program_that_passes_it():
+    # a guard of the check's cost (it held before the check existed): the exact traces it compares add no cache miss
     def fn(x, n, m):
         return x[:n] * m + x[-m:].sum()
 

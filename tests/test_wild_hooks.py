@@ -112,7 +112,7 @@ def test_a_foreach_update_of_global_tensors_runs_on_every_call():
 def test_an_in_place_function_returns_what_eager_returns(returned):
     def f(x):
         if returned == "relu_":
-            y = torch.relu_(x)  # torch.relu_ returns its argument
+            y = torch.relu_(x)  # torch.relu_ returns its argument (a control: it has a rule, and was already eager's)
             return y is x, y
         xs = [x]
         ys = torch._foreach_add_(xs, 1.0)  # returns the list it was given
@@ -248,8 +248,10 @@ def test_an_aten_function_without_a_rule_reads_global_tensors_on_every_call():
 
 @pytest.mark.parametrize(
     "make, error",
-    [(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), NotImplementedError),
-     (torch.optim.Adam, fulmen.DataDependentError)],
+    [
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), NotImplementedError),
+        (torch.optim.Adam, fulmen.DataDependentError),
+    ],
     ids=["sgd_momentum", "adam"],
 )
 def test_an_optimizer_whose_first_step_makes_state_leaves_no_placeholders_in_it(make, error):
