@@ -71,7 +71,7 @@ from fulmen.frontend.attribute_lookup import (
     load_chains,
     lookup,
 )
-from fulmen.frontend.training_state import describe_grad, grad_meta, grad_meta_or_none
+from fulmen.frontend.training_state import describe_grad, grad_check, grad_facts, grad_meta_or_none
 
 log = logging.getLogger("fulmen")
 
@@ -130,7 +130,7 @@ class _Item:
     reader to ``"call"``, ``fulmen.frontend.ambient_flags``), and ``how`` it
     is compared with ``value``: ``"=="`` (type and value), ``"is"`` (identity), ``"module"`` (identity, and the
     module's structure and tensors: ``value`` is a ``_ModuleWatch``), ``"meta"`` (a tensor's metadata), ``"grad"``
-    (a tensor with ``training_state.grad_meta`` equal to ``value``),
+    (a tensor like the one ``value`` was made from: ``training_state.grad_facts``),
     ``"absent"`` (the key must stay missing) or ``"flat"`` (a long flat container: ``value`` is its type and a
     copy, compared with one ``==``)."""
 
@@ -164,7 +164,7 @@ class _Item:
         if self.how == "flat":
             return type(value) is self.value[0] and value == self.value[1]
         if self.how == "grad":
-            return isinstance(value, torch.Tensor) and grad_meta_or_none(value) == self.value
+            return isinstance(value, torch.Tensor) and grad_meta_or_none(value) == self.value[0]
         return value is self.value if self.how == "is" else _same(value, self.value)
 
 
@@ -558,7 +558,7 @@ class GlobalGuard:
                 if item.how == "grad":
                     meta = grad_meta_or_none(now) if isinstance(now, torch.Tensor) else None
                     now_text = describe_grad(meta) if meta is not None else _short(now)
-                    return f"{item.where} changed from {describe_grad(item.value)} to {now_text}"
+                    return f"{item.where} changed from {describe_grad(item.value[0])} to {now_text}"
                 if item.holder is environment:
                     return environment_change(item.value[1], now)
                 if item.how == "flat":
@@ -584,7 +584,7 @@ class GlobalGuard:
             if item.how == "meta":
                 lines.append(f"{item.where}: {_short_meta(item.value)}")
             elif item.how == "grad":
-                lines.append(f"{item.where}: {describe_grad(item.value)} (read as an input on each call)")
+                lines.append(f"{item.where}: {describe_grad(item.value[0])} (read as an input on each call)")
             elif item.how == "module":
                 lines.append(f"{item.where} is {type(item.value.module).__name__} (structure and tensors unchanged)")
             elif item.how == "absent":
@@ -638,12 +638,8 @@ def _generate(items: list[_Item]) -> Callable[[], bool]:
         elif item.how == "module":
             env[f"m{i}"] = item.value.module
             terms.append(f"({read} is m{i} and v{i}())")
-        elif item.how == "grad":  # grad_meta, unrolled
-            kind, shape, stride, dtype, device, requires_grad, inference, lazy = item.value
-            env.update({f"t{i}": kind, f"s{i}": shape, f"st{i}": stride, f"d{i}": dtype, f"e{i}": device})
-            terms.append(f"(type(x := {read}) is t{i} and x.shape == s{i} and x.stride() == st{i} and x.dtype is d{i} "
-                         f"and x.device == e{i} and x.requires_grad is {requires_grad} "
-                         f"and x.is_inference() is {inference} and (x.is_neg() or x.is_conj()) is {lazy})")
+        elif item.how == "grad":
+            terms.append(grad_check(read, i, item.value, env))
         elif item.how == "meta":
             shape, dtype, device, requires_grad = item.value
             env[f"s{i}"], env[f"d{i}"], env[f"e{i}"], env[f"r{i}"] = shape, dtype, device, requires_grad
@@ -692,7 +688,7 @@ def build_guard(recorder: ReadRecorder, captured: list[tuple[str, torch.Tensor]]
             seen.add(id(owner))
             if id(owner) in called:  # an input read on every call: a new gradient object like this one is fine
                 collector.items.append(_Item(f"the .grad of a tensor read at {where}", "slot", owner, "grad",
-                                             grad_meta(grad), "grad"))
+                                             grad_facts(grad), "grad"))
             else:
                 collector.items.append(_Item(f"the .grad of a tensor read at {where}", "slot", owner, "grad", grad,
                                              "is"))

@@ -78,6 +78,33 @@ def grad_meta(grad: torch.Tensor) -> tuple:
             grad.is_neg() or grad.is_conj())
 
 
+def grad_facts(grad: torch.Tensor) -> tuple:
+    """What a call's gradient is compared with: ``grad_meta(grad)``, and torch's C++ check of the same facts (type,
+    dispatch keys, dtype, device, requires_grad, sizes, strides) made for ``grad``, or None where it takes no such
+    tensor. The gradient itself is not kept."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+
+        fast = TensorGuards(grad, dynamic_dims_sizes=[list(grad.shape)], dynamic_dims_strides=[list(grad.stride())])
+        fast = fast if fast.check(grad) else None
+    except Exception:  # noqa: BLE001 - a tensor TensorGuards does not take: the Python comparison decides
+        fast = None
+    return grad_meta(grad), fast
+
+
+def grad_check(read: str, i: int, facts: tuple, env: dict) -> str:
+    """The guard's condition that the tensor ``read`` (an expression) has the ``facts`` (``grad_facts``); names it
+    needs go into ``env``, suffixed with ``i``."""
+    (kind, shape, stride, dtype, device, requires_grad, inference, lazy), fast = facts
+    if fast is not None:  # the C++ check does not look at the inference bit
+        env[f"g{i}"] = fast
+        return f"(g{i}.check(x := {read}) and x.is_inference() is {inference})"
+    env.update({f"t{i}": kind, f"s{i}": shape, f"st{i}": stride, f"d{i}": dtype, f"e{i}": device})
+    return (f"(type(x := {read}) is t{i} and x.shape == s{i} and x.stride() == st{i} and x.dtype is d{i} "
+            f"and x.device == e{i} and x.requires_grad is {requires_grad} and x.is_inference() is {inference} "
+            f"and (x.is_neg() or x.is_conj()) is {lazy})")
+
+
 def grad_meta_or_none(t: torch.Tensor) -> tuple | None:
     """``grad_meta(t)``, or None for a tensor that has none of it."""
     try:
