@@ -4,10 +4,11 @@ An optimizer step or a gradient clip traced by ``fulmen.jit`` reads ``p.grad`` o
 and Python numbers from ``optimizer.param_groups``. ``zero_grad()`` (set_to_none) and the next backward put a new
 gradient object in ``p.grad`` before every step, so a gradient the program uses as a tensor is one of its inputs,
 read from ``p.grad`` on every call (``GradOf``) and checked by metadata: a new gradient like the last one runs the
-same program, while None for a tensor, or another shape, stride, dtype or device, compiles again. A gradient read
-only by identity, None, or shared with another read (two parameters holding one gradient, ``p.grad.data``) is
-checked by identity instead. Hyperparameters are checked by value (an LR scheduler changes ``lr``); an assignment
-to ``p.grad`` (``zero_grad()`` setting it to None) would happen while tracing only, and is refused.
+same program, while None for a tensor, or another shape, stride, dtype or device, compiles again. None, a gradient
+the program does not take as a tensor (only its shape or None-ness read), and one also reached another way (two
+parameters holding one gradient, ``p.grad.data``, one passed as an argument) are checked by identity instead.
+Hyperparameters are checked by value (an LR scheduler changes ``lr``); an assignment to ``p.grad`` (``zero_grad()``
+setting it to None) would happen while tracing only, and is refused.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def grad_check(read: str, i: int, facts: tuple, env: dict) -> str:
     """The guard's condition that the tensor ``read`` (an expression) has the ``facts`` (``grad_facts``); names it
     needs go into ``env``, suffixed with ``i``."""
     (kind, shape, stride, dtype, device, requires_grad, inference, lazy), fast = facts
-    if fast is not None:  # the C++ check does not look at the inference bit
+    if fast is not None:  # the inference bit is compared in Python, as the prologue does for its tensors
         env[f"g{i}"] = fast
         return f"(g{i}.check(x := {read}) and x.is_inference() is {inference})"
     env.update({f"t{i}": kind, f"s{i}": shape, f"st{i}": stride, f"d{i}": dtype, f"e{i}": device})
