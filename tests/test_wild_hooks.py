@@ -188,13 +188,17 @@ def test_state_dict_of_a_jitted_module_is_the_originals(make, nested):
 
 
 def test_a_gradient_replaced_between_calls_is_the_one_read():
-    # the program captured the .grad tensor object it read; zero_grad() (set_to_none) and backward put a new one there
+    # the program captured the .grad tensor object it read; zero_grad() (set_to_none) and backward put a new one there.
+    # It is read on every call (tests/test_grad_reads.py): a like one runs the same program, another layout compiles
     model = nn.Linear(3, 1)
     model.weight.grad = torch.ones(1, 3)
     scaled = fulmen.jit(lambda x: x * model.weight.grad, executors=["torch"])
     torch.testing.assert_close(scaled(torch.ones(3)), torch.ones(1, 3))
     model.weight.grad = torch.full((1, 3), 2.0)
     torch.testing.assert_close(scaled(torch.ones(3)), torch.full((1, 3), 2.0))
+    model.weight.grad = torch.full((3, 1), 3.0).t()  # the same shape, transposed strides
+    torch.testing.assert_close(scaled(torch.ones(3)), torch.full((1, 3), 3.0))
+    assert fulmen.cache_misses(scaled) == 2
     assert "the .grad of a tensor" in fulmen.compile_stats(scaled).recompile_reasons[-1]
 
 

@@ -71,6 +71,7 @@ from fulmen.frontend.attribute_lookup import (
     load_chains,
     lookup,
 )
+from fulmen.frontend.training_state import describe_grad, grad_check, grad_facts, grad_meta_or_none
 
 log = logging.getLogger("fulmen")
 
@@ -128,7 +129,8 @@ class _Item:
     globals, an object's ``__dict__`` --, a closure ``"cell"``, the captured ``"tensor"`` itself, or a torch flag's
     reader to ``"call"``, ``fulmen.frontend.ambient_flags``), and ``how`` it
     is compared with ``value``: ``"=="`` (type and value), ``"is"`` (identity), ``"module"`` (identity, and the
-    module's structure and tensors: ``value`` is a ``_ModuleWatch``), ``"meta"`` (a tensor's metadata),
+    module's structure and tensors: ``value`` is a ``_ModuleWatch``), ``"meta"`` (a tensor's metadata), ``"grad"``
+    (a tensor like the one ``value`` was made from: ``training_state.grad_facts``),
     ``"absent"`` (the key must stay missing) or ``"flat"`` (a long flat container: ``value`` is its type and a
     copy, compared with one ``==``)."""
 
@@ -161,6 +163,8 @@ class _Item:
             return value is self.value.module and self.value()
         if self.how == "flat":
             return type(value) is self.value[0] and value == self.value[1]
+        if self.how == "grad":
+            return isinstance(value, torch.Tensor) and grad_meta_or_none(value) == self.value[0]
         return value is self.value if self.how == "is" else _same(value, self.value)
 
 
@@ -551,6 +555,10 @@ class GlobalGuard:
                     return f"{item.where} was rebound to another {type(now).__name__} object"
                 if item.how == "meta":
                     return f"{item.where} changed from {_short_meta(item.value)} to {_short_meta(now)}"
+                if item.how == "grad":
+                    meta = grad_meta_or_none(now) if isinstance(now, torch.Tensor) else None
+                    now_text = describe_grad(meta) if meta is not None else _short(now)
+                    return f"{item.where} changed from {describe_grad(item.value[0])} to {now_text}"
                 if item.holder is environment:
                     return environment_change(item.value[1], now)
                 if item.how == "flat":
@@ -575,6 +583,8 @@ class GlobalGuard:
         for item in self.items:
             if item.how == "meta":
                 lines.append(f"{item.where}: {_short_meta(item.value)}")
+            elif item.how == "grad":
+                lines.append(f"{item.where}: {describe_grad(item.value[0])} (read as an input on each call)")
             elif item.how == "module":
                 lines.append(f"{item.where} is {type(item.value.module).__name__} (structure and tensors unchanged)")
             elif item.how == "absent":
@@ -628,6 +638,8 @@ def _generate(items: list[_Item]) -> Callable[[], bool]:
         elif item.how == "module":
             env[f"m{i}"] = item.value.module
             terms.append(f"({read} is m{i} and v{i}())")
+        elif item.how == "grad":
+            terms.append(grad_check(read, i, item.value, env))
         elif item.how == "meta":
             shape, dtype, device, requires_grad = item.value
             env[f"s{i}"], env[f"d{i}"], env[f"e{i}"], env[f"r{i}"] = shape, dtype, device, requires_grad
@@ -652,7 +664,8 @@ def build_guard(recorder: ReadRecorder, captured: list[tuple[str, torch.Tensor]]
                 covered: Iterable[torch.nn.Module] = (), arguments: dict | None = None,
                 walked: Iterable[Any] = (), flag_names: frozenset[str] = frozenset(),
                 grads: Iterable[tuple[torch.Tensor, Any, str]] = (),
-                optimizers: Iterable[torch.optim.Optimizer] = ()) -> GlobalGuard | None:
+                optimizers: Iterable[torch.optim.Optimizer] = (),
+                grads_at_call: Iterable[torch.Tensor] = ()) -> GlobalGuard | None:
     """The guard for what the code recorded while tracing can read, and for the metadata of the tensors the
     program captured (``captured``: their names in the trace, and the tensors); None when there is nothing to
     check. ``covered``: the jitted module's tree, whose structure snapshot already checks its plain attributes.
@@ -662,15 +675,23 @@ def build_guard(recorder: ReadRecorder, captured: list[tuple[str, torch.Tensor]]
     the names of the torch flags the program's beliefs depend on, though its code names none of them (the layout
     of a convolution of a channels_last input, ``torch.kernel_layouts.flag_names_read``). ``grads``: (tensor,
     its ``.grad`` as read, where) for the gradients the code read of tensors that are not inputs: a call must find the
-    same gradient object there (``zero_grad()`` sets it to None and backward makes a new one), or it compiles again.
-    ``optimizers``: those whose ``step()`` ran while tracing, whose hyperparameters are checked by value."""
+    same gradient object (or None) there, or it compiles again; except for the tensors in ``grads_at_call``, whose
+    ``.grad`` the program reads as an input on every call (``fulmen.frontend.training_state.GradOf``): a call must
+    find a gradient with the traced one's metadata there. ``optimizers``: those whose ``step()`` ran while tracing,
+    whose hyperparameters are checked by value."""
     collector = _Collector(covered, walked)
     collector.flags(flag_names)
     seen: set[int] = set()
+    called = frozenset(map(id, grads_at_call))
     for owner, grad, where in grads:
         if id(owner) not in seen:
             seen.add(id(owner))
-            collector.items.append(_Item(f"the .grad of a tensor read at {where}", "slot", owner, "grad", grad, "is"))
+            if id(owner) in called:  # an input read on every call: a new gradient object like this one is fine
+                collector.items.append(_Item(f"the .grad of a tensor read at {where}", "slot", owner, "grad",
+                                             grad_facts(grad), "grad"))
+            else:
+                collector.items.append(_Item(f"the .grad of a tensor read at {where}", "slot", owner, "grad", grad,
+                                             "is"))
     for opt in optimizers:
         collector.optimizer(f"the optimizer {type(opt).__name__}", opt)
     for name, t in captured:  # read by identity on every call, but traced for this shape, dtype and device

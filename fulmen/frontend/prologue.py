@@ -50,6 +50,7 @@ from fulmen.frontend.cache import (
     value_key,
 )
 from fulmen.frontend.dynamic import int_carrier
+from fulmen.frontend.training_state import GradOf
 
 _LITERAL = (int, bool, type(None))
 _Parameter = torch.nn.Parameter
@@ -95,6 +96,10 @@ class Prologue:
 
 def _none_is(x: Any, tensors: Sequence) -> bool:
     return all(x is not t for t in tensors)
+
+
+def _distinct_grads(grads: tuple, others: tuple) -> bool:
+    return len(set(map(id, grads))) == len(grads) and all(g is not t for g in grads for t in others)
 
 
 class _Writer:
@@ -382,6 +387,25 @@ class _Writer:
         self.check(" and ".join(f"(id({e}) not in state_ids or _none_is({e}, params))" for e in exprs),
                    f"the {len(exprs)} tensor argument(s) are none of the module's parameters and buffers")
 
+    def grads_read(self, captured: Sequence) -> list[str]:
+        """The expressions of the ``captured`` inputs, where a ``GradOf`` is its tensor's ``.grad`` now (which
+        ``check_globals()`` checked), read into a local that is checked to be none of the other inputs: the program
+        was traced with one input each (``x is p.grad`` was False)."""
+        exprs, grads = [], []
+        for c in captured:
+            if type(c) is GradOf:
+                name = self.name("grad")
+                self.lines.append(f"{name} = {self.const(c.owner, 'grad_of')}.grad")
+                grads.append(name)
+            exprs.append(name if type(c) is GradOf else self.const(c, "captured"))
+        if len(grads) > 1 or self.flat:
+            self.env["_distinct_grads"] = _distinct_grads
+            self.names.add("_distinct_grads")
+            others = "".join(f"{e}, " for e in self.flat)
+            self.check(f"_distinct_grads(({', '.join(grads)},), ({others}))",
+                       f"the {len(grads)} gradient(s) read are distinct objects, and none of the tensor arguments")
+        return exprs
+
     def call(self, args_key: tuple, arg_names: list[str]) -> None:
         """The arguments of the call: ``args`` and ``kwargs``."""
         kwargs_part = args_key[-1] if args_key and type(args_key[-1]) is tuple and args_key[-1][:1] == ("kwargs",) \
@@ -527,8 +551,9 @@ def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, para
     (``module=True``, key ``((version, parameter keys, call key), global state)``) is
     ``prologue(version, params, args, kwargs)``, ``param_names`` naming the parameters and buffers. ``symbolic``
     (dynamic sizes) replaces the exact dynamic sizes by its guards; ``guard`` checks the globals the code read;
-    ``captured`` tensors are appended to the inputs, then the ``holders`` (their indices in the order the key's walk
-    met them) that the program updates or returns (``fulmen.frontend.objects``). ``examples``: the tensors the key
+    ``captured`` tensors are appended to the inputs (for a ``GradOf``, its tensor's ``.grad`` now), then the
+    ``holders`` (their indices in the order the key's walk met them) that the program updates or returns
+    (``fulmen.frontend.objects``). ``examples``: the tensors the key
     was computed from, for the one C++ check of all tensors (``Prologue.fast`` keeps it; ``fast`` reuses one).
     ``distinct``: the call's tensors are checked to be distinct objects past its repeats (``_Writer.distinct``), and
     none of a module's parameters and buffers, which were keyed as repeats (``state_ids``: its ``known_ids``, else
@@ -564,7 +589,9 @@ def build_prologue(key: Any, arg_names: list[str], *, module: bool = False, para
         flat += w.symbolic_guards(symbolic)
     if guard is not None:
         w.check("check_globals()", "the globals and closure variables the traced code read (above)")
-    if captured:
+    if any(type(c) is GradOf for c in captured):
+        flat += w.grads_read(captured)
+    elif captured:
         flat.append(f"*{w.const(list(captured), 'captured')}")
     flat += [w.holders[i] for i in holders]
     w.lines.append(f"return [{', '.join(flat)}]")

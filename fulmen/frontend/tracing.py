@@ -49,7 +49,7 @@ from fulmen.frontend.replay import Replays
 from fulmen.frontend.rng_calls import recording_rng_calls
 from fulmen.frontend.split_points import ValueReader
 from fulmen.frontend.symbolic_text import text_specializes
-from fulmen.frontend.training_state import GRAD_ATTRIBUTE, grad_access, recording_optimizer_steps
+from fulmen.frontend.training_state import GRAD_ATTRIBUTE, grad_access, grads_at_call_time, recording_optimizer_steps
 from fulmen.frontend.user_frames import called_by_fulmen as _called_by_fulmen
 from fulmen.frontend.user_frames import user_entry
 from fulmen.torch.argument_writes import computes_tensors
@@ -69,7 +69,7 @@ class InputSpec:
     """How the flat tensor inputs of a trace are found in a call's arguments."""
 
     tensor_proxies: list[TensorProxy] = field(default_factory=list)
-    captured: list[torch.Tensor] = field(default_factory=list)  # closure/global tensors, passed after the args
+    captured: list = field(default_factory=list)  # closure/global tensors (or a GradOf), passed after the args
     guard: GlobalGuard | None = None  # the globals and closure variables the traced code read
     # module attributes the program assigns (fulmen.frontend.module_writes): it returns (result, their values)
     attributes: tuple[tuple[torch.nn.Module, str], ...] = ()
@@ -81,7 +81,7 @@ class InputSpec:
     values: tuple = ()
     value_lines: tuple[str, ...] = ()
     # (tensor, its .grad, where) for each .grad the traced code read of a tensor that is not an input (an optimizer's
-    # parameters): the program captured that gradient object, so a call must find the same one (or None) there
+    # parameters), while tracing: the guard checks them (fulmen.frontend.training_state)
     grad_reads: list[tuple[torch.Tensor, Any, str]] = field(default_factory=list)
     # the optimizers whose step() ran while tracing: the program holds their hyperparameters' values (lr, betas)
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
@@ -536,11 +536,13 @@ def _recording_autograd_functions():
         yield
 
 
-def _guard_what_was_read(trace: Trace, spec: InputSpec, recorder: ReadRecorder, own, bound_arguments, swaps) -> None:
+def _guard_what_was_read(trace: Trace, spec: InputSpec, recorder: ReadRecorder, own, bound_arguments, swaps,
+                         real: list) -> None:
     """``spec.guard``: a check of what the user's code read while traced (``fulmen.frontend.global_guard``)."""
     names = [p.name for p in trace.args[len(trace.args) - len(spec.captured):]]
-    spec.guard = build_guard(recorder, list(zip(names, spec.captured)), own, bound_arguments,
-                             [h.obj for h in swaps.holders], flag_names_read(trace), spec.grad_reads, spec.optimizers)
+    checked, grads, owners = grads_at_call_time(spec.grad_reads, names, spec.captured, real)
+    spec.guard = build_guard(recorder, checked, own, bound_arguments, [h.obj for h in swaps.holders],
+                             flag_names_read(trace), grads, spec.optimizers, owners)
 
 
 @contextlib.contextmanager
@@ -609,7 +611,7 @@ def trace_program(fn: Callable, args: tuple, kwargs: dict, *, arg_names: list[st
         if recorder is not None:
             recorder.close()
     if recorder is not None:
-        _guard_what_was_read(trace, spec, recorder, own, _bound_arguments(guard_reads, args, kwargs), swaps)
+        _guard_what_was_read(trace, spec, recorder, own, _bound_arguments(guard_reads, args, kwargs), swaps, real)
     spec.values, spec.value_lines = tuple(reader.values), tuple(reader.where)
     trace.output, trace.provenance = result, None
     return trace, spec
