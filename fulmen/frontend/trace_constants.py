@@ -1,0 +1,78 @@
+"""Which torch calls the user's code makes without a traced tensor may run once while tracing, as constants.
+
+A torch call the user's code makes with no proxy argument reaches ``_UserTorchCalls`` (``fulmen.frontend.tracing``)
+with the mode switched off: whatever it runs there runs once, and its result is baked into the program as a
+constant. That is sound only for a value that depends on nothing that can change between calls. Two kinds of call
+break that rule and are recorded as operations of the program instead:
+
+- a torch function written in Python with no torch-language rule (``F.softmin``, ``torch.cdist``, ``torch.unique``,
+  ``torch.nn.init.normal_``) on a tensor read from a global, a closure or an object: its inner torch calls come from
+  torch's own frames with the mode off, so none of them is recorded. The tensors are captured as inputs of the trace
+  (as ``W * 1`` captures ``W``) and the call goes where it would go had the user passed them as arguments
+  (``TensorProxy.__torch_function__``: its rule, or one opaque op running it on every call);
+- an ATen function that makes tensors from no tensor at all (``torch.ops.aten.scalar_tensor``,
+  ``aten.empty_strided``, as aten graphs run through ``TorchCalls`` call them): recorded, so a returned or written
+  result is a fresh tensor at each call, not one tensor shared by every call (``computes_tensors``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from fulmen.core.proxies import TensorProxy
+from fulmen.core.tracectx import current
+
+# torch.Tensor methods written in Python that keep books on the tensor object rather than compute from its values:
+# eager runs them on the real tensor, and so does the trace (once)
+_BOOKKEEPING = frozenset(
+    (
+        "storage",
+        "storage_type",
+        "register_hook",
+        "register_post_accumulate_grad_hook",
+        "is_shared",
+        "share_memory_",
+        "module_load",
+        "reinforce",
+        "index",
+    )
+)
+
+# torch.Tensor methods that give Python a tensor's values: on a captured tensor the proxy's, which read the value at
+# every call (a value guard) or name the user's line
+_VALUE_READS = frozenset(("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__"))
+
+
+def _python_computation(func: Callable) -> bool:
+    """Whether ``func`` is a torch function written in Python that may compute tensors from the ones it is given."""
+    if not inspect.isfunction(func):
+        return False
+    name = func.__name__
+    if getattr(torch.Tensor, name, None) is func:  # a Tensor method: computing ones only, not __repr__ or hooks
+        return not name.startswith("_") and name not in _BOOKKEEPING
+    return (func.__module__ or "").startswith("torch")
+
+
+def _reads_values(func: Callable) -> bool:
+    """Whether ``func`` is a ``torch.Tensor`` method that gives Python the tensor's values (``W.item()``)."""
+    name = getattr(func, "__name__", None)
+    return name in _VALUE_READS and getattr(torch.Tensor, name, None) is func
+
+
+def reads_captured_tensors(func: Callable, args: tuple, kwargs: dict) -> bool:
+    """Whether the user's call ``func(*args, **kwargs)`` (no proxy among them, no torch-language rule) is a Python
+    torch function computing on real tensors: tensors of the program's state, to be read at every call."""
+    return (_python_computation(func) or _reads_values(func)) and any(
+        isinstance(x, torch.Tensor) for x in tree_leaves((args, kwargs))
+    )
+
+
+def call_on_captured(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``func`` called with its real tensors captured as inputs of the trace, as if they had been passed as proxies."""
+    args, kwargs = tree_map_only(torch.Tensor, current.tracer.capture, (args, kwargs))
+    return TensorProxy.__torch_function__(func, (TensorProxy,), args, kwargs)
