@@ -14,6 +14,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fulmen
 from fulmen.frontend.aten_graph import TorchCalls
+from fulmen.torch.fallback import fallback_ops
 
 W = torch.randn(4, dtype=torch.float64)
 G = torch.randn(3, 4, dtype=torch.float64)
@@ -167,3 +168,18 @@ def test_global_tensor_as_numpy_names_the_line():
 
     with pytest.raises(fulmen.core.proxies.DataDependentError, match=r"Tensor\.numpy\(\)[\s\S]*V\.numpy"):
         fulmen.jit(fn, executors=["torch"])(torch.zeros(2))
+
+
+def test_aten_scalar_tensor_in_an_aten_graph_is_a_torch_language_op():
+    def g(x):
+        s = _aten.scalar_tensor.default
+        return x + 1, s(2), s(True, dtype=torch.bool), s(3, dtype=torch.int64)
+
+    gm = make_fx(g)(torch.zeros(2))
+    jitted = fulmen.jit(lambda x: TorchCalls(gm).run(x), executors=["torch"])
+    x = torch.zeros(2)
+    first, second = jitted(x), jitted(x)
+    for got, again, want in zip(first, second, g(x)):
+        torch.testing.assert_close(got, want)  # dtype included: aten's default dtype for the int 2
+        assert got.data_ptr() != again.data_ptr()
+    assert not fallback_ops(fulmen.last_traces(jitted)[0])  # traced through ltorch.full: fusable

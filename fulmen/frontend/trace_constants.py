@@ -1,18 +1,22 @@
-"""Which torch calls the user's code makes without a traced tensor may run once while tracing, as constants.
+"""Which torch calls the user's code makes may run once while tracing, their results kept as constants.
 
-A torch call the user's code makes with no proxy argument reaches ``_UserTorchCalls`` (``fulmen.frontend.tracing``)
-with the mode switched off: whatever it runs there runs once, and its result is baked into the program as a
-constant. That is sound only for a value that depends on nothing that can change between calls. Two kinds of call
-break that rule and are recorded as operations of the program instead:
+``_UserTorchCalls`` (``fulmen.frontend.tracing``) handles each torch call of the user's code with its mode switched
+off: whatever it runs itself runs once, and its result is baked into the program. That is sound only for a value
+that depends on nothing that can change between calls. These calls break the rule and are recorded instead:
 
-- a torch function written in Python with no torch-language rule (``F.softmin``, ``torch.cdist``, ``torch.unique``,
-  ``torch.nn.init.normal_``) on a tensor read from a global, a closure or an object: its inner torch calls come from
-  torch's own frames with the mode off, so none of them is recorded. The tensors are captured as inputs of the trace
-  (as ``W * 1`` captures ``W``) and the call goes where it would go had the user passed them as arguments
-  (``TensorProxy.__torch_function__``: its rule, or one opaque op running it on every call);
-- an ATen function that makes tensors from no tensor at all (``torch.ops.aten.scalar_tensor``,
-  ``aten.empty_strided``, as aten graphs run through ``TorchCalls`` call them): recorded, so a returned or written
-  result is a fresh tensor at each call, not one tensor shared by every call (``computes_tensors``).
+- a torch function written in Python with no torch-language rule (``F.softmin``, ``torch.cdist``, ``torch.unique``)
+  on a tensor read from a global, a closure or an object: its inner torch calls come from torch's own frames with
+  the mode off, so none of them is recorded. Its real tensors are captured as inputs of the trace (as ``W * 1``
+  captures ``W``) and the call goes where it would go had the user passed them as arguments
+  (``TensorProxy.__torch_function__``: its rule, or one opaque op running it on every call). So does a call mixing
+  proxies and real tensors (``torch.stft(W, n, window=proxy)``, which dispatches on ``W`` alone);
+- a Python read of such a tensor's values (``W.item()``, ``float(W)``): the proxy's, checked at every call by a
+  value guard, or an error naming the user's line (``W.numpy()``, whose array shares the tensor's memory);
+- an ATen function that makes tensors from no tensor at all (``aten.scalar_tensor``, ``aten.empty_strided``, as
+  aten graphs run through ``TorchCalls`` call them) is recorded by ``computes_tensors``, so a returned or written
+  result is a fresh tensor at each call, not one tensor shared by every call.
+
+What still runs once is what reads no tensor's values: metadata (``W.dim()``), hooks, storage questions.
 """
 
 from __future__ import annotations
@@ -70,6 +74,12 @@ def reads_captured_tensors(func: Callable, args: tuple, kwargs: dict) -> bool:
     return (_python_computation(func) or _reads_values(func)) and any(
         isinstance(x, torch.Tensor) for x in tree_leaves((args, kwargs))
     )
+
+
+def mixes_real_tensors(args: tuple, kwargs: dict) -> bool:
+    """Whether a call on proxies also takes real tensors: ``torch.stft(W, n, window=proxy)`` dispatches on ``W``
+    alone, so torch would run its Python body with fulmen's mode off and compute on ``W`` once, while tracing."""
+    return any(isinstance(x, torch.Tensor) and type(x) is not TensorProxy for x in tree_leaves((args, kwargs)))
 
 
 def call_on_captured(func: Callable, args: tuple, kwargs: dict) -> Any:

@@ -48,7 +48,7 @@ from fulmen.frontend.replay import Replays
 from fulmen.frontend.rng_calls import recording_rng_calls
 from fulmen.frontend.split_points import ValueReader
 from fulmen.frontend.symbolic_text import text_specializes
-from fulmen.frontend.trace_constants import call_on_captured, reads_captured_tensors
+from fulmen.frontend.trace_constants import call_on_captured, mixes_real_tensors, reads_captured_tensors
 from fulmen.frontend.training_state import GRAD_ATTRIBUTE, grad_access, recording_optimizer_steps
 from fulmen.frontend.user_frames import called_by_fulmen as _called_by_fulmen
 from fulmen.frontend.user_frames import user_entry
@@ -316,6 +316,8 @@ class _UserTorchCalls(TorchFunctionMode):
                 if fn is not None and func in _DATA_ARGUMENT:
                     # torch parses their data as a sequence, never dispatching on a proxy
                     return fn(*args, **kwargs)
+                if mixes_real_tensors(args, kwargs) and not _called_by_fulmen():
+                    return call_on_captured(func, args, kwargs)
                 if types == (TensorProxy,):  # what func(*args) would reach through torch's dispatch, at once
                     return TensorProxy.__torch_function__(func, types, args, kwargs)
             elif (fn is not None or callable_draws(func) or writes_arguments(func)
