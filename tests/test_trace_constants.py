@@ -183,3 +183,44 @@ def test_aten_scalar_tensor_in_an_aten_graph_is_a_torch_language_op():
         torch.testing.assert_close(got, want)  # dtype included: aten's default dtype for the int 2
         assert got.data_ptr() != again.data_ptr()
     assert not fallback_ops(fulmen.last_traces(jitted)[0])  # traced through ltorch.full: fusable
+
+
+def test_nn_init_fills_the_tensor_at_every_call():
+    """``torch.nn.init`` functions fill the tensor they are given in place, a global's or an argument's."""
+    glob = torch.randn(3, 3)
+
+    def on_global(x):
+        torch.nn.init.constant_(glob, 0.5)
+        return x + glob
+
+    def on_argument(x, w):
+        torch.nn.init.constant_(w, 0.25)
+        return x * w
+
+    x = torch.ones(3, 3)
+    jitted = fulmen.jit(on_global, executors=["torch"])
+    jitted(x)
+    glob.fill_(7.0)
+    torch.testing.assert_close(jitted(x), torch.full((3, 3), 1.5))
+    torch.testing.assert_close(glob, torch.full((3, 3), 0.5))  # filled again, as eager fills it at every call
+
+    w = torch.randn(3, 3)
+    torch.testing.assert_close(fulmen.jit(on_argument, executors=["torch"])(x, w), torch.full((3, 3), 0.25))
+    torch.testing.assert_close(w, torch.full((3, 3), 0.25))
+
+
+def test_nn_init_that_draws_writes_the_global_with_eager_numbers():
+    glob = torch.zeros(3, 3)
+
+    def fn(x):
+        torch.nn.init.uniform_(glob, -1.0, 1.0)
+        return x + glob
+
+    jitted = fulmen.jit(fn, executors=["torch"])
+    x = torch.zeros(3, 3)
+    jitted(x)
+    torch.manual_seed(7)
+    got, got_glob = jitted(x), glob.clone()
+    torch.manual_seed(7)
+    torch.testing.assert_close(got, fn(x))
+    torch.testing.assert_close(got_glob, glob)

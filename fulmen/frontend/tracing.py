@@ -329,7 +329,8 @@ class _UserTorchCalls(TorchFunctionMode):
                 # EMA) writes it on every call, and one that reads them (torch._foreach_norm of the gradients in
                 # clip_grad_norm_) reads them on every call; an aten factory (aten.empty_strided) makes a fresh tensor
                 if fn is None:
-                    fn = opaque_symbol(func) if callable_draws(func) else fallback_record(func)
+                    draws_only = callable_draws(func) and not writes_arguments(func)  # init.uniform_(W): writes W
+                    fn = opaque_symbol(func) if draws_only else fallback_record(func)
                 if kwargs.get("out") is not None:  # torch.zeros(3, out=buffer): written in place, as eager
                     return call_with_out(fn, func, args, kwargs)
                 return fn(*args, **kwargs)
