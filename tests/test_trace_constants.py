@@ -7,6 +7,7 @@ A tensor made from no tensor by an ATen function without a rule (``aten.scalar_t
 as aten graphs run through ``TorchCalls`` call them) is a fresh tensor at each call.
 """
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -162,11 +163,17 @@ def test_global_tensor_value_read_in_python_is_checked_at_every_call(fn):
         V.fill_(2.0)
 
 
-def test_global_tensor_as_numpy_names_the_line():
-    def fn(x):
-        return x + float(V.numpy()[0])
-
-    with pytest.raises(fulmen.core.proxies.DataDependentError, match=r"Tensor\.numpy\(\)[\s\S]*V\.numpy"):
+@pytest.mark.parametrize(
+    "fn, what",
+    [
+        (lambda x: x + float(V.numpy()[0]), r"Tensor\.numpy\(\)"),
+        (lambda x: x + float(np.asarray(V)[0]), r"np\.asarray"),
+        (lambda x: x + (1.0 if 2.0 in V else 0.0), r"`in` on a tensor"),
+    ],
+    ids=["numpy", "asarray", "in"],
+)
+def test_global_tensor_values_read_without_a_guard_name_the_line(fn, what):
+    with pytest.raises(fulmen.core.proxies.DataDependentError, match=what + r"[\s\S]*test_trace_constants\.py"):
         fulmen.jit(fn, executors=["torch"])(torch.zeros(2))
 
 

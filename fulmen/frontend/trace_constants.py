@@ -49,7 +49,20 @@ _BOOKKEEPING = frozenset(
 
 # torch.Tensor methods that give Python a tensor's values: on a captured tensor the proxy's, which read the value at
 # every call (a value guard) or name the user's line
-_VALUE_READS = frozenset(("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__"))
+_VALUE_READS = frozenset(
+    (
+        "item",
+        "tolist",
+        "numpy",
+        "__array__",
+        "__bool__",
+        "__float__",
+        "__int__",
+        "__index__",
+        "__complex__",
+        "__contains__",
+    )
+)
 
 
 def _python_computation(func: Callable) -> bool:
