@@ -89,10 +89,22 @@ def reads_captured_tensors(func: Callable, args: tuple, kwargs: dict) -> bool:
     )
 
 
+def _is_real(x: Any) -> bool:
+    return type(x) is not TensorProxy and isinstance(x, torch.Tensor)
+
+
 def mixes_real_tensors(args: tuple, kwargs: dict) -> bool:
-    """Whether a call on proxies also takes real tensors: ``torch.stft(W, n, window=proxy)`` dispatches on ``W``
-    alone, so torch would run its Python body with fulmen's mode off and compute on ``W`` once, while tracing."""
-    return any(isinstance(x, torch.Tensor) and type(x) is not TensorProxy for x in tree_leaves((args, kwargs)))
+    """Whether a call on proxies also takes real tensors, as arguments or in a list of them: ``torch.stft(W, n,
+    window=proxy)`` dispatches on ``W`` alone, so torch would run its Python body with fulmen's mode off and compute
+    on ``W`` once, while tracing. (Asked of every traced call of the user's code: a flat scan, not a tree walk.)"""
+    for x in (*args, *kwargs.values()):
+        kind = type(x)
+        if kind is tuple or kind is list:
+            if any(map(_is_real, x)):
+                return True
+        elif _is_real(x):
+            return True
+    return False
 
 
 def call_on_captured(func: Callable, args: tuple, kwargs: dict) -> Any:
