@@ -124,6 +124,12 @@ def _convolution(input, weight, bias, stride, padding, dilation, transposed, out
     return (F.conv1d, F.conv2d, F.conv3d)[n - 1](input, weight, bias, stride, padding, dilation, groups)
 
 
+@user_entry  # its torch.full is the program's, made at every call, not a constant made by fulmen while tracing
+def _scalar_tensor(s, *, dtype=None, layout=None, device=None, pin_memory=None):
+    """``aten.scalar_tensor``: a 0-d tensor of ``s``, of the default dtype whatever the scalar's type."""
+    return torch.full((), s, dtype=torch.get_default_dtype() if dtype is None else dtype, device=device)
+
+
 def _softmax(a, dim, half_to_float):
     return torch.softmax(a, dim, dtype=torch.float32 if half_to_float else None)
 
@@ -159,6 +165,7 @@ _REARRANGED: dict[str, Callable] = {
     "embedding.default": _embedding,
     "constant_pad_nd.default": _constant_pad_nd,
     "convolution.default": _convolution,
+    "scalar_tensor.default": _scalar_tensor,
 }
 
 _GRAD_OPS = (

@@ -15,7 +15,6 @@ import torch
 import torch.utils.checkpoint
 from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
 from fulmen import prims
 from fulmen.core import langctx
@@ -49,6 +48,7 @@ from fulmen.frontend.replay import Replays
 from fulmen.frontend.rng_calls import recording_rng_calls
 from fulmen.frontend.split_points import ValueReader
 from fulmen.frontend.symbolic_text import text_specializes
+from fulmen.frontend.trace_constants import call_on_captured, mixes_real_tensors, reads_captured_tensors
 from fulmen.frontend.training_state import GRAD_ATTRIBUTE, grad_access, grads_at_call_time, recording_optimizer_steps
 from fulmen.frontend.user_frames import called_by_fulmen as _called_by_fulmen
 from fulmen.frontend.user_frames import user_entry
@@ -295,10 +295,6 @@ def _transform_inside(func: Callable) -> NotImplementedError:
         "dimension explicit (broadcasting, torch.bmm, einsum).")
 
 
-def _computes_on_tensors(func: Callable, args: tuple, kwargs: dict) -> bool:
-    return computes_tensors(func) and any(isinstance(x, torch.Tensor) for x in tree_leaves((args, kwargs)))
-
-
 class _UserTorchCalls(TorchFunctionMode):
     """Routes torch calls that have no proxy argument (``torch.rand(3)``, ``torch.arange(n)``) made by user
     code to the torch language, so they run on every call instead of being computed once while tracing."""
@@ -320,21 +316,26 @@ class _UserTorchCalls(TorchFunctionMode):
                 if fn is not None and func in _DATA_ARGUMENT:
                     # torch parses their data as a sequence, never dispatching on a proxy
                     return fn(*args, **kwargs)
+                if mixes_real_tensors(args, kwargs) and not _called_by_fulmen():
+                    return call_on_captured(func, args, kwargs)
                 if types == (TensorProxy,):  # what func(*args) would reach through torch's dispatch, at once
                     return TensorProxy.__torch_function__(func, types, args, kwargs)
             elif (fn is not None or callable_draws(func) or writes_arguments(func)
-                  or _computes_on_tensors(func, args, kwargs)) and not _called_by_fulmen():
+                  or computes_tensors(func)) and not _called_by_fulmen():
                 if func in _DATA_ARGUMENT and args:  # torch.tensor(np_array): the array as a tensor sharing its memory
                     args = (numpy_data(args[0]), *args[1:])
                 # a random op with no rule (torch.randperm) is an opaque op that draws on every call, not a
                 # constant drawn once while tracing; one that writes a global tensor (torch._foreach_lerp_ of an
                 # EMA) writes it on every call, and one that reads them (torch._foreach_norm of the gradients in
-                # clip_grad_norm_) reads them on every call
+                # clip_grad_norm_) reads them on every call; an aten factory (aten.empty_strided) makes a fresh tensor
                 if fn is None:
-                    fn = opaque_symbol(func) if callable_draws(func) else fallback_record(func)
+                    draws_only = callable_draws(func) and not writes_arguments(func)  # init.uniform_(W): writes W
+                    fn = opaque_symbol(func) if draws_only else fallback_record(func)
                 if kwargs.get("out") is not None:  # torch.zeros(3, out=buffer): written in place, as eager
                     return call_with_out(fn, func, args, kwargs)
                 return fn(*args, **kwargs)
+            elif reads_captured_tensors(func, args, kwargs) and not _called_by_fulmen():  # F.softmin(global)
+                return call_on_captured(func, args, kwargs)
         return func(*args, **kwargs)
 
 

@@ -33,13 +33,25 @@ def _schemas(func: Callable) -> list:
         return [func._schema]
     if isinstance(func, torch._ops.OpOverloadPacket):
         return [getattr(func, name)._schema for name in func.overloads()]
-    # torch.foo (a function of torch's C module): the ATen operator of that name
-    if isinstance(func, types.BuiltinFunctionType) and (func.__self__ is None or isinstance(func.__self__, type)):
+    # torch.foo, torch.linalg.foo, torch.Tensor.foo (functions of torch's C modules, methods of its C tensor): the
+    # ATen operator of that name (torch.linalg.multi_dot is aten::linalg_multi_dot)
+    if _of_torch_c(func):
         try:
             return list(torch._C._jit_get_schemas_for_operator(f"aten::{func.__name__}"))
         except RuntimeError:
             return []
     return []
+
+
+def _of_torch_c(func: Callable) -> bool:
+    if isinstance(func, types.BuiltinFunctionType):
+        owner = func.__self__
+        return (
+            owner is None
+            or isinstance(owner, type)
+            or (isinstance(owner, types.ModuleType) and owner.__name__.startswith("torch._C"))
+        )
+    return isinstance(func, types.MethodDescriptorType) and func.__objclass__ is torch._C.TensorBase
 
 
 def _writes_of(schema) -> tuple | None:

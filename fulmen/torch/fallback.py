@@ -10,6 +10,7 @@ copy and the result replaces ``x`` (see ``fulmen.torch.inplace``), and so do the
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import sys
 from collections.abc import Callable
@@ -383,11 +384,33 @@ def _is_inplace_method(func: Callable) -> bool:
     return name.endswith("_") and not name.endswith("__") and getattr(torch.Tensor, name, None) is func
 
 
+def _is_inplace_function(func: Callable) -> bool:
+    """A torch function written in Python and named as an in-place one (``torch.nn.init.constant_``): by torch's
+    convention it writes its first argument and returns it."""
+    name = getattr(func, "__name__", "")
+    return (
+        inspect.isfunction(func)
+        and name.endswith("_")
+        and not name.endswith("__")
+        and (func.__module__ or "").startswith("torch.")
+    )
+
+
 def writes_arguments(func: Callable) -> bool:
     """Whether ``func`` (a torch callable without a torch-language rule) updates tensors it is given."""
     from fulmen.torch import argument_writes
 
-    return _is_inplace_method(func) or bool(argument_writes.written_arguments(func))
+    return _is_inplace_method(func) or _is_inplace_function(func) or bool(argument_writes.written_arguments(func))
+
+
+def _written_first(func: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args, kwargs`` with the tensor an in-place call writes first in ``args``: torch hands Python functions
+    their arguments as it was given them (``init.constant_(tensor=w, val=0.5)``)."""
+    if args or not kwargs:
+        return args, kwargs
+    first = next(iter(inspect.signature(func).parameters))
+    kwargs = dict(kwargs)
+    return (kwargs.pop(first),), kwargs
 
 
 def record(func: Callable) -> Callable:
@@ -401,12 +424,13 @@ def record(func: Callable) -> Callable:
         return custom_ops.record(func)
     if collectives.is_c10d(func):  # communicates and writes its tensors in place
         return collectives.record_c10d(func)
-    if _is_inplace_method(func):
+    if _is_inplace_method(func) or _is_inplace_function(func):
         out_of_place = _out_of_place(func)
 
-        def inplace(self, *args, **kwargs):
+        def inplace(*args, **kwargs):
             from fulmen.torch.inplace import mutate
 
+            (self, *args), kwargs = _written_first(func, args, kwargs)
             result = opaque_symbol(out_of_place)(self, *args, **kwargs)
             return mutate(self, result)
 
@@ -438,6 +462,7 @@ def _out_of_place(func: Callable) -> Callable:
             return func(_laid_out_copy(self), *args, **kwargs)
 
         fn.__name__ = func.__name__.rstrip("_") + "_out_of_place"
+        fn.draws_random = callable_draws(func)  # torch.nn.init.uniform_ draws: so does its copy (core.draws)
         fn.__qualname__ = fn.__name__
         fn.__module__ = "fulmen.torch.fallback"
         _out_of_place_cache[func] = fn
