@@ -49,6 +49,8 @@ def snapshot():
         for name, value in list(vars(owner).items()):
             if isinstance(value, type(torch)) or name in ("__annotations__", "__builtins__"):
                 continue
+            if owner is torch.utils.hooks.RemovableHandle and name == "next_id":
+                continue  # the counter every hook registration advances (fulmen's scoped optimizer-step hook too)
             out[f"{owner_name}.{name}"] = id(value)
     return out
 
