@@ -17,6 +17,13 @@ changes only how Inductor's generated code gets there. Each applies only where i
   reduction: the whole backward is one pass over the logits, with the same results. On CPU, half-dtype logits
   keep PyTorch's rule, where the rewrite measured slower.
 
+- ``var`` and ``var_mean`` (with ``correction``) of a one-element input: Inductor lowers them itself, and when it
+  picks its Welford reduction (always for a reduction to one element) a reduction over one element becomes the
+  constants ``m2 = 0, weight = 1`` without reading the value, so the variance of a lone NaN or infinity comes out
+  0 where eager gives NaN (``inf - inf``). Here that variance is ``(x - x)^2`` summed over the one element and
+  divided by ``max(0, 1 - correction)``, as eager computes it: 0 for a finite value, NaN for a non-finite one.
+  Larger inputs keep Inductor's own lowering (its reductions over more elements read every value).
+
 The tanh-GELU rewrite stays on CPU: on CUDA, Triton's ``tanh`` is cheap and the rewrite measured slower. The
 measurements behind both choices are in docs/performance.md ("Inductor decompositions").
 """
@@ -123,7 +130,39 @@ def _log_softmax_backward_data(default, grad_output, output, dim, input_dtype):
     return grad_output - torch.exp(output) * entry[1]
 
 
+def _var_mean_of_one(x: torch.Tensor, dim, correction, keepdim: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``var_mean`` of a one-element ``x``, as eager computes it: the mean is the element, the variance the
+    square of ``x - mean`` (0, or NaN for a NaN or infinite element) over ``max(0, 1 - correction)``."""
+    xf = _opmath(x)
+    dims = list(range(x.dim())) if dim is None or (not isinstance(dim, int) and len(dim) == 0) else dim
+    d = xf - xf
+    denominator = max(0.0, 1.0 - (1.0 if correction is None else float(correction)))
+    var = (d * d).sum(dims, keepdim=keepdim) / denominator
+    return var.to(x.dtype), xf.sum(dims, keepdim=keepdim).to(x.dtype)
+
+
+def _one_element(x: torch.Tensor) -> bool:
+    return x.dtype.is_floating_point and isinstance(x.numel(), int) and x.numel() == 1
+
+
+def _var(default, x, dim=None, *, correction=None, keepdim=False):
+    """``var`` of a one-element input (see ``_var_mean_of_one``); any other is left to Inductor's lowering
+    (``NotImplemented`` keeps the operation in the graph, as without an entry in the table)."""
+    if not _one_element(x):
+        return NotImplemented
+    return _var_mean_of_one(x, dim, correction, keepdim)[0]
+
+
+def _var_mean(default, x, dim=None, *, correction=None, keepdim=False):
+    """``var_mean`` of a one-element input (see ``_var_mean_of_one``); any other is left to Inductor's lowering."""
+    if not _one_element(x):
+        return NotImplemented
+    return _var_mean_of_one(x, dim, correction, keepdim)
+
+
 _REPLACEMENTS = {
+    aten.var.correction: _var,
+    aten.var_mean.correction: _var_mean,
     aten.gelu.default: _gelu,
     aten.gelu_backward.default: _gelu_backward,
     aten.nll_loss_backward.default: _nll_loss_backward,
