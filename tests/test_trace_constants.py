@@ -231,3 +231,63 @@ def test_nn_init_that_draws_writes_the_global_with_eager_numbers():
     torch.manual_seed(7)
     torch.testing.assert_close(got, fn(x))
     torch.testing.assert_close(got_glob, glob)
+
+
+_S = torch.tensor(2.0)
+_W = torch.ones(3, 2)
+
+# torch.Tensor's operators written in Python, with a global tensor on the right: Python calls S.__rsub__(1) etc.
+_OPERATORS = {
+    "rsub": lambda x: x * (1 - _S),
+    "rtruediv": lambda x: x * (1 / _S),
+    "rpow": lambda x: x * (0.9**_S),
+    "rfloordiv": lambda x: x * (7 // _S),
+    "floordiv": lambda x: x * (_S // 1),
+    "rmod": lambda x: x * (7 % _S),
+    "rmatmul": lambda x: x * _W.t().__rmatmul__(torch.ones(1, 2)).sum(),
+    "reversed": lambda x: x * next(iter(reversed(_W))).sum(),
+}
+
+
+@pytest.mark.parametrize("name", list(_OPERATORS))
+def test_python_operators_on_a_global_tensor_read_it_at_every_call(name):
+    # on the previous code these ran once while tracing: 1 - S gave -1 after S became 3
+    fn = _OPERATORS[name]
+    _S.fill_(2.0), _W.fill_(1.0)
+    x = torch.ones(2)
+    jitted = fulmen.jit(fn, executors=["torch"])
+    torch.testing.assert_close(jitted(x), fn(x))
+    _S.fill_(3.0), _W.fill_(2.0)
+    torch.testing.assert_close(jitted(x), fn(x))
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
+def test_a_jitted_foreach_adam_step_matches_eager(cls):
+    # the foreach step computes 1 - beta1 ** step with step a tensor (Tensor.__rpow__), which ran once while tracing,
+    # so the jitted step used the first traced step's bias correction at every later step. Traced code takes the
+    # step's compile-friendly branch (torch.compile's too): the bias correction in the step tensor's float32, where
+    # eager's for-loop takes the step count as a Python float; hence the tolerance, far below the old error (0.19).
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2).double()
+    reference = torch.nn.Linear(3, 2).double()
+    reference.load_state_dict(model.state_dict())
+    opt = cls(model.parameters(), lr=0.1, foreach=True)
+    ref_opt = cls(reference.parameters(), lr=0.1, foreach=True)
+    x = torch.randn(4, 3, dtype=torch.float64)
+
+    def backward(m, o):
+        o.zero_grad()
+        m(x).pow(2).sum().backward()
+
+    for m, o in ((model, opt), (reference, ref_opt)):  # the first step, which makes the state, eagerly
+        backward(m, o)
+        o.step()
+    step = fulmen.jit(lambda: opt.step())
+    for _ in range(4):
+        backward(model, opt)
+        step()
+        backward(reference, ref_opt)
+        ref_opt.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
+    assert fulmen.cache_misses(step) == 1

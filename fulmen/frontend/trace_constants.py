@@ -65,13 +65,34 @@ _VALUE_READS = frozenset(
 )
 
 
+# torch.Tensor's operators written in Python (``1 - W`` calls ``W.__rsub__(1)``, ``0.9 ** W`` ``W.__rpow__(0.9)``):
+# they compute from the tensor's values like any method
+_PYTHON_OPERATORS = frozenset(
+    (
+        "__rsub__",
+        "__rdiv__",
+        "__rtruediv__",
+        "__pow__",
+        "__ipow__",
+        "__rpow__",
+        "__rmod__",
+        "__floordiv__",
+        "__rfloordiv__",
+        "__rlshift__",
+        "__rrshift__",
+        "__rmatmul__",
+        "__reversed__",
+    )
+)
+
+
 def _python_computation(func: Callable) -> bool:
     """Whether ``func`` is a torch function written in Python that may compute tensors from the ones it is given."""
     if not inspect.isfunction(func):
         return False
     name = func.__name__
     if getattr(torch.Tensor, name, None) is func:  # a Tensor method: computing ones only, not __repr__ or hooks
-        return not name.startswith("_") and name not in _BOOKKEEPING
+        return name in _PYTHON_OPERATORS or (not name.startswith("_") and name not in _BOOKKEEPING)
     return (func.__module__ or "").startswith("torch")
 
 
