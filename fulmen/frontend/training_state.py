@@ -157,3 +157,48 @@ def _memory(t: torch.Tensor) -> int:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # a tensor with no storage of its own (a subclass): its own id
         return id(t)
+
+
+class OptimizerParameters:
+    """Reads which parameters an optimizer's step updates: the ``param_groups`` list, each group dict and each
+    group's ``params``, as one flat list of ids (numbers of groups and parameters included) that the guard compares
+    with one ``==``. A program traced for these parameters updates only them, so ``add_param_group``, a group
+    removed or replaced, a parameter appended to, removed from or replaced in ``group["params"]``, or
+    ``param_groups`` rebound must compile again. The objects read when traced are held here, so no other object can
+    take one of their ids while the guard lives: equal ids are the same objects."""
+
+    __slots__ = ("opt", "groups", "traced")
+
+    def __init__(self, opt: torch.optim.Optimizer):
+        self.opt = opt
+        self.groups = opt.param_groups
+        self.traced = [(group, list(group["params"])) for group in self.groups]
+
+    def __call__(self) -> list[int]:
+        groups = self.opt.param_groups
+        ids = [id(groups), len(groups)]
+        for group in groups:
+            params = group["params"]
+            ids += (id(group), len(params))
+            ids += map(id, params)
+        return ids
+
+    def change(self) -> str:
+        """What differs from the traced parameters, in words (the reason a call compiled again)."""
+        groups = self.opt.param_groups
+        if groups is not self.groups:
+            return "param_groups was rebound to another list"
+        if len(groups) != len(self.traced):
+            return (
+                f"it has {len(groups)} parameter group(s), traced with {len(self.traced)} (add_param_group, or a "
+                "group removed)"
+            )
+        for i, (group, (traced_group, params)) in enumerate(zip(groups, self.traced)):
+            if group is not traced_group:
+                return f"param_groups[{i}] was replaced by another dict"
+            now = group["params"]
+            if len(now) != len(params):
+                return f"param_groups[{i}]['params'] holds {len(now)} parameter(s), traced with {len(params)}"
+            if any(p is not q for p, q in zip(now, params)):
+                return f"a parameter in param_groups[{i}]['params'] was replaced by another tensor"
+        return "its parameters changed"
