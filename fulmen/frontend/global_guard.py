@@ -336,8 +336,7 @@ class _Collector:
         program holds the values it was traced with."""
         if ("call", id(opt), "params") not in self._keys:
             self._keys.add(("call", id(opt), "params"))
-            reader = OptimizerParameters(opt)
-            self.items.append(_Item(f"the parameters of {where}", "call", reader, where, _flat_key(reader()), "flat"))
+            self.items.append(_Item(f"the parameters of {where}", "call", OptimizerParameters(opt), where, True, "=="))
         for i, group in enumerate(opt.param_groups):
             for k, v in group.items():
                 if k != "params" and type(k) is str and _simple(v, [MAX_VALUE_ITEMS]):

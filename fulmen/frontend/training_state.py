@@ -7,13 +7,15 @@ read from ``p.grad`` on every call (``GradOf``) and checked by metadata: a new g
 same program, while None for a tensor, or another shape, stride, dtype or device, compiles again. None, a gradient
 the program does not take as a tensor (only its shape or None-ness read), and one also reached another way (two
 parameters holding one gradient, ``p.grad.data``, one passed as an argument) are checked by identity instead.
-Hyperparameters are checked by value (an LR scheduler changes ``lr``); an assignment to ``p.grad`` (``zero_grad()``
-setting it to None) would happen while tracing only, and is refused.
+Hyperparameters are checked by value (an LR scheduler changes ``lr``), and the parameters each group lists by
+identity (``add_param_group`` compiles again); an assignment to ``p.grad`` (``zero_grad()`` setting it to None) would
+happen while tracing only, and is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -160,12 +162,11 @@ def _memory(t: torch.Tensor) -> int:
 
 
 class OptimizerParameters:
-    """Reads which parameters an optimizer's step updates: the ``param_groups`` list, each group dict and each
-    group's ``params``, as one flat list of ids (numbers of groups and parameters included) that the guard compares
-    with one ``==``. A program traced for these parameters updates only them, so ``add_param_group``, a group
-    removed or replaced, a parameter appended to, removed from or replaced in ``group["params"]``, or
-    ``param_groups`` rebound must compile again. The objects read when traced are held here, so no other object can
-    take one of their ids while the guard lives: equal ids are the same objects."""
+    """Whether an optimizer's step would update the parameters it was traced with: the same ``param_groups`` list,
+    group dicts and tensors in each group's ``params``, compared by identity (a C-level ``is`` per parameter, no id
+    made). A program traced for these parameters updates only them, so ``add_param_group``, a group removed or
+    replaced, a parameter appended to, removed from or replaced in ``group["params"]``, or ``param_groups`` rebound
+    must compile again. The guard calls it and compares the result with True."""
 
     __slots__ = ("opt", "groups", "traced")
 
@@ -174,14 +175,15 @@ class OptimizerParameters:
         self.groups = opt.param_groups
         self.traced = [(group, list(group["params"])) for group in self.groups]
 
-    def __call__(self) -> list[int]:
+    def __call__(self) -> bool:
         groups = self.opt.param_groups
-        ids = [id(groups), len(groups)]
-        for group in groups:
-            params = group["params"]
-            ids += (id(group), len(params))
-            ids += map(id, params)
-        return ids
+        if groups is not self.groups or len(groups) != len(self.traced):
+            return False
+        for group, (traced, params) in zip(groups, self.traced):
+            now = group["params"]
+            if group is not traced or len(now) != len(params) or not all(map(operator.is_, now, params)):
+                return False
+        return True
 
     def change(self) -> str:
         """What differs from the traced parameters, in words (the reason a call compiled again)."""
