@@ -331,12 +331,12 @@ class _Collector:
                         self.add(f"{where}[{i!r}]", "key", value, i, v, frozenset())
 
     def optimizer(self, where: str, opt: torch.optim.Optimizer) -> None:
-        """An optimizer's parameters, by identity (``OptimizerParameters``), and its hyperparameters, by value: its
-        step reads them as Python numbers (``group["lr"]``, which an LR scheduler changes between calls), and the
-        program holds the values it was traced with."""
+        """An optimizer's parameters, by identity (``OptimizerParameters``), and hyperparameters, by value: its step
+        reads them as Python numbers (``group["lr"]``, changed by an LR scheduler); the program holds traced values."""
         if ("call", id(opt), "params") not in self._keys:
             self._keys.add(("call", id(opt), "params"))
-            self.items.append(_Item(f"the parameters of {where}", "call", OptimizerParameters(opt), where, True, "=="))
+            where_params = f"the parameter lists of {where} (param_groups and each group's params, by identity)"
+            self.items.append(_Item(where_params, "call", OptimizerParameters(opt), where, True, "=="))
         for i, group in enumerate(opt.param_groups):
             for k, v in group.items():
                 if k != "params" and type(k) is str and _simple(v, [MAX_VALUE_ITEMS]):
