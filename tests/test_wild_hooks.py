@@ -413,12 +413,17 @@ _PARAMETER_EDITS = {
 }
 
 
-def _steps_with_edited_parameters(jit: bool, make, edit: str, eager_steps: tuple) -> tuple[list, list]:
+def _steps_with_edited_parameters(jit: bool, make, edit: str, eager_steps: tuple, through_function=False):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 2), nn.Tanh(), nn.Linear(2, 1))
     first, _, second = model
     opt = make([{"params": [first.weight, first.bias]}, {"params": [second.weight], "lr": 0.2}])
-    step = fulmen.jit(opt.step, executors=["torch"]) if jit else opt.step
+
+    def update():
+        opt.step()
+
+    step = update if through_function else opt.step
+    step = fulmen.jit(step, executors=["torch"]) if jit else step
     for i in range(4):
         if i == 2:
             _PARAMETER_EDITS[edit](opt, second.bias)
@@ -443,12 +448,14 @@ def test_a_jitted_optimizer_step_sees_its_parameter_lists_change(edit):
 
 
 @pytest.mark.parametrize("foreach", [False, True])
-def test_a_jitted_momentum_step_updates_a_parameter_group_added_after_it_was_traced(foreach):
+@pytest.mark.parametrize("through", ["opt.step", "a function calling opt.step"])
+def test_a_jitted_momentum_step_updates_a_parameter_group_added_after_it_was_traced(foreach, through):
     # the momentum buffers of the new group are made by an eager step (a first step is not traced): the jitted step
     # after it must update the added group too
     sgd = lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9, foreach=foreach)  # noqa: E731
-    got, reasons = _steps_with_edited_parameters(True, sgd, "add_param_group", (0, 2))
-    expected, _ = _steps_with_edited_parameters(False, sgd, "add_param_group", (0, 2))
+    function = through != "opt.step"
+    got, reasons = _steps_with_edited_parameters(True, sgd, "add_param_group", (0, 2), function)
+    expected, _ = _steps_with_edited_parameters(False, sgd, "add_param_group", (0, 2), function)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e)
     assert len(reasons) == 1 and "the optimizer SGD" in reasons[0] and "add_param_group" in reasons[0]
