@@ -71,7 +71,7 @@ from fulmen.frontend.attribute_lookup import (
     load_chains,
     lookup,
 )
-from fulmen.frontend.training_state import describe_grad, grad_check, grad_facts, grad_meta_or_none
+from fulmen.frontend.training_state import OptimizerParameters, describe_grad, grad_check, grad_facts, grad_meta_or_none
 
 log = logging.getLogger("fulmen")
 
@@ -331,10 +331,13 @@ class _Collector:
                         self.add(f"{where}[{i!r}]", "key", value, i, v, frozenset())
 
     def optimizer(self, where: str, opt: torch.optim.Optimizer) -> None:
-        """An optimizer's hyperparameters, by value: its step reads them as Python numbers (``group["lr"]``, which an
-        LR scheduler changes between calls), and the program holds the values it was traced with."""
+        """An optimizer's parameters, by identity (``OptimizerParameters``), and hyperparameters, by value: its step
+        reads them as Python numbers (``group["lr"]``, changed by an LR scheduler); the program holds traced values."""
+        if ("call", id(opt), "params") not in self._keys:
+            self._keys.add(("call", id(opt), "params"))
+            where_params = f"the parameter lists of {where} (param_groups and each group's params, by identity)"
+            self.items.append(_Item(where_params, "call", OptimizerParameters(opt), where, True, "=="))
         for i, group in enumerate(opt.param_groups):
-            self.add(f"{where}.param_groups[{i}]", "key", opt.param_groups, i, group, frozenset())
             for k, v in group.items():
                 if k != "params" and type(k) is str and _simple(v, [MAX_VALUE_ITEMS]):
                     self.add(f"{where}.param_groups[{i}][{k!r}]", "key", group, k, v, frozenset())
@@ -561,6 +564,8 @@ class GlobalGuard:
                     return f"{item.where} changed from {describe_grad(item.value[0])} to {now_text}"
                 if item.holder is environment:
                     return environment_change(item.value[1], now)
+                if type(item.holder) is OptimizerParameters:
+                    return f"{item.where} changed: {item.holder.change()}"
                 if item.how == "flat":
                     kind, n = item.value[0].__name__, len(item.value[1])
                     now_text = f"{len(now)} items" if type(now) is item.value[0] else _short(now)

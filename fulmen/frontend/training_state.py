@@ -7,13 +7,15 @@ read from ``p.grad`` on every call (``GradOf``) and checked by metadata: a new g
 same program, while None for a tensor, or another shape, stride, dtype or device, compiles again. None, a gradient
 the program does not take as a tensor (only its shape or None-ness read), and one also reached another way (two
 parameters holding one gradient, ``p.grad.data``, one passed as an argument) are checked by identity instead.
-Hyperparameters are checked by value (an LR scheduler changes ``lr``); an assignment to ``p.grad`` (``zero_grad()``
-setting it to None) would happen while tracing only, and is refused.
+Hyperparameters are checked by value (an LR scheduler changes ``lr``), and the parameters each group lists by
+identity (``add_param_group`` compiles again); an assignment to ``p.grad`` (``zero_grad()`` setting it to None) would
+happen while tracing only, and is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -157,3 +159,48 @@ def _memory(t: torch.Tensor) -> int:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # a tensor with no storage of its own (a subclass): its own id
         return id(t)
+
+
+class OptimizerParameters:
+    """Whether an optimizer's step would update the parameters it was traced with: the same ``param_groups`` list,
+    group dicts and tensors in each group's ``params``, compared by identity (a C-level ``is`` per parameter, no id
+    made). A program traced for these parameters updates only them, so ``add_param_group``, a group removed or
+    replaced, a parameter appended to, removed from or replaced in ``group["params"]``, or ``param_groups`` rebound
+    must compile again. The guard calls it and compares the result with True."""
+
+    __slots__ = ("opt", "groups", "traced")
+
+    def __init__(self, opt: torch.optim.Optimizer):
+        self.opt = opt
+        self.groups = opt.param_groups
+        self.traced = [(group, list(group["params"])) for group in self.groups]
+
+    def __call__(self) -> bool:
+        groups = self.opt.param_groups
+        if groups is not self.groups or len(groups) != len(self.traced):
+            return False
+        for group, (traced, params) in zip(groups, self.traced):
+            now = group["params"]
+            if group is not traced or len(now) != len(params) or not all(map(operator.is_, now, params)):
+                return False
+        return True
+
+    def change(self) -> str:
+        """What differs from the traced parameters, in words (the reason a call compiled again)."""
+        groups = self.opt.param_groups
+        if groups is not self.groups:
+            return "param_groups was rebound to another list"
+        if len(groups) != len(self.traced):
+            return (
+                f"it has {len(groups)} parameter group(s), traced with {len(self.traced)} (add_param_group, or a "
+                "group removed)"
+            )
+        for i, (group, (traced_group, params)) in enumerate(zip(groups, self.traced)):
+            if group is not traced_group:
+                return f"param_groups[{i}] was replaced by another dict"
+            now = group["params"]
+            if len(now) != len(params):
+                return f"param_groups[{i}]['params'] holds {len(now)} parameter(s), traced with {len(params)}"
+            if any(p is not q for p, q in zip(now, params)):
+                return f"a parameter in param_groups[{i}]['params'] was replaced by another tensor"
+        return "its parameters changed"
