@@ -122,6 +122,7 @@ def _functional(func: Callable, written: tuple) -> Callable:
     # a kernel may resize what it writes where its fake kernel does not (a per-channel observer's scale, [1] before
     # its first call): the torch executor checks the first call's results against the meta
     functional.kernel_may_disagree_with_fake = True
+    functional.writes_of = func  # the kernel it runs: its layout rule (fulmen.torch.kernel_layouts) is this one's
     return functional
 
 

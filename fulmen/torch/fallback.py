@@ -84,7 +84,8 @@ def _fake_meta(func: Callable, name: str, views: bool = False) -> Callable:
 def _apply_kernel_rule(func: Callable, args: tuple, kwargs: dict, result) -> None:
     """Results laid out by the kernel's own rule where the fake kernel keeps another layout (batch norm on CPU)."""
     proxies = [p for p in tree_leaves(result) if isinstance(p, TensorProxy) and p.view_of is None]
-    ruled = kernel_layouts.rule_strides((func,), args, kwargs, [tuple(p.shape) for p in proxies], strides_of)
+    fns = (func, func.writes_of) if hasattr(func, "writes_of") else (func,)  # a writing kernel run on copies
+    ruled = kernel_layouts.rule_strides(fns, args, kwargs, [tuple(p.shape) for p in proxies], strides_of)
     for p, strides in zip(proxies, ruled or ()):
         if strides is not None:
             set_strides(p, strides)
