@@ -8,6 +8,7 @@ C++ check failing for another reason, and a dispatch TLS that hides the autograd
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import fulmen
@@ -87,3 +88,49 @@ def test_inference_tensors_inside_inference_mode_are_told_apart():
         assert prologue.check(tuple(xs), {}) is not None
         assert prologue.check((*xs[:-1], normal[0]), {}) is None
     assert "dispatch_include()" not in str(prologue)
+
+
+@pytest.mark.slow
+def test_a_transformers_llama_through_the_backend_is_the_same_with_the_tls_check_or_each_tensor_asked(monkeypatch):
+    # the fast path (the TLS comparison standing for 28+ is_inference() calls) against the per-tensor check, on a
+    # program we did not write: the same logits, bit for bit, and no recompilation on repeated calls, either way
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = [torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+    def logits(threshold: int) -> tuple[list[torch.Tensor], int]:
+        import fulmen.frontend.prologue as prologue
+
+        monkeypatch.setattr(prologue, "MIN_TENSORS_FOR_TLS", threshold)
+        reads = []
+        include_set = torch._C._dispatch_tls_local_include_set
+        monkeypatch.setattr(torch._C, "_dispatch_tls_local_include_set", lambda: reads.append(1) or include_set())
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="fulmen")
+        with torch.no_grad():
+            out = [compiled(ids[0]).logits]
+            reads.clear()  # from here on cache hits only
+            out += [compiled(x).logits for x in ids[1:]]
+        monkeypatch.setattr(torch._C, "_dispatch_tls_local_include_set", include_set)
+        return out, len(reads)
+
+    fast, fast_reads = logits(MIN_TENSORS_FOR_TLS)
+    slow, slow_reads = logits(10**9)
+    # the prologue's TLS comparison ran once on each cache hit with the fast path, never without it (torch itself
+    # reads the include set once a call either way)
+    assert fast_reads == slow_reads + len(ids) - 1, (fast_reads, slow_reads)
+    with torch.no_grad():
+        eager = [model(x).logits for x in ids]
+    for f, s, e in zip(fast, slow, eager):
+        torch.testing.assert_close(f, s, rtol=0, atol=0)
+        torch.testing.assert_close(f, e)

@@ -112,3 +112,35 @@ def test_a_gradient_also_reached_another_way_is_checked_by_identity(read):
         b.grad = a.grad if read != "two tensors holding one gradient" or i < 2 else torch.full((3,), 7.0)
         x = a.grad if read == "the gradient as argument" and i >= 2 else torch.ones(3)
         torch.testing.assert_close(jitted(x), fn(x))
+
+
+@pytest.mark.slow
+def test_a_transformers_gpt2_training_loop_hits_the_cache_with_new_gradients_and_matches_eager():
+    # the fast path (a new gradient object with the same layout, read at call time, a cache hit) on a program we did
+    # not write: transformers' GPT-2 and torch's clip + SGD, float64, against eager step by step
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
+
+    def train(jit: bool):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config).double()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0, foreach=True)
+
+        def update():
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+
+        step = fulmen.jit(update, executors=["torch"]) if jit else update
+        for i in range(4):
+            opt.zero_grad()  # set_to_none: backward makes new gradient objects
+            ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(i))
+            model(ids, labels=ids).loss.backward()
+            step()
+        return [p.detach().clone() for p in model.parameters()], step
+
+    (got, step), (want, _) = train(True), train(False)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    assert fulmen.cache_misses(step) == 1, fulmen.compile_stats(step).recompile_reasons
