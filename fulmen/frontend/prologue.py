@@ -397,7 +397,9 @@ class _Writer:
                 name = self.name("grad")
                 self.lines.append(f"{name} = {self.const(c.owner, 'grad_of')}.grad")
                 grads.append(name)
-            exprs.append(name if type(c) is GradOf else self.const(c, "captured"))
+                exprs.append(name)
+            else:
+                exprs.append(self.const(c, "captured"))
         if len(grads) > 1 or self.flat:
             self.env["_distinct_grads"] = _distinct_grads
             self.names.add("_distinct_grads")
